@@ -1,0 +1,12 @@
+"""phalanx: gang-scheduled BSP dataframe stages over Arrow, Gloo and MPI."""
+
+from .errors import GangError, MissingDependencyError, PhalanxError, RankError, RankFailure
+from .gang import Gang
+from .runtime.env import BSPEnv
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BSPEnv", "Gang", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
+    "RankFailure", "__version__",
+]

@@ -1,0 +1,56 @@
+"""Exceptions a user of phalanx can catch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class PhalanxError(Exception):
+    """Base class of every phalanx error."""
+
+
+class MissingDependencyError(PhalanxError, ImportError):
+    """An optional backend was asked for but its package is not installed."""
+
+
+class GangError(PhalanxError):
+    """The gang could not be started, or is no longer usable."""
+
+
+@dataclass
+class RankFailure:
+    """What one rank reported when it failed (or how it died)."""
+
+    rank: int
+    exc_type: str
+    message: str
+    traceback: str = ""
+    exitcode: int | None = None
+
+    def summary(self) -> str:
+        if self.exc_type:
+            return f"rank {self.rank}: {self.exc_type}: {self.message}"
+        return f"rank {self.rank}: {self.message}"
+
+
+class RankError(PhalanxError):
+    """One or more ranks of a gang failed; the other ranks were stopped.
+
+    ``failures`` holds every rank that reported an error (sorted by rank);
+    ``str(err)`` shows the first failing rank's traceback.
+    """
+
+    def __init__(self, failures: list[RankFailure], stopped: list[int] | None = None):
+        self.failures = sorted(failures, key=lambda f: f.rank)
+        self.stopped = stopped or []
+        first = self.failures[0]
+        ranks = ", ".join(str(f.rank) for f in self.failures)
+        head = f"{len(self.failures)} rank(s) failed (ranks {ranks}); first: {first.summary()}"
+        if self.stopped:
+            head += f"\nstopped ranks {', '.join(map(str, self.stopped))} (fail-fast)"
+        body = f"\n--- traceback of rank {first.rank} ---\n{first.traceback}" if first.traceback else ""
+        super().__init__(head + body)
+
+    @property
+    def ranks(self) -> list[int]:
+        return [f.rank for f in self.failures]

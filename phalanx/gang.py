@@ -1,0 +1,283 @@
+"""``px.Gang``: a set of rank processes that lives across many BSP apps.
+
+The gang starts its ranks once (processes, rendezvous, communicator), runs any number of
+apps on them, and stops them all on exit, on error and on Ctrl-C.  If one rank fails the
+others are stopped within about a second and the caller gets the failing rank's traceback;
+the next ``run`` starts a fresh gang.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import signal
+import sys
+import tempfile
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+from .errors import GangError, RankError, RankFailure
+from .executors import executors
+from .executors.base import Launcher
+from .executors.control import ControlServer
+from .runtime import protocol as P
+from .runtime.rendezvous import backend_for, new_gang_id
+from .runtime.tasks import check_app
+
+log = logging.getLogger("phalanx.gang")
+
+WORKER_ARGV = (sys.executable, "-m", "phalanx.runtime.worker")
+_FAIL_GRACE_S = 1.0   # after a first failure, how long other ranks get to report theirs
+_POLL_S = 0.2
+_live_gangs: "weakref.WeakSet[Gang]" = weakref.WeakSet()
+
+
+class Gang:
+    """``ranks`` processes that run BSP apps together.
+
+    >>> with Gang(ranks=4) as gang:
+    ...     gang.run(app, 1_000_000)      # -> [result of rank 0, ..., result of rank 3]
+    """
+
+    def __init__(
+        self,
+        ranks: int,
+        *,
+        executor: str | Launcher = "local",
+        communicator: str = "gloo",
+        rendezvous: str = "tcp",
+        log_dir: str | Path | None = None,
+        echo: bool | Callable[[str], None] = True,
+        start_timeout: float = 120.0,
+        comm_timeout: float = 1800.0,
+    ):
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
+        self.world_size = ranks
+        self.executor = executor
+        self.communicator = communicator
+        self.rendezvous = rendezvous
+        self.echo = echo
+        self.start_timeout = start_timeout
+        self.comm_timeout = comm_timeout
+        self._log_dir_arg = Path(log_dir) if log_dir else None
+        self._launcher: Launcher | None = None
+        self._control: ControlServer | None = None
+        self._rdzv_url: str | None = None
+        self._task = 0
+        self.gang_id = ""
+        self.log_dir: Path | None = None
+        self.ready_seconds: float | None = None
+        self.pids: list[int] = []
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self._launcher is not None
+
+    def start(self) -> "Gang":
+        if self.running:
+            return self
+        t0 = time.perf_counter()
+        self.gang_id = new_gang_id()
+        self.log_dir = self._log_dir_arg or Path(tempfile.gettempdir()) / "phalanx" / "gangs" / self.gang_id
+        self._launcher = self._make_launcher()
+        self._control = ControlServer(self.world_size)
+        rdzv = backend_for(self.rendezvous)
+        self._rdzv_url = rdzv.prepare(self.rendezvous, self.gang_id, self.log_dir)
+        base = {
+            **self._control.rank_env(),
+            P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
+            P.ENV_COMM: self.communicator, P.ENV_GANG_ID: self.gang_id,
+            P.ENV_TIMEOUT: str(self.comm_timeout), P.ENV_PDEATHSIG: "1",
+        }
+        placement = self._launcher.placement(self.world_size)
+        rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(self.world_size)]
+        _live_gangs.add(self)
+        try:
+            self._launcher.launch(WORKER_ARGV, rank_env, self.log_dir)
+            self._await_ready()
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+        self.ready_seconds = time.perf_counter() - t0
+        log.debug("gang %s ready in %.2fs", self.gang_id, self.ready_seconds)
+        return self
+
+    def _make_launcher(self) -> Launcher:
+        if isinstance(self.executor, Launcher):
+            return self.executor
+        cls = executors.load(self.executor)
+        return cls(echo=self.echo)
+
+    def _await_ready(self) -> None:
+        ready: set[int] = set()
+        pids: dict[int, int] = {}
+        failures: dict[int, RankFailure] = {}
+        deadline = time.monotonic() + self.start_timeout
+        while len(ready) < self.world_size and not failures:
+            rank, msg = self._next_event(deadline, what="to start")
+            if msg[0] == "hello":
+                pids[rank] = msg[2]
+            elif msg[0] == "ready":
+                ready.add(rank)
+            elif msg[0] in ("error", "eof"):
+                failures[rank] = self._failure_of(rank, msg)
+        if failures:
+            self._collect_more(failures, set(range(self.world_size)) - ready, None)
+            raise GangError(
+                f"gang of {self.world_size} could not start "
+                f"(communicator {self.communicator!r}, rendezvous {self.rendezvous!r}):\n"
+                + str(RankError(list(failures.values()))))
+        self.pids = [pids[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the ranks: ask them to leave, then make sure they did."""
+        self._teardown(graceful=True)
+
+    def _teardown(self, graceful: bool) -> None:
+        if self._launcher is None:
+            return
+        launcher, control = self._launcher, self._control
+        self._launcher = self._control = None
+        if graceful and control is not None:
+            for rank in list(control.conns):
+                try:
+                    control.send(rank, "shutdown")
+                except OSError:
+                    pass
+            deadline = time.monotonic() + 5.0
+            while time.monotonic() < deadline and any(c is None for c in launcher.exitcodes()):
+                time.sleep(0.02)
+        launcher.kill(grace_s=1.0 if graceful else 0.5)
+        if control is not None:
+            control.close()
+        if self._rdzv_url:
+            try:
+                backend_for(self._rdzv_url).cleanup(self._rdzv_url)
+            except Exception as exc:  # cleanup must not hide the real error
+                log.warning("rendezvous cleanup failed: %s", exc)
+        _live_gangs.discard(self)
+
+    def __enter__(self) -> "Gang":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"<Gang {self.gang_id or '-'} ranks={self.world_size} {self.communicator} {state}>"
+
+    # ---- running apps -------------------------------------------------------------------
+    def run(self, app: Callable[..., Any] | str, *args: Any, params: dict | None = None,
+            timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``app(env, *args, **kwargs)`` on every rank; one result per rank.
+
+        ``app`` is a callable or ``"package.module:function"``; ``params`` becomes
+        ``env.params``.  If a rank fails, the others are stopped and ``RankError`` is raised.
+        """
+        check_app(app)
+        if not self.running:
+            self.start()
+        assert self._control is not None
+        self._task += 1
+        task = self._task
+        try:
+            for rank in range(self.world_size):
+                self._control.send(rank, "run", task, app, args, kwargs, params)
+            return self._gather(task, timeout)
+        except BaseException:
+            # Ctrl-C, a timeout or a failed rank: no rank may be left behind in a collective.
+            self._teardown(graceful=False)
+            raise
+
+    def _gather(self, task: int, timeout: float | None) -> list[Any]:
+        results: dict[int, Any] = {}
+        failures: dict[int, RankFailure] = {}
+        deadline = time.monotonic() + timeout if timeout else None
+        while len(results) + len(failures) < self.world_size and not failures:
+            rank, msg = self._next_event(deadline, what=f"to finish (timeout={timeout}s)")
+            if msg[0] == "result" and msg[1] == task:
+                results[rank] = msg[2]
+            elif msg[0] in ("error", "eof"):
+                failures[rank] = self._failure_of(rank, msg)
+        if failures:
+            pending = set(range(self.world_size)) - set(results) - set(failures)
+            self._collect_more(failures, pending, results)
+            stopped = sorted(set(range(self.world_size)) - set(results) - set(failures))
+            raise RankError(list(failures.values()), stopped)
+        return [results[r] for r in range(self.world_size)]
+
+    def _collect_more(self, failures: dict[int, RankFailure], pending: set[int],
+                      results: dict[int, Any] | None) -> None:
+        """After a first failure, give the other ranks a moment to report theirs."""
+        deadline = time.monotonic() + _FAIL_GRACE_S
+        pending = set(pending) - set(failures)
+        while pending:
+            try:
+                rank, msg = self._control.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                return
+            if msg[0] in ("error", "eof") and rank in pending and rank not in failures:
+                if msg[0] == "eof" and rank not in failures:
+                    failures[rank] = self._failure_of(rank, msg)
+                elif msg[0] == "error":
+                    failures[rank] = msg[2]
+                pending.discard(rank)
+            elif msg[0] == "result" and results is not None:
+                results[rank] = msg[2]
+                pending.discard(rank)
+
+    def _next_event(self, deadline: float | None, what: str) -> tuple[int, tuple]:
+        while True:
+            wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
+            try:
+                return self._control.events.get(timeout=wait)
+            except queue.Empty:
+                pass
+            if deadline is not None and time.monotonic() >= deadline:
+                raise GangError(f"gang {self.gang_id}: ranks did not manage {what}; "
+                                f"logs in {self.log_dir}")
+            for rank, code in enumerate(self._launcher.exitcodes()):
+                if code is not None and rank not in self._control.conns:
+                    return rank, ("eof",)  # died before it ever connected
+
+    def _failure_of(self, rank: int, msg: tuple) -> RankFailure:
+        if msg[0] == "error":
+            return msg[2]
+        code = self._wait_exitcode(rank)
+        if code is not None and code < 0:
+            how = f"killed by signal {signal.Signals(-code).name}"
+        elif code is not None:
+            how = f"exited with code {code}"
+        else:
+            how = "lost its connection to the driver"
+        tail = _tail(self.log_dir / f"rank-{rank}.log") if self.log_dir else ""
+        return RankFailure(rank, "", f"rank process {how}", traceback=tail, exitcode=code)
+
+    def _wait_exitcode(self, rank: int, within_s: float = 1.0) -> int | None:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            code = self._launcher.exitcodes()[rank]
+            if code is not None:
+                return code
+            time.sleep(0.01)
+        return None
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return ("last lines of its log:\n" + "\n".join(text[-lines:])) if text else ""
+
+
+@atexit.register
+def _stop_all_gangs() -> None:
+    for gang in list(_live_gangs):
+        gang._teardown(graceful=False)

@@ -1,0 +1,91 @@
+"""The communicator interface: the few collectives a BSP dataframe needs.
+
+Implementations (one file each) provide the five primitives on contiguous uint8 numpy
+buffers; everything else (object collectives, lists of buffers) is built here once, so a new
+backend (UCX, a shared-memory one) is one small file plus a registry line.
+"""
+
+from __future__ import annotations
+
+import pickle
+from abc import ABC, abstractmethod
+from typing import Any, Sequence
+
+import numpy as np
+
+ReduceOp = str  # "sum" | "min" | "max"
+
+
+class Communicator(ABC):
+    """Collectives among the ``world_size`` ranks of one gang."""
+
+    name: str = "abstract"
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+
+    # ---- primitives every backend implements -------------------------------------------
+    @abstractmethod
+    def alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Send ``send[off_i:off_i+send_counts[i]]`` to rank i (uneven sizes, zeros allowed).
+
+        Returns ``(recv, recv_counts)``: one contiguous uint8 buffer holding what every rank
+        sent to this one, in rank order, and how many bytes came from each rank.
+        """
+
+    @abstractmethod
+    def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
+        """Every rank contributes one uint8 buffer (sizes may differ); all receive all."""
+
+    @abstractmethod
+    def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
+        """``root``'s buffer to every rank (others pass None)."""
+
+    @abstractmethod
+    def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:
+        """Element-wise reduction of a numeric numpy array over all ranks."""
+
+    @abstractmethod
+    def barrier(self) -> None: ...
+
+    def close(self) -> None:
+        """Release the backend's resources; the communicator is unusable afterwards."""
+
+    # ---- built on the primitives --------------------------------------------------------
+    def exchange(self, buffers: Sequence[Any]) -> list[memoryview]:
+        """alltoallv of one buffer per destination rank; returns one view per source rank."""
+        if len(buffers) != self.world_size:
+            raise ValueError(f"exchange needs {self.world_size} buffers, got {len(buffers)}")
+        views = [memoryview(b).cast("B") for b in buffers]
+        counts = [v.nbytes for v in views]
+        send = np.empty(sum(counts), dtype=np.uint8)
+        pos = 0
+        for v, n in zip(views, counts):
+            send[pos:pos + n] = np.frombuffer(v, dtype=np.uint8)
+            pos += n
+        return self.exchange_contiguous(send, counts)
+
+    def exchange_contiguous(self, send: np.ndarray, send_counts: Sequence[int]) -> list[memoryview]:
+        recv, recv_counts = self.alltoallv(send, send_counts)
+        offsets = np.concatenate([[0], np.cumsum(recv_counts)])
+        mv = memoryview(recv)
+        return [mv[int(offsets[i]):int(offsets[i + 1])] for i in range(self.world_size)]
+
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+        return [pickle.loads(memoryview(b)) for b in self.allgather_bytes(payload)]
+
+    def broadcast_obj(self, obj: Any = None, root: int = 0) -> Any:
+        payload = None
+        if self.rank == root:
+            payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
+        return pickle.loads(memoryview(self.broadcast_bytes(payload, root)))
+
+    def allreduce_scalar(self, value: int | float, op: ReduceOp = "sum") -> int | float:
+        dtype = np.int64 if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else np.float64
+        out = self.allreduce(np.array([value], dtype=dtype), op)
+        return out[0].item()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"

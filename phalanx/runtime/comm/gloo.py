@@ -1,0 +1,80 @@
+"""Gloo through torch.distributed on CPU tensors (the default: needs no launcher)."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .base import Communicator, ReduceOp
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+class GlooCommunicator(Communicator):
+    name = "gloo"
+
+    def __init__(self, rank: int, world_size: int, store: "dist.Store", timeout_s: float = 1800.0):
+        super().__init__(rank, world_size)
+        # One default process group per rank process: DDP in ml/ reuses it.
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+        self.group = dist.group.WORLD
+
+    def alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        counts = torch.tensor(list(send_counts), dtype=torch.int64)
+        recv_counts = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_to_all_single(recv_counts, counts)
+        rc = recv_counts.numpy()
+        recv = torch.empty(int(rc.sum()), dtype=torch.uint8)
+        dist.all_to_all_single(
+            recv, _as_tensor(send),
+            output_split_sizes=rc.tolist(), input_split_sizes=list(map(int, send_counts)),
+        )
+        return recv.numpy(), rc
+
+    def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
+        size = torch.tensor([data.nbytes], dtype=torch.int64)
+        sizes = torch.empty(self.world_size, dtype=torch.int64)
+        dist.all_gather_into_tensor(sizes, size)
+        sizes_np = sizes.numpy()
+        width = max(int(sizes_np.max()), 1)
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: data.nbytes] = _as_tensor(data)
+        out = torch.empty(width * self.world_size, dtype=torch.uint8)
+        dist.all_gather_into_tensor(out, padded)
+        flat = out.numpy()
+        return [flat[i * width: i * width + int(n)] for i, n in enumerate(sizes_np)]
+
+    def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
+        size = torch.tensor([data.nbytes if self.rank == root else 0], dtype=torch.int64)
+        dist.broadcast(size, src=root)
+        n = int(size.item())
+        buf = _as_tensor(data) if self.rank == root else torch.empty(n, dtype=torch.uint8)
+        if n:
+            dist.broadcast(buf, src=root)
+        return buf.numpy()
+
+    def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:
+        t = torch.from_numpy(np.array(array, copy=True))
+        dist.all_reduce(t, op=_OPS[op])
+        return t.numpy()
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _as_tensor(a: np.ndarray) -> torch.Tensor:
+    a = np.ascontiguousarray(a, dtype=np.uint8).reshape(-1)
+    if not a.flags.writeable:  # torch wants writable memory; it never writes to send buffers
+        a = a.copy()
+    return torch.from_numpy(a)

@@ -1,0 +1,43 @@
+"""BSPEnv: what a user's app receives on every rank."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from .comm.base import Communicator
+
+
+@dataclass
+class BSPEnv:
+    """The rank's view of its gang: who it is, how to talk to the others, its parameters."""
+
+    rank: int
+    world_size: int
+    comm: Communicator
+    params: dict[str, Any] = field(default_factory=dict)
+    threads: int = 1
+    gang_id: str = ""
+    log: logging.Logger = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.log is None:
+            self.log = rank_logger(self.rank)
+
+    def barrier(self) -> None:
+        self.comm.barrier()
+
+
+def rank_logger(rank: int) -> logging.Logger:
+    """A logger whose lines start with ``[rank N]`` so interleaved output stays readable."""
+    log = logging.getLogger(f"phalanx.rank{rank}")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(
+            f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    return log

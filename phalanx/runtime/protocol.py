@@ -1,0 +1,52 @@
+"""Messages between the driver and the rank processes of a gang (over one TCP connection each).
+
+Every message is a tuple whose first item names it; payloads are cloudpickled once.
+
+rank → driver: ("hello", rank, pid, host) · ("ready", rank, seconds) · ("result", task, value)
+               ("error", task | None, RankFailure)
+driver → rank: ("run", task, app, args, kwargs, params) · ("shutdown",)
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from multiprocessing.connection import Connection
+from typing import Any
+
+import cloudpickle
+
+ENV_CONTROL = "PHALANX_CONTROL"        # host:port of the driver's control listener
+ENV_AUTHKEY = "PHALANX_AUTHKEY"        # hex; authenticates the control connection
+ENV_RANK = "PHALANX_RANK"
+ENV_WORLD_SIZE = "PHALANX_WORLD_SIZE"
+ENV_RDZV = "PHALANX_RDZV"              # rendezvous URL prepared by the driver
+ENV_COMM = "PHALANX_COMM"              # communicator name
+ENV_GANG_ID = "PHALANX_GANG_ID"
+ENV_CPUS = "PHALANX_CPUS"              # "0,1": CPU affinity for this rank
+ENV_THREADS = "PHALANX_THREADS"        # threads for this rank's local kernels
+ENV_TIMEOUT = "PHALANX_TIMEOUT"        # seconds for rendezvous and collectives
+ENV_PDEATHSIG = "PHALANX_PDEATHSIG"    # "1": die with the launching process
+
+# Where other launchers put the rank, in the order they are checked.
+_RANK_VARS = (ENV_RANK, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+_SIZE_VARS = (ENV_WORLD_SIZE, "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _first(names: tuple[str, ...]) -> int:
+    for name in names:
+        if name in os.environ:
+            return int(os.environ[name])
+    raise RuntimeError(f"not started as a phalanx rank: none of {', '.join(names)} is set")
+
+
+def rank_from_environ() -> tuple[int, int]:
+    return _first(_RANK_VARS), _first(_SIZE_VARS)
+
+
+def send(conn: Connection, *msg: Any) -> None:
+    conn.send_bytes(cloudpickle.dumps(msg, protocol=5))
+
+
+def recv(conn: Connection) -> tuple:
+    return pickle.loads(conn.recv_bytes())

@@ -1,0 +1,79 @@
+"""A ``torch.distributed.Store`` kept in Redis, for sites that run one (rendezvous ``redis://``).
+
+Gloo calls these methods from its own C++ threads; redis-py is thread-safe through its
+connection pool.  ``get`` and ``wait`` block (polling) until the key exists or the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from urllib.parse import parse_qs, urlparse
+
+import redis
+import torch.distributed as dist
+
+_POLL_S = 0.002
+
+
+def _client_and_prefix(url: str) -> tuple["redis.Redis", str]:
+    u = urlparse(url)
+    prefix = parse_qs(u.query).get("prefix", ["phalanx:"])[0]
+    clean = u._replace(query="").geturl()
+    return redis.Redis.from_url(clean), prefix
+
+
+def delete_prefix(url: str) -> None:
+    client, prefix = _client_and_prefix(url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)
+
+
+class RedisStore(dist.Store):
+    def __init__(self, url: str, timeout_s: float = 300.0):
+        super().__init__()
+        self.url = url
+        self.client, self.prefix = _client_and_prefix(url)
+        self._timeout_s = timeout_s
+        self.client.ping()  # fail here, naming the URL, rather than inside Gloo
+        
+    def _k(self, key: str) -> str:
+        return self.prefix + key
+
+    def set(self, key: str, value) -> None:
+        self.client.set(self._k(key), bytes(value) if not isinstance(value, str) else value.encode())
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self.client.get(self._k(key))
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.client.incrby(self._k(key), amount))
+
+    def check(self, keys: list[str]) -> bool:
+        return self.client.exists(*[self._k(k) for k in keys]) == len(keys)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = timeout.total_seconds() if timeout else self._timeout_s
+        deadline = time.monotonic() + limit
+        while not self.check(keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rendezvous {self.url}: keys {keys} not set after {limit:.0f}s")
+            time.sleep(_POLL_S)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        script = ("local v = redis.call('GET', KEYS[1]) "
+                  "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
+                  "redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end "
+                  "if v == false then return ARGV[1] end return v")
+        return self.client.eval(script, 1, self._k(key), bytes(expected), bytes(desired))
+
+    def delete_key(self, key: str) -> bool:
+        return bool(self.client.delete(self._k(key)))
+
+    def num_keys(self) -> int:
+        return sum(1 for _ in self.client.scan_iter(match=self.prefix + "*"))
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()

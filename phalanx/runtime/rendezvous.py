@@ -1,0 +1,135 @@
+"""Rendezvous: how the ranks of a gang find each other before the communicator exists.
+
+A rendezvous is named by a URL.  The driver *prepares* a concrete URL for one gang (a free
+port, a fresh file, a key prefix) and passes it to every rank; each rank *connects* and gets
+a ``torch.distributed.Store`` that Gloo uses to wire itself up.
+
+- ``tcp`` (default)            rank 0 hosts a TCPStore on a port the driver picked: no server.
+- ``file`` / ``file:///dir``   a FileStore on a (shared) filesystem: no server, no ports.
+- ``redis://host:port/db``     a Redis server the site runs (keys prefixed per gang).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import uuid
+from abc import ABC, abstractmethod
+from pathlib import Path
+from urllib.parse import parse_qs, urlencode, urlparse
+
+from .._registry import Registry
+from ..errors import PhalanxError
+
+
+class Rendezvous(ABC):
+    scheme: str
+
+    @classmethod
+    @abstractmethod
+    def prepare(cls, spec: str, gang_id: str, workdir: Path) -> str:
+        """Driver side: turn a site's spec into the concrete URL for one gang."""
+
+    @classmethod
+    @abstractmethod
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+        """Rank side: the store every rank of the gang shares."""
+
+    @classmethod
+    def cleanup(cls, url: str) -> None:
+        """Driver side, after the gang ended: remove what ``prepare`` left behind."""
+
+
+def _timeout(s: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=s)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class TCPRendezvous(Rendezvous):
+    scheme = "tcp"
+
+    @classmethod
+    def prepare(cls, spec: str, gang_id: str, workdir: Path) -> str:
+        u = urlparse(spec if "://" in spec else "tcp://")
+        host = u.hostname or "127.0.0.1"
+        return f"tcp://{host}:{u.port or free_port(host)}"
+
+    @classmethod
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+        from torch.distributed import TCPStore
+
+        u = urlparse(url)
+        return TCPStore(u.hostname, u.port, world_size, is_master=(rank == 0),
+                        timeout=_timeout(timeout_s), wait_for_workers=False)
+
+
+class FileRendezvous(Rendezvous):
+    scheme = "file"
+
+    @classmethod
+    def prepare(cls, spec: str, gang_id: str, workdir: Path) -> str:
+        path = urlparse(spec).path if "://" in spec else ""
+        directory = Path(path) if path else workdir
+        directory.mkdir(parents=True, exist_ok=True)
+        return f"file://{directory / f'rdzv-{gang_id}'}"
+
+    @classmethod
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+        from torch.distributed import FileStore
+
+        store = FileStore(urlparse(url).path, world_size)
+        store.set_timeout(_timeout(timeout_s))
+        return store
+
+    @classmethod
+    def cleanup(cls, url: str) -> None:
+        Path(urlparse(url).path).unlink(missing_ok=True)
+
+
+class RedisRendezvous(Rendezvous):
+    scheme = "redis"
+
+    @classmethod
+    def prepare(cls, spec: str, gang_id: str, workdir: Path) -> str:
+        u = urlparse(spec)
+        query = parse_qs(u.query)
+        query["prefix"] = [f"{query.get('prefix', ['phalanx'])[0]}:{gang_id}:"]
+        return u._replace(query=urlencode(query, doseq=True)).geturl()
+
+    @classmethod
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+        from .redis_store import RedisStore
+
+        return RedisStore(url, timeout_s=timeout_s)
+
+    @classmethod
+    def cleanup(cls, url: str) -> None:
+        from .redis_store import delete_prefix
+
+        delete_prefix(url)
+
+
+rendezvous_backends = Registry("rendezvous")
+for _cls in (TCPRendezvous, FileRendezvous, RedisRendezvous):
+    rendezvous_backends.register(_cls.scheme, f"{__name__}:{_cls.__name__}",
+                                 extra="redis" if _cls is RedisRendezvous else None)
+
+
+def backend_for(spec: str) -> type[Rendezvous]:
+    scheme = spec.split("://", 1)[0] if "://" in spec else spec
+    if scheme not in rendezvous_backends.names():
+        raise PhalanxError(
+            f"unknown rendezvous {spec!r}: use 'tcp', 'file', 'file:///shared/dir' or "
+            "'redis://host:port/db'")
+    return rendezvous_backends.load(scheme)
+
+
+def new_gang_id() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:6]}"

@@ -2,11 +2,12 @@
 
 from .errors import GangError, MissingDependencyError, PhalanxError, RankError, RankFailure
 from .gang import Gang
+from .operators import DataFrame, GroupBy, read_csv, read_parquet
 from .runtime.env import BSPEnv
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BSPEnv", "Gang", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
+    "BSPEnv", "DataFrame", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
     "RankFailure", "__version__",
 ]

@@ -9,6 +9,8 @@ the next ``run`` starts a fresh gang.
 from __future__ import annotations
 
 import atexit
+import getpass
+import os
 import logging
 import queue
 import signal
@@ -83,7 +85,7 @@ class Gang:
             return self
         t0 = time.perf_counter()
         self.gang_id = new_gang_id()
-        self.log_dir = self._log_dir_arg or Path(tempfile.gettempdir()) / "phalanx" / "gangs" / self.gang_id
+        self.log_dir = self._log_dir_arg or default_log_root() / self.gang_id
         self._launcher = self._make_launcher()
         self._control = ControlServer(self.world_size)
         rdzv = backend_for(self.rendezvous)
@@ -267,6 +269,12 @@ class Gang:
                 return code
             time.sleep(0.01)
         return None
+
+
+def default_log_root() -> Path:
+    """Per-user directory for gang logs (PHALANX_LOG_DIR overrides)."""
+    root = os.environ.get("PHALANX_LOG_DIR")
+    return Path(root) if root else Path(tempfile.gettempdir()) / f"phalanx-{getpass.getuser()}" / "gangs"
 
 
 def _tail(path: Path, lines: int = 20) -> str:

@@ -1,0 +1,272 @@
+"""The distributed DataFrame: every rank holds one Arrow partition of it.
+
+Local operators touch only this rank's partition and need no communication.  Distributed
+operators (shuffle, merge, groupby, sort_values, repartition, drop_duplicates, head, collect,
+num_rows) are collective: every rank of the gang must call them, in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.acero as acero
+import pyarrow.compute as pc
+
+from . import kernels
+from .common import agree_schema, as_list, balanced_bounds, check_columns
+from .exchange import allgather_tables, concat, exchange_tables
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from ..runtime.env import BSPEnv
+    from .groupby import GroupBy
+
+TableFn = Callable[[pa.Table], Any]
+
+
+class DataFrame:
+    """A distributed table: ``to_arrow()`` is this rank's partition, ``collect()`` the whole."""
+
+    def __init__(self, table: pa.Table, env: "BSPEnv"):
+        self._table = table
+        self.env = env
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def from_arrow(cls, table: pa.Table | pa.RecordBatch, env: "BSPEnv") -> "DataFrame":
+        """This rank's partition from an Arrow table (collective: ranks agree on the schema)."""
+        if isinstance(table, pa.RecordBatch):
+            table = pa.Table.from_batches([table])
+        if not isinstance(table, pa.Table):
+            raise TypeError(f"from_arrow needs a pyarrow.Table, got {type(table).__name__}")
+        return cls(agree_schema(env.comm, table, "from_arrow"), env)
+
+    @classmethod
+    def from_pandas(cls, frame: "pd.DataFrame", env: "BSPEnv", preserve_index: bool = False) -> "DataFrame":
+        return cls.from_arrow(pa.Table.from_pandas(frame, preserve_index=preserve_index), env)
+
+    def _new(self, table: pa.Table) -> "DataFrame":
+        return DataFrame(table, self.env)
+
+    # ---- inspection ---------------------------------------------------------------------
+    @property
+    def schema(self) -> pa.Schema:
+        return self._table.schema
+
+    @property
+    def columns(self) -> list[str]:
+        return self._table.column_names
+
+    @property
+    def local_num_rows(self) -> int:
+        return self._table.num_rows
+
+    @property
+    def num_rows(self) -> int:
+        """Rows over all ranks (collective)."""
+        return int(self.env.comm.allreduce_scalar(self._table.num_rows))
+
+    def partition_sizes(self) -> list[int]:
+        """Rows on each rank (collective)."""
+        counts = np.zeros(self.env.world_size, dtype=np.int64)
+        counts[self.env.rank] = self._table.num_rows
+        return self.env.comm.allreduce(counts).tolist()
+
+    def to_arrow(self) -> pa.Table:
+        """This rank's partition."""
+        return self._table
+
+    def to_pandas(self) -> "pd.DataFrame":
+        """This rank's partition as pandas."""
+        return self._table.to_pandas()
+
+    def collect(self, root: int | None = None) -> pa.Table | None:
+        """The whole frame in rank order: on every rank, or only on ``root`` (None elsewhere)."""
+        comm = self.env.comm
+        if root is None:
+            return concat(allgather_tables(comm, self._table), self.schema)
+        parts = [self.schema.empty_table()] * comm.world_size
+        parts[root] = self._table
+        got = exchange_tables(comm, parts, self.schema)
+        return concat(got, self.schema) if comm.rank == root else None
+
+    def __repr__(self) -> str:
+        return (f"<phalanx.DataFrame rank {self.env.rank}/{self.env.world_size}: "
+                f"{self._table.num_rows} local rows, columns {self.columns}>")
+
+    # ---- local operators ----------------------------------------------------------------
+    def select(self, columns: str | Sequence[str]) -> "DataFrame":
+        cols = as_list(columns)
+        check_columns(self.schema, cols, "select")
+        return self._new(self._table.select(cols))
+
+    def __getitem__(self, columns: str | Sequence[str]) -> "DataFrame":
+        return self.select(columns)
+
+    def drop(self, columns: str | Sequence[str]) -> "DataFrame":
+        cols = as_list(columns)
+        check_columns(self.schema, cols, "drop")
+        return self._new(self._table.drop_columns(cols))
+
+    def rename(self, columns: Mapping[str, str]) -> "DataFrame":
+        check_columns(self.schema, list(columns), "rename")
+        return self._new(self._table.rename_columns([columns.get(c, c) for c in self.columns]))
+
+    def filter(self, condition: pc.Expression | TableFn) -> "DataFrame":
+        """Keep rows where ``condition`` holds: an Arrow expression (``pc.field("x") > 3``)
+        or a callable returning a boolean mask for the local table."""
+        if isinstance(condition, pc.Expression):
+            try:
+                return self._new(self._table.filter(condition))
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                raise _expression_error(exc, "filter", self.schema) from None
+        if callable(condition):
+            return self._new(self._table.filter(condition(self._table)))
+        raise TypeError(f"filter needs a pyarrow.compute.Expression or a callable, got {condition!r}")
+
+    def assign(self, **columns: pc.Expression | TableFn | Any) -> "DataFrame":
+        """Add or replace columns: Arrow expressions, callables on the local table, arrays
+        of the local length, or scalars."""
+        table = self._table
+        for name, value in columns.items():
+            if isinstance(value, pc.Expression):
+                try:
+                    value = _evaluate(table, value)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                    raise _expression_error(exc, f"assign({name}=...)", table.schema) from None
+            elif callable(value):
+                value = value(table)
+            if not isinstance(value, (pa.Array, pa.ChunkedArray, np.ndarray, list)):
+                value = pa.repeat(pa.scalar(value), table.num_rows)
+            idx = table.schema.get_field_index(name)
+            table = table.set_column(idx, name, value) if idx >= 0 else table.append_column(name, value)
+        return self._new(table)
+
+    def head(self, n: int = 5) -> "DataFrame":
+        """The first ``n`` rows of the whole frame, in rank order (collective)."""
+        counts = self.partition_sizes()
+        before = sum(counts[: self.env.rank])
+        keep = max(0, min(self._table.num_rows, n - before))
+        return self._new(self._table.slice(0, keep))
+
+    def map_partitions(self, fn: Callable[[pa.Table], Any]) -> "DataFrame":
+        """Apply ``fn`` to the local partition; it may return Arrow, pandas or polars."""
+        return self._new(_to_table(fn(self._table)))
+
+    # arithmetic with scalars, pandas-style: every numeric column unless ``columns`` is given
+    def _arith(self, fn: Callable, value: Any, columns: str | Sequence[str] | None, op: str) -> "DataFrame":
+        cols = as_list(columns) or [f.name for f in self.schema
+                                    if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)]
+        check_columns(self.schema, cols, op)
+        table = self._table
+        for c in cols:
+            table = table.set_column(table.schema.get_field_index(c), c, fn(table[c], value))
+        return self._new(table)
+
+    def add(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+        return self._arith(pc.add, value, columns, "add")
+
+    add_scalar = add  # CylonFlow's name
+
+    def sub(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+        return self._arith(pc.subtract, value, columns, "sub")
+
+    def mul(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+        return self._arith(pc.multiply, value, columns, "mul")
+
+    def truediv(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+        return self._arith(lambda a, v: pc.divide(pc.cast(a, pa.float64()), v), value, columns, "truediv")
+
+    __add__ = add
+    __sub__ = sub
+    __mul__ = mul
+    __truediv__ = truediv
+
+    # ---- distributed operators ----------------------------------------------------------
+    def shuffle(self, on: str | Sequence[str]) -> "DataFrame":
+        """Hash-partition rows by ``on``: equal keys end on the same rank (collective)."""
+        from .shuffle import shuffle_table
+
+        keys = as_list(on)
+        check_columns(self.schema, keys, "shuffle")
+        return self._new(shuffle_table(self.env.comm, self._table, keys))
+
+    def repartition(self) -> "DataFrame":
+        """Balance rows over the ranks, keeping the global row order (collective)."""
+        comm = self.env.comm
+        counts = np.array(self.partition_sizes(), dtype=np.int64)
+        bounds = balanced_bounds(int(counts.sum()), comm.world_size)
+        start = int(counts[: comm.rank].sum())
+        parts = []
+        for dest in range(comm.world_size):
+            lo = max(start, int(bounds[dest]))
+            hi = min(start + self._table.num_rows, int(bounds[dest + 1]))
+            parts.append(self._table.slice(lo - start, max(0, hi - lo)))
+        return self._new(concat(exchange_tables(comm, parts, self.schema), self.schema))
+
+    def merge(self, right: "DataFrame", on: str | Sequence[str] | None = None, how: str = "inner",
+              left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None,
+              suffixes: tuple[str, str] = ("_x", "_y"),
+              broadcast: bool | None = None) -> "DataFrame":
+        """pandas-style join (collective); see ``phalanx.operators.join``."""
+        from .join import merge
+
+        return self._new(merge(self, right, on=on, how=how, left_on=left_on, right_on=right_on,
+                               suffixes=suffixes, broadcast=broadcast))
+
+    def groupby(self, by: str | Sequence[str], dropna: bool = True, combine: bool | None = None) -> "GroupBy":
+        from .groupby import GroupBy
+
+        return GroupBy(self, as_list(by), dropna=dropna, combine=combine)
+
+    def sort_values(self, by: str | Sequence[str], ascending: bool | Sequence[bool] = True) -> "DataFrame":
+        """Global sort by sample sort: rank 0 holds the smallest rows (collective)."""
+        from .sort import sort_values
+
+        return self._new(sort_values(self, as_list(by), ascending))
+
+    def drop_duplicates(self, subset: str | Sequence[str] | None = None, keep: str | bool = "first") -> "DataFrame":
+        """Remove duplicate rows over the whole frame (collective); ``keep`` as in pandas."""
+        from .shuffle import drop_duplicates
+
+        cols = as_list(subset) or self.columns
+        check_columns(self.schema, cols, "drop_duplicates")
+        return self._new(drop_duplicates(self.env.comm, self._table, cols, keep))
+
+    # ---- output -------------------------------------------------------------------------
+    def write_parquet(self, directory: str, **options: Any) -> str:
+        """One file per rank, ``directory/part-00000.parquet``... (collective)."""
+        from .io import write_parquet
+
+        return write_parquet(self, directory, **options)
+
+
+def _to_table(value: Any) -> pa.Table:
+    if isinstance(value, pa.Table):
+        return value
+    if isinstance(value, pa.RecordBatch):
+        return pa.Table.from_batches([value])
+    if hasattr(value, "to_arrow"):  # polars
+        return value.to_arrow()
+    if type(value).__module__.startswith("pandas"):
+        return pa.Table.from_pandas(value, preserve_index=False)
+    raise TypeError(f"map_partitions: the function must return a table, got {type(value).__name__}")
+
+
+def _expression_error(exc: Exception, op: str, schema: pa.Schema) -> Exception:
+    """Arrow's "No match for FieldRef" as a KeyError naming the operator and the columns."""
+    msg = str(exc).splitlines()[0]
+    if "No match for FieldRef" in msg:
+        return KeyError(f"{op}: {msg}; columns are {schema.names}")
+    return type(exc)(f"{op}: {msg}")
+
+
+def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
+    decl = acero.Declaration.from_sequence([
+        acero.Declaration("table_source", acero.TableSourceNodeOptions(table)),
+        acero.Declaration("project", acero.ProjectNodeOptions([expr], ["__px_value"])),
+    ])
+    return decl.to_table(use_threads=False).column(0)

@@ -1,0 +1,185 @@
+"""Distributed ``groupby(...).agg(...)``: partial aggregates, shuffle by key, combine.
+
+Every aggregation is written as partial columns plus a combine step, so the same final step
+serves both plans: pre-aggregating locally (few distinct keys: the shuffle shrinks) and
+shuffling raw rows (mostly unique keys: a local pass would not shrink anything).  ``first``/
+``last`` follow the frame's row order across ranks through a global row id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
+
+import polars as pl
+import pyarrow as pa
+
+from . import kernels
+from .common import ROWID, check_columns, with_rowid
+from .shuffle import shuffle_table
+
+if TYPE_CHECKING:
+    from .dataframe import DataFrame
+
+FUNCS = ("sum", "count", "mean", "min", "max", "first", "last", "size")
+_SAMPLE_ROWS = 100_000
+_UNIQUE_RATIO_FOR_RAW = 0.5  # above this share of distinct keys, pre-aggregation is skipped
+
+
+@dataclass(frozen=True)
+class Agg:
+    out: str
+    column: str | None  # None for size
+    func: str
+
+
+def parse_spec(spec: Mapping[str, Any] | None, named: Mapping[str, Any]) -> list[Agg]:
+    """{"v": "sum", "w": ["min", "max"]} and/or out=("v", "sum") → a list of Agg."""
+    aggs: list[Agg] = []
+    for col, funcs in (spec or {}).items():
+        if isinstance(funcs, str):
+            aggs.append(Agg(col, col, funcs))
+        else:
+            aggs.extend(Agg(f"{col}_{f}", col, f) for f in funcs)
+    for out, pair in named.items():
+        if not (isinstance(pair, tuple) and len(pair) == 2):
+            raise TypeError(f"agg: named aggregation {out}= needs a (column, function) tuple, got {pair!r}")
+        aggs.append(Agg(out, pair[0], pair[1]))
+    if not aggs:
+        raise ValueError("agg: no aggregations given")
+    for a in aggs:
+        if a.func not in FUNCS:
+            raise ValueError(f"agg: unknown function {a.func!r} for column {a.column!r}; "
+                             f"supported: {', '.join(FUNCS)}")
+    return [Agg(a.out, None if a.func == "size" else a.column, a.func) for a in aggs]
+
+
+class GroupBy:
+    def __init__(self, df: "DataFrame", keys: list[str], dropna: bool = True, combine: bool | None = None):
+        if not keys:
+            raise ValueError("groupby: give at least one key column")
+        check_columns(df.schema, keys, "groupby")
+        self.df, self.keys, self.dropna, self.combine = df, keys, dropna, combine
+
+    def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> "DataFrame":
+        aggs = parse_spec(spec, named)
+        check_columns(self.df.schema, [a.column for a in aggs if a.column], "groupby.agg")
+        for a in aggs:
+            if a.column in self.keys:
+                raise ValueError(f"groupby.agg: {a.column!r} is a group key; aggregate another column")
+        return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine))
+
+    def _all(self, func: str, numeric_only: bool) -> "DataFrame":
+        cols = [f.name for f in self.df.schema if f.name not in self.keys and (
+            not numeric_only or pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+            or pa.types.is_boolean(f.type))]
+        return self.agg({c: func for c in cols})
+
+    def sum(self) -> "DataFrame":
+        return self._all("sum", True)
+
+    def mean(self) -> "DataFrame":
+        return self._all("mean", True)
+
+    def min(self) -> "DataFrame":
+        return self._all("min", False)
+
+    def max(self) -> "DataFrame":
+        return self._all("max", False)
+
+    def count(self) -> "DataFrame":
+        return self._all("count", False)
+
+    def first(self) -> "DataFrame":
+        return self._all("first", False)
+
+    def last(self) -> "DataFrame":
+        return self._all("last", False)
+
+    def size(self) -> "DataFrame":
+        return self.agg(size=(None, "size"))
+
+
+def _p(a: Agg, part: str) -> str:
+    return f"__px_{a.out}__{part}"
+
+
+def _partials(a: Agg, grouped: bool) -> list[pl.Expr]:
+    """Per-group partial columns (grouped=True) or the same per row (grouped=False)."""
+    c = pl.col(a.column) if a.column else None
+    nn = c.is_not_null() if c is not None else None
+    rid = pl.col(ROWID)
+    if a.func == "size":
+        return [(pl.len() if grouped else pl.lit(1, pl.Int64)).cast(pl.Int64).alias(_p(a, "n"))]
+    if a.func in ("sum", "mean"):
+        s = c.sum() if grouped else c
+        out = [s.alias(_p(a, "sum"))]
+        if a.func == "mean":
+            n = c.count() if grouped else nn.cast(pl.Int64)
+            out.append(n.cast(pl.Int64).alias(_p(a, "n")))
+        return out
+    if a.func == "count":
+        return [(c.count() if grouped else nn).cast(pl.Int64).alias(_p(a, "n"))]
+    if a.func in ("min", "max"):
+        return [(getattr(c, a.func)() if grouped else c).alias(_p(a, "v"))]
+    # first / last: the value and the row id it came from, skipping nulls like pandas
+    pick = "first" if a.func == "first" else "last"
+    if grouped:
+        return [getattr(c.filter(nn), pick)().alias(_p(a, "v")),
+                getattr(rid.filter(nn), pick)().alias(_p(a, "rid"))]
+    return [c.alias(_p(a, "v")), pl.when(nn).then(rid).otherwise(None).alias(_p(a, "rid"))]
+
+
+def _final(a: Agg, src: pa.Schema) -> pl.Expr:
+    if a.func == "size" or a.func == "count":
+        return pl.col(_p(a, "n")).sum().cast(pl.Int64).alias(a.out)
+    if a.func == "sum":
+        s = pl.col(_p(a, "sum")).sum()
+        t = src.field(a.column).type
+        if pa.types.is_integer(t) or pa.types.is_boolean(t):
+            s = s.cast(pl.Int64)
+        return s.alias(a.out)
+    if a.func == "mean":
+        n = pl.col(_p(a, "n")).sum()
+        return (pl.col(_p(a, "sum")).sum().cast(pl.Float64) / n).alias(a.out)
+    if a.func in ("min", "max"):
+        return getattr(pl.col(_p(a, "v")), a.func)().alias(a.out)
+    order = pl.col(_p(a, "rid"))
+    v = pl.col(_p(a, "v")).sort_by(order, descending=(a.func == "last"), nulls_last=True)
+    return v.first().alias(a.out)
+
+
+def _use_combine(table: pa.Table, keys: Sequence[str]) -> bool:
+    """Pre-aggregate unless a sample says keys are mostly distinct (nothing to combine)."""
+    n = table.num_rows
+    if n == 0:
+        return True
+    sample = table.slice(0, _SAMPLE_ROWS) if n > _SAMPLE_ROWS else table
+    distinct = kernels.to_polars(sample.select(list(keys))).n_unique()
+    return distinct / sample.num_rows < _UNIQUE_RATIO_FOR_RAW
+
+
+def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
+              combine: bool | None) -> pa.Table:
+    comm = df.env.comm
+    table = df.to_arrow()
+    needed = list(dict.fromkeys(keys + [a.column for a in aggs if a.column]))
+    table = table.select(needed)
+    if any(a.func in ("first", "last") for a in aggs):
+        table = with_rowid(table, comm.rank)
+    frame = kernels.to_polars(table)
+    if dropna:  # pandas drops groups whose key is null unless dropna=False
+        frame = frame.drop_nulls(subset=keys)
+    if combine is None:
+        combine = _use_combine(kernels.from_polars(frame), keys) if comm.world_size > 1 else False
+    partial_exprs = [e for a in aggs for e in _partials(a, grouped=combine)]
+    if combine:
+        partial = frame.group_by(keys, maintain_order=False).agg(partial_exprs)
+    else:
+        partial = frame.select([pl.col(k) for k in keys] + partial_exprs)
+    partial_tbl = kernels.from_polars(partial, table.schema)
+    shuffled = shuffle_table(comm, partial_tbl, keys)
+    final = kernels.to_polars(shuffled).group_by(keys, maintain_order=False).agg(
+        [_final(a, table.schema) for a in aggs])
+    like = pa.schema([table.schema.field(k) for k in keys])
+    return kernels.from_polars(final.select(keys + [a.out for a in aggs]), like)

@@ -1,0 +1,181 @@
+"""Reading files split across ranks, and writing one file per rank.
+
+Rank 0 plans (lists files, reads Parquet footers or file sizes) and broadcasts the plan or
+the error, so every rank raises the same error for a bad path instead of some hanging.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+
+from .common import agree_schema
+
+if TYPE_CHECKING:
+    from ..runtime.env import BSPEnv
+    from .dataframe import DataFrame
+
+
+def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike], suffixes: tuple[str, ...]) -> list[str]:
+    """A file, a directory (its files with ``suffixes``, recursively), a glob, or a list."""
+    items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    files: list[str] = []
+    for item in items:
+        item = os.fspath(item)
+        if os.path.isdir(item):
+            files += sorted(str(p) for p in Path(item).rglob("*") if p.suffix in suffixes and p.is_file())
+        elif glob.has_magic(item):
+            files += sorted(glob.glob(item, recursive=True))
+        elif os.path.exists(item):
+            files.append(item)
+        else:
+            raise FileNotFoundError(f"no such file or directory: {item!r}")
+    if not files:
+        raise FileNotFoundError(f"no files match {os.fspath(path) if not isinstance(path, list) else path!r}")
+    return files
+
+
+def _planned(env: "BSPEnv", plan_fn, *args) -> Any:
+    """Rank 0 runs ``plan_fn``; every rank gets its result or raises its error."""
+    plan = None
+    if env.rank == 0:
+        try:
+            plan = ("ok", plan_fn(*args))
+        except Exception as exc:  # broadcast, then raise on every rank
+            plan = ("error", exc)
+    status, value = env.comm.broadcast_obj(plan)
+    if status == "error":
+        raise value
+    return value
+
+
+def _split_units(weights: Sequence[int], nparts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, stop) ranges of units with near-equal total weight per part."""
+    cum = np.concatenate([[0], np.cumsum(weights)])
+    total = cum[-1]
+    cuts = [0] + [int(np.searchsorted(cum, total * i / nparts, side="left")) for i in range(1, nparts)] + [len(weights)]
+    cuts = np.maximum.accumulate(cuts)
+    return [(int(cuts[i]), int(cuts[i + 1])) for i in range(nparts)]
+
+
+# ---- Parquet ------------------------------------------------------------------------------
+def _plan_parquet(path, columns, nparts):
+    files = expand_paths(path, (".parquet", ".pq"))
+    units, rows, schemas = [], [], []
+    for f in files:
+        try:
+            meta = pq.ParquetFile(f).metadata
+            schemas.append(meta.schema.to_arrow_schema())
+        except Exception as exc:
+            raise ValueError(f"read_parquet: cannot read {f!r}: {exc}") from None
+        for rg in range(meta.num_row_groups):
+            units.append((f, rg))
+            rows.append(meta.row_group(rg).num_rows)
+    try:
+        schema = pa.unify_schemas(schemas, promote_options="permissive")
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise TypeError(f"read_parquet: files under {path!r} have incompatible schemas: {exc}") from None
+    if columns is not None:
+        missing = [c for c in columns if c not in schema.names]
+        if missing:
+            raise KeyError(f"read_parquet: unknown column(s) {missing}; the files have {schema.names}")
+        schema = pa.schema([schema.field(c) for c in columns])
+    return units, _split_units(rows, nparts), schema
+
+
+def read_parquet(path, env: "BSPEnv", columns: Sequence[str] | None = None) -> "DataFrame":
+    """Parquet files (a path, directory, glob or list) split across ranks by row groups."""
+    from .dataframe import DataFrame
+
+    cols = list(columns) if columns is not None else None
+    units, ranges, schema = _planned(env, _plan_parquet, path, cols, env.world_size)
+    start, stop = ranges[env.rank]
+    by_file: dict[str, list[int]] = {}
+    for f, rg in units[start:stop]:
+        by_file.setdefault(f, []).append(rg)
+    tables = [pq.ParquetFile(f).read_row_groups(rgs, columns=cols) for f, rgs in by_file.items()]
+    tables = [t.select(schema.names).cast(schema) if not t.schema.equals(schema) else t for t in tables]
+    table = pa.concat_tables(tables) if tables else schema.empty_table()
+    return DataFrame(table, env)
+
+
+# ---- CSV ----------------------------------------------------------------------------------
+def _plan_csv(path, nparts):
+    files = expand_paths(path, (".csv", ".tsv", ".txt"))
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    # Byte ranges of ~total/nparts; a file is cut only at line starts when read.
+    chunk = max(1, -(-total // nparts))
+    pieces = []
+    for f, size in zip(files, sizes):
+        for off in range(0, max(size, 1), chunk):
+            pieces.append((f, off, min(size, off + chunk), size))
+    weights = [stop - start for _, start, stop, _ in pieces]
+    return pieces, _split_units(weights, nparts)
+
+
+def _read_csv_range(f: str, start: int, stop: int, size: int, options: dict) -> pa.Table:
+    """Rows that *start* within [start, stop): the header comes from the file's first line."""
+    with open(f, "rb") as fh:
+        header = fh.readline()
+        begin = max(start, len(header))
+        if begin > len(header):
+            fh.seek(begin - 1)
+            if fh.read(1) != b"\n":
+                fh.readline()  # finish the line that began before our range
+            begin = fh.tell()
+        fh.seek(begin)
+        body = fh.read(max(0, stop - begin))
+        if stop < size and body and not body.endswith(b"\n"):
+            body += fh.readline()  # the last line that starts in range
+    data = header + body
+    read = pacsv.ReadOptions(**options.get("read_options", {}))
+    parse = pacsv.ParseOptions(**options.get("parse_options", {}))
+    convert = pacsv.ConvertOptions(**options.get("convert_options", {}))
+    try:
+        return pacsv.read_csv(pa.BufferReader(data), read_options=read, parse_options=parse,
+                              convert_options=convert)
+    except pa.ArrowInvalid as exc:
+        raise ValueError(f"read_csv: {f!r} (bytes {start}-{stop}): {exc}") from None
+
+
+def read_csv(path, env: "BSPEnv", column_types: dict[str, pa.DataType] | None = None,
+             delimiter: str = ",", **options: Any) -> "DataFrame":
+    """CSV files split across ranks by byte ranges at line boundaries (quoted fields must not
+    contain newlines when a file is split); ranks agree on column types afterwards."""
+    from .dataframe import DataFrame
+
+    opts = dict(options)
+    opts.setdefault("parse_options", {})["delimiter"] = delimiter
+    if column_types:
+        opts.setdefault("convert_options", {})["column_types"] = column_types
+    pieces, ranges = _planned(env, _plan_csv, path, env.world_size)
+    start, stop = ranges[env.rank]
+    tables = [_read_csv_range(f, a, b, size, opts) for f, a, b, size in pieces[start:stop]]
+    if tables:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    else:  # no bytes for this rank: take the column names (types agree below)
+        f = pieces[0][0]
+        table = _read_csv_range(f, 0, 0, os.path.getsize(f), opts).slice(0, 0)
+    return DataFrame(agree_schema(env.comm, table, f"read_csv({path!r})"), env)
+
+
+# ---- output -------------------------------------------------------------------------------
+def write_parquet(df: "DataFrame", directory: str | os.PathLike, **options: Any) -> str:
+    env = df.env
+    out = Path(directory)
+    if env.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        for old in out.glob("part-*.parquet"):
+            old.unlink()  # a previous, maybe wider, write must not mix with this one
+    env.comm.barrier()
+    pq.write_table(df.to_arrow(), out / f"part-{env.rank:05d}.parquet", **options)
+    env.comm.barrier()
+    return str(out)

@@ -1,0 +1,105 @@
+"""pandas-style ``merge`` of two distributed frames.
+
+Plan: agree on key types, then either broadcast the smaller side to every rank (when it is
+small and the join type allows it) or co-partition both sides by key hash; then join locally.
+Null keys match each other, as in pandas.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from . import kernels
+from .common import as_list, check_columns
+from .exchange import allgather_tables, concat
+from .shuffle import shuffle_table
+
+if TYPE_CHECKING:
+    from .dataframe import DataFrame
+
+BROADCAST_BYTES = 64 << 20  # a side smaller than this (whole frame) is broadcast
+_HOWS = ("inner", "left", "right", "outer")
+
+
+def _key_type(lt: pa.DataType, rt: pa.DataType, name: str) -> pa.DataType:
+    """The common type both sides' key is cast to, or a TypeError naming the key."""
+    if lt == rt:
+        return lt
+    kinds = [(pa.types.is_integer, "int"), (pa.types.is_floating, "float"),
+             (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "string"),
+             (pa.types.is_timestamp, "timestamp"), (pa.types.is_boolean, "bool"),
+             (pa.types.is_date, "date")]
+    def kind(t):
+        for test, k in kinds:
+            if test(t):
+                return "number" if k in ("int", "float") else k
+        return str(t)
+    if kind(lt) != kind(rt):
+        raise TypeError(f"merge: key {name!r} is {lt} on the left but {rt} on the right; "
+                        "cast one side first")
+    return pa.unify_schemas([pa.schema([("k", lt)]), pa.schema([("k", rt)])],
+                            promote_options="permissive").field("k").type
+
+
+def _cast_keys(table: pa.Table, keys: Sequence[str], types: Sequence[pa.DataType]) -> pa.Table:
+    for k, t in zip(keys, types):
+        if table.schema.field(k).type != t:
+            table = table.set_column(table.schema.get_field_index(k), k, table[k].cast(t))
+    return table
+
+
+def _suffix(table: pa.Table, overlap: set[str], suffix: str) -> pa.Table:
+    return table.rename_columns([c + suffix if c in overlap else c for c in table.column_names])
+
+
+def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, suffixes,
+          broadcast: bool | None) -> pa.Table:
+    if how not in _HOWS:
+        raise ValueError(f"merge: how must be one of {_HOWS}, got {how!r}")
+    if on is not None and (left_on is not None or right_on is not None):
+        raise ValueError("merge: give either on= or left_on=/right_on=, not both")
+    lk = as_list(on if on is not None else left_on)
+    rk = as_list(on if on is not None else right_on)
+    if not lk or len(lk) != len(rk):
+        raise ValueError(f"merge: need the same number of left and right keys, got {lk} and {rk}")
+    check_columns(left.schema, lk, "merge (left)")
+    check_columns(right.schema, rk, "merge (right)")
+    types = [_key_type(left.schema.field(a).type, right.schema.field(b).type, a) for a, b in zip(lk, rk)]
+    lt = _cast_keys(left.to_arrow(), lk, types)
+    rt = _cast_keys(right.to_arrow(), rk, types)
+
+    # pandas naming: keys shared by name appear once; other clashing columns get suffixes.
+    shared = {a for a, b in zip(lk, rk) if a == b}
+    overlap = (set(lt.column_names) & set(rt.column_names)) - shared
+    if overlap and not all(suffixes):
+        raise ValueError(f"merge: columns {sorted(overlap)} overlap and suffixes={suffixes}")
+    lt, rt = _suffix(lt, overlap, suffixes[0]), _suffix(rt, overlap, suffixes[1])
+    lk = [k + suffixes[0] if k in overlap else k for k in lk]
+    rk = [k + suffixes[1] if k in overlap else k for k in rk]
+
+    comm = left.env.comm
+    if comm.world_size > 1:
+        side = _broadcast_side(comm, lt, rt, how, broadcast)
+        if side == "right":
+            rt = concat(allgather_tables(comm, rt), rt.schema)
+        elif side == "left":
+            lt = concat(allgather_tables(comm, lt), lt.schema)
+        else:
+            lt = shuffle_table(comm, lt, lk)
+            rt = shuffle_table(comm, rt, rk)
+    return kernels.join(lt, rt, lk, rk, how)
+
+
+def _broadcast_side(comm, lt: pa.Table, rt: pa.Table, how: str, broadcast: bool | None) -> str | None:
+    """Which side to replicate: only one whose unmatched rows are never output."""
+    if broadcast is False:
+        return None
+    sizes = comm.allreduce(np.array([lt.nbytes, rt.nbytes], dtype=np.int64))
+    allowed = {"inner": ("left", "right"), "left": ("right",), "right": ("left",), "outer": ()}[how]
+    limit = np.inf if broadcast else BROADCAST_BYTES
+    candidates = [(sizes[0 if s == "left" else 1], s) for s in allowed]
+    candidates = [(n, s) for n, s in candidates if n <= limit]
+    return min(candidates)[1] if candidates else None

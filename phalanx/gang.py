@@ -95,6 +95,9 @@ class Gang:
             P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
             P.ENV_COMM: self.communicator, P.ENV_GANG_ID: self.gang_id,
             P.ENV_TIMEOUT: str(self.comm_timeout), P.ENV_PDEATHSIG: "1",
+            # Functions are pickled by reference to their module: ranks must import what the
+            # driver imports (the user's script directory, a test directory...).
+            "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]),
         }
         placement = self._launcher.placement(self.world_size)
         rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(self.world_size)]

@@ -64,9 +64,11 @@ class GroupBy:
     def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> "DataFrame":
         aggs = parse_spec(spec, named)
         check_columns(self.df.schema, [a.column for a in aggs if a.column], "groupby.agg")
-        for a in aggs:
-            if a.column in self.keys:
-                raise ValueError(f"groupby.agg: {a.column!r} is a group key; aggregate another column")
+        outs = [a.out for a in aggs]
+        clash = sorted({o for o in outs if o in self.keys or outs.count(o) > 1})
+        if clash:
+            raise ValueError(f"groupby.agg: output column(s) {clash} clash with a group key or "
+                             "each other; name them, e.g. agg(v_min=('v', 'min'))")
         return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine))
 
     def _all(self, func: str, numeric_only: bool) -> "DataFrame":
@@ -141,7 +143,8 @@ def _final(a: Agg, src: pa.Schema) -> pl.Expr:
         return s.alias(a.out)
     if a.func == "mean":
         n = pl.col(_p(a, "n")).sum()
-        return (pl.col(_p(a, "sum")).sum().cast(pl.Float64) / n).alias(a.out)
+        mean = pl.col(_p(a, "sum")).sum().cast(pl.Float64) / n
+        return pl.when(n > 0).then(mean).otherwise(None).alias(a.out)  # all-null: missing
     if a.func in ("min", "max"):
         return getattr(pl.col(_p(a, "v")), a.func)().alias(a.out)
     order = pl.col(_p(a, "rid"))

@@ -12,6 +12,7 @@ several ranks in order instead of all landing on one: skew does not overload a r
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -81,6 +82,7 @@ def _key(value: Any, descending: bool) -> tuple:
     return (0, 1 if descending else 0, _Desc(value) if descending else value)
 
 
+@functools.total_ordering
 class _Desc:
     __slots__ = ("v",)
 

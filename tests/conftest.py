@@ -1,0 +1,60 @@
+"""Shared fixtures: gangs kept alive per world size, and a real redis-server on loopback."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+import phalanx as px
+
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+@pytest.fixture(scope="session", params=WORLD_SIZES, ids=lambda n: f"ranks{n}")
+def gang(request):
+    """One gang per world size for the whole session: starting ranks costs ~2 s."""
+    g = px.Gang(ranks=request.param, echo=False)
+    g.start()
+    yield g
+    g.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="phalanx-redis-")
+    proc = subprocess.Popen(
+        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
+         "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+                s.sendall(b"PING\r\n")
+                if s.recv(16).startswith(b"+PONG"):
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail(f"redis-server did not start on port {port}")
+        time.sleep(0.02)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
+    shutil.rmtree(workdir, ignore_errors=True)

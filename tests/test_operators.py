@@ -1,0 +1,305 @@
+"""Every operator against an independent reference (DuckDB or pandas), at 1-4 ranks, on data
+with skewed keys, nulls, strings, timestamps and a rank that holds no rows."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+
+import phalanx as px
+from reference import assert_same_rows, gid_table, make_part, whole
+
+
+JOIN_HOT = 0.02  # a hot key on both sides of a join multiplies: keep its output small
+
+
+def frame(env, seed=0, rows=4000, hot=0.3):
+    return px.DataFrame.from_arrow(make_part(env.rank, env.world_size, rows, seed, hot), env)
+
+
+def gathered(results):
+    """Rank 0's collected table (apps return ``df.collect(root=0)``)."""
+    return results[0]
+
+
+def sql(query: str, **tables) -> pa.Table:
+    con = duckdb.connect()
+    for name, t in tables.items():
+        con.register(name, t)
+    return con.execute(query).to_arrow_table()
+
+
+# ---- construction, collect, sizes ---------------------------------------------------------
+def app_roundtrip(env):
+    df = frame(env)
+    return df.collect(), df.collect(root=0), df.num_rows, df.partition_sizes()
+
+
+def test_roundtrip_and_sizes(gang):
+    n = gang.world_size
+    results = gang.run(app_roundtrip)
+    expected = whole(n)
+    for rank, (everyone, root_only, num_rows, sizes) in enumerate(results):
+        assert everyone.equals(expected)
+        assert (root_only is not None) == (rank == 0)
+        assert num_rows == expected.num_rows
+        assert sizes == [make_part(r, n).num_rows for r in range(n)]
+    assert results[0][1].equals(expected)
+
+
+def app_from_pandas(env):
+    part = make_part(env.rank, env.world_size).select(["key", "v", "s"]).to_pandas()
+    return px.DataFrame.from_pandas(part, env).collect(root=0)
+
+
+def test_from_pandas_agrees_on_schema_with_an_empty_rank(gang):
+    out = gathered(gang.run(app_from_pandas))
+    assert_same_rows(out, whole(gang.world_size).select(["key", "v", "s"]))
+
+
+# ---- local operators ----------------------------------------------------------------------
+def app_local(env):
+    df = frame(env)
+    out = (df.filter(pc.field("w") > 0)
+             .assign(z=pc.field("w") * 2, c=lambda t: pc.add(t["w"], 1), one=1)
+             .filter(lambda t: pc.invert(pc.is_null(t["key"])))
+             .rename({"v": "value"})
+             .drop(["b", "ts"])
+             .add_scalar(10, columns=["w"])
+             .select(["key", "value", "w", "s", "z", "c", "one"])
+             .map_partitions(lambda t: t.to_pandas().assign(w2=lambda p: p["w"] * 2)))
+    return out.collect(root=0)
+
+
+def test_local_operators_match_pandas(gang):
+    p = whole(gang.world_size).to_pandas()
+    p = p[p["w"] > 0].assign(z=lambda d: d["w"] * 2, c=lambda d: d["w"] + 1, one=1)
+    p = p[p["key"].notna()].rename(columns={"v": "value"}).drop(columns=["b", "ts"])
+    p["w"] = p["w"] + 10
+    p = p[["key", "value", "w", "s", "z", "c", "one"]].assign(w2=lambda d: d["w"] * 2)
+    out = gathered(gang.run(app_local))
+    expected = pa.Table.from_pandas(p.reset_index(drop=True), preserve_index=False)
+    assert_same_rows(out.cast(expected.schema), expected)
+
+
+def app_arith(env):
+    df = frame(env).select(["key", "v", "w"])
+    return [(df + 1).collect(root=0), (df * 2).collect(root=0), df.truediv(4, columns="w").collect(root=0)]
+
+
+def test_scalar_arithmetic_applies_to_numeric_columns(gang):
+    plus, times, div = gathered(gang.run(app_arith))
+    p = whole(gang.world_size).select(["key", "v", "w"]).to_pandas()
+    assert_same_rows(plus, pa.Table.from_pandas(p + 1, preserve_index=False).cast(plus.schema))
+    assert_same_rows(times, pa.Table.from_pandas(p * 2, preserve_index=False).cast(times.schema))
+    assert div["w"].type == pa.float64()
+    assert sorted(div["w"].to_pylist()) == sorted((p["w"] / 4).tolist())
+
+
+def app_head(env, n):
+    return frame(env).head(n).collect(root=0)
+
+
+@pytest.mark.parametrize("n", [0, 7, 5000, 10**6])
+def test_head_is_the_global_first_rows(gang, n):
+    out = gathered(gang.run(app_head, n))
+    assert out.equals(whole(gang.world_size).slice(0, n))
+
+
+# ---- shuffle, repartition, drop_duplicates ------------------------------------------------
+def app_shuffle(env, on):
+    df = frame(env).shuffle(on)
+    return df.collect(root=0), df.to_arrow().select(on).to_pylist()
+
+
+def test_shuffle_keeps_rows_and_colocates_keys(gang):
+    for on in (["key"], ["s", "b"]):
+        results = gang.run(app_shuffle, on)
+        assert_same_rows(results[0][0], whole(gang.world_size))
+        seen = {}
+        for rank, (_, keys) in enumerate(results):
+            for k in keys:
+                t = tuple(k.values())
+                assert seen.setdefault(t, rank) == rank, f"key {t} on ranks {seen[t]} and {rank}"
+
+
+def app_repartition(env):
+    df = frame(env).repartition()
+    return df.collect(root=0), df.local_num_rows
+
+
+def test_repartition_balances_and_keeps_order(gang):
+    results = gang.run(app_repartition)
+    assert results[0][0].equals(whole(gang.world_size))
+    sizes = [r[1] for r in results]
+    assert max(sizes) - min(sizes) <= 1
+
+
+def app_dedup(env, subset, keep):
+    return frame(env).drop_duplicates(subset, keep=keep).collect(root=0)
+
+
+@pytest.mark.parametrize("subset,keep", [(["key"], "first"), (["key", "s"], "last"),
+                                         (["s"], False), (None, "first")])
+def test_drop_duplicates_matches_pandas(gang, subset, keep):
+    out = gathered(gang.run(app_dedup, subset, keep))
+    p = whole(gang.world_size).to_pandas()
+    expected = p.drop_duplicates(subset=subset, keep=keep).reset_index(drop=True)
+    assert_same_rows(out, pa.Table.from_pandas(expected, preserve_index=False).cast(out.schema))
+
+
+# ---- merge --------------------------------------------------------------------------------
+def app_merge(env, how, broadcast, on):
+    left = frame(env, seed=1, hot=JOIN_HOT).select(["key", "s", "v", "w"])
+    right = frame(env, seed=2, rows=1500, hot=JOIN_HOT).select(["key", "s", "v", "b"])
+    return left.merge(right, on=on, how=how, broadcast=broadcast).collect(root=0)
+
+
+def _null_safe_join_sql(how: str, on: list[str]) -> str:
+    cond = " AND ".join(f"l.{k} IS NOT DISTINCT FROM r.{k}" for k in on)
+    keys = ", ".join(f"COALESCE(l.{k}, r.{k}) AS {k}" if how in ("right", "outer") else f"l.{k} AS {k}"
+                     for k in on)
+    lcols = [c for c in ("key", "s", "v", "w") if c not in on]
+    rcols = [c for c in ("key", "s", "v", "b") if c not in on]
+    both = set(lcols) & set(rcols)
+    lsel = ", ".join(f"l.{c} AS {c + '_x' if c in both else c}" for c in lcols)
+    rsel = ", ".join(f"r.{c} AS {c + '_y' if c in both else c}" for c in rcols)
+    join = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "outer": "FULL JOIN"}[how]
+    return f"SELECT {keys}, {lsel}, {rsel} FROM L l {join} R r ON {cond}"
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "right", "outer"])
+@pytest.mark.parametrize("broadcast", [False, None])
+def test_merge_matches_null_safe_sql(gang, how, broadcast):
+    n = gang.world_size
+    for on in (["key"], ["key", "s"]):
+        out = gathered(gang.run(app_merge, how, broadcast, on))
+        L = whole(n, seed=1, hot=JOIN_HOT).select(["key", "s", "v", "w"])
+        R = whole(n, rows=1500, seed=2, hot=JOIN_HOT).select(["key", "s", "v", "b"])
+        expected = sql(_null_safe_join_sql(how, on), L=L, R=R)
+        assert out.column_names[: len(on)] == on  # keys once, first, as pandas
+        assert_same_rows(out, expected)
+
+
+def app_merge_left_right_on(env):
+    left = frame(env, seed=1, hot=JOIN_HOT).select(["key", "w"]).rename({"key": "lk"})
+    right = frame(env, seed=2, hot=JOIN_HOT).select(["key", "w"]).rename({"key": "rk"})
+    return left.merge(right, left_on="lk", right_on="rk", suffixes=("_l", "_r")).collect(root=0)
+
+
+def test_merge_left_on_right_on_with_suffixes_matches_pandas(gang):
+    out = gathered(gang.run(app_merge_left_right_on))
+    L = whole(gang.world_size, seed=1, hot=JOIN_HOT).select(["key", "w"]).to_pandas().rename(columns={"key": "lk"})
+    R = whole(gang.world_size, seed=2, hot=JOIN_HOT).select(["key", "w"]).to_pandas().rename(columns={"key": "rk"})
+    expected = L.merge(R, left_on="lk", right_on="rk", suffixes=("_l", "_r"))
+    assert out.column_names == list(expected.columns)
+    assert_same_rows(out, pa.Table.from_pandas(expected, preserve_index=False).cast(out.schema))
+
+
+def app_merge_int32(env):
+    left = frame(env, seed=1, hot=JOIN_HOT).select(["key", "w"])
+    right = frame(env, seed=2, hot=JOIN_HOT).select(["key", "v"])
+    right = px.DataFrame(right.to_arrow().cast(pa.schema([("key", pa.int32()), ("v", pa.float64())])), env)
+    return left.merge(right, on="key", broadcast=False).collect(root=0)
+
+
+def test_merge_promotes_compatible_key_types(gang):
+    out = gathered(gang.run(app_merge_int32))
+    L = whole(gang.world_size, seed=1, hot=JOIN_HOT).select(["key", "w"])
+    R = whole(gang.world_size, seed=2, hot=JOIN_HOT).select(["key", "v"])
+    assert_same_rows(out, sql("SELECT l.key, w, v FROM L l JOIN R r ON l.key IS NOT DISTINCT FROM r.key", L=L, R=R))
+
+
+# ---- groupby ------------------------------------------------------------------------------
+AGG_SQL = """
+SELECT {keys},
+  COALESCE(SUM(v), 0) AS v_sum, COUNT(v) AS v_count, AVG(v) AS v_mean, MIN(v) AS v_min,
+  MAX(v) AS v_max, arg_min(v, gid) FILTER (WHERE v IS NOT NULL) AS v_first,
+  arg_max(v, gid) FILTER (WHERE v IS NOT NULL) AS v_last,
+  SUM(w) AS w, MIN(s) AS s_min, MAX(ts) AS ts_max, COUNT(*) AS n
+FROM T {where} GROUP BY {keys}"""
+
+
+def app_groupby(env, keys, dropna, combine):
+    df = frame(env)
+    return df.groupby(keys, dropna=dropna, combine=combine).agg(
+        {"v": ["sum", "count", "mean", "min", "max", "first", "last"], "w": "sum"},
+        s_min=("s", "min"), ts_max=("ts", "max"), n=(None, "size")).collect(root=0)
+
+
+@pytest.mark.parametrize("combine", [True, False])
+@pytest.mark.parametrize("keys,dropna", [(["key"], True), (["key"], False), (["s", "b"], False)])
+def test_groupby_matches_duckdb(gang, keys, dropna, combine):
+    out = gathered(gang.run(app_groupby, keys, dropna, combine))
+    T = gid_table(whole(gang.world_size))
+    where = "WHERE " + " AND ".join(f"{k} IS NOT NULL" for k in keys) if dropna else ""
+    expected = sql(AGG_SQL.format(keys=", ".join(keys), where=where), T=T)
+    assert out.column_names == keys + ["v_sum", "v_count", "v_mean", "v_min", "v_max",
+                                       "v_first", "v_last", "w", "s_min", "ts_max", "n"]
+    assert out.schema.field("w").type == pa.int64() and out.schema.field("n").type == pa.int64()
+    assert_same_rows(out, expected)
+
+
+def app_groupby_shortcuts(env):
+    g = frame(env).select(["key", "v", "w"]).groupby("key")
+    return g.sum().collect(root=0), g.size().collect(root=0)
+
+
+def test_groupby_shortcuts_match_pandas(gang):
+    sums, sizes = gathered(gang.run(app_groupby_shortcuts))
+    p = whole(gang.world_size).select(["key", "v", "w"]).to_pandas()
+    exp_sum = p.groupby("key").sum().reset_index()
+    exp_size = p.groupby("key").size().rename("size").reset_index()
+    assert_same_rows(sums, pa.Table.from_pandas(exp_sum, preserve_index=False).cast(sums.schema))
+    assert_same_rows(sizes, pa.Table.from_pandas(exp_size, preserve_index=False).cast(sizes.schema))
+
+
+# ---- sort ---------------------------------------------------------------------------------
+def app_sort(env, by, ascending):
+    df = frame(env, rows=6000).sort_values(by, ascending=ascending)
+    return df.collect(root=0), df.local_num_rows
+
+
+@pytest.mark.parametrize("by,ascending", [
+    (["key"], True), (["v"], False), (["s", "key", "ts"], [True, False, True]), (["b", "w"], [False, True])])
+def test_sort_values_matches_duckdb(gang, by, ascending):
+    results = gang.run(app_sort, by, ascending)
+    out = results[0][0]
+    T = whole(gang.world_size, rows=6000)
+    asc = [ascending] * len(by) if isinstance(ascending, bool) else ascending
+    order = ", ".join(f"{c} {'ASC' if a else 'DESC'} NULLS LAST" for c, a in zip(by, asc))
+    expected = sql(f"SELECT * FROM T ORDER BY {order}", T=T)
+    assert out.select(by).equals(expected.select(by))  # globally ordered, across ranks
+    assert_same_rows(out, expected)
+
+
+def test_sort_spreads_a_skewed_key_over_ranks(gang):
+    """≈30% of rows have key 0: splitters with tie-breaking must still balance the ranks."""
+    sizes = [r[1] for r in gang.run(app_sort, ["key"], True)]
+    total = sum(sizes)
+    assert max(sizes) <= 1.5 * total / gang.world_size + 50, sizes
+
+
+# ---- the issue's pipeline -----------------------------------------------------------------
+def app_pipeline(env):
+    left = frame(env, seed=3, hot=JOIN_HOT).select(["key", "v"])
+    right = frame(env, seed=4, hot=JOIN_HOT).select(["key", "w"])
+    out = (left.merge(right, on="key", how="inner").groupby("key").agg({"v": "sum", "w": "mean"})
+               .sort_values("key").add_scalar(1))
+    return out.num_rows, out.collect(root=0)
+
+
+def test_pipeline_join_groupby_sort_add(gang):
+    results = gang.run(app_pipeline)
+    L = whole(gang.world_size, seed=3, hot=JOIN_HOT).select(["key", "v"])
+    R = whole(gang.world_size, seed=4, hot=JOIN_HOT).select(["key", "w"])
+    expected = sql("""SELECT key + 1 AS key, COALESCE(SUM(v), 0) + 1 AS v, AVG(w) + 1 AS w FROM L JOIN R USING (key)
+                      WHERE key IS NOT NULL GROUP BY key ORDER BY key""", L=L, R=R)
+    assert all(r[0] == expected.num_rows for r in results)
+    out = results[0][1]
+    assert out["key"].to_pylist() == expected["key"].to_pylist()
+    assert_same_rows(out, expected)

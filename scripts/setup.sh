@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs everything phalanx and its tests need, from scratch, into ./.venv:
+#   system: redis-server (Redis rendezvous tests), Open MPI (MPI communicator)
+#   python: phalanx with the test and benchmark extras (torch is large: ~3 GB download,
+#           reused from pip's cache on later runs)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}"
+  else
+    echo "setup: please install ${need[*]} (tests that need them are skipped)" >&2
+  fi
+fi
+
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -c "import phalanx, torch, pyarrow, polars, duckdb; print('phalanx', phalanx.__version__, 'ready')"

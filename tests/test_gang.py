@@ -1,0 +1,216 @@
+"""Gang lifecycle: reuse, fail-fast, dead ranks, Ctrl-C, timeouts, rendezvous, bad input."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+import phalanx as px
+import apps
+
+HERE = Path(__file__).parent
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie still answers kill(0); it is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_dead(pids, within=5.0) -> list[int]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.fixture
+def gang2():
+    with px.Gang(ranks=2, echo=False) as g:
+        yield g
+
+
+def test_gang_keeps_its_ranks_across_runs_and_passes_params(gang2):
+    first = gang2.run(apps.rank_info, params={"rows": 5})
+    second = gang2.run("apps:rank_info")
+    assert [r[:3] for r in first] == [(0, 2, {"rows": 5}), (1, 2, {"rows": 5})]
+    assert [r[:3] for r in second] == [(0, 2, {}), (1, 2, {})]
+    assert [r[3] for r in first] == [r[3] for r in second] == gang2.pids
+    assert gang2.run(apps.exchange_ranks) == [[b"\x00", b"\x01"], [b"\x00\x00", b"\x01\x01"]]
+
+
+def app_rank1_raises(env):
+    if env.rank == 1:
+        raise ValueError("bad value on rank 1")
+    env.comm.barrier()  # rank 0 would wait here forever without fail-fast
+
+
+def test_failing_rank_stops_the_others_and_reports_its_traceback(gang2):
+    pids = list(gang2.pids)
+    t0 = time.monotonic()
+    with pytest.raises(px.RankError) as info:
+        gang2.run(app_rank1_raises)
+    assert time.monotonic() - t0 < 10
+    err = info.value
+    assert err.ranks == [1] and err.stopped == [0]
+    assert err.failures[0].exc_type == "ValueError"
+    assert "bad value on rank 1" in str(err) and "app_rank1_raises" in str(err)
+    assert wait_dead(pids) == []
+    # the next run starts a fresh gang
+    assert [r[0] for r in gang2.run(apps.rank_info)] == [0, 1]
+    assert set(gang2.pids).isdisjoint(pids)
+
+
+def app_exit(env, how):
+    if env.rank == 0:
+        if how == "exit":
+            os._exit(3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    env.comm.barrier()
+
+
+@pytest.mark.parametrize("how,expected", [("exit", "exited with code 3"), ("kill", "killed by signal SIGKILL")])
+def test_a_rank_that_dies_fails_the_gang_fast(gang2, how, expected):
+    pids = list(gang2.pids)
+    t0 = time.monotonic()
+    with pytest.raises(px.RankError) as info:
+        gang2.run(app_exit, how)
+    assert time.monotonic() - t0 < 10
+    assert info.value.ranks[0] == 0 and expected in str(info.value)
+    assert wait_dead(pids) == []
+
+
+def app_unknown_column(env):
+    df = px.DataFrame.from_arrow(pa.table({"a": [env.rank]}), env)
+    return df.groupby("nope").agg({"a": "sum"})
+
+
+def test_bad_arguments_raise_on_every_rank(gang2):
+    with pytest.raises(px.RankError) as info:
+        gang2.run(app_unknown_column)
+    assert info.value.ranks == [0, 1]
+    assert all(f.exc_type == "KeyError" and "groupby" in f.message and "nope" in f.message
+               for f in info.value.failures)
+
+
+def app_mismatched_keys(env):
+    left = px.DataFrame.from_arrow(pa.table({"k": [1, 2], "a": [1, 2]}), env)
+    right = px.DataFrame.from_arrow(pa.table({"k": ["1", "2"], "b": [1, 2]}), env)
+    return left.merge(right, on="k")
+
+
+def test_merge_with_mismatched_key_types_names_the_key(gang2):
+    with pytest.raises(px.RankError) as info:
+        gang2.run(app_mismatched_keys)
+    assert info.value.ranks == [0, 1]
+    assert "key 'k' is int64 on the left but string on the right" in str(info.value)
+
+
+def app_read_missing(env, path):
+    return px.read_parquet(path, env)
+
+
+def test_missing_input_files_fail_on_every_rank(gang2, tmp_path):
+    with pytest.raises(px.RankError) as info:
+        gang2.run(app_read_missing, str(tmp_path / "nothing" / "*.parquet"))
+    assert info.value.ranks == [0, 1]
+    assert {f.exc_type for f in info.value.failures} == {"FileNotFoundError"}
+    assert "nothing" in str(info.value)
+
+
+def test_non_callable_app_is_refused_before_any_rank_runs(gang2):
+    pids = list(gang2.pids)
+    with pytest.raises(TypeError, match="callable or 'package.module:function'"):
+        gang2.run(42)
+    assert gang2.running and gang2.pids == pids
+
+
+def test_app_that_does_not_import_fails_on_every_rank(gang2):
+    with pytest.raises(px.RankError) as info:
+        gang2.run("no_such_module_xyz:main")
+    assert info.value.ranks == [0, 1]
+    assert "cannot import module 'no_such_module_xyz'" in str(info.value)
+
+
+def test_run_timeout_stops_the_ranks(gang2):
+    pids = list(gang2.pids)
+    with pytest.raises(px.GangError, match="timeout=1"):
+        gang2.run(apps.sleep_forever, timeout=1)
+    assert wait_dead(pids) == []
+    assert not gang2.running
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(HERE)!r})
+        import phalanx as px, apps
+        with px.Gang(ranks=2, echo=False) as g:
+            print("PIDS", *g.pids, flush=True)
+            g.run(apps.sleep_forever)
+    """))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    assert line.startswith("PIDS"), proc.stderr.read()
+    pids = [int(p) for p in line.split()[1:]]
+    assert all(alive(p) for p in pids)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=20)
+    assert "KeyboardInterrupt" in proc.stderr.read()
+    assert wait_dead(pids) == []
+
+
+@pytest.mark.parametrize("rendezvous", ["file", "tcp://127.0.0.1"])
+def test_other_rendezvous(rendezvous):
+    with px.Gang(ranks=3, rendezvous=rendezvous, echo=False) as g:
+        assert g.run(apps.exchange_ranks)[2] == [b"\x00\x00\x00", b"\x01\x01\x01", b"\x02\x02\x02"]
+
+
+@pytest.mark.redis
+def test_redis_rendezvous_against_a_real_server(redis_url):
+    import redis
+
+    with px.Gang(ranks=2, rendezvous=redis_url, echo=False) as g:
+        assert g.run(apps.exchange_ranks)[1] == [b"\x00\x00", b"\x01\x01"]
+        client = redis.Redis.from_url(redis_url)
+        assert any(k.startswith(f"phalanx:{g.gang_id}:".encode()) for k in client.scan_iter())
+    assert not any(k.startswith(f"phalanx:{g.gang_id}:".encode()) for k in client.scan_iter())
+
+
+def test_gang_that_cannot_start_says_why():
+    with pytest.raises(px.GangError, match="unknown communicator 'carrier-pigeon'"):
+        px.Gang(ranks=2, communicator="carrier-pigeon", echo=False).start()
+
+
+def test_bad_rank_count():
+    with pytest.raises(ValueError, match="ranks must be an integer ≥ 1"):
+        px.Gang(ranks=0)
+
+
+def test_rank_output_is_prefixed_and_logged(tmp_path):
+    lines: list[str] = []
+    with px.Gang(ranks=2, echo=lines.append, log_dir=tmp_path) as g:
+        g.run(app_print)
+    assert "[rank 1] hello from 1" in lines
+    assert (tmp_path / "rank-0.log").read_text().count("hello from 0") == 1
+
+
+def app_print(env):
+    print(f"hello from {env.rank}", flush=True)

@@ -19,6 +19,7 @@ import pytest
 
 import phalanx as px
 from phalanx.errors import RankError
+from phalanx.executors.mpirun import _descendants
 
 # The apps below go to the ranks by value: the ranks need not import this test module.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -42,7 +43,7 @@ CASES = [pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)] + [
 
 
 @pytest.fixture(scope="module", params=CASES)
-def gang(request):
+def comm_gang(request):
     communicator, ranks = request.param
     executor = "mpirun" if communicator == "mpi" else "local"
     g = px.Gang(ranks=ranks, executor=executor, communicator=communicator, echo=False)
@@ -173,12 +174,12 @@ def app_fail_on_rank_1(env):
 
 
 # ---- conformance tests --------------------------------------------------------------------
-def test_identity(gang):
-    n = gang.world_size
-    results = gang.run(app_identity)
+def test_identity(comm_gang):
+    n = comm_gang.world_size
+    results = comm_gang.run(app_identity)
     assert [r[:4] for r in results] == [(r, n, r, n) for r in range(n)]
-    assert {r[4] for r in results} == {gang.communicator}
-    if gang.communicator == "mpi":
+    assert {r[4] for r in results} == {comm_gang.communicator}
+    if comm_gang.communicator == "mpi":
         assert [r[6] for r in results] == [str(r) for r in range(n)]
     cpus = sorted(os.sched_getaffinity(0))
     if n <= len(cpus):  # pinned: disjoint, non-empty CPU sets (PHALANX_CPUS / _CPUS_BY_RANK)
@@ -187,47 +188,47 @@ def test_identity(gang):
 
 
 @pytest.mark.parametrize("sizes", ["small", "empty"])
-def test_exchange_uneven(gang, sizes):
-    assert gang.run(app_exchange, sizes) == [[]] * gang.world_size
+def test_exchange_uneven(comm_gang, sizes):
+    assert comm_gang.run(app_exchange, sizes) == [[]] * comm_gang.world_size
 
 
-def test_exchange_large(gang):
-    assert gang.run(app_exchange, "big") == [[]] * gang.world_size
+def test_exchange_large(comm_gang):
+    assert comm_gang.run(app_exchange, "big") == [[]] * comm_gang.world_size
 
 
-def test_alltoallv_large(gang):
-    n = gang.world_size
-    for rank, (dtype, counts, problems) in enumerate(gang.run(app_alltoallv_large)):
+def test_alltoallv_large(comm_gang):
+    n = comm_gang.world_size
+    for rank, (dtype, counts, problems) in enumerate(comm_gang.run(app_alltoallv_large)):
         assert dtype == "|u1"
         assert counts == [big_size(s, rank, n) for s in range(n)]
         assert problems == []
 
 
-def test_exchange_wrong_length(gang):
-    msgs = gang.run(app_exchange_wrong_length)
+def test_exchange_wrong_length(comm_gang):
+    msgs = comm_gang.run(app_exchange_wrong_length)
     assert all(m and "exchange needs" in m for m in msgs)
 
 
 @pytest.mark.parametrize("empty", [False, True])
-def test_allgather_bytes(gang, empty):
-    n = gang.world_size
+def test_allgather_bytes(comm_gang, empty):
+    n = comm_gang.world_size
     want = [b"" if empty else bytes(payload(r, ALLGATHER_KEY, 100 * r)) for r in range(n)]
-    assert gang.run(app_allgather_bytes, empty) == [want] * n
+    assert comm_gang.run(app_allgather_bytes, empty) == [want] * n
 
 
 @pytest.mark.parametrize("nbytes", [0, 1, 3_000_001])
-def test_broadcast_bytes_from_last_rank(gang, nbytes):
-    root = gang.world_size - 1  # non-zero whenever there is more than one rank
+def test_broadcast_bytes_from_last_rank(comm_gang, nbytes):
+    root = comm_gang.world_size - 1  # non-zero whenever there is more than one rank
     want = bytes(payload(root, BCAST_KEY, nbytes))
-    assert gang.run(app_broadcast_bytes, root, nbytes) == [want] * gang.world_size
+    assert comm_gang.run(app_broadcast_bytes, root, nbytes) == [want] * comm_gang.world_size
 
 
 @pytest.mark.parametrize("dtype", ["int64", "float64"])
 @pytest.mark.parametrize("op", ["sum", "min", "max"])
-def test_allreduce(gang, dtype, op):
-    stacked = np.stack([rank_array(r, dtype, op) for r in range(gang.world_size)])
+def test_allreduce(comm_gang, dtype, op):
+    stacked = np.stack([rank_array(r, dtype, op) for r in range(comm_gang.world_size)])
     want = {"sum": np.sum, "min": np.min, "max": np.max}[op](stacked, axis=0)
-    results = gang.run(app_allreduce, dtype, op)
+    results = comm_gang.run(app_allreduce, dtype, op)
     for got in results:
         assert got.dtype == np.dtype(dtype) and got.shape == want.shape
         if dtype == "float64" and op == "sum":  # summation order may differ from numpy's
@@ -236,18 +237,18 @@ def test_allreduce(gang, dtype, op):
             np.testing.assert_array_equal(got, want)
 
 
-def test_barrier(gang):
-    times = gang.run(app_barrier)
+def test_barrier(comm_gang):
+    times = comm_gang.run(app_barrier)
     last_in = max(entered for entered, _ in times)
     assert all(left >= last_in for _, left in times)  # nobody left before the last arrived
 
 
-def test_object_helpers(gang):
-    n = gang.world_size
+def test_object_helpers(comm_gang):
+    n = comm_gang.world_size
     gathered = [{"rank": r, "items": list(range(r))} if r % 2 == 0 else None for r in range(n)]
     bcast = {"from": n - 1, "blob": b"x" * 100_000}
     want = (gathered, bcast, n * (n + 1) // 2, 0.5 * (n - 1), -(n - 1))
-    assert gang.run(app_objects) == [want] * n
+    assert comm_gang.run(app_objects) == [want] * n
 
 
 # ---- mpirun executor: fail-fast leaves nothing behind -------------------------------------
@@ -265,14 +266,16 @@ def test_mpirun_rank_failure_is_fast_and_leaves_no_process():
     gang = px.Gang(ranks=2, executor="mpirun", communicator="mpi", echo=False)
     try:
         gang.start()
-        mpirun, ranks = gang._launcher.proc, list(gang.pids)
+        launched = gang._launcher.proc  # mpirun (behind its shim on Linux)
+        below = _descendants(launched.pid)  # mpirun and the ranks
+        assert set(gang.pids) <= set(below)
         t0 = time.monotonic()
         with pytest.raises(RankError, match="rank 1 fails on purpose") as info:
             gang.run(app_fail_on_rank_1)
         assert time.monotonic() - t0 < 5.0
         assert info.value.ranks == [1]
-        assert mpirun.poll() is not None
-        assert [pid for pid in ranks if _running(pid)] == []
+        assert launched.poll() is not None
+        assert [pid for pid in below if _running(pid)] == []
         assert not gang.running
     finally:
         gang.close()

@@ -5,5 +5,6 @@ from .base import Launcher
 
 executors = Registry("executor")
 executors.register("local", "phalanx.executors.local:LocalLauncher")
+executors.register("mpirun", "phalanx.executors.mpirun:MPIRunLauncher")
 
 __all__ = ["Launcher", "executors"]

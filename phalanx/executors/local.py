@@ -9,9 +9,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Callable, Iterable, Sequence
 
 from .base import Launcher
+
+
+Echo = bool | Callable[[str], None]
 
 
 def usable_cpus() -> list[int]:
@@ -20,29 +23,34 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
+def cpu_placement(world_size: int, pin: bool) -> list[dict[str, str]]:
+    """Disjoint CPU sets when the gang fits the cores; threads split evenly either way."""
+    cpus = usable_cpus()
+    threads = max(1, len(cpus) // world_size)
+    out = []
+    for r in range(world_size):
+        env = {"PHALANX_THREADS": str(threads)}
+        if pin and world_size <= len(cpus):
+            env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads:(r + 1) * threads]))
+        out.append(env)
+    return out
+
+
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self, echo: bool | Callable[[str], None] = True, pin: bool = True):
+    def __init__(self, echo: Echo = True, pin: bool = True):
         self.echo = echo
         self.pin = pin
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
+        self._output: RankOutput | None = None
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
-        """Disjoint CPU sets when the gang fits the cores; threads split evenly either way."""
-        cpus = usable_cpus()
-        threads = max(1, len(cpus) // world_size)
-        out = []
-        for r in range(world_size):
-            env = {"PHALANX_THREADS": str(threads)}
-            if self.pin and world_size <= len(cpus):
-                env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads:(r + 1) * threads]))
-            out.append(env)
-        return out
+        return cpu_placement(world_size, self.pin)
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        self._output = RankOutput(log_dir, self.echo)
         for rank, extra in enumerate(rank_env):
             env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
             proc = subprocess.Popen(
@@ -51,10 +59,8 @@ class LocalLauncher(Launcher):
                 start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
             )
             self.procs.append(proc)
-            pump = threading.Thread(target=_pump, name=f"phalanx-log-rank{rank}", daemon=True,
-                                    args=(proc.stdout, rank, log_dir / f"rank-{rank}.log", self.echo))
-            pump.start()
-            self._pumps.append(pump)
+            self._pumps.append(start_pump(proc.stdout, self._output, _whole_lines(rank),
+                                          name=f"phalanx-log-rank{rank}"))
 
     def exitcodes(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
@@ -72,6 +78,8 @@ class LocalLauncher(Launcher):
                 p.wait()
         for t in self._pumps:
             t.join(timeout=1.0)
+        if self._output is not None and not any(t.is_alive() for t in self._pumps):
+            self._output.close()  # else a pump still drains a pipe (a grandchild holds it)
 
 
 def _signal_group(p: subprocess.Popen, sig: int) -> None:
@@ -81,19 +89,67 @@ def _signal_group(p: subprocess.Popen, sig: int) -> None:
         pass
 
 
-def _pump(stream: IO[bytes], rank: int, log_path: Path,
-          echo: bool | Callable[[str], None]) -> None:
-    """Copy a rank's output to its log file and, prefixed with its rank, to the console."""
-    prefix = f"[rank {rank}] "
-    with open(log_path, "ab", buffering=0) as log:
+class RankOutput:
+    """Ranks' output lines to ``log_dir/rank-R.log`` and, prefixed ``[rank R]``, to the console.
+
+    Lines from no rank (rank None: the launcher's own notices, e.g. mpirun's abort message)
+    go to ``log_dir/launcher.log`` with the prefix ``[launcher]``.
+    """
+
+    def __init__(self, log_dir: Path, echo: Echo):
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_dir = log_dir
+        self.echo = echo
+        self._files: dict[int | None, IO[bytes]] = {}
+        self._lock = threading.Lock()  # several pump threads may open files at once
+
+    def write(self, rank: int | None, line: bytes) -> None:
+        log = self._files.get(rank)
+        if log is None:
+            with self._lock:
+                log = self._files.get(rank)
+                if log is None:
+                    name = f"rank-{rank}.log" if rank is not None else "launcher.log"
+                    # unbuffered: the gang reads a failed rank's log tail at once
+                    log = self._files[rank] = open(self.log_dir / name, "ab", buffering=0)
+        log.write(line)
+        if self.echo:
+            prefix = f"[rank {rank}] " if rank is not None else "[launcher] "
+            text = line.decode(errors="replace").rstrip("\n")
+            if not text.startswith(prefix):  # rank loggers already prefix their lines
+                text = prefix + text
+            if callable(self.echo):
+                self.echo(text)
+            else:
+                print(text, file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+
+
+# Turns one raw output line (b"" at end of stream) into complete (rank, line) pairs.
+LineRouter = Callable[[bytes], Iterable[tuple[int | None, bytes]]]
+
+
+def start_pump(stream: IO[bytes], output: RankOutput, route: LineRouter, name: str) -> threading.Thread:
+    """A daemon thread copying ``stream`` line by line to ``output`` until end of stream."""
+
+    def pump() -> None:
         for line in iter(stream.readline, b""):
-            log.write(line)
-            if echo:
-                text = line.decode(errors="replace").rstrip("\n")
-                if not text.startswith(prefix):
-                    text = prefix + text
-                if callable(echo):
-                    echo(text)
-                else:
-                    print(text, file=sys.stderr, flush=True)
-    stream.close()
+            for rank, text in route(line):
+                output.write(rank, text)
+        for rank, text in route(b""):  # what the router still held (an unterminated line)
+            output.write(rank, text)
+        stream.close()
+
+    thread = threading.Thread(target=pump, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _whole_lines(rank: int) -> LineRouter:
+    """One process, one rank: every line is that rank's."""
+    return lambda line: [(rank, line)] if line else []

@@ -24,6 +24,7 @@ ENV_RDZV = "PHALANX_RDZV"              # rendezvous URL prepared by the driver
 ENV_COMM = "PHALANX_COMM"              # communicator name
 ENV_GANG_ID = "PHALANX_GANG_ID"
 ENV_CPUS = "PHALANX_CPUS"              # "0,1": CPU affinity for this rank
+ENV_CPUS_BY_RANK = "PHALANX_CPUS_BY_RANK"  # "0|1|2,3": per rank, when all ranks share one env
 ENV_THREADS = "PHALANX_THREADS"        # threads for this rank's local kernels
 ENV_TIMEOUT = "PHALANX_TIMEOUT"        # seconds for rendezvous and collectives
 ENV_PDEATHSIG = "PHALANX_PDEATHSIG"    # "1": die with the launching process

@@ -17,6 +17,13 @@ import time
 def _pin_and_limit_threads() -> int:
     """Apply CPU affinity and thread limits before numeric libraries start their pools."""
     cpus = os.environ.get("PHALANX_CPUS")
+    by_rank = os.environ.get("PHALANX_CPUS_BY_RANK")  # protocol.ENV_CPUS_BY_RANK (mpirun: one env)
+    if not cpus and by_rank:
+        from .protocol import rank_from_environ
+
+        sets = by_rank.split("|")
+        rank = rank_from_environ()[0]
+        cpus = sets[rank] if rank < len(sets) else ""
     if cpus and hasattr(os, "sched_setaffinity"):
         try:
             os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
@@ -89,12 +96,11 @@ def _limit_kernel_threads(threads: int) -> None:
 
     pa.set_cpu_count(threads)
     pa.set_io_thread_count(max(threads, 2))
-    try:
-        import torch
-
+    # Only if already loaded (gloo): importing torch costs ~2 s a rank, and a later import
+    # takes its thread count from OMP_NUM_THREADS, set above.
+    torch = sys.modules.get("torch")
+    if torch is not None:
         torch.set_num_threads(threads)
-    except ImportError:
-        pass
 
 
 def _serve(conn, env) -> int:

@@ -303,3 +303,36 @@ def test_pipeline_join_groupby_sort_add(gang):
     out = results[0][1]
     assert out["key"].to_pylist() == expected["key"].to_pylist()
     assert_same_rows(out, expected)
+
+
+# ---- partitioning is tracked, so operators on the same keys skip their shuffle -----------
+def app_partition_tracking(env):
+    df = frame(env).select(["key", "v", "w"]).shuffle("key")
+    claims = {"shuffle": df.partitioned_by,
+              "filter": df.filter(pc.field("w") > 0).partitioned_by,
+              "rename": df.rename({"key": "k2"}).partitioned_by,
+              "key changed": df.add_scalar(1, columns=["key"]).partitioned_by,
+              "key dropped": df.drop("key").partitioned_by,
+              "sorted": df.sort_values("v").partitioned_by,
+              "outer, different key names": df.merge(
+                  df.rename({"key": "k2", "v": "v2", "w": "w2"}), left_on="key", right_on="k2",
+                  how="outer", broadcast=False).partitioned_by,
+              "inner": df.merge(frame(env, seed=5, hot=JOIN_HOT).select(["key", "s"]), on="key",
+                                broadcast=False).partitioned_by}
+    same_keys = df.groupby("key").agg({"v": "sum", "w": "max"}).collect(root=0)
+    moved_keys = df.add_scalar(1, columns=["key"]).groupby("key").agg({"w": "max"}).collect(root=0)
+    dedup = df.drop_duplicates("key").collect(root=0)
+    return claims, same_keys, moved_keys, dedup
+
+
+def test_partitioning_is_tracked_and_results_stay_correct(gang):
+    claims, same_keys, moved_keys, dedup = gathered(gang.run(app_partition_tracking))
+    assert claims == {"shuffle": ("key",), "filter": ("key",), "rename": ("k2",), "key changed": None,
+                      "key dropped": None, "sorted": None, "outer, different key names": None,
+                      "inner": ("key",)}
+    T = whole(gang.world_size).select(["key", "v", "w"])
+    assert_same_rows(same_keys, sql("SELECT key, COALESCE(SUM(v), 0) AS v, MAX(w) AS w FROM T "
+                                    "WHERE key IS NOT NULL GROUP BY key", T=T))
+    assert_same_rows(moved_keys, sql("SELECT key + 1 AS key, MAX(w) AS w FROM T WHERE key IS NOT NULL "
+                                     "GROUP BY key", T=T))
+    assert dedup.num_rows == len(set(T["key"].to_pylist()))

@@ -30,9 +30,12 @@ TableFn = Callable[[pa.Table], Any]
 class DataFrame:
     """A distributed table: ``to_arrow()`` is this rank's partition, ``collect()`` the whole."""
 
-    def __init__(self, table: pa.Table, env: "BSPEnv"):
+    def __init__(self, table: pa.Table, env: "BSPEnv", partitioned_by: Sequence[str] | None = None):
         self._table = table
         self.env = env
+        # Set when rows are hash-partitioned by these columns (after a shuffle, a shuffled
+        # merge or a groupby): a later operator on the same keys skips its shuffle.
+        self.partitioned_by: tuple[str, ...] | None = tuple(partitioned_by) if partitioned_by else None
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -48,8 +51,17 @@ class DataFrame:
     def from_pandas(cls, frame: "pd.DataFrame", env: "BSPEnv", preserve_index: bool = False) -> "DataFrame":
         return cls.from_arrow(pa.Table.from_pandas(frame, preserve_index=preserve_index), env)
 
-    def _new(self, table: pa.Table) -> "DataFrame":
-        return DataFrame(table, self.env)
+    def _new(self, table: pa.Table, partitioned_by: Sequence[str] | None = None) -> "DataFrame":
+        return DataFrame(table, self.env, partitioned_by)
+
+    def _keeping(self, table: pa.Table, changed: Iterable[str] = (),
+                 renames: Mapping[str, str] | None = None) -> "DataFrame":
+        """A frame whose rows stayed on their ranks: still partitioned unless a key changed."""
+        keys = self.partitioned_by
+        if keys is None or set(keys) & set(changed):
+            return self._new(table)
+        keys = tuple((renames or {}).get(k, k) for k in keys)
+        return self._new(table, keys if set(keys) <= set(table.column_names) else None)
 
     # ---- inspection ---------------------------------------------------------------------
     @property
@@ -101,7 +113,7 @@ class DataFrame:
     def select(self, columns: str | Sequence[str]) -> "DataFrame":
         cols = as_list(columns)
         check_columns(self.schema, cols, "select")
-        return self._new(self._table.select(cols))
+        return self._keeping(self._table.select(cols))
 
     def __getitem__(self, columns: str | Sequence[str]) -> "DataFrame":
         return self.select(columns)
@@ -109,22 +121,23 @@ class DataFrame:
     def drop(self, columns: str | Sequence[str]) -> "DataFrame":
         cols = as_list(columns)
         check_columns(self.schema, cols, "drop")
-        return self._new(self._table.drop_columns(cols))
+        return self._keeping(self._table.drop_columns(cols))
 
     def rename(self, columns: Mapping[str, str]) -> "DataFrame":
         check_columns(self.schema, list(columns), "rename")
-        return self._new(self._table.rename_columns([columns.get(c, c) for c in self.columns]))
+        return self._keeping(self._table.rename_columns([columns.get(c, c) for c in self.columns]),
+                             renames=columns)
 
     def filter(self, condition: pc.Expression | TableFn) -> "DataFrame":
         """Keep rows where ``condition`` holds: an Arrow expression (``pc.field("x") > 3``)
         or a callable returning a boolean mask for the local table."""
         if isinstance(condition, pc.Expression):
             try:
-                return self._new(self._table.filter(condition))
+                return self._keeping(self._table.filter(condition))
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
                 raise _expression_error(exc, "filter", self.schema) from None
         if callable(condition):
-            return self._new(self._table.filter(condition(self._table)))
+            return self._keeping(self._table.filter(condition(self._table)))
         raise TypeError(f"filter needs a pyarrow.compute.Expression or a callable, got {condition!r}")
 
     def assign(self, **columns: pc.Expression | TableFn | Any) -> "DataFrame":
@@ -143,14 +156,14 @@ class DataFrame:
                 value = pa.repeat(pa.scalar(value), table.num_rows)
             idx = table.schema.get_field_index(name)
             table = table.set_column(idx, name, value) if idx >= 0 else table.append_column(name, value)
-        return self._new(table)
+        return self._keeping(table, changed=columns)
 
     def head(self, n: int = 5) -> "DataFrame":
         """The first ``n`` rows of the whole frame, in rank order (collective)."""
         counts = self.partition_sizes()
         before = sum(counts[: self.env.rank])
         keep = max(0, min(self._table.num_rows, n - before))
-        return self._new(self._table.slice(0, keep))
+        return self._keeping(self._table.slice(0, keep))
 
     def map_partitions(self, fn: Callable[[pa.Table], Any]) -> "DataFrame":
         """Apply ``fn`` to the local partition; it may return Arrow, pandas or polars."""
@@ -164,7 +177,7 @@ class DataFrame:
         table = self._table
         for c in cols:
             table = table.set_column(table.schema.get_field_index(c), c, fn(table[c], value))
-        return self._new(table)
+        return self._keeping(table, changed=cols)
 
     def add(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
         return self._arith(pc.add, value, columns, "add")
@@ -192,7 +205,7 @@ class DataFrame:
 
         keys = as_list(on)
         check_columns(self.schema, keys, "shuffle")
-        return self._new(shuffle_table(self.env.comm, self._table, keys))
+        return self._new(shuffle_table(self.env.comm, self._table, keys), keys)
 
     def repartition(self) -> "DataFrame":
         """Balance rows over the ranks, keeping the global row order (collective)."""
@@ -214,8 +227,9 @@ class DataFrame:
         """pandas-style join (collective); see ``phalanx.operators.join``."""
         from .join import merge
 
-        return self._new(merge(self, right, on=on, how=how, left_on=left_on, right_on=right_on,
-                               suffixes=suffixes, broadcast=broadcast))
+        table, partitioned_by = merge(self, right, on=on, how=how, left_on=left_on, right_on=right_on,
+                                      suffixes=suffixes, broadcast=broadcast)
+        return self._new(table, partitioned_by)
 
     def groupby(self, by: str | Sequence[str], dropna: bool = True, combine: bool | None = None) -> "GroupBy":
         from .groupby import GroupBy
@@ -234,7 +248,8 @@ class DataFrame:
 
         cols = as_list(subset) or self.columns
         check_columns(self.schema, cols, "drop_duplicates")
-        return self._new(drop_duplicates(self.env.comm, self._table, cols, keep))
+        colocated = self.partitioned_by == tuple(cols)
+        return self._new(drop_duplicates(self.env.comm, self._table, cols, keep, colocated), cols)
 
     # ---- output -------------------------------------------------------------------------
     def write_parquet(self, directory: str, **options: Any) -> str:

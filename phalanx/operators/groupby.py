@@ -69,7 +69,7 @@ class GroupBy:
         if clash:
             raise ValueError(f"groupby.agg: output column(s) {clash} clash with a group key or "
                              "each other; name them, e.g. agg(v_min=('v', 'min'))")
-        return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine))
+        return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine), self.keys)
 
     def _all(self, func: str, numeric_only: bool) -> "DataFrame":
         cols = [f.name for f in self.df.schema if f.name not in self.keys and (
@@ -173,16 +173,21 @@ def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
     frame = kernels.to_polars(table)
     if dropna:  # pandas drops groups whose key is null unless dropna=False
         frame = frame.drop_nulls(subset=keys)
-    if combine is None:
-        combine = _use_combine(kernels.from_polars(frame), keys) if comm.world_size > 1 else False
+    # Already partitioned by these keys (e.g. after a merge on them): no shuffle, one pass.
+    colocated = comm.world_size == 1 or df.partitioned_by == tuple(keys)
+    if colocated:
+        combine = False
+    elif combine is None:
+        combine = _use_combine(kernels.from_polars(frame), keys)
     partial_exprs = [e for a in aggs for e in _partials(a, grouped=combine)]
     if combine:
         partial = frame.group_by(keys, maintain_order=False).agg(partial_exprs)
     else:
         partial = frame.select([pl.col(k) for k in keys] + partial_exprs)
-    partial_tbl = kernels.from_polars(partial, table.schema)
-    shuffled = shuffle_table(comm, partial_tbl, keys)
-    final = kernels.to_polars(shuffled).group_by(keys, maintain_order=False).agg(
+    if not colocated:
+        shuffled = shuffle_table(comm, kernels.from_polars(partial, table.schema), keys)
+        partial = kernels.to_polars(shuffled)
+    final = partial.group_by(keys, maintain_order=False).agg(
         [_final(a, table.schema) for a in aggs])
     like = pa.schema([table.schema.field(k) for k in keys])
     return kernels.from_polars(final.select(keys + [a.out for a in aggs]), like)

@@ -56,7 +56,8 @@ def _suffix(table: pa.Table, overlap: set[str], suffix: str) -> pa.Table:
 
 
 def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, suffixes,
-          broadcast: bool | None) -> pa.Table:
+          broadcast: bool | None) -> tuple[pa.Table, tuple[str, ...] | None]:
+    """The local partition of the result, and the keys it is hash-partitioned by (if any)."""
     if how not in _HOWS:
         raise ValueError(f"merge: how must be one of {_HOWS}, got {how!r}")
     if on is not None and (left_on is not None or right_on is not None):
@@ -70,6 +71,9 @@ def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, 
     types = [_key_type(left.schema.field(a).type, right.schema.field(b).type, a) for a, b in zip(lk, rk)]
     lt = _cast_keys(left.to_arrow(), lk, types)
     rt = _cast_keys(right.to_arrow(), rk, types)
+    # A side already hash-partitioned by exactly its join keys, uncast, need not move.
+    l_placed = left.partitioned_by == tuple(lk) and lt.schema.equals(left.schema)
+    r_placed = right.partitioned_by == tuple(rk) and rt.schema.equals(right.schema)
 
     # pandas naming: keys shared by name appear once; other clashing columns get suffixes.
     shared = {a for a, b in zip(lk, rk) if a == b}
@@ -81,16 +85,23 @@ def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, 
     rk = [k + suffixes[1] if k in overlap else k for k in rk]
 
     comm = left.env.comm
-    if comm.world_size > 1:
+    partitioned_by = None
+    side = None
+    if comm.world_size > 1 and not (l_placed and r_placed):
         side = _broadcast_side(comm, lt, rt, how, broadcast)
-        if side == "right":
-            rt = concat(allgather_tables(comm, rt), rt.schema)
-        elif side == "left":
-            lt = concat(allgather_tables(comm, lt), lt.schema)
-        else:
-            lt = shuffle_table(comm, lt, lk)
-            rt = shuffle_table(comm, rt, rk)
-    return kernels.join(lt, rt, lk, rk, how)
+    if side == "right":
+        rt = concat(allgather_tables(comm, rt), rt.schema)
+        partitioned_by = left.partitioned_by if not overlap & set(left.partitioned_by or ()) else None
+    elif side == "left":
+        lt = concat(allgather_tables(comm, lt), lt.schema)
+        partitioned_by = right.partitioned_by if not overlap & set(right.partitioned_by or ()) else None
+    else:
+        lt = lt if l_placed else shuffle_table(comm, lt, lk)
+        rt = rt if r_placed else shuffle_table(comm, rt, rk)
+        # Unmatched right rows have null left keys: only coalesced keys stay partitioned.
+        if how in ("inner", "left") or set(lk) <= shared:
+            partitioned_by = tuple(lk)
+    return kernels.join(lt, rt, lk, rk, how), partitioned_by
 
 
 def _broadcast_side(comm, lt: pa.Table, rt: pa.Table, how: str, broadcast: bool | None) -> str | None:

@@ -1,8 +1,8 @@
 """Local (single-rank) kernels.  The one place that decides which engine runs what.
 
-Measured on this machine (10M rows, see docs/performance.md): polars is fastest for
-hash-partitioning and sort, and keeps null-safe joins and rich group-by expressions;
-DuckDB is faster at large joins.  Everything enters and leaves as Arrow; ``from_polars``
+Measured on this machine (see docs/performance.md): polars is fastest for hash-partitioning
+and sort and has rich group-by expressions; DuckDB joins 5M x 5M rows 1.6x faster than polars
+on one thread (0.37 s vs 0.57 s) and its null-safe ``IS NOT DISTINCT FROM`` costs nothing.  Everything enters and leaves as Arrow; ``from_polars``
 restores the caller's column types (polars hands strings back as large_string).
 """
 
@@ -88,20 +88,53 @@ def sort(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.T
     return from_polars(df, table.schema)
 
 
-_HOW = {"inner": "inner", "left": "left", "right": "right", "outer": "full"}
+_JOIN_SQL = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "outer": "FULL JOIN"}
+_duckdb = None
+
+
+def duckdb_connection():
+    """One DuckDB connection per process, with this rank's thread budget."""
+    global _duckdb
+    if _duckdb is None:
+        import os
+
+        import duckdb
+
+        _duckdb = duckdb.connect()
+        threads = int(os.environ.get("PHALANX_THREADS", "0") or 0) or (os.cpu_count() or 1)
+        _duckdb.execute(f"SET threads={threads}")
+        _duckdb.execute("SET preserve_insertion_order=false")  # joins need no output order
+    return _duckdb
+
+
+def _q(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
 
 
 def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str],
          how: str) -> pa.Table:
-    """Equi-join where null keys match each other (pandas semantics).
+    """Equi-join where null keys match each other (pandas semantics), in DuckDB.
 
     Column names must already be disjoint except for keys shared by name, which appear once
-    (coalesced, as pandas does for ``on=``).
+    (coalesced for right/outer joins, as pandas does for ``on=``).  Columns come out in
+    pandas' order: the left's, then the right's.
     """
-    coalesce = list(left_on) == list(right_on)
-    out = to_polars(left).join(
-        to_polars(right), left_on=list(left_on), right_on=list(right_on), how=_HOW[how],
-        nulls_equal=True, coalesce=coalesce)
-    like = pa.schema(list(left.schema) + [f for f in right.schema if f.name not in left.schema.names])
-    columns = [n for n in like.names if n in out.columns]
-    return from_polars(out.select(columns), like)
+    shared = {a for a, b in zip(left_on, right_on) if a == b}
+    cond = " AND ".join(f"l.{_q(a)} IS NOT DISTINCT FROM r.{_q(b)}" for a, b in zip(left_on, right_on))
+    cols = []
+    for name in left.column_names:
+        if name in shared and how in ("right", "outer"):
+            cols.append(f"COALESCE(l.{_q(name)}, r.{_q(name)}) AS {_q(name)}")
+        else:
+            cols.append(f"l.{_q(name)}")
+    cols += [f"r.{_q(n)}" for n in right.column_names if n not in shared]
+    con = duckdb_connection()
+    con.register("__px_l", left)
+    con.register("__px_r", right)
+    try:
+        out = con.sql(f"SELECT {', '.join(cols)} FROM __px_l l {_JOIN_SQL[how]} __px_r r ON {cond}").to_arrow_table()
+    finally:
+        con.unregister("__px_l")
+        con.unregister("__px_r")
+    like = pa.schema(list(left.schema) + [f for f in right.schema if f.name not in shared])
+    return restore_types(out, like)

@@ -22,11 +22,12 @@ def shuffle_table(comm: Communicator, table: pa.Table, keys: Sequence[str]) -> p
 _KEEP = {"first": "first", "last": "last", False: "none"}
 
 
-def drop_duplicates(comm: Communicator, table: pa.Table, subset: Sequence[str], keep: str | bool) -> pa.Table:
+def drop_duplicates(comm: Communicator, table: pa.Table, subset: Sequence[str], keep: str | bool,
+                    colocated: bool = False) -> pa.Table:
     if keep not in _KEEP:
         raise ValueError(f"drop_duplicates: keep must be 'first', 'last' or False, got {keep!r}")
     # Shuffled pieces arrive in source-rank order, each in its original order, so "first"
     # on the receiving rank is the first in the whole frame's order.
-    shuffled = shuffle_table(comm, table, subset)
+    shuffled = table if colocated else shuffle_table(comm, table, subset)
     out = kernels.to_polars(shuffled).unique(subset=list(subset), keep=_KEEP[keep], maintain_order=True)
     return kernels.from_polars(out, table.schema)

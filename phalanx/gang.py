@@ -227,11 +227,10 @@ class Gang:
                 rank, msg = self._control.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return
-            if msg[0] in ("error", "eof") and rank in pending and rank not in failures:
-                if msg[0] == "eof" and rank not in failures:
-                    failures[rank] = self._failure_of(rank, msg)
-                elif msg[0] == "error":
-                    failures[rank] = msg[2]
+            if rank not in pending:
+                continue
+            if msg[0] in ("error", "eof"):
+                failures[rank] = self._failure_of(rank, msg)
                 pending.discard(rank)
             elif msg[0] == "result" and results is not None:
                 results[rank] = msg[2]

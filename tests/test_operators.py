@@ -4,8 +4,6 @@ with skewed keys, nulls, strings, timestamps and a rank that holds no rows."""
 from __future__ import annotations
 
 import duckdb
-import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest

@@ -14,7 +14,6 @@ import pyarrow as pa
 import pyarrow.acero as acero
 import pyarrow.compute as pc
 
-from . import kernels
 from .common import agree_schema, as_list, balanced_bounds, check_columns
 from .exchange import allgather_tables, concat, exchange_tables
 

@@ -4,10 +4,11 @@ from .errors import GangError, MissingDependencyError, PhalanxError, RankError, 
 from .gang import Gang
 from .operators import DataFrame, GroupBy, read_csv, read_parquet
 from .runtime.env import BSPEnv
+from .store import DatasetInfo, Store
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BSPEnv", "DataFrame", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
+    "BSPEnv", "DataFrame", "DatasetInfo", "Store", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
     "RankFailure", "__version__",
 ]

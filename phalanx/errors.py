@@ -54,3 +54,20 @@ class RankError(PhalanxError):
     @property
     def ranks(self) -> list[int]:
         return [f.rank for f in self.failures]
+
+
+class StoreError(PhalanxError):
+    """A store operation failed; the message names the dataset (and partition)."""
+
+
+class DatasetNotFoundError(StoreError, KeyError):
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DatasetExistsError(StoreError):
+    pass
+
+
+class ChecksumError(StoreError):
+    pass

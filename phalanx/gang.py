@@ -28,6 +28,7 @@ from .executors.control import ControlServer
 from .runtime import protocol as P
 from .runtime.rendezvous import backend_for, new_gang_id
 from .runtime.tasks import check_app
+from .store import Store
 
 log = logging.getLogger("phalanx.gang")
 
@@ -55,6 +56,8 @@ class Gang:
         echo: bool | Callable[[str], None] = True,
         start_timeout: float = 120.0,
         comm_timeout: float = 1800.0,
+        store: "str | Path | Store | None" = None,
+        session: str = "default",
     ):
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
@@ -66,6 +69,7 @@ class Gang:
         self.start_timeout = start_timeout
         self.comm_timeout = comm_timeout
         self._log_dir_arg = Path(log_dir) if log_dir else None
+        self.store = store if isinstance(store, Store) else Store(store, session)
         self._launcher: Launcher | None = None
         self._control: ControlServer | None = None
         self._rdzv_url: str | None = None
@@ -95,6 +99,7 @@ class Gang:
             P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
             P.ENV_COMM: self.communicator, P.ENV_GANG_ID: self.gang_id,
             P.ENV_TIMEOUT: str(self.comm_timeout), P.ENV_PDEATHSIG: "1",
+            P.ENV_STORE: str(self.store.root), P.ENV_SESSION: self.store.session,
             # Functions are pickled by reference to their module: ranks must import what the
             # driver imports (the user's script directory, a test directory...).
             "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]),
@@ -160,6 +165,8 @@ class Gang:
         launcher.kill(grace_s=1.0 if graceful else 0.5)
         if control is not None:
             control.close()
+        if not graceful:  # a put that did not seal must leave nothing behind
+            self.store.abort_staging(self.gang_id)
         if self._rdzv_url:
             try:
                 backend_for(self._rdzv_url).cleanup(self._rdzv_url)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -13,6 +14,14 @@ import pytest
 import phalanx as px
 
 WORLD_SIZES = (1, 2, 3, 4)
+
+# Every store the tests open (driver and ranks) lives in one throwaway directory.
+_STORE_ROOT = tempfile.mkdtemp(prefix="phalanx-test-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+os.environ["PHALANX_STORE"] = _STORE_ROOT
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_STORE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=WORLD_SIZES, ids=lambda n: f"ranks{n}")

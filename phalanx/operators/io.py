@@ -1,7 +1,7 @@
 """Reading files split across ranks, and writing one file per rank.
 
 Rank 0 plans (lists files, reads Parquet footers or file sizes) and broadcasts the plan or
-the error, so every rank raises the same error for a bad path instead of some hanging.
+the error (``comm.on_root``), so every rank raises the same error for a bad path.
 """
 
 from __future__ import annotations
@@ -40,20 +40,6 @@ def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike], suffixes
     if not files:
         raise FileNotFoundError(f"no files match {os.fspath(path) if not isinstance(path, list) else path!r}")
     return files
-
-
-def _planned(env: "BSPEnv", plan_fn, *args) -> Any:
-    """Rank 0 runs ``plan_fn``; every rank gets its result or raises its error."""
-    plan = None
-    if env.rank == 0:
-        try:
-            plan = ("ok", plan_fn(*args))
-        except Exception as exc:  # broadcast, then raise on every rank
-            plan = ("error", exc)
-    status, value = env.comm.broadcast_obj(plan)
-    if status == "error":
-        raise value
-    return value
 
 
 def _split_units(weights: Sequence[int], nparts: int) -> list[tuple[int, int]]:
@@ -95,7 +81,7 @@ def read_parquet(path, env: "BSPEnv", columns: Sequence[str] | None = None) -> "
     from .dataframe import DataFrame
 
     cols = list(columns) if columns is not None else None
-    units, ranges, schema = _planned(env, _plan_parquet, path, cols, env.world_size)
+    units, ranges, schema = env.comm.on_root(_plan_parquet, path, cols, env.world_size)
     start, stop = ranges[env.rank]
     by_file: dict[str, list[int]] = {}
     for f, rg in units[start:stop]:
@@ -156,7 +142,7 @@ def read_csv(path, env: "BSPEnv", column_types: dict[str, pa.DataType] | None = 
     opts.setdefault("parse_options", {})["delimiter"] = delimiter
     if column_types:
         opts.setdefault("convert_options", {})["column_types"] = column_types
-    pieces, ranges = _planned(env, _plan_csv, path, env.world_size)
+    pieces, ranges = env.comm.on_root(_plan_csv, path, env.world_size)
     start, stop = ranges[env.rank]
     tables = [_read_csv_range(f, a, b, size, opts) for f, a, b, size in pieces[start:stop]]
     if tables:

@@ -15,6 +15,9 @@ import polars as pl
 import pyarrow as pa
 
 HASH_SEED = 0x5EED  # fixed: equal keys must land on the same rank on every rank and run
+# Names the hash function in stored partitioning: polars' row hash is stable only within one
+# polars version, so a dataset is reused as hash-partitioned only by the same function.
+HASH_ID = f"polars-{pl.__version__}-hash_rows-seed{HASH_SEED}-int64keys"
 
 
 def to_polars(table: pa.Table) -> pl.DataFrame:

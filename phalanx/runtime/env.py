@@ -21,10 +21,23 @@ class BSPEnv:
     threads: int = 1
     gang_id: str = ""
     log: logging.Logger = field(default=None, repr=False)  # type: ignore[assignment]
+    store_root: str | None = None          # None: the default store (see phalanx.store.tiers)
+    store_session: str = "default"
+    _store: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.log is None:
             self.log = rank_logger(self.rank)
+
+    @property
+    def store(self):
+        """The intermediate store, for collective ``put``/``get`` (opened on first use)."""
+        if self._store is None:
+            from ..store.rank import RankStore
+            from ..store.store import Store
+
+            self._store = RankStore(self, Store(self.store_root, self.store_session))
+        return self._store
 
     def barrier(self) -> None:
         self.comm.barrier()

@@ -82,6 +82,23 @@ class Communicator(ABC):
             payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
         return pickle.loads(memoryview(self.broadcast_bytes(payload, root)))
 
+    def on_root(self, fn: Any, *args: Any, root: int = 0) -> Any:
+        """``root`` calls ``fn(*args)``; every rank returns its result or raises its error.
+
+        For decisions one rank makes (planning a read, sealing a dataset): a failure there
+        becomes the same exception on every rank instead of a rank left waiting.
+        """
+        outcome = None
+        if self.rank == root:
+            try:
+                outcome = ("ok", fn(*args))
+            except Exception as exc:
+                outcome = ("error", exc)
+        status, value = self.broadcast_obj(outcome, root)
+        if status == "error":
+            raise value
+        return value
+
     def allreduce_scalar(self, value: int | float, op: ReduceOp = "sum") -> int | float:
         dtype = np.int64 if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else np.float64
         out = self.allreduce(np.array([value], dtype=dtype), op)

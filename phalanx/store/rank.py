@@ -1,0 +1,109 @@
+"""``env.store``: collective put and get for the ranks of a gang."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import pyarrow as pa
+
+from ..errors import StoreError
+from ..operators.common import as_list, check_columns
+from ..operators.dataframe import DataFrame
+from ..operators.shuffle import shuffle_table
+from . import repartition as R
+from .metadata import DatasetInfo
+from .store import Store
+
+if TYPE_CHECKING:
+    from ..runtime.env import BSPEnv
+
+
+class RankStore:
+    """The gang's view of a ``Store``: every rank calls ``put``/``get`` together."""
+
+    def __init__(self, env: "BSPEnv", store: Store):
+        self.env = env
+        self.store = store
+        self.last_plan = ""  # which repartition path the last get took (for benchmarks, logs)
+
+    def for_session(self, session: str) -> "RankStore":
+        """The same store, another session (namespace)."""
+        return RankStore(self.env, self.store.for_session(session))
+
+    def __getattr__(self, attr: str) -> Any:  # list, info, exists, read... of the Store
+        return getattr(self.store, attr)
+
+    def put(self, name: str, data: DataFrame | pa.Table | Any, replace: bool = False,
+            producer: str = "", run: str = "") -> DatasetInfo:
+        """Every rank writes its partition; the dataset is sealed when all have written."""
+        env, comm, store = self.env, self.env.comm, self.store
+        table, partitioned_by = _as_table(data)
+
+        def plan() -> str:
+            if not replace and store.exists(name):
+                raise store._exists(name)
+            return store.new_staging_id(env.gang_id or "gang")
+
+        staging_id = comm.on_root(plan)
+        part = store.stage_partition(staging_id, env.rank, table)
+        reports = comm.allgather_obj((part, table.schema.serialize().to_pybytes()))
+        schemas = [pa.ipc.read_schema(pa.py_buffer(s)) for _, s in reports]
+        bad = [r for r, s in enumerate(schemas) if not s.equals(schemas[0])]
+        if bad:
+            if env.rank == 0:
+                store.tier.remove(store.tier.staging_dir(store.session, staging_id))
+            raise StoreError(f"put {name!r}: ranks {bad} have a different schema than rank 0: "
+                             f"{schemas[bad[0]]} vs {schemas[0]}")
+        partitioning = R.hash_partitioning(partitioned_by, comm.world_size) if partitioned_by else None
+        return comm.on_root(store.seal, name, staging_id, [p for p, _ in reports], schemas[0],
+                            partitioning, producer, run, replace)
+
+    def get(self, name: str, by: str | Sequence[str] | None = None, shuffle: str | None = None,
+            seed: int = 0, columns: Sequence[str] | None = None, verify: bool = False) -> DataFrame:
+        """This rank's share of a sealed dataset, repartitioned for this gang (collective).
+
+        default: rows balanced, zero-copy slices · ``by=keys``: hash-partitioned by keys ·
+        ``shuffle="random"``: a seeded random permutation of all rows.
+        """
+        env, comm = self.env, self.env.comm
+        if shuffle not in (None, "random"):
+            raise ValueError(f"get {name!r}: shuffle must be None or 'random', got {shuffle!r}")
+        if by is not None and shuffle is not None:
+            raise ValueError(f"get {name!r}: give by= or shuffle=, not both")
+        info = comm.on_root(self.store.info, name)
+        keys = as_list(by)
+        check_columns(info.schema, keys + as_list(columns), f"get {name!r}")
+
+        def open_partition(i: int) -> pa.Table:
+            return self.store.partition(info, i, verify)
+
+        rank, nranks = env.rank, env.world_size
+        partitioned_by = None
+        if keys and R.matches_hash(info, keys, nranks):
+            table, self.last_plan, partitioned_by = open_partition(rank), "hash: stored partition, zero-copy", keys
+        elif keys:
+            table = shuffle_table(comm, R.balanced_rows(info, open_partition, rank, nranks), keys)
+            self.last_plan, partitioned_by = "hash: balanced read + shuffle", keys
+        elif shuffle == "random":
+            rows = R.permutation_share(info.num_rows, seed, rank, nranks)
+            table, self.last_plan = R.take_rows(info, open_partition, rows), "random permutation"
+        else:
+            table, self.last_plan = R.balanced_rows(info, open_partition, rank, nranks), "balanced, zero-copy"
+        if columns is not None:
+            table = table.select(list(columns))
+            if partitioned_by and not set(partitioned_by) <= set(columns):
+                partitioned_by = None
+        return DataFrame(table, env, partitioned_by)
+
+
+def _as_table(data: Any) -> tuple[pa.Table, tuple[str, ...] | None]:
+    if isinstance(data, DataFrame):
+        return data.to_arrow(), data.partitioned_by
+    if isinstance(data, pa.RecordBatch):
+        return pa.Table.from_batches([data]), None
+    if isinstance(data, pa.Table):
+        return data, None
+    if type(data).__module__.startswith("pandas"):
+        return pa.Table.from_pandas(data, preserve_index=False), None
+    raise TypeError(f"put needs a phalanx DataFrame, a pyarrow Table or a pandas DataFrame, "
+                    f"got {type(data).__name__}")

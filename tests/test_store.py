@@ -1,0 +1,263 @@
+"""The intermediate store: round trips, N→M repartitioning, atomic seal, checksums, sessions."""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+import phalanx as px
+from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError
+from phalanx.operators import kernels
+from phalanx.store.repartition import hash_partitioning
+from reference import assert_same_rows, make_part, whole
+
+SIZES = (1, 2, 3, 4)
+
+
+@pytest.fixture
+def store(request):
+    s = px.Store(session=f"t-{request.node.name}"[:60].replace("/", "_"))
+    yield s
+    s.delete_session()
+
+
+def every_type_table(n: int = 500) -> pa.Table:
+    rng = np.random.default_rng(1)
+    mask = rng.random(n) < 0.2
+    return pa.table({
+        "i8": pa.array(rng.integers(-100, 100, n), pa.int8(), mask=mask),
+        "i64": pa.array(rng.integers(-2**62, 2**62, n), pa.int64(), mask=mask),
+        "u32": pa.array(rng.integers(0, 2**32 - 1, n), pa.uint32()),
+        "f32": pa.array(rng.random(n), pa.float32(), mask=mask),
+        "f64": pa.array(np.where(rng.random(n) < 0.1, np.nan, rng.normal(size=n))),
+        "bool": pa.array(rng.random(n) < 0.5, mask=mask),
+        "str": pa.array([None if m else f"s{i}-ü" * (i % 4) for i, m in enumerate(mask)]),
+        "large_str": pa.array([f"L{i}" for i in range(n)], pa.large_string()),
+        "ts": pa.array([datetime.datetime(2024, 1, 1) + datetime.timedelta(seconds=int(i)) for i in range(n)],
+                       pa.timestamp("us", tz="UTC")),
+        "date": pa.array([datetime.date(2020, 1, 1) + datetime.timedelta(days=i) for i in range(n)]),
+        "dec": pa.array([decimal.Decimal(i) / 100 for i in range(n)], pa.decimal128(10, 2)),
+        "list": pa.array([[i, i + 1] if i % 3 else None for i in range(n)], pa.list_(pa.int64())),
+        "dict": pa.array(["a", "b", None, "c"] * (n // 4)).dictionary_encode(),
+    })
+
+
+def same_table(a: pa.Table, b: pa.Table) -> bool:
+    """Table equality where NaN equals NaN (Arrow's equals says NaN != NaN)."""
+    if not a.schema.equals(b.schema):
+        return False
+    for name in a.column_names:
+        x, y = a[name], b[name]
+        if pa.types.is_floating(x.type):
+            if not (np.array_equal(x.is_null().to_numpy(zero_copy_only=False), y.is_null().to_numpy(zero_copy_only=False))
+                    and np.array_equal(x.fill_null(0).to_numpy(), y.fill_null(0).to_numpy(), equal_nan=True)):
+                return False
+        elif not x.equals(y):
+            return False
+    return True
+
+
+def test_round_trip_of_every_type_with_info(store):
+    t = every_type_table()
+    info = store.put("types", [t.slice(0, 200), t.slice(200)], producer="unit-test")
+    assert same_table(store.read("types"), t)
+    assert store.list() == ["types"] and store.exists("types")
+    got = store.info("types")
+    assert got.schema.equals(t.schema)
+    assert [p.rows for p in got.partitions] == [200, 300]
+    assert got.producer == "unit-test" and got.partitioning == {"kind": "none"}
+    assert got.nbytes == sum(os.path.getsize(p) for p in Path(info.location).glob("*.arrow"))
+    summary = got.summary()
+    assert summary["rows"] == 500 and len(summary["checksums"]) == 2
+
+
+def test_datasets_are_immutable_unless_replaced(store):
+    store.put("x", pa.table({"a": [1]}))
+    old_location = store.info("x").location
+    with pytest.raises(DatasetExistsError, match="dataset 'x' exists"):
+        store.put("x", pa.table({"a": [2]}))
+    store.put("x", pa.table({"a": [3, 4]}), replace=True)
+    assert store.read("x")["a"].to_pylist() == [3, 4]
+    assert not Path(old_location).exists()
+    store.delete("x")
+    with pytest.raises(DatasetNotFoundError, match="no dataset 'x'"):
+        store.info("x")
+
+
+def test_sessions_do_not_see_each_other(store):
+    other = store.for_session(store.session + "-other")
+    store.put("shared-name", pa.table({"a": [1]}))
+    other.put("shared-name", pa.table({"a": [2]}))
+    assert store.read("shared-name")["a"].to_pylist() == [1]
+    assert other.read("shared-name")["a"].to_pylist() == [2]
+    assert other.delete_session() == 1
+    assert not other.exists("shared-name") and store.exists("shared-name")
+    assert not (store.root / other.session).exists()
+
+
+def test_corrupted_partition_names_dataset_and_partition(store):
+    info = store.put("c", [pa.table({"a": np.arange(1000)}), pa.table({"a": np.arange(1000)})])
+    path = Path(info.location) / "part-00001.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumError, match=r"dataset 'c' partition 1 .*checksum mismatch"):
+        store.read("c")
+
+
+# ---- N producer partitions → M consumer ranks ---------------------------------------------
+def put_from_driver(store: px.Store, name: str, n: int, by=None) -> pa.Table:
+    """A dataset of n partitions; with ``by``, hash-partitioned the way a gang would."""
+    data = whole(n, rows=1500, seed=n)
+    if by:
+        parts = kernels.hash_partition(data, by, n)
+        store.put(name, parts, partitioning=hash_partitioning(by, n))
+        return pa.concat_tables(parts)
+    store.put(name, [make_part(r, n, 1500, n) for r in range(n)])
+    return data
+
+
+def app_get(env, session, name, mode):
+    rs = env.store.for_session(session)
+    if mode == "balanced":
+        df = rs.get(name)
+    elif mode == "by":
+        df = rs.get(name, by=["key"])
+    else:
+        df = rs.get(name, shuffle="random", seed=int(mode.split(":")[1]))
+    local = df.to_arrow()
+    return df.collect(root=0), local.num_rows, local.column("key").to_pylist(), rs.last_plan, df.partitioned_by
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_get_balanced_n_to_m_keeps_order_with_zero_copy(gang, store, n):
+    data = put_from_driver(store, "d", n)
+    results = gang.run(app_get, store.session, "d", "balanced")
+    assert results[0][0].equals(data)  # rank order = dataset order: nothing lost, duplicated or moved
+    sizes = [r[1] for r in results]
+    assert max(sizes) - min(sizes) <= 1
+    assert {r[3] for r in results} == {"balanced, zero-copy"}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_get_by_keys_n_to_m(gang, store, n):
+    data = put_from_driver(store, "d", n, by=["key"])
+    results = gang.run(app_get, store.session, "d", "by")
+    assert_same_rows(results[0][0], data)
+    owner = {}
+    for rank, r in enumerate(results):
+        for k in r[2]:
+            assert owner.setdefault(k, rank) == rank, f"key {k} on ranks {owner[k]} and {rank}"
+        assert r[4] == ("key",)
+    expected_plan = "hash: stored partition, zero-copy" if n == gang.world_size else "hash: balanced read + shuffle"
+    assert {r[3] for r in results} == {expected_plan}
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_get_random_is_a_seeded_permutation(gang, store, n):
+    data = put_from_driver(store, "d", n)
+    first = gang.run(app_get, store.session, "d", "random:7")
+    again = gang.run(app_get, store.session, "d", "random:7")
+    other = gang.run(app_get, store.session, "d", "random:8")
+    assert_same_rows(first[0][0], data)
+    assert first[0][0].equals(again[0][0])
+    assert not first[0][0].equals(other[0][0])
+    assert not first[0][0].equals(data)
+
+
+# ---- put from a gang ----------------------------------------------------------------------
+def app_put_then_get(env, name):
+    df = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env).shuffle("key")
+    info = env.store.put(name, df, producer="features")
+    back = env.store.get(name, by="key")
+    return info.summary(), env.store.last_plan, back.collect(root=0)
+
+
+def test_gang_put_records_partitioning_and_reads_back_zero_copy(gang):
+    name = f"gang-put-{gang.world_size}"
+    results = gang.run(app_put_then_get, name)
+    summary, plan, back = results[0]
+    assert summary["partitioning"]["keys"] == ["key"] and summary["partitioning"]["n"] == gang.world_size
+    assert summary["producer"] == "features" and summary["partitions"] == gang.world_size
+    assert plan == "hash: stored partition, zero-copy"
+    assert_same_rows(back, whole(gang.world_size))
+    assert_same_rows(px.Store().read(name), whole(gang.world_size))
+    px.Store().delete(name)
+
+
+def app_put_existing(env, name):
+    env.store.put(name, pa.table({"a": [env.rank]}))
+
+
+def test_put_of_an_existing_name_fails_on_every_rank(gang):
+    name = f"exists-{gang.world_size}"
+    px.Store().put(name, pa.table({"a": [0]}))
+    with pytest.raises(px.RankError) as info:
+        gang.run(app_put_existing, name)
+    assert info.value.ranks == list(range(gang.world_size))
+    assert "DatasetExistsError" in {f.exc_type for f in info.value.failures}
+    px.Store().delete(name)
+
+
+def app_put_fails_on_rank_1(env, name):
+    if env.rank == 1:
+        raise RuntimeError("producer rank 1 failed")
+    env.store.put(name, pa.table({"a": np.arange(1000) + env.rank}))
+
+
+def test_failed_producer_leaves_nothing_visible_or_staged():
+    store = px.Store()
+    with px.Gang(ranks=3, echo=False) as g:
+        with pytest.raises(px.RankError, match="producer rank 1 failed"):
+            g.run(app_put_fails_on_rank_1, "half-written")
+        assert not store.exists("half-written")
+        assert list(store.root.glob(f"*/.staging/{g.gang_id}-*")) == []
+
+
+def app_concurrent_reads(env, name, times):
+    store = px.Store()
+    return [store.read(name).num_rows for _ in range(times)]
+
+
+def test_concurrent_readers_see_the_whole_dataset(gang, store):
+    data = whole(4, rows=20_000)
+    px.Store().put("conc", [data.slice(0, 40_000), data.slice(40_000)])
+    seen = []
+    threads = [threading.Thread(target=lambda: seen.append(px.Store().read("conc").num_rows)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    results = gang.run(app_concurrent_reads, "conc", 5)
+    for t in threads:
+        t.join()
+    assert {n for r in results for n in r} | set(seen) == {data.num_rows}
+    px.Store().delete("conc")
+
+
+def app_get_verified(env, name):
+    return env.store.get(name, verify=True).num_rows
+
+
+def test_get_with_verify_reports_the_corrupt_partition(gang2_store):
+    g, store = gang2_store
+    info = store.put("corrupt", [pa.table({"a": np.arange(5000)})] * 2)
+    path = Path(info.location) / "part-00000.arrow"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(px.RankError, match=r"dataset 'corrupt' partition 0 .*checksum mismatch"):
+        g.run(app_get_verified, "corrupt")
+
+
+@pytest.fixture
+def gang2_store():
+    store = px.Store(session="verify")
+    with px.Gang(ranks=2, echo=False, session="verify") as g:
+        yield g, store
+    store.delete_session()

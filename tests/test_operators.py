@@ -28,7 +28,7 @@ def sql(query: str, **tables) -> pa.Table:
     con = duckdb.connect()
     for name, t in tables.items():
         con.register(name, t)
-    return con.execute(query).to_arrow_table()
+    return con.sql(query).to_arrow_table()
 
 
 # ---- construction, collect, sizes ---------------------------------------------------------

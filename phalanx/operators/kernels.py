@@ -110,8 +110,23 @@ def duckdb_connection():
     return _duckdb
 
 
-def _q(name: str) -> str:
+def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
+
+
+_q = quote_ident
+
+
+def run_sql(query: str, **tables: pa.Table) -> pa.Table:
+    """Run ``query`` in this process's DuckDB over the given Arrow tables (by name)."""
+    con = duckdb_connection()
+    for name, table in tables.items():
+        con.register(name, table)
+    try:
+        return con.sql(query).to_arrow_table()
+    finally:
+        for name in tables:
+            con.unregister(name)
 
 
 def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str],
@@ -131,13 +146,7 @@ def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequ
         else:
             cols.append(f"l.{_q(name)}")
     cols += [f"r.{_q(n)}" for n in right.column_names if n not in shared]
-    con = duckdb_connection()
-    con.register("__px_l", left)
-    con.register("__px_r", right)
-    try:
-        out = con.sql(f"SELECT {', '.join(cols)} FROM __px_l l {_JOIN_SQL[how]} __px_r r ON {cond}").to_arrow_table()
-    finally:
-        con.unregister("__px_l")
-        con.unregister("__px_r")
+    out = run_sql(f"SELECT {', '.join(cols)} FROM __px_l l {_JOIN_SQL[how]} __px_r r ON {cond}",
+                  __px_l=left, __px_r=right)
     like = pa.schema(list(left.schema) + [f for f in right.schema if f.name not in shared])
     return restore_types(out, like)

@@ -49,7 +49,7 @@ class Gang:
         self,
         ranks: int,
         *,
-        executor: str | Launcher = "local",
+        executor: str | Launcher | None = None,
         communicator: str = "gloo",
         rendezvous: str = "tcp",
         log_dir: str | Path | None = None,
@@ -62,7 +62,8 @@ class Gang:
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
         self.world_size = ranks
-        self.executor = executor
+        # MPI ranks must be started by an MPI launcher; everything else runs as local processes.
+        self.executor = executor or ("mpirun" if communicator == "mpi" else "local")
         self.communicator = communicator
         self.rendezvous = rendezvous
         self.echo = echo

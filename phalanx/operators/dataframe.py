@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.acero as acero
 import pyarrow.compute as pc
 
 from .common import agree_schema, as_list, balanced_bounds, check_columns
@@ -279,6 +278,8 @@ def _expression_error(exc: Exception, op: str, schema: pa.Schema) -> Exception:
 
 
 def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
+    import pyarrow.acero as acero  # imported on first use: it pulls in pandas (~0.2 s)
+
     decl = acero.Declaration.from_sequence([
         acero.Declaration("table_source", acero.TableSourceNodeOptions(table)),
         acero.Declaration("project", acero.ProjectNodeOptions([expr], ["__px_value"])),

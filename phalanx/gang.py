@@ -100,7 +100,8 @@ class Gang:
             P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
             P.ENV_COMM: self.communicator, P.ENV_GANG_ID: self.gang_id,
             P.ENV_TIMEOUT: str(self.comm_timeout), P.ENV_PDEATHSIG: "1",
-            P.ENV_STORE: str(self.store.root), P.ENV_SESSION: self.store.session,
+            # root, session, metadata URL, memory budget, spill directory
+            **self.store.rank_env(),
             # Functions are pickled by reference to their module: ranks must import what the
             # driver imports (the user's script directory, a test directory...).
             "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]),

@@ -1,6 +1,11 @@
-"""The intermediate store between stages: immutable, partitioned Arrow datasets."""
+"""The intermediate store between stages: immutable, partitioned Arrow datasets.
 
-from .metadata import DatasetInfo, PartitionInfo
+Payload tiers (``tiers.Tier``: a directory, an ``s3://`` object store) and metadata backends
+(``metadata.MetadataBackend``: SQLite, Redis) sit behind one interface each; see docs/store.md.
+"""
+
+from .metadata import DatasetInfo, MetadataBackend, PartitionInfo
 from .store import Store
+from .tiers import Tier
 
-__all__ = ["DatasetInfo", "PartitionInfo", "Store"]
+__all__ = ["DatasetInfo", "MetadataBackend", "PartitionInfo", "Store", "Tier"]

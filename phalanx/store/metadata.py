@@ -1,7 +1,16 @@
-"""Dataset metadata, kept apart from the payload: SQLite beside it by default.
+"""Dataset metadata, kept apart from the payload, behind one interface.
 
-A dataset row is inserted in the same transaction as its partitions when the dataset is
-sealed, so a reader that finds the name finds all of it.
+- ``SQLiteMetadata`` (``sqlite:///path/meta.sqlite`` or a plain path): the default, beside the
+  payload of a file-tier store.  Every process that opens the store must see the same file
+  (one host, or a shared file system that supports SQLite's locking).
+- ``RedisMetadata`` (``redis://host:port/db?prefix=...``, in ``redis_metadata.py``): for gangs
+  that span hosts or a payload on an object store.
+
+A dataset becomes visible in one atomic step (``seal``): its row and all its partitions
+together, so a reader that finds the name finds all of it.  Besides the immutable description
+the metadata keeps three mutable things: the payload's *location* (it moves between the memory
+and the disk tier under a memory budget), the *last access* time (least-recently-used spill
+order) and the *pinned* flag (never spilled).
 """
 
 from __future__ import annotations
@@ -16,6 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pyarrow as pa
+
+from .._registry import Registry
 
 
 @dataclass
@@ -39,6 +50,7 @@ class DatasetInfo:
     run: str = ""
     created: float = 0.0
     pinned: bool = False
+    accessed: float = 0.0        # last get/read (or the seal), for least-recently-used spill
 
     @property
     def num_rows(self) -> int:
@@ -61,11 +73,15 @@ class DatasetInfo:
             "checksums": [p.checksum for p in self.partitions],
             "partitioning": self.partitioning, "producer": self.producer, "run": self.run,
             "created": self.created, "schema": {f.name: str(f.type) for f in self.schema},
-            "location": self.location, "pinned": self.pinned,
+            "location": self.location, "pinned": self.pinned, "accessed": self.accessed,
         }
 
 
 class MetadataBackend(ABC):
+    """The catalogue of sealed datasets, by (session, name)."""
+
+    url: str = ""   # how another process (a rank) opens the same catalogue
+
     @abstractmethod
     def get(self, session: str, name: str) -> DatasetInfo | None: ...
 
@@ -84,12 +100,33 @@ class MetadataBackend(ABC):
     @abstractmethod
     def sessions(self) -> list[str]: ...
 
+    @abstractmethod
+    def touch(self, session: str, name: str, when: float | None = None) -> None:
+        """Record an access (get/read) now or at ``when``; a missing dataset is ignored."""
+
+    @abstractmethod
+    def set_pinned(self, session: str, name: str, pinned: bool) -> bool:
+        """Set the pinned flag; False when there is no such dataset."""
+
+    @abstractmethod
+    def relocate(self, session: str, name: str, version: str, old_location: str,
+                 new_location: str) -> bool:
+        """Point the dataset at a new location, atomically, only if it is still ``version``
+        at ``old_location`` (compare-and-set); False when it changed meanwhile."""
+
+    def all(self) -> list[DatasetInfo]:
+        """Every dataset of every session."""
+        return [d for s in self.sessions() for d in self.list(s)]
+
+    def close(self) -> None:
+        pass
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS datasets (
     session TEXT NOT NULL, name TEXT NOT NULL, version TEXT NOT NULL, location TEXT NOT NULL,
     schema BLOB NOT NULL, partitioning TEXT NOT NULL, producer TEXT, run TEXT,
-    created REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0,
+    created REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0, accessed REAL NOT NULL DEFAULT 0,
     PRIMARY KEY (session, name));
 CREATE TABLE IF NOT EXISTS partitions (
     session TEXT NOT NULL, name TEXT NOT NULL, idx INTEGER NOT NULL, rows INTEGER NOT NULL,
@@ -98,15 +135,26 @@ CREATE TABLE IF NOT EXISTS partitions (
 
 
 class SQLiteMetadata(MetadataBackend):
+    """One SQLite file (WAL mode); a connection per call, so threads and processes share it."""
+
     def __init__(self, path: str | Path):
-        self.path = Path(path)
+        text = str(path)
+        if text.startswith("sqlite://"):
+            text = text[len("sqlite://"):]
+        self.path = Path(text).absolute()
+        self.url = f"sqlite://{self.path}"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self._connect() as con:
             con.executescript(_SCHEMA)
+            cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
+            if "accessed" not in cols:  # a catalogue written by the first version of the store
+                con.execute("ALTER TABLE datasets ADD COLUMN accessed REAL NOT NULL DEFAULT 0")
+
+    def __repr__(self) -> str:
+        return f"SQLiteMetadata({self.path})"
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        # A connection per call: safe across the threads and processes of a gang.
         con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
         try:
             con.execute("PRAGMA journal_mode=WAL")
@@ -114,21 +162,25 @@ class SQLiteMetadata(MetadataBackend):
         finally:
             con.close()
 
+    _COLS = "session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed"
+
     def _info(self, con: sqlite3.Connection, row: tuple) -> DatasetInfo:
-        session, name, version, location, schema, partitioning, producer, run, created, pinned = row
+        session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed = row
         parts = [PartitionInfo(*p) for p in con.execute(
             "SELECT idx, rows, bytes, checksum FROM partitions WHERE session=? AND name=? ORDER BY idx",
             (session, name))]
         return DatasetInfo(session, name, version, location, pa.ipc.read_schema(pa.py_buffer(schema)),
-                           parts, json.loads(partitioning), producer or "", run or "", created, bool(pinned))
+                           parts, json.loads(partitioning), producer or "", run or "", created,
+                           bool(pinned), accessed or created)
 
-    _COLS = "session, name, version, location, schema, partitioning, producer, run, created, pinned"
+    def _row(self, con: sqlite3.Connection, session: str, name: str) -> DatasetInfo | None:
+        row = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? AND name=?",
+                          (session, name)).fetchone()
+        return self._info(con, row) if row else None
 
     def get(self, session: str, name: str) -> DatasetInfo | None:
         with self._connect() as con:
-            row = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? AND name=?",
-                              (session, name)).fetchone()
-            return self._info(con, row) if row else None
+            return self._row(con, session, name)
 
     def list(self, session: str) -> list[DatasetInfo]:
         with self._connect() as con:
@@ -136,30 +188,39 @@ class SQLiteMetadata(MetadataBackend):
                                (session,)).fetchall()
             return [self._info(con, r) for r in rows]
 
-    def seal(self, info: DatasetInfo, replace: bool) -> DatasetInfo | None:
+    def all(self) -> list[DatasetInfo]:
         with self._connect() as con:
-            con.execute("BEGIN IMMEDIATE")  # one writer at a time: check and insert together
+            rows = con.execute(f"SELECT {self._COLS} FROM datasets ORDER BY session, name").fetchall()
+            return [self._info(con, r) for r in rows]
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        with self._connect() as con:
+            con.execute("BEGIN IMMEDIATE")  # one writer at a time: check and change together
             try:
-                row = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? AND name=?",
-                                  (info.session, info.name)).fetchone()
-                old = self._info(con, row) if row else None
-                if old is not None and not replace:
-                    raise FileExistsError(info.name)
-                if old is not None:
-                    self._delete_rows(con, info.session, info.name)
-                con.execute(
-                    f"INSERT INTO datasets ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                    (info.session, info.name, info.version, info.location,
-                     info.schema.serialize().to_pybytes(), json.dumps(info.partitioning),
-                     info.producer, info.run, info.created or time.time(), int(info.pinned)))
-                con.executemany(
-                    "INSERT INTO partitions VALUES (?,?,?,?,?,?)",
-                    [(info.session, info.name, p.index, p.rows, p.bytes, p.checksum) for p in info.partitions])
+                yield con
                 con.execute("COMMIT")
             except BaseException:
                 con.execute("ROLLBACK")
                 raise
-            return old
+
+    def seal(self, info: DatasetInfo, replace: bool) -> DatasetInfo | None:
+        with self._write() as con:
+            old = self._row(con, info.session, info.name)
+            if old is not None and not replace:
+                raise FileExistsError(info.name)
+            if old is not None:
+                self._delete_rows(con, info.session, info.name)
+            created = info.created or time.time()
+            con.execute(
+                f"INSERT INTO datasets ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (info.session, info.name, info.version, info.location,
+                 info.schema.serialize().to_pybytes(), json.dumps(info.partitioning),
+                 info.producer, info.run, created, int(info.pinned), info.accessed or created))
+            con.executemany(
+                "INSERT INTO partitions VALUES (?,?,?,?,?,?)",
+                [(info.session, info.name, p.index, p.rows, p.bytes, p.checksum) for p in info.partitions])
+        return old
 
     @staticmethod
     def _delete_rows(con: sqlite3.Connection, session: str, name: str) -> None:
@@ -167,16 +228,46 @@ class SQLiteMetadata(MetadataBackend):
         con.execute("DELETE FROM partitions WHERE session=? AND name=?", (session, name))
 
     def delete(self, session: str, name: str) -> DatasetInfo | None:
-        with self._connect() as con:
-            con.execute("BEGIN IMMEDIATE")
-            row = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? AND name=?",
-                              (session, name)).fetchone()
-            old = self._info(con, row) if row else None
+        with self._write() as con:
+            old = self._row(con, session, name)
             if old is not None:
                 self._delete_rows(con, session, name)
-            con.execute("COMMIT")
-            return old
+        return old
 
     def sessions(self) -> list[str]:
         with self._connect() as con:
             return [r[0] for r in con.execute("SELECT DISTINCT session FROM datasets ORDER BY session")]
+
+    def touch(self, session: str, name: str, when: float | None = None) -> None:
+        with self._connect() as con:
+            con.execute("UPDATE datasets SET accessed=? WHERE session=? AND name=?",
+                        (time.time() if when is None else when, session, name))
+
+    def set_pinned(self, session: str, name: str, pinned: bool) -> bool:
+        with self._connect() as con:
+            cur = con.execute("UPDATE datasets SET pinned=? WHERE session=? AND name=?",
+                              (int(pinned), session, name))
+            return cur.rowcount == 1
+
+    def relocate(self, session: str, name: str, version: str, old_location: str,
+                 new_location: str) -> bool:
+        with self._connect() as con:
+            cur = con.execute(
+                "UPDATE datasets SET location=? WHERE session=? AND name=? AND version=? AND location=?",
+                (new_location, session, name, version, old_location))
+            return cur.rowcount == 1
+
+
+def open_metadata(url: "str | Path | MetadataBackend") -> MetadataBackend:
+    """``sqlite:///path`` or a plain path → SQLite; ``redis://host:port/db`` → Redis."""
+    if isinstance(url, MetadataBackend):
+        return url
+    text = str(url)
+    scheme = text.split("://", 1)[0] if "://" in text else "sqlite"
+    return metadata_backends.load(scheme)(text)
+
+
+metadata_backends = Registry("store metadata backend")
+metadata_backends.register("sqlite", "phalanx.store.metadata:SQLiteMetadata")
+metadata_backends.register("redis", "phalanx.store.redis_metadata:RedisMetadata", extra="redis")
+metadata_backends.register("rediss", "phalanx.store.redis_metadata:RedisMetadata", extra="redis")

@@ -45,13 +45,13 @@ class RankStore:
             return store.new_staging_id(env.gang_id or "gang")
 
         staging_id = comm.on_root(plan)
-        part = store.stage_partition(staging_id, env.rank, table)
+        part = store.stage_partition(staging_id, env.rank, table, name=name)
         reports = comm.allgather_obj((part, table.schema.serialize().to_pybytes()))
         schemas = [pa.ipc.read_schema(pa.py_buffer(s)) for _, s in reports]
         bad = [r for r, s in enumerate(schemas) if not s.equals(schemas[0])]
         if bad:
             if env.rank == 0:
-                store.tier.remove(store.tier.staging_dir(store.session, staging_id))
+                store.discard_staging(name, staging_id)
             raise StoreError(f"put {name!r}: ranks {bad} have a different schema than rank 0: "
                              f"{schemas[bad[0]]} vs {schemas[0]}")
         partitioning = R.hash_partitioning(partitioned_by, comm.world_size) if partitioned_by else None
@@ -70,7 +70,7 @@ class RankStore:
             raise ValueError(f"get {name!r}: shuffle must be None or 'random', got {shuffle!r}")
         if by is not None and shuffle is not None:
             raise ValueError(f"get {name!r}: give by= or shuffle=, not both")
-        info = comm.on_root(self.store.info, name)
+        info = comm.on_root(self.store.use, name)  # records the access; reloads if spilled
         keys = as_list(by)
         check_columns(info.schema, keys + as_list(columns), f"get {name!r}")
 

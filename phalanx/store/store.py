@@ -2,41 +2,132 @@
 
 Datasets are immutable once sealed, written as one partition file per producer rank, and
 named within a *session* so two workflows never see each other's names.
+
+A store is a payload tier (a directory — shared memory by default — or an ``s3://`` object
+store), a metadata backend (SQLite or Redis) and, optionally, a memory budget with a disk
+tier that least-recently-used datasets spill to.  ``rank_env()`` is how a gang hands the same
+configuration to its ranks (``PHALANX_STORE*`` variables, read back by ``Store()``).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+import os
+import re
 import time
 import uuid
+from dataclasses import replace as _replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import pyarrow as pa
 
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
-from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, SQLiteMetadata
-from .tiers import FileTier, checksum_file, default_root
+from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
+from .tiers import FileTier, Tier, checksum_buffer, default_root, default_spill_root, open_tier, part_file
+
+log = logging.getLogger("phalanx.store")
 
 DEFAULT_SESSION = "default"
 
+ENV_STORE = "PHALANX_STORE"              # root: a directory or s3://bucket/prefix?endpoint_override=…
+ENV_SESSION = "PHALANX_STORE_SESSION"    # session (namespace)
+ENV_METADATA = "PHALANX_STORE_METADATA"  # sqlite:///path/meta.sqlite | redis://host:port/db
+ENV_BUDGET = "PHALANX_STORE_BUDGET"      # memory budget of a file-tier root, bytes ("4GiB" works)
+ENV_SPILL = "PHALANX_STORE_SPILL"        # the disk directory datasets over the budget spill to
+
+
+def parse_bytes(text: str | int | None) -> int | None:
+    """``"4GiB"``, ``"512MB"``, ``"1e9"``, ``1000`` → bytes; ``None`` or ``""`` → None."""
+    if text is None or text == "":
+        return None
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([kKmMgGtT]?)(i?)[bB]?\s*", str(text))
+    if not m:
+        raise ValueError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MB, 1000000)")
+    number, unit, binary = m.groups()
+    base = 1024 if binary or not unit else 1000
+    return int(float(number) * base ** " KMGT".index(unit.upper() or " "))
+
+
+def default_metadata_url(tier: Tier) -> str:
+    """SQLite beside the payload of a file tier; for an object tier, a local SQLite file named
+    after the bucket and prefix (one host only: name a Redis URL for more)."""
+    if isinstance(tier, FileTier):
+        return f"sqlite://{tier.root / 'meta.sqlite'}"
+    local = default_spill_root().parent / "metadata" / tier.kind
+    safe = re.sub(r"[^A-Za-z0-9._/-]", "_", tier.url.split("://", 1)[1])
+    return f"sqlite://{local / safe / 'meta.sqlite'}"
+
+
+def _check_session(session: str) -> str:
+    if not session or "/" in session or session.startswith(".") or "\0" in session:
+        raise ValueError(f"bad session name {session!r}")
+    return session
+
+
+def _check_name(name: str) -> str:
+    if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise ValueError(f"bad dataset name {name!r}: a non-empty string without '/' "
+                         "that does not start with '.'")
+    return name
+
 
 class Store:
-    """A store rooted at a directory: ``/dev/shm/phalanx-$USER/store`` by default."""
+    """A store rooted at a directory (``/dev/shm/phalanx-$USER/store`` by default) or an object
+    store (``s3://bucket/prefix?endpoint_override=http://host:port``).
+
+    ``metadata``: a backend or URL (``sqlite:///path``, ``redis://host:port/db``); default
+    ``PHALANX_STORE_METADATA``, else SQLite beside the payload.  ``memory_budget``: bytes the
+    root (a file tier) may hold before least-recently-used datasets move to ``spill`` (a disk
+    directory); default ``PHALANX_STORE_BUDGET`` / ``PHALANX_STORE_SPILL``.
+    """
 
     def __init__(self, root: str | Path | None = None, session: str = DEFAULT_SESSION,
-                 metadata: MetadataBackend | None = None):
-        if not session or "/" in session or session.startswith("."):
-            raise ValueError(f"bad session name {session!r}")
-        self.root = Path(root) if root else default_root()
-        self.session = session
-        self.tier = FileTier(self.root)
-        self.meta = metadata or SQLiteMetadata(self.root / "meta.sqlite")
+                 metadata: MetadataBackend | str | None = None, *,
+                 memory_budget: int | str | None = None, spill: str | Path | None = None):
+        self.session = _check_session(session)
+        text = os.fspath(root) if root else (os.environ.get(ENV_STORE) or str(default_root()))
+        self.tier: Tier = open_tier(text)
+        self.root: Path | str = self.tier.root if isinstance(self.tier, FileTier) else self.tier.root_url
+        budget = parse_bytes(memory_budget if memory_budget is not None else os.environ.get(ENV_BUDGET))
+        if budget is not None and budget < 0:
+            raise ValueError(f"memory_budget must be ≥ 0 bytes, got {budget}")
+        if budget is not None and not isinstance(self.tier, FileTier):
+            raise ValueError(f"a memory budget needs a directory root (shared memory), not {text!r}")
+        self.memory_budget = budget
+        if metadata is None:
+            metadata = os.environ.get(ENV_METADATA) or default_metadata_url(self.tier)
+        self.meta: MetadataBackend = open_metadata(metadata)
+        spill_root = spill or os.environ.get(ENV_SPILL) or None
+        self.spill_tier: FileTier | None = None
+        if budget is not None or spill_root:
+            self.spill_tier = FileTier(spill_root or default_spill_root())
+            if self.spill_tier.root == getattr(self.tier, "root", None):
+                raise ValueError(f"the spill directory must differ from the store root ({text})")
 
     def for_session(self, session: str) -> "Store":
-        return Store(self.root, session, self.meta)
+        """The same store (tiers, metadata, budget), another session."""
+        other = copy.copy(self)
+        other.session = _check_session(session)
+        return other
+
+    def rank_env(self) -> dict[str, str]:
+        """The environment that makes ``Store()`` in another process (a rank) open this store."""
+        return {
+            ENV_STORE: str(self.root), ENV_SESSION: self.session, ENV_METADATA: self.meta.url,
+            ENV_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
+            ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
+        }
 
     def __repr__(self) -> str:
-        return f"<phalanx.Store {self.root} session={self.session!r}>"
+        budget = f" budget={self.memory_budget}" if self.memory_budget is not None else ""
+        return f"<phalanx.Store {self.root} session={self.session!r} metadata={self.meta.url}{budget}>"
+
+    def _where(self) -> str:
+        return f"store {self.root} session {self.session!r}"
 
     # ---- inspection ---------------------------------------------------------------------
     def list(self) -> list[str]:
@@ -46,31 +137,71 @@ class Store:
         return self.meta.get(self.session, name) is not None
 
     def info(self, name: str) -> DatasetInfo:
+        """The dataset's metadata (no side effects: ``use`` is the reading variant)."""
         info = self.meta.get(self.session, name)
         if info is None:
             known = ", ".join(self.list()) or "none"
-            raise DatasetNotFoundError(
-                f"store {self.root} session {self.session!r}: no dataset {name!r} (datasets: {known})")
+            raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r} (datasets: {known})")
         return info
 
     def sessions(self) -> list[str]:
         return self.meta.sessions()
 
+    def spilled(self, name: str) -> bool:
+        """Whether the dataset lives on the spill (disk) tier rather than the store root."""
+        info = self.info(name)
+        return self.spill_tier is not None and self.spill_tier.owns(info.location)
+
+    def memory_usage(self) -> int:
+        """Bytes of sealed datasets (every session) on the store root: what the budget limits."""
+        return sum(d.nbytes for d in self.meta.all() if self.tier.owns(d.location))
+
     # ---- reading --------------------------------------------------------------------------
+    def use(self, name: str) -> DatasetInfo:
+        """``info`` for a reader: records the access (LRU order) and, under a memory budget,
+        brings a spilled dataset back into memory first."""
+        info = self.info(name)
+        now = time.time()
+        self.meta.touch(self.session, name, now)
+        info.accessed = now
+        if self.memory_budget is not None and self.spill_tier is not None \
+                and self.spill_tier.owns(info.location) and self._fits(info):
+            moved = self._move(info, self.tier)
+            if moved is not None:
+                info = moved
+                self._enforce_budget()
+        return info
+
     def partition(self, info: DatasetInfo, index: int, verify: bool = False) -> pa.Table:
-        """One partition, memory-mapped (zero-copy); ``verify`` checks its checksum first."""
+        """One partition: memory-mapped (zero-copy) from a file tier, downloaded from an object
+        store; ``verify`` checks its checksum first."""
         part = info.partitions[index]
-        path = Path(info.location) / self.tier.part_file(index)
-        where = f"dataset {info.name!r} partition {index} ({path})"
-        if not path.exists():
-            raise StoreError(f"{where} is missing")
+        location = info.location
+        where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
+        try:
+            tier = self._tier_for(location)
+            try:
+                buf = tier.read_buffer(location, index)
+            except FileNotFoundError:
+                # Moved to another tier since ``info`` was read (spill/reload)? Follow it.
+                fresh = self.meta.get(info.session, info.name)
+                if fresh is None or fresh.version != info.version or fresh.location == location:
+                    raise StoreError(f"{where} is missing") from None
+                location = fresh.location
+                where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
+                tier = self._tier_for(location)
+                buf = tier.read_buffer(location, index)
+        except FileNotFoundError:
+            raise StoreError(f"{where} is missing") from None
+        except OSError as exc:
+            raise StoreError(f"{where} is unreadable: {exc}") from None
         if verify:
-            actual = checksum_file(path)
+            actual = checksum_buffer(buf)
             if actual != part.checksum:
                 raise ChecksumError(f"{where}: checksum mismatch (stored {part.checksum}, "
                                     f"file has {actual}); the file was changed or corrupted")
         try:
-            table = self.tier.open_partition(path)
+            table = tier.open_partition(buf)
         except (pa.ArrowInvalid, OSError) as exc:
             raise StoreError(f"{where} is unreadable: {exc}") from None
         if table.num_rows != part.rows:
@@ -79,15 +210,25 @@ class Store:
 
     def read(self, name: str, columns: Sequence[str] | None = None, verify: bool = True) -> pa.Table:
         """The whole dataset as one table (partitions in order), checksums verified."""
-        info = self.info(name)
+        info = self.use(name)
         tables = [self.partition(info, i, verify) for i in range(info.num_partitions)]
         table = pa.concat_tables(tables) if tables else info.schema.empty_table()
         return table.select(list(columns)) if columns is not None else table
+
+    def _tier_for(self, location: str) -> Tier:
+        for tier in (self.tier, self.spill_tier):
+            if tier is not None and tier.owns(location):
+                return tier
+        if "://" in location:
+            raise StoreError(f"{self._where()}: payload at {location} is on another store; "
+                             "open a Store with that root to read it")
+        return FileTier(Path(location).parent)  # any directory: a file tier reads absolute paths
 
     # ---- writing --------------------------------------------------------------------------
     def put(self, name: str, partitions: pa.Table | Sequence[pa.Table], replace: bool = False,
             producer: str = "", run: str = "", partitioning: dict[str, Any] | None = None) -> DatasetInfo:
         """Write from one process: each table becomes one partition (a gang uses env.store)."""
+        _check_name(name)
         tables = [partitions] if isinstance(partitions, pa.Table) else list(partitions)
         if not tables:
             raise ValueError(f"put {name!r}: no partitions given")
@@ -99,27 +240,46 @@ class Store:
             raise self._exists(name)
         staging_id = self.new_staging_id("local")
         try:
-            parts = [self.stage_partition(staging_id, i, t) for i, t in enumerate(tables)]
-            return self.seal(name, staging_id, parts, schema, partitioning, producer, run, replace)
-        finally:
-            self.tier.remove(self.tier.staging_dir(self.session, staging_id))
+            parts = [self.stage_partition(staging_id, i, t, name=name) for i, t in enumerate(tables)]
+        except BaseException:
+            self.discard_staging(name, staging_id)
+            raise
+        return self.seal(name, staging_id, parts, schema, partitioning, producer, run, replace)
 
     def new_staging_id(self, owner: str) -> str:
         return f"{owner}-{uuid.uuid4().hex[:12]}"
 
-    def stage_partition(self, staging_id: str, index: int, table: pa.Table) -> PartitionInfo:
-        nbytes, checksum = self.tier.write_partition(
-            self.tier.staging_dir(self.session, staging_id), index, table)
+    def stage_partition(self, staging_id: str, index: int, table: pa.Table,
+                        name: str | None = None) -> PartitionInfo:
+        """Write one partition of a put that ``seal`` will publish (the object tier writes in
+        place under the dataset's name, so it needs ``name``)."""
+        if name is None and not self.tier.atomic_rename:
+            raise ValueError(f"{self._where()}: stage_partition needs the dataset name")
+        location = self.tier.staging(self.session, _check_name(name) if name else "", staging_id)
+        nbytes, checksum = self.tier.write_partition(location, index, table)
         return PartitionInfo(index, table.num_rows, nbytes, checksum)
+
+    def discard_staging(self, name: str | None, staging_id: str) -> None:
+        """Remove the partitions of a put that will not be sealed."""
+        if name is None and not self.tier.atomic_rename:
+            return
+        self.tier.remove(self.tier.staging(self.session, name or "", staging_id))
 
     def seal(self, name: str, staging_id: str, parts: list[PartitionInfo], schema: pa.Schema,
              partitioning: dict[str, Any] | None, producer: str, run: str, replace: bool) -> DatasetInfo:
-        """Publish a staged dataset atomically: move its files into place, then one transaction."""
-        staging = self.tier.staging_dir(self.session, staging_id)
-        final = self.tier.final_dir(self.session, name, staging_id)
-        self.tier.commit(staging, final)
-        info = DatasetInfo(self.session, name, staging_id, str(final), schema, parts,
-                           partitioning or {"kind": "none"}, producer, run, time.time())
+        """Publish a staged dataset: move its files into place (file tier), then one atomic
+        metadata step; only then can a reader find it."""
+        _check_name(name)
+        staging = self.tier.staging(self.session, name, staging_id)
+        final = self.tier.final(self.session, name, staging_id)
+        try:
+            self.tier.commit(staging, final)
+        except BaseException:
+            self.tier.remove(staging)
+            raise
+        now = time.time()
+        info = DatasetInfo(self.session, name, staging_id, final, schema, parts,
+                           partitioning or {"kind": "none"}, producer, run, now, accessed=now)
         try:
             old = self.meta.seal(info, replace)
         except FileExistsError:
@@ -128,33 +288,119 @@ class Store:
         except BaseException:
             self.tier.remove(final)
             raise
-        if old is not None:
-            self.tier.remove(Path(old.location))
+        # Sealed: from here on, failures only leave garbage, never a wrong dataset.
+        try:
+            if old is not None:
+                self._tier_for(old.location).remove(old.location)
+            self._enforce_budget()
+        except Exception as exc:
+            log.warning("%s: after sealing %r: %s", self._where(), name, exc)
         return info
 
     def _exists(self, name: str) -> DatasetExistsError:
-        return DatasetExistsError(f"store {self.root} session {self.session!r}: dataset {name!r} "
-                                  "exists; datasets are immutable (pass replace=True to replace it)")
+        return DatasetExistsError(f"{self._where()}: dataset {name!r} exists; datasets are "
+                                  "immutable (pass replace=True to replace it)")
+
+    # ---- memory budget: spill to disk, reload on use, pin ------------------------------------
+    def pin(self, name: str) -> DatasetInfo:
+        """Keep the dataset in memory: never spilled (brought back now if it was)."""
+        if not self.meta.set_pinned(self.session, name, True):
+            raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
+        info = self.info(name)
+        if self.spill_tier is not None and self.spill_tier.owns(info.location):
+            info = self._move(info, self.tier) or self.info(name)
+        self._enforce_budget()
+        return self.info(name)
+
+    def unpin(self, name: str) -> DatasetInfo:
+        if not self.meta.set_pinned(self.session, name, False):
+            raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
+        self._enforce_budget()
+        return self.info(name)
+
+    def _fits(self, info: DatasetInfo) -> bool:
+        """Could ``info`` live in memory next to the pinned datasets?"""
+        assert self.memory_budget is not None
+        pinned = sum(d.nbytes for d in self.meta.all()
+                     if d.pinned and self.tier.owns(d.location) and (d.session, d.name) != (info.session, info.name))
+        return pinned + info.nbytes <= self.memory_budget
+
+    def _enforce_budget(self) -> None:
+        """Spill least-recently-used, unpinned datasets until the root is within budget."""
+        if self.memory_budget is None or self.spill_tier is None:
+            return
+        budget = self.memory_budget
+        resident = [d for d in self.meta.all() if self.tier.owns(d.location)]
+        total = sum(d.nbytes for d in resident)
+        if total <= budget:
+            return
+        # one that could never fit goes first; then least recently used
+        victims = sorted((d for d in resident if not d.pinned),
+                         key=lambda d: (d.nbytes <= budget, d.accessed))
+        for d in victims:
+            if total <= budget:
+                break
+            if self._move(d, self.spill_tier) is not None:
+                total -= d.nbytes
+                log.info("%s: spilled %s/%s (%d bytes) to %s", self._where(), d.session, d.name,
+                         d.nbytes, self.spill_tier.url)
+
+    def _move(self, info: DatasetInfo, dst: Tier) -> DatasetInfo | None:
+        """Copy a sealed dataset to ``dst``, switch its location in one compare-and-set, then
+        delete the old copy.  Readers that already mapped the old files keep valid pages (an
+        unlinked file lives on while mapped); readers with a stale location follow the
+        metadata (``partition``).  None when the dataset changed meanwhile (nothing moved)."""
+        src = self._tier_for(info.location)
+        tag = f"move-{uuid.uuid4().hex[:12]}"
+        scratch = dst.scratch(info.session, tag)
+        final = dst.final(info.session, info.name, f"{info.version}.{tag[5:]}")
+        try:
+            for i in range(info.num_partitions):
+                dst.write_buffer(scratch, i, src.read_buffer(info.location, i))
+            dst.commit(scratch, final)
+        except FileNotFoundError:  # deleted, replaced or moved by another process meanwhile
+            dst.remove(scratch)
+            return None
+        except BaseException:
+            dst.remove(scratch)
+            raise
+        if not self.meta.relocate(info.session, info.name, info.version, info.location, final):
+            dst.remove(final)
+            return None
+        src.remove(info.location)
+        return _replace(info, location=final)
 
     # ---- removal ---------------------------------------------------------------------------
     def delete(self, name: str) -> None:
         old = self.meta.delete(self.session, name)
         if old is None:
-            raise DatasetNotFoundError(f"store {self.root} session {self.session!r}: no dataset {name!r}")
-        self.tier.remove(Path(old.location))
+            raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
+        self._tier_for(old.location).remove(old.location)
 
     def delete_session(self) -> int:
-        """Remove every dataset of this session; returns how many."""
+        """Remove every dataset of this session (metadata and payload); returns how many."""
         names = self.list()
         for name in names:
-            self.delete(name)
-        self.tier.remove(self.root / self.session)
+            try:
+                self.delete(name)
+            except DatasetNotFoundError:  # deleted by someone else meanwhile
+                pass
+        self.tier.remove_session(self.session)
+        if self.spill_tier is not None:
+            self.spill_tier.remove_session(self.session)
         return len(names)
 
     def abort_staging(self, owner: str) -> int:
-        """Remove unsealed writes of ``owner`` (a gang id) in every session: a failed put."""
+        """Remove unsealed writes of ``owner`` (a gang id) in every session: a failed put.
+
+        On an object store, writes are in place, so a prefix of ``owner`` that the metadata
+        has sealed is kept."""
         removed = 0
-        for staging in self.root.glob(f"*/.staging/{owner}-*"):
-            self.tier.remove(staging)
+        for st in self.tier.staged(owner):
+            if st.name is not None:
+                cur = self.meta.get(st.session, st.name)
+                if cur is not None and cur.version == st.version and cur.location == st.location:
+                    continue
+            self.tier.remove(st.location)
             removed += 1
         return removed

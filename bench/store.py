@@ -9,15 +9,17 @@ xxh3 checksum, atomic seal), next to ``np.copyto`` of S bytes (memcpy) on this m
 Get: ``Store.info`` + ``Store.partition`` (metadata lookup + memory-map), and how many bytes
 Arrow allocated while doing it (0 means zero-copy).  N→M: producer partitions written from the
 driver, consumer gang of M ranks calling ``env.store.get`` in each mode; it prints which path
-ran and rows/s over the gang.  The loader benchmark is bench/ml_loader.py.
+ran and rows/s over the gang.  Last, the ML loader against a plain PyTorch DataLoader over
+pandas (bench/ml_loader.py, also runnable on its own).
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import tempfile
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -108,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-loader", action="store_true", help="skip the loader benchmark")
     args = ap.parse_args()
     sizes = [10, 100, 256] if args.quick else [10, 100, 256, 1024]
     rows = 1_000_000 if args.quick else 4_000_000
@@ -119,6 +122,11 @@ def main() -> None:
         bench_repartition(store, rows, producers=[1, 2, 4], consumers=[2, 3] if args.quick else [1, 2, 3, 4])
     finally:
         store.delete_session()
+    if not args.no_loader:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from ml_loader import bench_loader
+
+        bench_loader(rows=1_000_000 if args.quick else 4_000_000, epochs=2 if args.quick else 3)
     print("cpu pressure at end:", open("/proc/pressure/cpu").readline().strip())
 
 

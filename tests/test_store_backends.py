@@ -23,15 +23,10 @@ from phalanx.store.metadata import DatasetInfo, PartitionInfo, SQLiteMetadata, o
 from phalanx.store.store import parse_bytes
 from phalanx.store.tiers import serialize
 from reference import assert_same_rows, make_part, whole
+from conftest import free_port
 from test_store import every_type_table, same_table
 
 BUCKET = "phalanx-test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- servers --------------------------------------------------------------------------------

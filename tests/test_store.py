@@ -83,8 +83,13 @@ def test_datasets_are_immutable_unless_replaced(store):
     old_location = store.info("x").location
     with pytest.raises(DatasetExistsError, match="dataset 'x' exists"):
         store.put("x", pa.table({"a": [2]}))
+    old_info = store.info("x")
     store.put("x", pa.table({"a": [3, 4]}), replace=True)
     assert store.read("x")["a"].to_pylist() == [3, 4]
+    # a reader that looked the old version up before the replace can still open it ...
+    assert store.partition(old_info, 0)["a"].to_pylist() == [1]
+    # ... until the grace period for retired versions is over
+    store.purge_retired(older_than=0)
     assert not Path(old_location).exists()
     store.delete("x")
     with pytest.raises(DatasetNotFoundError, match="no dataset 'x'"):
@@ -261,3 +266,25 @@ def gang2_store():
     with px.Gang(ranks=2, echo=False, session="verify") as g:
         yield g, store
     store.delete_session()
+
+
+def app_write_fails_on_rank_1_but_is_caught(env, name):
+    if env.rank == 1:
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        env.store.store.stage_partition = broken
+    try:
+        env.store.put(name, pa.table({"a": [env.rank]}))
+    except Exception as exc:  # an app may catch store errors: no rank may be left waiting
+        return f"{type(exc).__name__}: {exc}"
+    return "sealed"
+
+
+def test_a_write_failing_on_one_rank_fails_the_put_on_every_rank():
+    with px.Gang(ranks=3, echo=False) as g:
+        outcomes = g.run(app_write_fails_on_rank_1_but_is_caught, "one-rank-fails", timeout=60)
+        assert outcomes[1] == "OSError: [Errno 28] No space left on device"
+        for r in (0, 2):
+            assert outcomes[r].startswith("PhalanxError: put 'one-rank-fails': writing partitions failed on rank(s) [1]")
+        assert not px.Store().exists("one-rank-fails")
+        assert list(px.Store().root.glob("*/.staging/*")) == []

@@ -178,18 +178,29 @@ class SQLiteMetadata(MetadataBackend):
                           (session, name)).fetchone()
         return self._info(con, row) if row else None
 
-    def get(self, session: str, name: str) -> DatasetInfo | None:
+    @contextmanager
+    def _read(self) -> Iterator[sqlite3.Connection]:
+        """One snapshot for the dataset row and its partitions: a replace that commits in
+        between must not mix two versions."""
         with self._connect() as con:
+            con.execute("BEGIN")
+            try:
+                yield con
+            finally:
+                con.execute("COMMIT")
+
+    def get(self, session: str, name: str) -> DatasetInfo | None:
+        with self._read() as con:
             return self._row(con, session, name)
 
     def list(self, session: str) -> list[DatasetInfo]:
-        with self._connect() as con:
+        with self._read() as con:
             rows = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? ORDER BY name",
                                (session,)).fetchall()
             return [self._info(con, r) for r in rows]
 
     def all(self) -> list[DatasetInfo]:
-        with self._connect() as con:
+        with self._read() as con:
             rows = con.execute(f"SELECT {self._COLS} FROM datasets ORDER BY session, name").fetchall()
             return [self._info(con, r) for r in rows]
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import pyarrow as pa
 
 from ..errors import StoreError
-from ..operators.common import as_list, check_columns
+from ..operators.common import agree_schema, as_list, check_columns
 from ..operators.dataframe import DataFrame
 from ..operators.shuffle import shuffle_table
 from . import repartition as R
@@ -38,6 +38,8 @@ class RankStore:
         """Every rank writes its partition; the dataset is sealed when all have written."""
         env, comm, store = self.env, self.env.comm, self.store
         table, partitioned_by = _as_table(data)
+        if not isinstance(data, DataFrame):  # a DataFrame's ranks already agree on the schema
+            table = agree_schema(comm, table, f"put {name!r}")  # e.g. an empty pandas partition
 
         def plan() -> str:
             if not replace and store.exists(name):
@@ -45,7 +47,13 @@ class RankStore:
             return store.new_staging_id(env.gang_id or "gang")
 
         staging_id = comm.on_root(plan)
-        part = store.stage_partition(staging_id, env.rank, table, name=name)
+        try:
+            part = comm.on_every_rank(f"put {name!r}: writing partitions",
+                                      store.stage_partition, staging_id, env.rank, table, name)
+        except Exception:
+            if env.rank == 0:
+                store.discard_staging(name, staging_id)
+            raise
         reports = comm.allgather_obj((part, table.schema.serialize().to_pybytes()))
         schemas = [pa.ipc.read_schema(pa.py_buffer(s)) for _, s in reports]
         bad = [r for r, s in enumerate(schemas) if not s.equals(schemas[0])]
@@ -82,7 +90,9 @@ class RankStore:
         if keys and R.matches_hash(info, keys, nranks):
             table, self.last_plan, partitioned_by = open_partition(rank), "hash: stored partition, zero-copy", keys
         elif keys:
-            table = shuffle_table(comm, R.balanced_rows(info, open_partition, rank, nranks), keys)
+            local = comm.on_every_rank(f"get {name!r}: reading partitions",
+                                       R.balanced_rows, info, open_partition, rank, nranks)
+            table = shuffle_table(comm, local, keys)
             self.last_plan, partitioned_by = "hash: balanced read + shuffle", keys
         elif shuffle == "random":
             rows = R.permutation_share(info.num_rows, seed, rank, nranks)

@@ -166,7 +166,11 @@ class Store:
         info.accessed = now
         if self.memory_budget is not None and self.spill_tier is not None \
                 and self.spill_tier.owns(info.location) and self._fits(info):
-            moved = self._move(info, self.tier)
+            try:
+                moved = self._move(info, self.tier)
+            except Exception as exc:  # e.g. shared memory full: the spilled copy still reads
+                log.warning("%s: could not bring %r back into memory: %s", self._where(), name, exc)
+                moved = None
             if moved is not None:
                 info = moved
                 self._enforce_budget()
@@ -286,12 +290,16 @@ class Store:
             self.tier.remove(final)
             raise self._exists(name) from None
         except BaseException:
-            self.tier.remove(final)
+            # The seal may have committed before the error reached us (a lost reply, Ctrl-C):
+            # remove the payload only if the metadata does not point at it.
+            current = self._current(name)
+            if current is None or current.version != staging_id:
+                self.tier.remove(final)
             raise
         # Sealed: from here on, failures only leave garbage, never a wrong dataset.
         try:
             if old is not None:
-                self._tier_for(old.location).remove(old.location)
+                self._retire(old.location)
             self._enforce_budget()
         except Exception as exc:
             log.warning("%s: after sealing %r: %s", self._where(), name, exc)
@@ -375,19 +383,61 @@ class Store:
         old = self.meta.delete(self.session, name)
         if old is None:
             raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
-        self._tier_for(old.location).remove(old.location)
+        self._retire(old.location)
+
+    # Readers look a dataset up, then open its files (rank 0 looks up for the whole gang), so
+    # the files of a replaced or deleted version stay for a grace period before removal.
+    RETIRE_GRACE_S = 300.0
+
+    def _retire(self, location: str) -> None:
+        trash = self.root_trash()
+        if trash is None:  # object stores: remove at once (documented)
+            self._tier_for(location).remove(location)
+            return
+        trash.mkdir(parents=True, exist_ok=True)
+        (trash / f"{time.time_ns()}-{uuid.uuid4().hex[:6]}").write_text(location)
+        self.purge_retired()
+
+    def root_trash(self) -> Path | None:
+        return Path(self.tier.root) / ".retired" if isinstance(self.tier, FileTier) else None
+
+    def purge_retired(self, older_than: float | None = None) -> int:
+        """Remove retired versions older than ``older_than`` seconds (default: the grace)."""
+        trash = self.root_trash()
+        if trash is None or not trash.is_dir():
+            return 0
+        limit = time.time_ns() - int((self.RETIRE_GRACE_S if older_than is None else older_than) * 1e9)
+        removed = 0
+        for entry in trash.iterdir():
+            try:
+                if int(entry.name.split("-", 1)[0]) > limit:
+                    continue
+                location = entry.read_text()
+                self._tier_for(location).remove(location)
+                entry.unlink()
+                removed += 1
+            except (ValueError, OSError):  # another process purged it first
+                continue
+        return removed
+
+    def _current(self, name: str) -> DatasetInfo | None:
+        try:
+            return self.meta.get(self.session, name)
+        except Exception:
+            return None
 
     def delete_session(self) -> int:
         """Remove every dataset of this session (metadata and payload); returns how many."""
         names = self.list()
         for name in names:
-            try:
-                self.delete(name)
-            except DatasetNotFoundError:  # deleted by someone else meanwhile
-                pass
-        self.tier.remove_session(self.session)
-        if self.spill_tier is not None:
-            self.spill_tier.remove_session(self.session)
+            old = self.meta.delete(self.session, name)
+            if old is not None:  # an explicit wipe: no grace period
+                self._tier_for(old.location).remove(old.location)
+        # The session's directory goes only when no dataset was sealed meanwhile.
+        if not self.meta.list(self.session):
+            self.tier.remove_session(self.session)
+            if self.spill_tier is not None:
+                self.spill_tier.remove_session(self.session)
         return len(names)
 
     def abort_staging(self, owner: str) -> int:

@@ -99,6 +99,27 @@ class Communicator(ABC):
             raise value
         return value
 
+    def on_every_rank(self, what: str, fn: Any, *args: Any) -> Any:
+        """Run a local step on every rank; if it fails anywhere, it fails everywhere.
+
+        Call this before a collective whose peers must not wait for a rank whose local step
+        (writing a file, opening a partition) raised: the failing rank re-raises its own error,
+        the others raise one that names the failed ranks and the first error.
+        """
+        try:
+            result, error = fn(*args), None
+        except Exception as exc:
+            result, error = None, exc
+        errors = self.allgather_obj(None if error is None else f"{type(error).__name__}: {error}")
+        failed = [r for r, e in enumerate(errors) if e is not None]
+        if not failed:
+            return result
+        if error is not None:
+            raise error
+        from ...errors import PhalanxError
+
+        raise PhalanxError(f"{what} failed on rank(s) {failed}: {errors[failed[0]]}")
+
     def allreduce_scalar(self, value: int | float, op: ReduceOp = "sum") -> int | float:
         dtype = np.int64 if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else np.float64
         out = self.allreduce(np.array([value], dtype=dtype), op)

@@ -288,3 +288,20 @@ def test_a_write_failing_on_one_rank_fails_the_put_on_every_rank():
             assert outcomes[r].startswith("PhalanxError: put 'one-rank-fails': writing partitions failed on rank(s) [1]")
         assert not px.Store().exists("one-rank-fails")
         assert list(px.Store().root.glob("*/.staging/*")) == []
+
+
+def app_get_columns(env, session, name):
+    rs = env.store.for_session(session)
+    return [rs.get(name, columns=["v", "w"]).collect(root=0),
+            rs.get(name, by="key", columns=["w"]).collect(root=0),
+            rs.get(name, shuffle="random", seed=3, columns=["s"]).collect(root=0)]
+
+
+def test_get_reads_only_the_columns_asked_for(gang, store):
+    data = put_from_driver(store, "d", 2)
+    balanced, by_key, shuffled = gang.run(app_get_columns, store.session, "d")[0]
+    assert balanced.equals(data.select(["v", "w"]))
+    assert by_key.column_names == ["w"]
+    assert sorted(by_key["w"].to_pylist()) == sorted(data["w"].to_pylist())
+    assert shuffled.column_names == ["s"]
+    assert sorted(shuffled["s"].to_pylist(), key=str) == sorted(data["s"].to_pylist(), key=str)

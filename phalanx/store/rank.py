@@ -82,8 +82,12 @@ class RankStore:
         keys = as_list(by)
         check_columns(info.schema, keys + as_list(columns), f"get {name!r}")
 
+        # Only the columns asked for (and the keys) are gathered, shuffled or taken.
+        wanted = list(dict.fromkeys(keys + as_list(columns))) if columns is not None else None
+
         def open_partition(i: int) -> pa.Table:
-            return self.store.partition(info, i, verify)
+            table = self.store.partition(info, i, verify)
+            return table.select(wanted) if wanted is not None else table
 
         rank, nranks = env.rank, env.world_size
         partitioned_by = None

@@ -61,9 +61,12 @@ def take_rows(info: DatasetInfo, open_partition: OpenPartition, rows: np.ndarray
     order = np.argsort(part, kind="stable")
     grouped_rows, grouped_part = rows[order], part[order]
     pieces = []
-    for i in np.unique(grouped_part):
-        sel = grouped_rows[grouped_part == i] - offsets[i]
-        pieces.append(open_partition(int(i)).take(pa.array(sel)))
+    # grouped_part is sorted: each partition's rows are one contiguous run of it
+    bounds = np.searchsorted(grouped_part, np.arange(info.num_partitions + 1))
+    for i in range(info.num_partitions):
+        lo, hi = int(bounds[i]), int(bounds[i + 1])
+        if lo < hi:
+            pieces.append(open_partition(i).take(pa.array(grouped_rows[lo:hi] - offsets[i])))
     grouped = pa.concat_tables(pieces)
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))

@@ -305,3 +305,19 @@ def test_get_reads_only_the_columns_asked_for(gang, store):
     assert sorted(by_key["w"].to_pylist()) == sorted(data["w"].to_pylist())
     assert shuffled.column_names == ["s"]
     assert sorted(shuffled["s"].to_pylist(), key=str) == sorted(data["s"].to_pylist(), key=str)
+
+
+def app_delete_and_pin(env, name):
+    env.store.put(name, pa.table({"a": [env.rank]}))
+    pinned = env.store.pin(name).pinned
+    env.store.delete(name)
+    try:
+        env.store.delete(name)
+    except Exception as exc:
+        return pinned, env.store.exists(name), type(exc).__name__
+    return pinned, env.store.exists(name), None
+
+
+def test_store_changes_from_a_gang_are_made_once(gang):
+    results = gang.run(app_delete_and_pin, f"collective-{gang.world_size}")
+    assert results == [(True, False, "DatasetNotFoundError")] * gang.world_size

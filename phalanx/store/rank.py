@@ -30,6 +30,17 @@ class RankStore:
         """The same store, another session (namespace)."""
         return RankStore(self.env, self.store.for_session(session))
 
+    # Changes are collective: rank 0 makes them once, every rank gets its result or its error
+    # (called on every rank as plain Store calls, one would win and the others fail).
+    def delete(self, name: str) -> None:
+        self.env.comm.on_root(self.store.delete, name)
+
+    def pin(self, name: str) -> DatasetInfo:
+        return self.env.comm.on_root(self.store.pin, name)
+
+    def unpin(self, name: str) -> DatasetInfo:
+        return self.env.comm.on_root(self.store.unpin, name)
+
     def __getattr__(self, attr: str) -> Any:  # list, info, exists, read... of the Store
         return getattr(self.store, attr)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 
@@ -31,6 +32,71 @@ def cmd_validate(args: argparse.Namespace) -> int:
     ranks = max(st.ranks for st in wf.stages.values())
     print(f"{args.workflow}: ok — workflow {wf.name!r}, {len(wf.stages)} stages, "
           f"largest gang {ranks} ranks, site {site.name!r} ({site.executor}, {site.capacity()} slots)")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .orchestrator.rundb import RunDB
+    from .orchestrator.scheduler import run_workflow
+    from .orchestrator.validate import load_workflow
+    from .orchestrator.yamlio import ConfigError
+
+    db = RunDB(args.state)
+    if args.resume:
+        run = db.run(args.resume)
+        if run is None:
+            print(f"phalanx run: no run {args.resume!r} in {db.path}", file=sys.stderr)
+            return 1
+    try:
+        wf, site = load_workflow(args.workflow, site=args.site, overrides=_overrides(args.set))
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    t0 = time.monotonic()
+
+    def show(stage: str, kind: str, message: str) -> None:
+        print(f"[{time.monotonic() - t0:7.1f}s] {stage:<16} {kind:<9} {message}", flush=True)
+
+    try:
+        result = run_workflow(wf, site, file=str(args.workflow), db=db, resume=args.resume, on_event=show)
+    except KeyboardInterrupt:
+        last = db.runs(limit=1)
+        run_id = args.resume or (last[0]["id"] if last else "?")
+        print(f"\ncancelled: every gang was stopped; sealed outputs are kept.\n"
+              f"resume with: phalanx run {args.workflow} --resume {run_id}", file=sys.stderr)
+        return 130
+    state = "succeeded" if result.ok else "FAILED"
+    print(f"run {result.run_id} {state} in {time.monotonic() - t0:.1f}s (store session {result.session!r})")
+    for stage, error in result.failed.items():
+        attempts = db.attempts(result.run_id, stage)
+        logs = attempts[-1]["log_dir"] if attempts else "-"
+        print(f"  stage {stage!r} failed: {error}\n    logs: {logs}", file=sys.stderr)
+    for stage in result.skipped:
+        print(f"  stage {stage!r} did not run: an upstream stage failed", file=sys.stderr)
+    if not result.ok:
+        print(f"resume with: phalanx run {args.workflow} --resume {result.run_id}", file=sys.stderr)
+    return 0 if result.ok else 1
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from .orchestrator.rundb import RunDB
+
+    db = RunDB(args.state)
+    if not args.run:
+        for r in db.runs():
+            took = f"{(r['ended'] or time.time()) - r['started']:.1f}s"
+            print(f"{r['id']:26} {r['workflow']:24} {r['state']:10} {took:>9}  {r['file']}")
+        return 0
+    run = db.run(args.run)
+    if run is None:
+        print(f"phalanx status: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
+    print(f"run {run['id']}: {run['workflow']} — {run['state']} (session {run['session']!r})")
+    for s in db.stages(args.run):
+        rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
+        took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
+        print(f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
+              f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}")
     return 0
 
 
@@ -90,6 +156,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a field, e.g. stages.gen.params.rows=1000")
     v.add_argument("--no-imports", action="store_true", help="do not import the stages' apps")
     v.set_defaults(fn=cmd_validate)
+
+    r = sub.add_parser("run", help="run a workflow (or resume a failed run)")
+    r.add_argument("workflow")
+    r.add_argument("--site", help="site name (site-configs/NAME.yaml) or site file")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    r.add_argument("--resume", metavar="RUN_ID", help="rerun only the stages that did not seal their outputs")
+    r.add_argument("--state", help="state directory (default: $PHALANX_STATE or ~/.local/state/phalanx)")
+    r.set_defaults(fn=cmd_run)
+
+    st = sub.add_parser("status", help="list runs, or the stages of one run")
+    st.add_argument("run", nargs="?")
+    st.add_argument("--state")
+    st.set_defaults(fn=cmd_status)
 
     s = sub.add_parser("store", help="list, show or remove datasets")
     s.add_argument("--root", help="store directory (default: $PHALANX_STORE or /dev/shm/phalanx-$USER/store)")

@@ -16,3 +16,56 @@ def exchange_ranks(env):
 def sleep_forever(env):
     while True:
         time.sleep(0.1)
+
+
+# ---- workflow stage apps (see tests/test_scheduler.py) -----------------------------------
+def wf_generate(env):
+    """Each rank makes rows; env.params: rows, seed."""
+    import numpy as np
+    import pyarrow as pa
+
+    import phalanx as px
+
+    n, seed = env.params["rows"], env.params.get("seed", 0)
+    rng = np.random.default_rng([seed, env.rank])
+    part = pa.table({"user": rng.integers(0, 50, n // env.world_size),
+                     "amount": rng.integers(1, 100, n // env.world_size)})
+    env.output("tx", px.DataFrame.from_arrow(part, env))
+
+
+def wf_totals(env):
+    """Per-user totals of the input ``tx``; optionally fails (params: fail_marker, fail_times)."""
+    marker = env.params.get("fail_marker")
+    if marker:
+        from pathlib import Path
+
+        p = Path(marker)
+        count = int(p.read_text()) if p.exists() else 0
+        if count < env.params.get("fail_times", 1):
+            env.comm.barrier()
+            if env.rank == 0:
+                p.write_text(str(count + 1))
+            raise RuntimeError(f"planned failure {count + 1}")
+    totals = env.input("tx").groupby("user").agg({"amount": "sum"})
+    return {"totals": totals}
+
+
+def wf_meet(env):
+    """Waits (bounded) until the stage named in params.peer has started: proves concurrency."""
+    from pathlib import Path
+
+    d = Path(env.params["dir"])
+    (d / env.stage).touch()
+    deadline = time.monotonic() + 60
+    while not (d / env.params["peer"]).exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stage {env.params['peer']!r} never ran alongside {env.stage!r}")
+        time.sleep(0.05)
+    env.comm.barrier()
+
+
+def wf_mark(env):
+    """Records when it ran (for ordering checks): writes dir/<stage>.<rank>."""
+    from pathlib import Path
+
+    Path(env.params["dir"], f"{env.stage}.{env.rank}").write_text(str(time.time()))

@@ -23,9 +23,10 @@ def usable_cpus() -> list[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def cpu_placement(world_size: int, pin: bool) -> list[dict[str, str]]:
-    """Disjoint CPU sets when the gang fits the cores; threads split evenly either way."""
-    cpus = usable_cpus()
+def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None) -> list[dict[str, str]]:
+    """Disjoint CPU sets when the gang fits its cores (``cpus``: the share a scheduler gave
+    this gang; default all usable ones); threads split evenly either way."""
+    cpus = list(cpus) if cpus else usable_cpus()
     threads = max(1, len(cpus) // world_size)
     out = []
     for r in range(world_size):
@@ -39,15 +40,16 @@ def cpu_placement(world_size: int, pin: bool) -> list[dict[str, str]]:
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self, echo: Echo = True, pin: bool = True):
+    def __init__(self, echo: Echo = True, pin: bool = True, cpus: Sequence[int] | None = None):
         self.echo = echo
         self.pin = pin
+        self.cpus = cpus
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._output: RankOutput | None = None
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
-        return cpu_placement(world_size, self.pin)
+        return cpu_placement(world_size, self.pin, self.cpus)
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         self._output = RankOutput(log_dir, self.echo)

@@ -24,6 +24,27 @@ class BSPEnv:
     store_root: str | None = None          # None: the default store (see phalanx.store.tiers)
     store_session: str = "default"
     _store: Any = field(default=None, repr=False)
+    # Set when the app runs as a workflow stage (see phalanx.orchestrator.stage).
+    stage: str = ""
+    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)   # local name → get() spec
+    outputs: list[str] = field(default_factory=list)
+
+    def input(self, name: str):
+        """The stage input ``name`` as a DataFrame, repartitioned as the workflow says."""
+        if name not in self.inputs:
+            raise KeyError(f"stage {self.stage!r} has no input {name!r}; inputs: {sorted(self.inputs)}")
+        spec = dict(self.inputs[name])
+        dataset = spec.pop("dataset")
+        if spec.get("shuffle") == "global":  # a per-epoch order for the ML loader: read as stored
+            spec.pop("shuffle")
+            spec.pop("seed", None)
+        return self.store.get(dataset, **{k: v for k, v in spec.items() if v is not None})
+
+    def output(self, name: str, data: Any):
+        """Seal ``data`` as the stage output ``name`` (every rank passes its partition)."""
+        if name not in self.outputs:
+            raise KeyError(f"stage {self.stage!r} declares no output {name!r}; outputs: {self.outputs}")
+        return self.store.put(name, data, replace=True, producer=self.stage)
 
     def __post_init__(self) -> None:
         if self.log is None:

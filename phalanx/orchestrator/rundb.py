@@ -1,0 +1,120 @@
+"""The run database: runs, stages, attempts and events in SQLite under a state directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import time
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    id TEXT PRIMARY KEY, workflow TEXT NOT NULL, file TEXT, site TEXT, session TEXT NOT NULL,
+    state TEXT NOT NULL, started REAL, ended REAL);
+CREATE TABLE IF NOT EXISTS stages (
+    run_id TEXT NOT NULL, stage TEXT NOT NULL, state TEXT NOT NULL, ranks INTEGER,
+    attempts INTEGER NOT NULL DEFAULT 0, started REAL, ended REAL, error TEXT, outputs TEXT,
+    PRIMARY KEY (run_id, stage));
+CREATE TABLE IF NOT EXISTS attempts (
+    run_id TEXT NOT NULL, stage TEXT NOT NULL, attempt INTEGER NOT NULL, state TEXT NOT NULL,
+    started REAL, ended REAL, gang_id TEXT, log_dir TEXT, error TEXT,
+    PRIMARY KEY (run_id, stage, attempt));
+CREATE TABLE IF NOT EXISTS events (
+    run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT, kind TEXT NOT NULL, message TEXT);
+"""
+
+
+def default_state_dir() -> Path:
+    env = os.environ.get("PHALANX_STATE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
+    return Path(base) / "phalanx"
+
+
+class RunDB:
+    def __init__(self, state_dir: str | Path | None = None):
+        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.state_dir / "runs.sqlite"
+        with self._con() as con:
+            con.executescript(_SCHEMA)
+
+    @contextmanager
+    def _con(self) -> Iterator[sqlite3.Connection]:
+        con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        con.row_factory = sqlite3.Row
+        try:
+            con.execute("PRAGMA journal_mode=WAL")
+            yield con
+        finally:
+            con.close()
+
+    def log_dir(self, run_id: str, stage: str, attempt: int) -> Path:
+        return self.state_dir / "logs" / run_id / stage / f"attempt-{attempt}"
+
+    # ---- writes -------------------------------------------------------------------------
+    def new_run(self, workflow: str, file: str, site: str, session: str | None,
+                stages: dict[str, int]) -> tuple[str, str]:
+        run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+        session = session or f"{workflow}-{run_id}"
+        with self._con() as con:
+            con.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?)",
+                        (run_id, workflow, file, site, session, "running", time.time(), None))
+            con.executemany("INSERT INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
+                            [(run_id, s, "pending", r) for s, r in stages.items()])
+        return run_id, session
+
+    def set_run(self, run_id: str, state: str) -> None:
+        ended = time.time() if state in ("succeeded", "failed", "cancelled") else None
+        with self._con() as con:
+            con.execute("UPDATE runs SET state=?, ended=? WHERE id=?", (state, ended, run_id))
+
+    def set_stage(self, run_id: str, stage: str, state: str, **fields: Any) -> None:
+        cols = {"state": state, **fields}
+        if "outputs" in cols:
+            cols["outputs"] = json.dumps(cols["outputs"])
+        sets = ", ".join(f"{k}=?" for k in cols)
+        with self._con() as con:
+            con.execute(f"UPDATE stages SET {sets} WHERE run_id=? AND stage=?", (*cols.values(), run_id, stage))
+
+    def start_attempt(self, run_id: str, stage: str, attempt: int, gang_id: str, log_dir: str) -> None:
+        with self._con() as con:
+            con.execute("INSERT OR REPLACE INTO attempts VALUES (?,?,?,?,?,?,?,?,?)",
+                        (run_id, stage, attempt, "running", time.time(), None, gang_id, log_dir, None))
+            con.execute("UPDATE stages SET attempts=? WHERE run_id=? AND stage=?", (attempt, run_id, stage))
+
+    def end_attempt(self, run_id: str, stage: str, attempt: int, state: str, error: str | None = None) -> None:
+        with self._con() as con:
+            con.execute("UPDATE attempts SET state=?, ended=?, error=? WHERE run_id=? AND stage=? AND attempt=?",
+                        (state, time.time(), error, run_id, stage, attempt))
+
+    def event(self, run_id: str, kind: str, message: str, stage: str | None = None) -> None:
+        with self._con() as con:
+            con.execute("INSERT INTO events VALUES (?,?,?,?,?)", (run_id, time.time(), stage, kind, message))
+
+    # ---- reads --------------------------------------------------------------------------
+    def run(self, run_id: str) -> dict | None:
+        with self._con() as con:
+            row = con.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
+            return dict(row) if row else None
+
+    def runs(self, limit: int = 20) -> list[dict]:
+        with self._con() as con:
+            return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY started DESC LIMIT ?", (limit,))]
+
+    def stages(self, run_id: str) -> list[dict]:
+        with self._con() as con:
+            rows = [dict(r) for r in con.execute("SELECT * FROM stages WHERE run_id=? ORDER BY rowid", (run_id,))]
+        for r in rows:
+            r["outputs"] = json.loads(r["outputs"]) if r["outputs"] else {}
+        return rows
+
+    def attempts(self, run_id: str, stage: str | None = None) -> list[dict]:
+        with self._con() as con:
+            q = "SELECT * FROM attempts WHERE run_id=?" + (" AND stage=?" if stage else "") + " ORDER BY started"
+            return [dict(r) for r in con.execute(q, (run_id, stage) if stage else (run_id,))]

@@ -1,0 +1,177 @@
+"""Running a workflow: ready stages start as soon as the site can place their whole gang.
+
+Placement is all-or-nothing over the site's rank slots (no partial holds); independent stages
+run side by side on disjoint slots (disjoint CPUs when the slots fit the machine's cores); a
+failed stage is retried on a fresh gang with backoff; a stage whose outputs are sealed by an
+earlier attempt of the same run is not run again (--resume).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..errors import GangError, RankError
+from ..executors.local import LocalLauncher, usable_cpus
+from ..gang import Gang
+from ..store import Store
+from .models import Site, Workflow
+from .rundb import RunDB
+from .validate import dependencies
+
+STAGE_APP = "phalanx.orchestrator.stage:run_stage"
+BACKOFF_S = (1.0, 4.0, 15.0)  # between attempts of a failed stage
+
+
+@dataclass
+class RunResult:
+    run_id: str
+    session: str
+    ok: bool
+    failed: dict[str, str] = field(default_factory=dict)  # stage → error summary
+    skipped: list[str] = field(default_factory=list)      # never ran: an upstream stage failed
+
+
+class Scheduler:
+    def __init__(self, wf: Workflow, site: Site, db: RunDB, run_id: str, session: str,
+                 on_event: Callable[[str, str, str], None] | None = None):
+        self.wf, self.site, self.db, self.run_id = wf, site, db, run_id
+        self.store = Store(site.store.root, session)
+        self.on_event = on_event or (lambda stage, kind, msg: None)
+        self.capacity = site.capacity()
+        self._free = list(range(self.capacity))
+        self._gangs: dict[str, Gang] = {}
+        self._lock = threading.Lock()
+        self._cancelled = threading.Event()
+
+    def _event(self, stage: str | None, kind: str, message: str) -> None:
+        self.db.event(self.run_id, kind, message, stage)
+        self.on_event(stage or "", kind, message)
+
+    def _sealed(self, stage: str) -> bool:
+        outs = self.wf.stages[stage].outputs
+        return bool(outs) and all(self.store.exists(o) for o in outs)
+
+    def run(self) -> RunResult:
+        deps = dependencies(self.wf)
+        prior = {s["stage"]: s["state"] for s in self.db.stages(self.run_id)}
+        done = {s for s in self.wf.stages if prior.get(s) == "succeeded" and
+                (self._sealed(s) or not self.wf.stages[s].outputs)}
+        for s in done:
+            self._event(s, "reused", "outputs sealed by an earlier attempt: not run again")
+        pending = [s for s in self.wf.stages if s not in done]
+        failed: dict[str, str] = {}
+        running: dict[Future, tuple[str, list[int]]] = {}
+        self.db.set_run(self.run_id, "running")
+        with ThreadPoolExecutor(max_workers=max(1, len(pending))) as pool:
+            try:
+                while pending or running:
+                    for name in list(pending):
+                        if deps[name] & set(failed):
+                            pending.remove(name)
+                            failed.setdefault(name, "")  # skipped: marked below
+                            continue
+                        ranks = self.wf.stages[name].ranks
+                        if deps[name] <= done and ranks <= len(self._free):
+                            slots, self._free = self._free[:ranks], self._free[ranks:]
+                            pending.remove(name)
+                            running[pool.submit(self._run_stage, name, slots)] = (name, slots)
+                    if not running:
+                        break
+                    # A timeout, so the main thread runs Python often enough to see Ctrl-C
+                    # (the signal may be taken by another thread while this one sleeps).
+                    finished, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
+                    for fut in finished:
+                        name, slots = running.pop(fut)
+                        self._free = sorted(self._free + slots)
+                        error = fut.result()
+                        if error is None:
+                            done.add(name)
+                        else:
+                            failed[name] = error
+            except BaseException:  # Ctrl-C: stop every gang, leave the store consistent
+                self.cancel()
+                self.db.set_run(self.run_id, "cancelled")
+                raise
+        skipped = [s for s, e in failed.items() if e == ""]
+        for s in skipped:
+            self.db.set_stage(self.run_id, s, "skipped", error="an upstream stage failed")
+            self._event(s, "skipped", "an upstream stage failed")
+        real = {s: e for s, e in failed.items() if e}
+        ok = not real and not skipped
+        self.db.set_run(self.run_id, "succeeded" if ok else "failed")
+        return RunResult(self.run_id, self.store.session, ok, real, skipped)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+        with self._lock:
+            gangs = list(self._gangs.values())
+        for g in gangs:
+            g._teardown(graceful=False)
+
+    def _launcher(self, slots: list[int]):
+        if self.site.executor != "local":
+            return self.site.executor
+        cpus = usable_cpus()
+        fits = self.capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
+        return LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None)
+
+    def _run_stage(self, name: str, slots: list[int]) -> str | None:
+        """All attempts of one stage; returns None on success, else the last error summary."""
+        st = self.wf.stages[name]
+        if st.kind == "command":
+            msg = "command stages are not supported by the scheduler yet"
+            self.db.set_stage(self.run_id, name, "failed", error=msg)
+            return msg
+        inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
+        self.db.set_stage(self.run_id, name, "running", started=time.time())
+        error = ""
+        for attempt in range(1, st.retries + 2):
+            if self._cancelled.is_set():
+                return "cancelled"
+            log_dir = self.db.log_dir(self.run_id, name, attempt)
+            gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
+                        rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store)
+            self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}")
+            try:
+                with self._lock:
+                    self._gangs[name] = gang
+                gang.start()
+                self.db.start_attempt(self.run_id, name, attempt, gang.gang_id, str(log_dir))
+                results = gang.run(STAGE_APP, name, st.app, inputs, st.outputs,
+                                   params=st.params, timeout=st.timeout)
+            except (RankError, GangError) as exc:
+                error = str(exc).splitlines()[0]
+                self.db.end_attempt(self.run_id, name, attempt, "failed", str(exc))
+                self._event(name, "failed", f"attempt {attempt}: {error}")
+                if attempt <= st.retries and not self._cancelled.is_set():
+                    time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
+                continue
+            finally:
+                gang.close()
+                with self._lock:
+                    self._gangs.pop(name, None)
+            self.db.end_attempt(self.run_id, name, attempt, "succeeded")
+            self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=results[0])
+            self._event(name, "succeeded", ", ".join(f"{k}: {r:,} rows" for k, (r, _) in results[0].items()))
+            return None
+        self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
+        return error or "failed"
+
+
+def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,
+                 resume: str | None = None, on_event=None) -> RunResult:
+    """Run (or resume) a workflow; returns which stages failed."""
+    db = db or RunDB()
+    if resume:
+        run = db.run(resume)
+        if run is None:
+            raise GangError(f"no run {resume!r} in {db.path}")
+        run_id, session = run["id"], run["session"]
+    else:
+        run_id, session = db.new_run(wf.name, file, site.name, site.store.session,
+                                     {n: s.ranks for n, s in wf.stages.items()})
+    return Scheduler(wf, site, db, run_id, session, on_event).run()

@@ -1,0 +1,29 @@
+"""The rank side of a workflow stage: wire inputs and outputs around the user's app."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..runtime.tasks import resolve_app
+
+
+def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outputs: list[str]) -> dict:
+    """Run ``app(env)``; outputs are sealed with ``env.output`` or returned as ``{name: frame}``.
+
+    Returns what rank 0 reports to the run database: rows and bytes of each output.
+    """
+    env.stage, env.inputs, env.outputs = stage, inputs, list(outputs)
+    result = resolve_app(app)(env)
+    if isinstance(result, dict):
+        for name in outputs:  # the declared order: every rank puts in the same order
+            if name in result:
+                env.output(name, result[name])
+        extra = sorted(set(result) - set(outputs))
+        if extra:
+            raise KeyError(f"stage {stage!r} returned undeclared outputs {extra}; declared: {outputs}")
+    missing = [name for name in outputs if not env.store.exists(name)]
+    if missing:
+        raise RuntimeError(f"stage {stage!r} finished without sealing its outputs {missing} "
+                           "(call env.output(name, df) or return {name: df})")
+    sizes = {name: env.store.info(name) for name in outputs}
+    return {name: (i.num_rows, i.nbytes) for name, i in sizes.items()}

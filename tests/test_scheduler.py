@@ -1,0 +1,163 @@
+"""Running workflows: concurrency on disjoint slots, waiting for room, retries, resume, results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import phalanx as px
+from phalanx.orchestrator.models import Site, Stage, Workflow
+from phalanx.orchestrator.rundb import RunDB
+from phalanx.orchestrator.scheduler import run_workflow
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture
+def db(tmp_path):
+    return RunDB(tmp_path / "state")
+
+
+def site(cores: int) -> Site:
+    return Site(name=f"test{cores}", cores=cores)
+
+
+def generated(rows: int, ranks: int, seed: int = 0) -> pd.DataFrame:
+    import numpy as np
+
+    parts = []
+    for r in range(ranks):
+        rng = np.random.default_rng([seed, r])
+        parts.append(pd.DataFrame({"user": rng.integers(0, 50, rows // ranks),
+                                   "amount": rng.integers(1, 100, rows // ranks)}))
+    return pd.concat(parts)
+
+
+def pipeline(**totals_params) -> Workflow:
+    return Workflow(name="tot", stages={
+        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 4000, "seed": 3}, outputs=["tx"]),
+        "totals": Stage(app="apps:wf_totals", ranks=3, inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                        outputs=["totals"], params=totals_params),
+    })
+
+
+def test_pipeline_results_match_pandas(db):
+    result = run_workflow(pipeline(), site(4), db=db)
+    assert result.ok, result.failed
+    got = px.Store(session=result.session).read("totals").to_pandas().sort_values("user").reset_index(drop=True)
+    expected = generated(4000, 2, seed=3).groupby("user", as_index=False)["amount"].sum()
+    pd.testing.assert_frame_equal(got, expected, check_dtype=False)
+    stages = {s["stage"]: s for s in db.stages(result.run_id)}
+    assert stages["totals"]["outputs"]["totals"][0] == len(expected)
+    assert [s["state"] for s in stages.values()] == ["succeeded", "succeeded"]
+
+
+def test_independent_stages_run_at_the_same_time_and_a_big_one_waits(db, tmp_path):
+    params = lambda peer: {"dir": str(tmp_path), "peer": peer}  # noqa: E731
+    wf = Workflow(name="conc", stages={
+        "a": Stage(app="apps:wf_meet", ranks=2, params=params("b")),
+        "b": Stage(app="apps:wf_meet", ranks=2, params=params("a")),
+        "c": Stage(app="apps:wf_mark", ranks=3, params={"dir": str(tmp_path)}),
+    })
+    result = run_workflow(wf, site(4), db=db)
+    assert result.ok, result.failed  # a and b each waited for the other: they overlapped
+    att = {a["stage"]: a for a in db.attempts(result.run_id)}
+    # c needs 3 of the 4 slots: it cannot start while a and b hold 2 each
+    assert att["c"]["started"] >= min(att["a"]["ended"], att["b"]["ended"])
+
+
+def test_a_failing_stage_is_retried_on_a_fresh_gang(db, tmp_path):
+    wf = pipeline(fail_marker=str(tmp_path / "m"), fail_times=1)
+    wf.stages["totals"].retries = 1
+    result = run_workflow(wf, site(4), db=db)
+    assert result.ok, result.failed
+    attempts = db.attempts(result.run_id, "totals")
+    assert [a["state"] for a in attempts] == ["failed", "succeeded"]
+    assert attempts[0]["gang_id"] != attempts[1]["gang_id"]
+    assert "planned failure 1" in attempts[0]["error"]
+
+
+def test_resume_reuses_sealed_outputs_and_reruns_the_rest(db, tmp_path):
+    failing = pipeline(fail_marker=str(tmp_path / "m"), fail_times=5)
+    first = run_workflow(failing, site(4), db=db)
+    assert not first.ok and "planned failure" in first.failed["totals"]
+    store = px.Store(session=first.session)
+    before = store.info("tx")
+    files = {p.name: p.read_bytes() for p in Path(before.location).iterdir()}
+
+    second = run_workflow(pipeline(), site(4), db=db, resume=first.run_id)
+    assert second.ok and second.run_id == first.run_id
+    after = store.info("tx")
+    assert after.version == before.version  # not recomputed
+    assert {p.name: p.read_bytes() for p in Path(after.location).iterdir()} == files
+    assert len(db.attempts(first.run_id, "generate")) == 1
+    assert store.exists("totals")
+
+
+def test_downstream_of_a_failed_stage_is_skipped(db):
+    wf = Workflow(name="skip", stages={
+        "bad": Stage(app="apps:no_such_function_here", ranks=1, outputs=["x"]),
+        "after": Stage(app="apps:wf_mark", ranks=1, inputs={"x": "x"}, params={"dir": "/tmp"}),
+    })
+    result = run_workflow(wf, site(2), db=db)
+    assert not result.ok and result.skipped == ["after"]
+    assert "no_such_function_here" in result.failed["bad"]
+
+
+def test_cli_run_and_status(tmp_path):
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(textwrap.dedent("""
+        name: cli-demo
+        stages:
+          generate:
+            app: apps:wf_generate
+            ranks: 2
+            params: {rows: 1000}
+            outputs: [tx]
+          totals:
+            app: apps:wf_totals
+            ranks: 2
+            inputs: {tx: tx}
+            outputs: [totals]
+    """))
+    env = {"PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state"), "PATH": "/usr/bin:/bin",
+           **{k: v for k, v in __import__("os").environ.items() if k.startswith("PHALANX_STORE")}}
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(wf), "--set", "stages.generate.params.rows=2000"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.strip().splitlines()[-1].split()[1]
+    status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run_id], capture_output=True,
+                            text=True, env=env, timeout=60)
+    assert "succeeded" in status.stdout and "totals" in status.stdout
+    assert "generate" in status.stdout and "tx 2,000 rows" in status.stdout
+
+
+def test_ctrl_c_cancels_the_run_and_stops_every_rank(tmp_path):
+    import os
+    import signal
+
+    wf = tmp_path / "wf.yaml"
+    wf.write_text("name: forever\nstages:\n  loop:\n    app: apps:sleep_forever\n    ranks: 2\n")
+    env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", str(wf)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert "start" in proc.stdout.readline()
+    db = RunDB(tmp_path / "state")
+    run_id = db.runs()[0]["id"]
+    pids, deadline = [], __import__("time").monotonic() + 60
+    while len(pids) < 2:  # both ranks started
+        assert __import__("time").monotonic() < deadline, "the stage's ranks never started"
+        pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
+                              capture_output=True, text=True).stdout.split()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130
+    assert f"--resume {run_id}" in proc.stderr.read()
+    assert db.run(run_id)["state"] == "cancelled"
+    from test_gang import wait_dead
+
+    assert wait_dead([int(p) for p in pids]) == []

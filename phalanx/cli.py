@@ -100,6 +100,33 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_logs(args: argparse.Namespace) -> int:
+    from .orchestrator.rundb import RunDB
+
+    db = RunDB(args.state)
+    if db.run(args.run) is None:
+        print(f"phalanx logs: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
+    attempts = db.attempts(args.run, args.stage)
+    if not attempts:
+        print(f"phalanx logs: run {args.run!r} has no attempts" + (f" of stage {args.stage!r}" if args.stage else ""),
+              file=sys.stderr)
+        return 1
+    last = {}
+    for a in attempts:  # the latest attempt of each stage, unless --attempt says otherwise
+        if args.attempt is None or a["attempt"] == args.attempt:
+            last[a["stage"]] = a
+    for stage, a in last.items():
+        files = sorted(Path(a["log_dir"]).glob("rank-*.log"), key=lambda p: int(p.stem.split("-")[1]))
+        for f in files:
+            rank = int(f.stem.split("-")[1])
+            if args.rank is not None and rank != args.rank:
+                continue
+            for line in f.read_text(errors="replace").splitlines():
+                print(f"[{stage} attempt {a['attempt']} rank {rank}] {line}")
+    return 0
+
+
 def _store(args: argparse.Namespace):
     from .store import Store
 
@@ -169,6 +196,14 @@ def main(argv: list[str] | None = None) -> int:
     st.add_argument("run", nargs="?")
     st.add_argument("--state")
     st.set_defaults(fn=cmd_status)
+
+    lg = sub.add_parser("logs", help="the ranks' output of a run (latest attempt of each stage)")
+    lg.add_argument("run")
+    lg.add_argument("stage", nargs="?")
+    lg.add_argument("--rank", type=int)
+    lg.add_argument("--attempt", type=int)
+    lg.add_argument("--state")
+    lg.set_defaults(fn=cmd_logs)
 
     s = sub.add_parser("store", help="list, show or remove datasets")
     s.add_argument("--root", help="store directory (default: $PHALANX_STORE or /dev/shm/phalanx-$USER/store)")

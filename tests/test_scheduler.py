@@ -161,3 +161,59 @@ def test_ctrl_c_cancels_the_run_and_stops_every_rank(tmp_path):
     from test_gang import wait_dead
 
     assert wait_dead([int(p) for p in pids]) == []
+
+
+def test_command_stage_runs_a_program_on_every_rank(db, tmp_path):
+    code = ("import os; d = os.environ['PHALANX_PARAM_DIR']; "
+            "open(os.path.join(d, os.environ['PHALANX_RANK'] + '-of-' + os.environ['PHALANX_WORLD_SIZE']), 'w')"
+            ".write(os.environ['PHALANX_RDZV'])")
+    wf = Workflow(name="cmd", stages={
+        "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2,
+                        params={"dir": str(tmp_path)})})
+    result = run_workflow(wf, site(2), db=db)
+    assert result.ok, result.failed
+    assert sorted(p.name for p in tmp_path.glob("*-of-*")) == ["0-of-2", "1-of-2"]
+    assert (tmp_path / "0-of-2").read_text() == (tmp_path / "1-of-2").read_text() != ""
+
+
+def test_command_stage_fails_fast_when_a_rank_exits_non_zero(db, tmp_path):
+    code = "import os, sys, time; r = int(os.environ['PHALANX_RANK']); sys.exit(3) if r == 1 else time.sleep(600)"
+    wf = Workflow(name="cmdfail", stages={
+        "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2)})
+    import time
+
+    t0 = time.monotonic()
+    result = run_workflow(wf, site(2), db=db)
+    assert time.monotonic() - t0 < 30  # rank 0's sleep was cut short
+    assert result.failed == {"native": "rank 1 exited with code 3"}
+
+
+def test_command_stage_with_a_missing_program(db):
+    wf = Workflow(name="cmdmissing", stages={
+        "native": Stage(kind="command", command=["/no/such/program"], ranks=1)})
+    result = run_workflow(wf, site(2), db=db)
+    assert result.failed["native"].startswith("cannot start '/no/such/program'")
+
+
+def test_cli_logs_shows_each_ranks_output(tmp_path):
+    code = "import os; print('hello from', os.environ['PHALANX_RANK'])"
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(textwrap.dedent(f"""
+        name: logs-demo
+        stages:
+          say:
+            kind: command
+            command: [{sys.executable!r}, -c, {code!r}]
+            ranks: 2
+    """))
+    env = {"PHALANX_STATE": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(wf)], capture_output=True,
+                         text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    run_id = out.stdout.strip().splitlines()[-1].split()[1]
+    logs = subprocess.run([sys.executable, "-m", "phalanx.cli", "logs", run_id, "--state", str(tmp_path / "state")],
+                          capture_output=True, text=True, env=env, timeout=60).stdout.splitlines()
+    assert "[say attempt 1 rank 0] hello from 0" in logs and "[say attempt 1 rank 1] hello from 1" in logs
+    one = subprocess.run([sys.executable, "-m", "phalanx.cli", "logs", run_id, "say", "--rank", "1",
+                          "--state", str(tmp_path / "state")], capture_output=True, text=True, env=env).stdout
+    assert one.strip() == "[say attempt 1 rank 1] hello from 1"

@@ -44,6 +44,7 @@ class Scheduler:
         self.capacity = site.capacity()
         self._free = list(range(self.capacity))
         self._gangs: dict[str, Gang] = {}
+        self._commands: dict[str, object] = {}  # stage → launcher of a running command stage
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
 
@@ -109,8 +110,11 @@ class Scheduler:
         self._cancelled.set()
         with self._lock:
             gangs = list(self._gangs.values())
+            commands = list(self._commands.values())
         for g in gangs:
             g._teardown(graceful=False)
+        for launcher in commands:
+            launcher.kill(grace_s=0.5)
 
     def _launcher(self, slots: list[int]):
         if self.site.executor != "local":
@@ -122,10 +126,6 @@ class Scheduler:
     def _run_stage(self, name: str, slots: list[int]) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
         st = self.wf.stages[name]
-        if st.kind == "command":
-            msg = "command stages are not supported by the scheduler yet"
-            self.db.set_stage(self.run_id, name, "failed", error=msg)
-            return msg
         inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
         self.db.set_stage(self.run_id, name, "running", started=time.time())
         error = ""
@@ -133,6 +133,18 @@ class Scheduler:
             if self._cancelled.is_set():
                 return "cancelled"
             log_dir = self.db.log_dir(self.run_id, name, attempt)
+            if st.kind == "command":
+                error = self._run_command(name, attempt, slots, log_dir)
+                if error is None:
+                    self.db.end_attempt(self.run_id, name, attempt, "succeeded")
+                    self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs={})
+                    self._event(name, "succeeded", f"{st.ranks} ranks exited 0")
+                    return None
+                self.db.end_attempt(self.run_id, name, attempt, "failed", error)
+                self._event(name, "failed", f"attempt {attempt}: {error}")
+                if attempt <= st.retries and not self._cancelled.is_set():
+                    time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
+                continue
             gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
                         rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store)
             self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}")
@@ -160,6 +172,51 @@ class Scheduler:
             return None
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
+
+
+    def _run_command(self, name: str, attempt: int, slots: list[int], log_dir) -> str | None:
+        """An external program on every rank (an existing MPI or native code as a stage): it
+        gets PHALANX_RANK, PHALANX_WORLD_SIZE, a rendezvous URL and the store's settings; the
+        stage fails fast when any rank exits non-zero."""
+        from ..executors.base import Launcher
+        from ..runtime import protocol as P
+        from ..runtime.rendezvous import backend_for, new_gang_id
+
+        st = self.wf.stages[name]
+        launcher = self._launcher(slots)
+        if not isinstance(launcher, Launcher):
+            return f"command stages need the local executor, not {launcher!r}"
+        gang_id = new_gang_id()
+        url = backend_for(self.site.rendezvous).prepare(self.site.rendezvous, gang_id, log_dir)
+        base = {P.ENV_WORLD_SIZE: str(st.ranks), P.ENV_RDZV: url, P.ENV_GANG_ID: gang_id,
+                P.ENV_PDEATHSIG: "1", **self.store.rank_env(),
+                **{f"PHALANX_PARAM_{k.upper()}": str(v) for k, v in st.params.items()}}
+        placement = launcher.placement(st.ranks)
+        rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(st.ranks)]
+        self.db.start_attempt(self.run_id, name, attempt, gang_id, str(log_dir))
+        with self._lock:
+            self._commands[name] = launcher
+        deadline = time.monotonic() + st.timeout if st.timeout else None
+        try:
+            launcher.launch(st.command, rank_env, log_dir)
+            while True:
+                codes = launcher.exitcodes()
+                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    return "; ".join(f"rank {r} exited with code {c}" for r, c in bad)
+                if all(c == 0 for c in codes):
+                    return None
+                if self._cancelled.is_set():
+                    return "cancelled"
+                if deadline is not None and time.monotonic() > deadline:
+                    return f"timed out after {st.timeout}s"
+                time.sleep(0.05)
+        except OSError as exc:  # the program does not exist or is not executable
+            return f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
+        finally:
+            launcher.kill(grace_s=1.0)
+            with self._lock:
+                self._commands.pop(name, None)
 
 
 def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,

@@ -15,13 +15,20 @@ import phalanx as px
 
 WORLD_SIZES = (1, 2, 3, 4)
 
-# Every store the tests open (driver and ranks) lives in one throwaway directory.
-_STORE_ROOT = tempfile.mkdtemp(prefix="phalanx-test-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+# Every store the tests open (driver and ranks) lives in one throwaway directory.  Rank
+# processes import this module too (apps pickled from test modules that import it): they
+# inherit the directory instead of making their own.
+_OWNER = "PHALANX_TEST_STORE" not in os.environ
+if _OWNER:
+    os.environ["PHALANX_TEST_STORE"] = tempfile.mkdtemp(
+        prefix="phalanx-test-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+_STORE_ROOT = os.environ["PHALANX_TEST_STORE"]
 os.environ["PHALANX_STORE"] = _STORE_ROOT
 
 
 def pytest_sessionfinish(session, exitstatus):
-    shutil.rmtree(_STORE_ROOT, ignore_errors=True)
+    if _OWNER:
+        shutil.rmtree(_STORE_ROOT, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", params=WORLD_SIZES, ids=lambda n: f"ranks{n}")

@@ -18,12 +18,13 @@ WORLD_SIZES = (1, 2, 3, 4)
 # Every store the tests open (driver and ranks) lives in one throwaway directory.  Rank
 # processes import this module too (apps pickled from test modules that import it): they
 # inherit the directory instead of making their own.
+# A rank must keep the store its gang gave it (an S3 root, say): only the owner sets it.
 _OWNER = "PHALANX_TEST_STORE" not in os.environ
 if _OWNER:
     os.environ["PHALANX_TEST_STORE"] = tempfile.mkdtemp(
         prefix="phalanx-test-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    os.environ["PHALANX_STORE"] = os.environ["PHALANX_TEST_STORE"]
 _STORE_ROOT = os.environ["PHALANX_TEST_STORE"]
-os.environ["PHALANX_STORE"] = _STORE_ROOT
 
 
 def pytest_sessionfinish(session, exitstatus):

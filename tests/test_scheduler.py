@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -126,7 +128,7 @@ def test_cli_run_and_status(tmp_path):
             outputs: [totals]
     """))
     env = {"PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state"), "PATH": "/usr/bin:/bin",
-           **{k: v for k, v in __import__("os").environ.items() if k.startswith("PHALANX_STORE")}}
+           **{k: v for k, v in os.environ.items() if k.startswith("PHALANX_STORE")}}
     out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(wf), "--set", "stages.generate.params.rows=2000"],
                          capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -138,7 +140,6 @@ def test_cli_run_and_status(tmp_path):
 
 
 def test_ctrl_c_cancels_the_run_and_stops_every_rank(tmp_path):
-    import os
     import signal
 
     wf = tmp_path / "wf.yaml"
@@ -149,9 +150,9 @@ def test_ctrl_c_cancels_the_run_and_stops_every_rank(tmp_path):
     assert "start" in proc.stdout.readline()
     db = RunDB(tmp_path / "state")
     run_id = db.runs()[0]["id"]
-    pids, deadline = [], __import__("time").monotonic() + 60
+    pids, deadline = [], time.monotonic() + 60
     while len(pids) < 2:  # both ranks started
-        assert __import__("time").monotonic() < deadline, "the stage's ranks never started"
+        assert time.monotonic() < deadline, "the stage's ranks never started"
         pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
                               capture_output=True, text=True).stdout.split()
     proc.send_signal(signal.SIGINT)
@@ -180,8 +181,6 @@ def test_command_stage_fails_fast_when_a_rank_exits_non_zero(db, tmp_path):
     code = "import os, sys, time; r = int(os.environ['PHALANX_RANK']); sys.exit(3) if r == 1 else time.sleep(600)"
     wf = Workflow(name="cmdfail", stages={
         "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2)})
-    import time
-
     t0 = time.monotonic()
     result = run_workflow(wf, site(2), db=db)
     assert time.monotonic() - t0 < 30  # rank 0's sleep was cut short

@@ -114,9 +114,6 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-_q = quote_ident
-
-
 def run_sql(query: str, **tables: pa.Table) -> pa.Table:
     """Run ``query`` in this process's DuckDB over the given Arrow tables (by name)."""
     con = duckdb_connection()
@@ -138,14 +135,14 @@ def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequ
     pandas' order: the left's, then the right's.
     """
     shared = {a for a, b in zip(left_on, right_on) if a == b}
-    cond = " AND ".join(f"l.{_q(a)} IS NOT DISTINCT FROM r.{_q(b)}" for a, b in zip(left_on, right_on))
+    cond = " AND ".join(f"l.{quote_ident(a)} IS NOT DISTINCT FROM r.{quote_ident(b)}" for a, b in zip(left_on, right_on))
     cols = []
     for name in left.column_names:
         if name in shared and how in ("right", "outer"):
-            cols.append(f"COALESCE(l.{_q(name)}, r.{_q(name)}) AS {_q(name)}")
+            cols.append(f"COALESCE(l.{quote_ident(name)}, r.{quote_ident(name)}) AS {quote_ident(name)}")
         else:
-            cols.append(f"l.{_q(name)}")
-    cols += [f"r.{_q(n)}" for n in right.column_names if n not in shared]
+            cols.append(f"l.{quote_ident(name)}")
+    cols += [f"r.{quote_ident(n)}" for n in right.column_names if n not in shared]
     out = run_sql(f"SELECT {', '.join(cols)} FROM __px_l l {_JOIN_SQL[how]} __px_r r ON {cond}",
                   __px_l=left, __px_r=right)
     like = pa.schema(list(left.schema) + [f for f in right.schema if f.name not in shared])

@@ -21,8 +21,6 @@ class BSPEnv:
     threads: int = 1
     gang_id: str = ""
     log: logging.Logger = field(default=None, repr=False)  # type: ignore[assignment]
-    store_root: str | None = None          # None: the default store (see phalanx.store.tiers)
-    store_session: str = "default"
     _store: Any = field(default=None, repr=False)
     # Set when the app runs as a workflow stage (see phalanx.orchestrator.stage).
     stage: str = ""
@@ -57,7 +55,7 @@ class BSPEnv:
             from ..store.rank import RankStore
             from ..store.store import Store
 
-            self._store = RankStore(self, Store(self.store_root, self.store_session))
+            self._store = RankStore(self, Store.from_env())  # the gang's PHALANX_STORE* settings
         return self._store
 
     def barrier(self) -> None:

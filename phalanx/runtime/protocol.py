@@ -28,8 +28,6 @@ ENV_CPUS_BY_RANK = "PHALANX_CPUS_BY_RANK"  # "0|1|2,3": per rank, when all ranks
 ENV_THREADS = "PHALANX_THREADS"        # threads for this rank's local kernels
 ENV_TIMEOUT = "PHALANX_TIMEOUT"        # seconds for rendezvous and collectives
 ENV_PDEATHSIG = "PHALANX_PDEATHSIG"    # "1": die with the launching process
-ENV_STORE = "PHALANX_STORE"            # root directory of the intermediate store
-ENV_SESSION = "PHALANX_STORE_SESSION"  # store session (namespace) of this gang
 
 # Where other launchers put the rank, in the order they are checked.
 _RANK_VARS = (ENV_RANK, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")

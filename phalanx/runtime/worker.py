@@ -88,9 +88,7 @@ def _build_env(rank: int, world_size: int, threads: int):
         comm = comm_cls(rank, world_size, store, timeout_s=timeout_s)
     _limit_kernel_threads(threads)
     return BSPEnv(rank=rank, world_size=world_size, comm=comm, threads=threads,
-                  gang_id=os.environ.get(P.ENV_GANG_ID, ""),
-                  store_root=os.environ.get(P.ENV_STORE) or None,
-                  store_session=os.environ.get(P.ENV_SESSION, "default"))
+                  gang_id=os.environ.get(P.ENV_GANG_ID, ""))
 
 
 def _limit_kernel_threads(threads: int) -> None:

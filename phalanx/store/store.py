@@ -114,6 +114,11 @@ class Store:
         other.session = _check_session(session)
         return other
 
+    @classmethod
+    def from_env(cls) -> "Store":
+        """The store ``rank_env()`` describes: how a rank opens its gang's store."""
+        return cls(session=os.environ.get(ENV_SESSION) or DEFAULT_SESSION)
+
     def rank_env(self) -> dict[str, str]:
         """The environment that makes ``Store()`` in another process (a rank) open this store."""
         return {

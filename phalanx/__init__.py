@@ -10,14 +10,20 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BSPEnv", "DataFrame", "DatasetInfo", "Store", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
-    "RankFailure", "__version__",
+    "RankFailure", "Workflow", "run", "stage", "__version__",
 ]
 
 
-def __getattr__(name: str):
-    # px.ml imports torch: load it on first use so that ``import phalanx`` stays light
-    if name == "ml":
-        import importlib
+_LAZY = {"Workflow": ".orchestrator.api", "run": ".orchestrator.api", "stage": ".orchestrator.api"}
 
+
+def __getattr__(name: str):
+    # px.ml imports torch, the workflow API pydantic: load them on first use so that
+    # ``import phalanx`` (every rank does) stays light
+    import importlib
+
+    if name == "ml":
         return importlib.import_module(".ml", __name__)
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

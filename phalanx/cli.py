@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import time
 from pathlib import Path
@@ -52,16 +53,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
+    from .orchestrator.progress import RunProgress
+
     t0 = time.monotonic()
-
-    def show(stage: str, kind: str, message: str) -> None:
-        print(f"[{time.monotonic() - t0:7.1f}s] {stage:<16} {kind:<9} {message}", flush=True)
-
+    progress = RunProgress(wf, live=None if not args.plain else False)
+    # `phalanx cancel` sends SIGTERM: stop the gangs as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        result = run_workflow(wf, site, file=str(args.workflow), db=db, resume=args.resume, on_event=show)
+        with progress:
+            result = run_workflow(wf, site, file=str(args.workflow), db=db, resume=args.resume,
+                                  on_event=progress)
     except KeyboardInterrupt:
-        last = db.runs(limit=1)
-        run_id = args.resume or (last[0]["id"] if last else "?")
+        run_id = args.resume or progress.run_id or "?"
         print(f"\ncancelled: every gang was stopped; sealed outputs are kept.\n"
               f"resume with: phalanx run {args.workflow} --resume {run_id}", file=sys.stderr)
         return 130
@@ -76,6 +79,41 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not result.ok:
         print(f"resume with: phalanx run {args.workflow} --resume {result.run_id}", file=sys.stderr)
     return 0 if result.ok else 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    """Stop a running run: its driver gets SIGTERM and stops every gang as on Ctrl-C."""
+    import os
+    import socket
+
+    from .orchestrator.rundb import FINAL, RunDB, pid_alive
+
+    db = RunDB(args.state)
+    run = db.run(args.run)  # a driver that died unannounced is marked "lost" here
+    if run is None:
+        print(f"phalanx cancel: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
+    if run["state"] in FINAL:
+        print(f"run {args.run} is already {run['state']}")
+        return 0
+    if run["host"] != socket.gethostname():
+        print(f"phalanx cancel: run {args.run} is driven from host {run['host']!r} (pid {run['pid']}); "
+              "run phalanx cancel there", file=sys.stderr)
+        return 1
+    pid = run["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + args.wait
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if pid_alive(pid):  # the driver did not stop in time: its ranks die with it (PDEATHSIG)
+        os.kill(pid, signal.SIGKILL)
+        print(f"run {args.run}: driver {pid} did not stop within {args.wait:.0f}s; killed it", file=sys.stderr)
+    print(f"run {args.run} {db.run(args.run)['state']}")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -97,6 +135,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
         print(f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
               f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}")
+        for local, i in s["inputs"].items():
+            print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']})")
     return 0
 
 
@@ -191,6 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--resume", metavar="RUN_ID", help="rerun only the stages that did not seal their outputs")
     r.add_argument("--state", help="state directory (default: $PHALANX_STATE or ~/.local/state/phalanx)")
     r.set_defaults(fn=cmd_run)
+
+    r.add_argument("--plain", action="store_true", help="event lines instead of a live table")
+
+    c = sub.add_parser("cancel", help="stop a running run (its gangs stop; sealed outputs stay)")
+    c.add_argument("run")
+    c.add_argument("--wait", type=float, default=30.0, help="seconds before the driver is killed")
+    c.add_argument("--state")
+    c.set_defaults(fn=cmd_cancel)
 
     st = sub.add_parser("status", help="list runs, or the stages of one run")
     st.add_argument("run", nargs="?")

@@ -19,6 +19,13 @@ def sleep_forever(env):
 
 
 # ---- workflow stage apps (see tests/test_scheduler.py) -----------------------------------
+def wf_seal_then_sleep(env):
+    import pyarrow as pa
+
+    env.output("early", pa.table({"x": list(range(10))}))
+    sleep_forever(env)
+
+
 def wf_generate(env):
     """Each rank makes rows; env.params: rows, seed."""
     import numpy as np

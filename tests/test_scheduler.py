@@ -139,29 +139,71 @@ def test_cli_run_and_status(tmp_path):
     assert "generate" in status.stdout and "tx 2,000 rows" in status.stdout
 
 
-def test_ctrl_c_cancels_the_run_and_stops_every_rank(tmp_path):
+@pytest.mark.parametrize("how", ["ctrl-c", "phalanx cancel"])
+def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how):
     import signal
 
     wf = tmp_path / "wf.yaml"
-    wf.write_text("name: forever\nstages:\n  loop:\n    app: apps:sleep_forever\n    ranks: 2\n")
+    wf.write_text("name: forever\nstages:\n  loop:\n    app: apps:wf_seal_then_sleep\n    ranks: 2\n"
+                  "    outputs: [early]\n")
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
     proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", str(wf)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert "start" in proc.stdout.readline()
     db = RunDB(tmp_path / "state")
-    run_id = db.runs()[0]["id"]
-    pids, deadline = [], time.monotonic() + 60
-    while len(pids) < 2:  # both ranks started
-        assert time.monotonic() < deadline, "the stage's ranks never started"
+    pids, deadline, store = [], time.monotonic() + 60, None
+    while len(pids) < 2 or store is None or not store.exists("early"):  # ranks started, output sealed
+        assert time.monotonic() < deadline and proc.poll() is None, "the stage never sealed its output"
         pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
                               capture_output=True, text=True).stdout.split()
-    proc.send_signal(signal.SIGINT)
+        runs = db.runs()
+        store = px.Store(session=runs[0]["session"]) if runs else None
+        time.sleep(0.05)
+    run_id = db.runs()[0]["id"]
+    assert db.run(run_id)["state"] == "running"
+    if how == "ctrl-c":
+        proc.send_signal(signal.SIGINT)
+    else:
+        out = subprocess.run([sys.executable, "-m", "phalanx.cli", "cancel", run_id], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert f"run {run_id} cancelled" in out.stdout
     assert proc.wait(timeout=30) == 130
     assert f"--resume {run_id}" in proc.stderr.read()
     assert db.run(run_id)["state"] == "cancelled"
     from test_gang import wait_dead
 
     assert wait_dead([int(p) for p in pids]) == []
+    assert store.read("early").num_rows == 20  # sealed before the cancel: kept
+    staging = Path(store.root) / store.session / ".staging"
+    assert not staging.exists() or list(staging.iterdir()) == []
+    store.delete_session()
+
+
+def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(tmp_path):
+    import signal
+
+    wf = tmp_path / "wf.yaml"
+    wf.write_text("name: crashy\nstages:\n  loop:\n    app: apps:sleep_forever\n    ranks: 2\n")
+    env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
+    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    pids, deadline = [], time.monotonic() + 60
+    while len(pids) < 2:
+        assert time.monotonic() < deadline, "the stage's ranks never started"
+        pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
+                              capture_output=True, text=True).stdout.split()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=10)
+    from test_gang import wait_dead
+
+    assert wait_dead([int(p) for p in pids]) == []
+    db = RunDB(tmp_path / "state")
+    run = db.runs()[0]
+    assert run["state"] == "lost"
+    assert [s["state"] for s in db.stages(run["id"])] == ["lost"]
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "cancel", run["id"]], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "already lost" in out.stdout
 
 
 def test_command_stage_runs_a_program_on_every_rank(db, tmp_path):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -76,6 +76,17 @@ class Workflow(_Strict):
     name: str
     site: str = Field("local", description="a name from site-configs/ or a path to a site file")
     stages: dict[str, Stage] = Field(min_length=1)
+    # Python workflows (px.Workflow): stage → the function itself, sent to ranks by value, so
+    # functions from a notebook or a script's __main__ work.  Not part of the file format.
+    _apps: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def apps(self) -> dict[str, Any]:
+        return self._apps
+
+    def app_of(self, stage: str) -> Any:
+        """What a rank runs for ``stage``: the Python function, else its "module:function"."""
+        return self._apps.get(stage) or self.stages[stage].app
 
 
 class StoreConfig(_Strict):

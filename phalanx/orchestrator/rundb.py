@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import time
 import uuid
@@ -26,6 +27,11 @@ CREATE TABLE IF NOT EXISTS attempts (
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT, kind TEXT NOT NULL, message TEXT);
 """
+# Columns added after the first release: (table, column, type); added to older databases on open.
+_ADDED = [("runs", "pid", "INTEGER"), ("runs", "host", "TEXT"), ("stages", "inputs", "TEXT"),
+          ("attempts", "rank_info", "TEXT")]
+_JSON = {"outputs", "inputs", "rank_info"}
+FINAL = ("succeeded", "failed", "cancelled", "lost")
 
 
 def default_state_dir() -> Path:
@@ -43,6 +49,10 @@ class RunDB:
         self.path = self.state_dir / "runs.sqlite"
         with self._con() as con:
             con.executescript(_SCHEMA)
+            for table, column, kind in _ADDED:
+                have = {r["name"] for r in con.execute(f"PRAGMA table_info({table})")}
+                if column not in have:
+                    con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     @contextmanager
     def _con(self) -> Iterator[sqlite3.Connection]:
@@ -63,35 +73,45 @@ class RunDB:
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         session = session or f"{workflow}-{run_id}"
         with self._con() as con:
-            con.execute("INSERT INTO runs VALUES (?,?,?,?,?,?,?,?)",
-                        (run_id, workflow, file, site, session, "running", time.time(), None))
+            con.execute("INSERT INTO runs (id, workflow, file, site, session, state, started, pid, host) "
+                        "VALUES (?,?,?,?,?,?,?,?,?)", (run_id, workflow, file, site, session, "running",
+                                                      time.time(), os.getpid(), socket.gethostname()))
             con.executemany("INSERT INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
                             [(run_id, s, "pending", r) for s, r in stages.items()])
         return run_id, session
 
     def set_run(self, run_id: str, state: str) -> None:
-        ended = time.time() if state in ("succeeded", "failed", "cancelled") else None
+        ended = time.time() if state in FINAL else None
         with self._con() as con:
-            con.execute("UPDATE runs SET state=?, ended=? WHERE id=?", (state, ended, run_id))
+            if state == "running":  # (re)started by this process: cancel and liveness find it here
+                con.execute("UPDATE runs SET state=?, ended=NULL, pid=?, host=? WHERE id=?",
+                            (state, os.getpid(), socket.gethostname(), run_id))
+            else:
+                con.execute("UPDATE runs SET state=?, ended=? WHERE id=?", (state, ended, run_id))
 
     def set_stage(self, run_id: str, stage: str, state: str, **fields: Any) -> None:
         cols = {"state": state, **fields}
-        if "outputs" in cols:
-            cols["outputs"] = json.dumps(cols["outputs"])
+        for key in _JSON & set(cols):
+            cols[key] = json.dumps(cols[key])
         sets = ", ".join(f"{k}=?" for k in cols)
         with self._con() as con:
             con.execute(f"UPDATE stages SET {sets} WHERE run_id=? AND stage=?", (*cols.values(), run_id, stage))
 
     def start_attempt(self, run_id: str, stage: str, attempt: int, gang_id: str, log_dir: str) -> None:
         with self._con() as con:
-            con.execute("INSERT OR REPLACE INTO attempts VALUES (?,?,?,?,?,?,?,?,?)",
+            con.execute("INSERT OR REPLACE INTO attempts (run_id, stage, attempt, state, started, ended, gang_id, "
+                        "log_dir, error) VALUES (?,?,?,?,?,?,?,?,?)",
                         (run_id, stage, attempt, "running", time.time(), None, gang_id, log_dir, None))
             con.execute("UPDATE stages SET attempts=? WHERE run_id=? AND stage=?", (attempt, run_id, stage))
 
-    def end_attempt(self, run_id: str, stage: str, attempt: int, state: str, error: str | None = None) -> None:
+    def end_attempt(self, run_id: str, stage: str, attempt: int, state: str, error: str | None = None,
+                    ranks: list[dict] | None = None) -> None:
+        """``ranks``: per rank {rank, pid, host, started, ended} (what the report draws)."""
         with self._con() as con:
-            con.execute("UPDATE attempts SET state=?, ended=?, error=? WHERE run_id=? AND stage=? AND attempt=?",
-                        (state, time.time(), error, run_id, stage, attempt))
+            con.execute("UPDATE attempts SET state=?, ended=?, error=?, rank_info=COALESCE(?, rank_info) "
+                        "WHERE run_id=? AND stage=? AND attempt=?",
+                        (state, time.time(), error, json.dumps(ranks) if ranks is not None else None,
+                         run_id, stage, attempt))
 
     def event(self, run_id: str, kind: str, message: str, stage: str | None = None) -> None:
         with self._con() as con:
@@ -101,20 +121,56 @@ class RunDB:
     def run(self, run_id: str) -> dict | None:
         with self._con() as con:
             row = con.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
-            return dict(row) if row else None
+        return self._reconciled(dict(row)) if row else None
 
     def runs(self, limit: int = 20) -> list[dict]:
         with self._con() as con:
-            return [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY started DESC LIMIT ?", (limit,))]
+            rows = [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY started DESC LIMIT ?", (limit,))]
+        return [self._reconciled(r) for r in rows]
+
+    def _reconciled(self, run: dict) -> dict:
+        """A run whose driver died without a word (SIGKILL, a crashed node) is "lost", not
+        "running" forever; its ranks died with it (PDEATHSIG) and it can be resumed."""
+        if run["state"] == "running" and run.get("pid") and run.get("host") == socket.gethostname() \
+                and not pid_alive(run["pid"]):
+            self.set_run(run["id"], "lost")
+            self.event(run["id"], "lost", f"driver process {run['pid']} is gone")
+            for s in self.stages(run["id"]):
+                if s["state"] == "running":
+                    self.set_stage(run["id"], s["stage"], "lost", ended=time.time())
+            run = {**run, "state": "lost"}
+        return run
+
+    def events(self, run_id: str) -> list[dict]:
+        with self._con() as con:
+            return [dict(r) for r in con.execute("SELECT * FROM events WHERE run_id=? ORDER BY ts", (run_id,))]
 
     def stages(self, run_id: str) -> list[dict]:
         with self._con() as con:
             rows = [dict(r) for r in con.execute("SELECT * FROM stages WHERE run_id=? ORDER BY rowid", (run_id,))]
-        for r in rows:
-            r["outputs"] = json.loads(r["outputs"]) if r["outputs"] else {}
-        return rows
+        return [_decoded(r) for r in rows]
 
     def attempts(self, run_id: str, stage: str | None = None) -> list[dict]:
         with self._con() as con:
             q = "SELECT * FROM attempts WHERE run_id=?" + (" AND stage=?" if stage else "") + " ORDER BY started"
-            return [dict(r) for r in con.execute(q, (run_id, stage) if stage else (run_id,))]
+            return [_decoded(dict(r)) for r in con.execute(q, (run_id, stage) if stage else (run_id,))]
+
+
+def _decoded(row: dict) -> dict:
+    for key in _JSON & set(row):
+        row[key] = json.loads(row[key]) if row[key] else ({} if key != "rank_info" else [])
+    return row
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -57,6 +57,7 @@ class Scheduler:
         return bool(outs) and all(self.store.exists(o) for o in outs)
 
     def run(self) -> RunResult:
+        self.on_event("", "run", self.run_id)
         deps = dependencies(self.wf)
         prior = {s["stage"]: s["state"] for s in self.db.stages(self.run_id)}
         done = {s for s in self.wf.stages if prior.get(s) == "succeeded" and
@@ -153,11 +154,12 @@ class Scheduler:
                     self._gangs[name] = gang
                 gang.start()
                 self.db.start_attempt(self.run_id, name, attempt, gang.gang_id, str(log_dir))
-                results = gang.run(STAGE_APP, name, st.app, inputs, st.outputs,
+                results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
                                    params=st.params, timeout=st.timeout)
             except (RankError, GangError) as exc:
                 error = str(exc).splitlines()[0]
-                self.db.end_attempt(self.run_id, name, attempt, "failed", str(exc))
+                self.db.end_attempt(self.run_id, name, attempt, "failed", str(exc),
+                                    ranks=[{"rank": r, "pid": pid} for r, pid in enumerate(gang.pids)])
                 self._event(name, "failed", f"attempt {attempt}: {error}")
                 if attempt <= st.retries and not self._cancelled.is_set():
                     time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
@@ -166,9 +168,11 @@ class Scheduler:
                 gang.close()
                 with self._lock:
                     self._gangs.pop(name, None)
-            self.db.end_attempt(self.run_id, name, attempt, "succeeded")
-            self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=results[0])
-            self._event(name, "succeeded", ", ".join(f"{k}: {r:,} rows" for k, (r, _) in results[0].items()))
+            outputs = results[0]["outputs"]
+            self.db.end_attempt(self.run_id, name, attempt, "succeeded", ranks=rank_records(results))
+            self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs,
+                              inputs=input_totals(results))
+            self._event(name, "succeeded", ", ".join(f"{k}: {r:,} rows" for k, (r, _) in outputs.items()))
             return None
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
@@ -194,6 +198,7 @@ class Scheduler:
         placement = launcher.placement(st.ranks)
         rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(st.ranks)]
         self.db.start_attempt(self.run_id, name, attempt, gang_id, str(log_dir))
+        self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {st.command[0]!r} on slots {slots}")
         with self._lock:
             self._commands[name] = launcher
         deadline = time.monotonic() + st.timeout if st.timeout else None
@@ -217,6 +222,23 @@ class Scheduler:
             launcher.kill(grace_s=1.0)
             with self._lock:
                 self._commands.pop(name, None)
+
+
+def rank_records(results: list[dict]) -> list[dict]:
+    """Per rank: pid, host and when its app ran (the report's timeline)."""
+    return [{"rank": r, **{k: res[k] for k in ("pid", "host", "started", "ended")}}
+            for r, res in enumerate(results)]
+
+
+def input_totals(results: list[dict]) -> dict[str, dict]:
+    """Per input: rows and bytes read over all ranks and the repartition path taken."""
+    totals: dict[str, dict] = {}
+    for res in results:
+        for local, st in res["inputs"].items():
+            t = totals.setdefault(local, {"dataset": st["dataset"], "rows": 0, "bytes": 0, "plan": st["plan"]})
+            t["rows"] += st["rows"]
+            t["bytes"] += st["bytes"]
+    return totals
 
 
 def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,

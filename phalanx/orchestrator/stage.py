@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import time
 from typing import Any
 
 from ..runtime.tasks import resolve_app
@@ -10,8 +13,11 @@ from ..runtime.tasks import resolve_app
 def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outputs: list[str]) -> dict:
     """Run ``app(env)``; outputs are sealed with ``env.output`` or returned as ``{name: frame}``.
 
-    Returns what rank 0 reports to the run database: rows and bytes of each output.
+    Returns what every rank reports to the run database: its app's start and end time, host
+    and pid, the rows/bytes/repartition path of each input it read, and (the same on every
+    rank) rows and bytes of each sealed output.
     """
+    started = time.time()
     env.stage, env.inputs, env.outputs = stage, inputs, list(outputs)
     result = resolve_app(app)(env)
     if isinstance(result, dict):
@@ -26,4 +32,6 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
         raise RuntimeError(f"stage {stage!r} finished without sealing its outputs {missing} "
                            "(call env.output(name, df) or return {name: df})")
     sizes = {name: env.store.info(name) for name in outputs}
-    return {name: (i.num_rows, i.nbytes) for name, i in sizes.items()}
+    return {"outputs": {name: (i.num_rows, i.nbytes) for name, i in sizes.items()},
+            "inputs": env.input_stats, "started": started, "ended": time.time(),
+            "host": socket.gethostname(), "pid": os.getpid()}

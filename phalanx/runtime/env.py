@@ -26,6 +26,8 @@ class BSPEnv:
     stage: str = ""
     inputs: dict[str, dict[str, Any]] = field(default_factory=dict)   # local name → get() spec
     outputs: list[str] = field(default_factory=list)
+    # What each input() read on this rank: dataset, rows, bytes and the repartition path taken.
+    input_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def input(self, name: str):
         """The stage input ``name`` as a DataFrame, repartitioned as the workflow says."""
@@ -36,7 +38,11 @@ class BSPEnv:
         if spec.get("shuffle") == "global":  # a per-epoch order for the ML loader: read as stored
             spec.pop("shuffle")
             spec.pop("seed", None)
-        return self.store.get(dataset, **{k: v for k, v in spec.items() if v is not None})
+        frame = self.store.get(dataset, **{k: v for k, v in spec.items() if v is not None})
+        table = frame.to_arrow()
+        self.input_stats[name] = {"dataset": dataset, "rows": table.num_rows, "bytes": table.nbytes,
+                                  "plan": self.store.last_plan}
+        return frame
 
     def output(self, name: str, data: Any):
         """Seal ``data`` as the stage output ``name`` (every rank passes its partition)."""

@@ -1,0 +1,129 @@
+"""Workflows in Python: ``px.Workflow``, ``@px.stage`` and ``px.run``.
+
+They compile to the same model as a YAML file (``models.Workflow``) and run on the same
+scheduler.  Apps are the decorated functions themselves, so a function defined in a notebook
+or a script's ``__main__`` works (it travels to the ranks by value with cloudpickle)::
+
+    wf = px.Workflow("etl")
+
+    @wf.stage(ranks=2, outputs=["tx"])
+    def generate(env): ...
+
+    @wf.stage(ranks=2, needs=[generate], inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+              outputs=["totals"])
+    def totals(env): ...
+
+    result = px.run(wf, site="local")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+from .models import Site, Stage, Workflow as WorkflowModel
+from .yamlio import ConfigError, parse
+
+
+class StageFn:
+    """A function marked as a workflow stage; calling it calls the function."""
+
+    def __init__(self, fn: Callable | None, name: str, spec: dict[str, Any]):
+        self.fn, self.name, self.spec = fn, name, spec
+
+    def __call__(self, env: Any) -> Any:
+        if self.fn is None:
+            raise TypeError(f"stage {self.name!r} runs a command, not a Python function")
+        return self.fn(env)
+
+    def __repr__(self) -> str:
+        return f"<phalanx stage {self.name!r} ranks={self.spec.get('ranks', 1)}>"
+
+
+def stage(fn: Callable | None = None, *, name: str | None = None, ranks: int = 1, kind: str = "bsp",
+          needs: Iterable["StageFn | str"] = (), inputs: dict[str, Any] | None = None,
+          outputs: Sequence[str] = (), params: dict[str, Any] | None = None, retries: int = 0,
+          timeout: float | None = None) -> Any:
+    """Mark ``fn(env)`` as a stage: ``@px.stage(ranks=2, needs=[generate], outputs=["x"])``."""
+
+    def mark(f: Callable) -> StageFn:
+        spec = {"kind": kind, "app": f"{f.__module__}:{f.__qualname__}", "ranks": ranks,
+                "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
+                "inputs": dict(inputs or {}), "outputs": list(outputs), "params": dict(params or {}),
+                "retries": retries, "timeout": timeout}
+        return StageFn(f, name or f.__name__, spec)
+
+    return mark(fn) if fn is not None else mark
+
+
+class Workflow:
+    """A workflow built in Python; ``model()`` is what a YAML file of the same DAG gives."""
+
+    def __init__(self, name: str, stages: Iterable[StageFn] = (), site: str = "local"):
+        self.name, self.site = name, site
+        self.stages: dict[str, StageFn] = {}
+        for s in stages:
+            self.add(s)
+
+    def add(self, s: StageFn) -> StageFn:
+        if s.name in self.stages:
+            raise ValueError(f"workflow {self.name!r} already has a stage {s.name!r}")
+        self.stages[s.name] = s
+        return s
+
+    def stage(self, fn: Callable | None = None, **options: Any) -> Any:
+        """``@wf.stage(ranks=2, ...)``: ``px.stage`` that also adds the stage to this workflow."""
+        if fn is not None:
+            return self.add(stage(fn, **options))
+        return lambda f: self.add(stage(f, **options))
+
+    def command(self, name: str, command: Sequence[str], *, ranks: int = 1,
+                needs: Iterable[StageFn | str] = (), params: dict[str, Any] | None = None,
+                retries: int = 0, timeout: float | None = None) -> StageFn:
+        """An external program on every rank (kind: command)."""
+        spec = {"kind": "command", "command": list(command), "ranks": ranks,
+                "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
+                "params": dict(params or {}), "retries": retries, "timeout": timeout}
+        return self.add(StageFn(None, name, spec))
+
+    def model(self) -> WorkflowModel:
+        data = {"name": self.name, "site": self.site,
+                "stages": {n: {k: v for k, v in s.spec.items() if v is not None} for n, s in self.stages.items()}}
+        wf = parse(WorkflowModel, data, source=f"workflow {self.name!r}")
+        wf.apps.update({n: s.fn for n, s in self.stages.items() if s.fn is not None})
+        return wf
+
+    def run(self, site: "str | Path | Site | None" = None, **options: Any):
+        return run(self, site=site, **options)
+
+
+def run(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None" = None, *,
+        resume: str | None = None, state: str | Path | None = None, progress: bool = True,
+        existing: set[str] | None = None):
+    """Run a workflow (a ``px.Workflow``, a model, or a YAML file) and wait for it.
+
+    Returns a ``RunResult`` (``ok``, ``run_id``, ``session``, ``failed``, ``skipped``); the run
+    is in the run database like one started by ``phalanx run`` (``phalanx status RUN``).
+    Raises ``ConfigError`` listing every problem before anything starts.
+    """
+    from .progress import RunProgress
+    from .rundb import RunDB
+    from .scheduler import run_workflow
+    from .validate import check, load_site, load_workflow
+
+    file = "<python>"
+    if isinstance(workflow, (str, Path)):
+        file = str(workflow)
+        wf, site_model = load_workflow(workflow, site=site if isinstance(site, (str, Path)) or site is None
+                                       else None, existing=existing)
+        if isinstance(site, Site):
+            site_model = site
+    else:
+        wf = workflow.model() if isinstance(workflow, Workflow) else workflow
+        site_model = site if isinstance(site, Site) else load_site(str(site or wf.site))
+        problems = check(wf, site_model, source=f"workflow {wf.name!r}", existing=existing,
+                         check_imports=False)
+        if problems:
+            raise ConfigError(problems)
+    on_event = RunProgress(wf, live=False) if progress else None
+    return run_workflow(wf, site_model, file=file, db=RunDB(state), resume=resume, on_event=on_event)

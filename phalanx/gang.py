@@ -25,6 +25,7 @@ from .errors import GangError, RankError, RankFailure
 from .executors import executors
 from .executors.base import Launcher
 from .executors.control import ControlServer
+from .executors.local import WORKER_ARGV
 from .runtime import protocol as P
 from .runtime.rendezvous import backend_for, new_gang_id
 from .runtime.tasks import check_app
@@ -32,7 +33,6 @@ from .store import Store
 
 log = logging.getLogger("phalanx.gang")
 
-WORKER_ARGV = (sys.executable, "-m", "phalanx.runtime.worker")
 _FAIL_GRACE_S = 1.0   # after a first failure, how long other ranks get to report theirs
 _POLL_S = 0.2
 _live_gangs: "weakref.WeakSet[Gang]" = weakref.WeakSet()

@@ -9,9 +9,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, Callable, Iterable, Sequence
+from typing import IO, TYPE_CHECKING, Callable, Iterable, Sequence
 
 from .base import Launcher
+
+if TYPE_CHECKING:
+    from .pool import WarmPool
+
+WORKER_ARGV = (sys.executable, "-m", "phalanx.runtime.worker")  # what gangs start on every rank
 
 
 Echo = bool | Callable[[str], None]
@@ -40,10 +45,12 @@ def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None)
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self, echo: Echo = True, pin: bool = True, cpus: Sequence[int] | None = None):
+    def __init__(self, echo: Echo = True, pin: bool = True, cpus: Sequence[int] | None = None,
+                 pool: "WarmPool | None" = None):
         self.echo = echo
         self.pin = pin
         self.cpus = cpus
+        self.pool = pool  # warm rank processes to take before starting new ones
         self.procs: list[subprocess.Popen] = []
         self._pumps: list[threading.Thread] = []
         self._output: RankOutput | None = None
@@ -53,13 +60,19 @@ class LocalLauncher(Launcher):
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         self._output = RankOutput(log_dir, self.echo)
+        from .pool import hand_over
+
+        warm = self.pool.take(len(rank_env)) if self.pool and tuple(argv) == WORKER_ARGV else []
         for rank, extra in enumerate(rank_env):
-            env = {**os.environ, **extra, "PYTHONUNBUFFERED": "1"}
-            proc = subprocess.Popen(
-                list(argv), env=env, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
-            )
+            if rank < len(warm):
+                proc = warm[rank]
+                hand_over(proc, extra)
+            else:
+                proc = subprocess.Popen(
+                    list(argv), env={**os.environ, **extra, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
+                )
             self.procs.append(proc)
             self._pumps.append(start_pump(proc.stdout, self._output, _whole_lines(rank),
                                           name=f"phalanx-log-rank{rank}"))

@@ -105,6 +105,9 @@ class Site(_Strict):
     communicator: Literal["gloo", "mpi"] = "gloo"
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
+    warm_ranks: Optional[int] = Field(
+        None, ge=0, description="local executor: rank processes kept started, imports done, so a stage's "
+        "gang starts in a fraction of a second; 0 turns it off; default: the site's slots")
     slurm: Optional[dict[str, Any]] = None
     ray: Optional[dict[str, Any]] = None
     kubernetes: Optional[dict[str, Any]] = None

@@ -47,6 +47,8 @@ class Scheduler:
         self._commands: dict[str, object] = {}  # stage → launcher of a running command stage
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
+        self._pool = None  # warm rank processes (local executor), made by run()
+        self._unstarted = 0  # ranks of stages not started yet: what the pool may warm
 
     def _event(self, stage: str | None, kind: str, message: str) -> None:
         self.db.event(self.run_id, kind, message, stage)
@@ -65,9 +67,22 @@ class Scheduler:
         for s in done:
             self._event(s, "reused", "outputs sealed by an earlier attempt: not run again")
         pending = [s for s in self.wf.stages if s not in done]
+        self.db.set_run(self.run_id, "running")
+        warm = self.capacity if self.site.warm_ranks is None else self.site.warm_ranks
+        if self.site.executor == "local" and warm and any(self.wf.stages[s].kind != "command" for s in pending):
+            from ..executors.pool import WarmPool
+
+            self._unstarted = sum(self.wf.stages[s].ranks for s in pending if self.wf.stages[s].kind != "command")
+            self._pool = WarmPool(warm, demand=lambda: self._unstarted)
+        try:
+            return self._run(pending, done, deps)
+        finally:
+            if self._pool is not None:
+                self._pool.close()
+
+    def _run(self, pending: list[str], done: set[str], deps: dict[str, set[str]]) -> RunResult:
         failed: dict[str, str] = {}
         running: dict[Future, tuple[str, list[int]]] = {}
-        self.db.set_run(self.run_id, "running")
         with ThreadPoolExecutor(max_workers=max(1, len(pending))) as pool:
             try:
                 while pending or running:
@@ -80,6 +95,8 @@ class Scheduler:
                         if deps[name] <= done and ranks <= len(self._free):
                             slots, self._free = self._free[:ranks], self._free[ranks:]
                             pending.remove(name)
+                            if self.wf.stages[name].kind != "command":
+                                self._unstarted -= ranks  # the warm pool stops warming for it
                             running[pool.submit(self._run_stage, name, slots)] = (name, slots)
                     if not running:
                         break
@@ -122,7 +139,8 @@ class Scheduler:
             return self.site.executor
         cpus = usable_cpus()
         fits = self.capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
-        return LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None)
+        return LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None,
+                             pool=self._pool)
 
     def _run_stage(self, name: str, slots: list[int]) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""

@@ -127,5 +127,29 @@ def _serve(conn, env) -> int:
             sys.stderr.flush()
 
 
+def warm_main() -> int:
+    """A warm pool worker (``executors.pool``): import what ranks need, then wait on stdin for
+    a rank environment (one JSON line) and run as a rank; end of stdin means "not needed"."""
+    import importlib
+    import json
+
+    _die_with_parent()
+    for module in filter(None, os.environ.get("PHALANX_PRELOAD", "").split(",")):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass  # the rank reports it if it really needs it
+    line = sys.stdin.readline()
+    if not line:
+        return 0
+    env = json.loads(line)
+    os.environ.update(env)
+    # PYTHONPATH is read at interpreter start: apply the gang's (the driver's sys.path) now.
+    for path in reversed(env.get("PYTHONPATH", "").split(os.pathsep)):
+        if path and path not in sys.path:
+            sys.path.insert(0, path)
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(warm_main() if "--warm" in sys.argv[1:] else main())

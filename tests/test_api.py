@@ -129,3 +129,21 @@ def test_stage_timeout_stops_the_gang_and_fails_the_stage(tmp_path):
     from test_gang import wait_dead
 
     assert wait_dead([r["pid"] for r in att[0]["rank_info"]]) == []
+
+
+def test_a_later_run_reads_an_earlier_runs_output_by_session(tmp_path):
+    import apps
+
+    site4 = Site(name="t4", cores=4)
+    first = px.run(build("producer"), site=site4, state=tmp_path / "state", progress=False)
+    assert first.ok, first.failed
+    later = px.Workflow("consumer", [px.stage(apps.wf_totals, name="again", ranks=2,
+                                               inputs={"tx": f"{first.session}/tx"}, outputs=["totals"])])
+    second = px.run(later, site=site4, state=tmp_path / "state", progress=False)
+    assert second.ok, second.failed
+    a, b = (px.Store(session=r.session).read("totals").to_pandas().sort_values("user").reset_index(drop=True)
+            for r in (first, second))
+    pd.testing.assert_frame_equal(a, b)
+    missing = px.Workflow("c2", [px.stage(apps.wf_totals, name="x", inputs={"tx": f"{first.session}/nope"})])
+    with pytest.raises(ConfigError, match=f"dataset 'nope' is not in store session '{first.session}'"):
+        px.run(missing, site=site4, state=tmp_path / "state", progress=False)

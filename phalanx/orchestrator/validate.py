@@ -90,9 +90,15 @@ def check(wf: Workflow, site: Site, *, source: str = "<python>", root: yaml.Node
             elif need == name:
                 report(("stages", name, "needs", i), "a stage cannot need itself")
         for local, spec in st.inputs.items():
-            if spec.dataset not in producers and spec.dataset not in (existing or set()):
+            session, _, short = spec.dataset.rpartition("/")
+            if session:  # another session's dataset (e.g. an earlier run's): must be sealed now
+                if not _sealed_elsewhere(site, session, short):
+                    report(("stages", name, "inputs", local),
+                           f"dataset {short!r} is not in store session {session!r} of {_store_root(site)}")
+            elif spec.dataset not in producers and spec.dataset not in (existing or set()):
                 report(("stages", name, "inputs", local),
-                       f"dataset {spec.dataset!r} is produced by no stage and is not in the store")
+                       f"dataset {spec.dataset!r} is produced by no stage and is not in the store "
+                       "(another run's output: 'SESSION/NAME')")
         if st.ranks > capacity:
             report(("stages", name, "ranks"),
                    f"{st.ranks} ranks, but site {site.name!r} can give at most {capacity}")
@@ -104,6 +110,21 @@ def check(wf: Workflow, site: Site, *, source: str = "<python>", root: yaml.Node
     if cycle:
         report(("stages", cycle[0], "needs"), "cycle: " + " → ".join(cycle))
     return problems
+
+
+def _store_root(site: Site) -> str:
+    from ..store import Store
+
+    return str(Store(site.store.root).root)
+
+
+def _sealed_elsewhere(site: Site, session: str, name: str) -> bool:
+    from ..store import Store
+
+    try:
+        return Store(site.store.root, session).exists(name)
+    except ValueError:  # a malformed name
+        return False
 
 
 SITE_DIRS_ENV = "PHALANX_SITE_PATH"

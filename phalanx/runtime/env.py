@@ -38,10 +38,12 @@ class BSPEnv:
         if spec.get("shuffle") == "global":  # a per-epoch order for the ML loader: read as stored
             spec.pop("shuffle")
             spec.pop("seed", None)
-        frame = self.store.get(dataset, **{k: v for k, v in spec.items() if v is not None})
+        session, _, short = dataset.rpartition("/")  # "session/name": another run's dataset
+        store = self.store.for_session(session) if session else self.store
+        frame = store.get(short, **{k: v for k, v in spec.items() if v is not None})
         table = frame.to_arrow()
         self.input_stats[name] = {"dataset": dataset, "rows": table.num_rows, "bytes": table.nbytes,
-                                  "plan": self.store.last_plan}
+                                  "plan": store.last_plan}
         return frame
 
     def output(self, name: str, data: Any):

@@ -116,6 +116,19 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_report(args: argparse.Namespace) -> int:
+    from .orchestrator.report import write_report
+    from .orchestrator.rundb import RunDB
+
+    try:
+        path = write_report(RunDB(args.state), args.run, args.output)
+    except KeyError as exc:
+        print(f"phalanx report: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {path}")
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from .orchestrator.rundb import RunDB
 
@@ -240,6 +253,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--state")
     c.set_defaults(fn=cmd_cancel)
 
+    rp = sub.add_parser("report", help="write an HTML page of a run: timeline, rows, bytes, repartition paths")
+    rp.add_argument("run")
+    rp.add_argument("-o", "--output", help="file or directory (default: STATE/reports/RUN.html)")
+    rp.add_argument("--state")
+    rp.set_defaults(fn=cmd_report)
+
     st = sub.add_parser("status", help="list runs, or the stages of one run")
     st.add_argument("run", nargs="?")
     st.add_argument("--state")
@@ -269,6 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     sc.set_defaults(fn=cmd_schema)
 
     args = ap.parse_args(argv)
+    if hasattr(signal, "SIGPIPE"):  # `phalanx status | head` ends quietly
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     return args.fn(args)
 
 

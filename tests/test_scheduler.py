@@ -137,18 +137,43 @@ def test_cli_run_and_status(tmp_path):
                             text=True, env=env, timeout=60)
     assert "succeeded" in status.stdout and "totals" in status.stdout
     assert "generate" in status.stdout and "tx 2,000 rows" in status.stdout
+    assert "← tx: tx 2,000 rows" in status.stdout  # rows read over all ranks, with the plan
+    report = subprocess.run([sys.executable, "-m", "phalanx.cli", "report", run_id, "-o", str(tmp_path / "r.html")],
+                            capture_output=True, text=True, env=env, timeout=60)
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "r.html").read_text()
+    assert "<svg" in page and "totals" in page and "balanced, zero-copy" in page
+    bad = subprocess.run([sys.executable, "-m", "phalanx.cli", "report", "no-such-run"],
+                         capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 1 and "no run 'no-such-run'" in bad.stderr
+
+
+@pytest.fixture
+def driver():
+    """Start a `phalanx run` process; stopped (by PID) if the test ends before it does."""
+    procs = []
+
+    def start(argv, **kwargs):
+        procs.append(subprocess.Popen(argv, **kwargs))
+        return procs[-1]
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            p.wait(timeout=30)
 
 
 @pytest.mark.parametrize("how", ["ctrl-c", "phalanx cancel"])
-def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how):
+def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how, driver):
     import signal
 
     wf = tmp_path / "wf.yaml"
     wf.write_text("name: forever\nstages:\n  loop:\n    app: apps:wf_seal_then_sleep\n    ranks: 2\n"
                   "    outputs: [early]\n")
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", str(wf)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = driver([sys.executable, "-m", "phalanx.cli", "run", str(wf)], env=env,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     db = RunDB(tmp_path / "state")
     pids, deadline, store = [], time.monotonic() + 60, None
     while len(pids) < 2 or store is None or not store.exists("early"):  # ranks started, output sealed
@@ -179,14 +204,14 @@ def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how):
     store.delete_session()
 
 
-def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(tmp_path):
+def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(tmp_path, driver):
     import signal
 
     wf = tmp_path / "wf.yaml"
     wf.write_text("name: crashy\nstages:\n  loop:\n    app: apps:sleep_forever\n    ranks: 2\n")
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
-    proc = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = driver([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     pids, deadline = [], time.monotonic() + 60
     while len(pids) < 2:
         assert time.monotonic() < deadline, "the stage's ranks never started"

@@ -87,7 +87,7 @@ def test_dag_checks(tmp_path):
         "needs: [features]", "needs: [features]\n    inputs: {x: nowhere}")
     assert problems(tmp_path, text) == [
         "wf.yaml:11: stages.features.needs.0: unknown stage 'generat' (stages: features, generate, report)",
-        "wf.yaml:19: stages.report.inputs.x: dataset 'nowhere' is produced by no stage and is not in the store",
+        "wf.yaml:19: stages.report.inputs.x: dataset 'nowhere' is produced by no stage and is not in the store (another run's output: 'SESSION/NAME')",
     ]
 
 

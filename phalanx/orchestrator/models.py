@@ -73,7 +73,8 @@ class Stage(_Strict):
 class Workflow(_Strict):
     """A DAG of stages, run on one site."""
 
-    name: str
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="letters, digits, '_', '.', '-' (names the store session)")
     site: str = Field("local", description="a name from site-configs/ or a path to a site file")
     stages: dict[str, Stage] = Field(min_length=1)
     # Python workflows (px.Workflow): stage → the function itself, sent to ranks by value, so

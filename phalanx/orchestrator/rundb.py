@@ -104,6 +104,11 @@ class RunDB:
                         (run_id, stage, attempt, "running", time.time(), None, gang_id, log_dir, None))
             con.execute("UPDATE stages SET attempts=? WHERE run_id=? AND stage=?", (attempt, run_id, stage))
 
+    def set_attempt_gang(self, run_id: str, stage: str, attempt: int, gang_id: str) -> None:
+        with self._con() as con:
+            con.execute("UPDATE attempts SET gang_id=? WHERE run_id=? AND stage=? AND attempt=?",
+                        (gang_id, run_id, stage, attempt))
+
     def end_attempt(self, run_id: str, stage: str, attempt: int, state: str, error: str | None = None,
                     ranks: list[dict] | None = None) -> None:
         """``ranks``: per rank {rank, pid, host, started, ended} (what the report draws)."""

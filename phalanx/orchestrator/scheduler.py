@@ -167,11 +167,12 @@ class Scheduler:
             gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
                         rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store)
             self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}")
+            self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
             try:
                 with self._lock:
                     self._gangs[name] = gang
                 gang.start()
-                self.db.start_attempt(self.run_id, name, attempt, gang.gang_id, str(log_dir))
+                self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
                 results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
                                    params=st.params, timeout=st.timeout)
             except (RankError, GangError) as exc:
@@ -221,7 +222,7 @@ class Scheduler:
             self._commands[name] = launcher
         deadline = time.monotonic() + st.timeout if st.timeout else None
         try:
-            launcher.launch(st.command, rank_env, log_dir)
+            launcher.launch(command_argv(st.command), rank_env, log_dir)
             while True:
                 codes = launcher.exitcodes()
                 bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
@@ -240,6 +241,14 @@ class Scheduler:
             launcher.kill(grace_s=1.0)
             with self._lock:
                 self._commands.pop(name, None)
+
+
+def command_argv(command: list[str]) -> list[str]:
+    """``python``/``python3`` in a command stage is the Python that runs phalanx (its venv),
+    not whatever PATH finds first — or nothing, on systems with only ``python3``."""
+    import sys
+
+    return [sys.executable, *command[1:]] if command[0] in ("python", "python3") else list(command)
 
 
 def rank_records(results: list[dict]) -> list[dict]:

@@ -253,8 +253,10 @@ class Gang:
             except queue.Empty:
                 pass
             if deadline is not None and time.monotonic() >= deadline:
-                raise GangError(f"gang {self.gang_id}: ranks did not manage {what}; "
-                                f"logs in {self.log_dir}")
+                status = getattr(self._launcher, "status", None)  # e.g. "slurm: job 42 PENDING (Resources)"
+                why = f" ({status()})" if callable(status) else ""
+                raise GangError(f"gang {self.gang_id}: ranks did not manage {what} within "
+                                f"{self.start_timeout:.0f}s{why}; logs in {self.log_dir}")
             for rank, code in enumerate(self._launcher.exitcodes()):
                 if code is not None and rank not in self._control.conns:
                     return rank, ("eof",)  # died before it ever connected

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs everything phalanx and its tests need, from scratch, into ./.venv:
-#   system: redis-server (Redis rendezvous tests), Open MPI (MPI communicator)
+#   system: redis-server (Redis rendezvous tests), Open MPI (MPI communicator), Slurm + munge
 #   python: phalanx with the test and benchmark extras (torch is large: ~3 GB download,
 #           reused from pip's cache on later runs)
 set -euo pipefail
@@ -18,8 +18,10 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
 fi
 
+bash scripts/setup-slurm.sh   # Debian's Slurm + munge for the SLURM executor's tests
+
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,bench]"
+.venv/bin/python -m pip install -q -e ".[test,bench,ray]"
 .venv/bin/python -c "import phalanx, torch, pyarrow, polars, duckdb; print('phalanx', phalanx.__version__, 'ready')"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import shutil
 import socket
 import subprocess
@@ -74,3 +75,34 @@ def redis_url():
     proc.terminate()
     proc.wait(timeout=10)
     shutil.rmtree(workdir, ignore_errors=True)
+
+
+# ---- a private SLURM cluster on loopback (tests marked slurm) ------------------------------
+_INFRA = Path(__file__).resolve().parent / "infra"
+SLURM_CONF = f"{os.environ.get('PHALANX_SLURM_DIR', '/tmp/phalanx-slurm')}/slurm.conf"
+
+
+def _cluster_up() -> bool:
+    if not Path(SLURM_CONF).exists():
+        return False
+    r = subprocess.run(["scontrol", "ping"], env={**os.environ, "SLURM_CONF": SLURM_CONF},
+                       capture_output=True, text=True, timeout=30)
+    return "is UP" in r.stdout
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster():
+    if shutil.which("slurmctld") is None:
+        pytest.skip("slurmctld is not installed (scripts/setup-slurm.sh installs Debian's "
+                    "slurm-wlm and munge)")
+    was_up = _cluster_up()
+    r = subprocess.run([str(_INFRA / "slurm-up.sh")], capture_output=True, text=True, timeout=300)
+    if r.returncode:
+        pytest.fail(f"tests/infra/slurm-up.sh failed ({r.returncode}):\n{r.stderr}\n{r.stdout}")
+    yield SLURM_CONF
+    from phalanx.executors.slurm import SlurmPilot
+
+    SlurmPilot.close_shared()
+    # a cluster a developer started by hand stays up; PHALANX_SLURM_KEEP=1 keeps ours
+    if not was_up and not os.environ.get("PHALANX_SLURM_KEEP"):
+        subprocess.run([str(_INFRA / "slurm-down.sh")], capture_output=True, timeout=120)

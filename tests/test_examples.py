@@ -37,11 +37,19 @@ SCALE = 0.01
 TPCH_SMALL = {"stages.dbgen.params.scale": SCALE}
 
 
-def run_example(path: Path, overrides: dict, tmp: Path) -> tuple[RunDB, str, px.Store]:
-    """Load with overrides, run on this machine with a private run database and store root."""
+def run_example(path: Path, overrides: dict, tmp: Path, site_name: str | None = None
+                ) -> tuple[RunDB, str, px.Store]:
+    """Load with overrides, run with a private run database and store root — on this machine,
+    or on the site ``site-configs/<site_name>.yaml``."""
+    import yaml
+
     cores = max(2, os.cpu_count() or 1)  # the examples use 2-rank gangs
+    data = {"name": "test-local", "executor": "local", "cores": cores}
+    if site_name:
+        data = yaml.safe_load((ROOT / "site-configs" / f"{site_name}.yaml").read_text())
+    data["store"] = {"root": str(tmp / "store")}
     site = tmp / "site.yaml"
-    site.write_text(f"name: test-local\nexecutor: local\ncores: {cores}\nstore:\n  root: {tmp / 'store'}\n")
+    site.write_text(yaml.safe_dump(data))
     wf, st = load_workflow(path, site=str(site), overrides=overrides)
     db = RunDB(tmp / "state")
     result = run_workflow(wf, st, file=str(path), db=db)
@@ -263,3 +271,29 @@ def test_q10_matches_duckdb(tpch, tables):
     got = store.read("q10").to_pandas()
     assert len(want) == 20
     pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
+
+
+# ---- the same workflow on other sites gives the same results --------------------------------
+def same_results_as_local(etl, tmp: Path, site_name: str) -> RunDB:
+    _, _, local = etl
+    db, run_id, store = run_example(ETL, ETL_SMALL, tmp, site_name=site_name)
+    for name, key in (("transactions", "tx_id"), ("users", "user_id"), ("features", "user_id")):
+        pd.testing.assert_frame_equal(sorted_frame(store.read(name), key), sorted_frame(local.read(name), key),
+                                      obj=f"{name} on {site_name}")
+    # Training is not bit-identical across sites (kernel thread counts differ, so do float
+    # reduction orders): the loss must fall the same way, within a small margin.
+    here, there = (s.read("train_metrics").to_pandas().loss.to_numpy() for s in (local, store))
+    assert (np.diff(there) < 0).all() and abs(there[-1] - here[-1]) < 0.05, (here, there)
+    return db
+
+
+@pytest.mark.slurm
+def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp_path):
+    def jobs() -> int:  # jobs SLURM knows (finished ones are kept for MinJobAge)
+        out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
+                             env={**os.environ, "SLURM_CONF": slurm_cluster}, check=True).stdout
+        return len(out.split())
+
+    before = jobs()
+    same_results_as_local(etl, tmp_path, "slurm-local")
+    assert jobs() - before >= 4  # one job per stage (generate, features, train, report)

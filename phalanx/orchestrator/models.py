@@ -106,6 +106,8 @@ class Site(_Strict):
     communicator: Literal["gloo", "mpi"] = "gloo"
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
+    start_timeout: float = Field(
+        300, gt=0, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
     warm_ranks: Optional[int] = Field(
         None, ge=0, description="local executor: rank processes kept started, imports done, so a stage's "
         "gang starts in a fraction of a second; 0 turns it off; default: the site's slots")

@@ -79,6 +79,10 @@ class Scheduler:
         finally:
             if self._pool is not None:
                 self._pool.close()
+            if self.site.executor == "slurm":  # the run's pilot allocation, if it held one
+                from ..executors.slurm import SlurmPilot
+
+                SlurmPilot.close_shared()
 
     def _run(self, pending: list[str], done: set[str], deps: dict[str, set[str]]) -> RunResult:
         failed: dict[str, str] = {}
@@ -135,6 +139,8 @@ class Scheduler:
             launcher.kill(grace_s=0.5)
 
     def _launcher(self, slots: list[int]):
+        if self.site.executor in ("slurm", "ray"):
+            return site_launcher(self.site, len(slots))
         if self.site.executor != "local":
             return self.site.executor
         cpus = usable_cpus()
@@ -165,7 +171,8 @@ class Scheduler:
                     time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
                 continue
             gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
-                        rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store)
+                        rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
+                        start_timeout=self.site.start_timeout)
             self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}")
             self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
             try:
@@ -237,10 +244,23 @@ class Scheduler:
                 time.sleep(0.05)
         except OSError as exc:  # the program does not exist or is not executable
             return f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
+        except GangError as exc:  # the resource manager will never run it (bad partition...)
+            return str(exc).splitlines()[0]
         finally:
             launcher.kill(grace_s=1.0)
             with self._lock:
                 self._commands.pop(name, None)
+
+
+def site_launcher(site: Site, ranks: int):
+    """The launcher of one gang on a batch or cloud site (its own section of the site file)."""
+    if site.executor == "slurm":
+        from ..executors.slurm import SlurmLauncher
+
+        return SlurmLauncher.from_site(site.slurm or {}, ranks, site=site.name)
+    from ..executors.ray import RayLauncher
+
+    return RayLauncher.from_site(site.ray or {}, ranks, site=site.name)
 
 
 def command_argv(command: list[str]) -> list[str]:

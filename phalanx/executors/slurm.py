@@ -1,0 +1,905 @@
+"""SLURM executor: the ranks of a gang are the tasks of one ``srun``.
+
+Driven through SLURM's own commands (``sbatch``, ``srun``, ``squeue``, ``sacct``, ``scancel``):
+pyslurm does not build against the Slurm 22.05 of Debian 12, and the commands work with every
+Slurm a site runs.  Two ways to get the nodes, chosen by the site's ``slurm:`` section:
+
+``allocation: per-stage`` (default)
+    Every gang is its own batch job: ``sbatch`` of a script whose body ``srun``\\ s the ranks.
+    Simple and fair to other users; every stage queues once.
+``allocation: pilot``
+    One allocation (a ``SlurmPilot``: a holder job submitted with ``sbatch`` that sleeps) is
+    held for the whole workflow, and every gang is a job step ``srun --jobid=J --exact -n N`` on
+    a share of it: no queueing per stage (the RADICAL-Pilot / Parsl pattern).  Concurrent gangs
+    get disjoint CPUs (``--exact``); a gang that does not fit waits until a step ends.
+
+Ranks learn their rank from ``SLURM_PROCID`` (a small shell wrapper also exports it as
+``PHALANX_RANK`` for command stages); everything else in their environment is common to all
+ranks and passed through ``--export=ALL``.  Each rank's stdout and stderr go to
+``log_dir/rank-N.log`` (``srun --output=.../rank-%t.log``), its exit code to
+``log_dir/rank-N.exit`` (written by the wrapper), so ``log_dir`` must be on a filesystem the
+compute nodes and the driver share.  SLURM's own view — job state and reason — comes from
+``squeue`` (``sacct`` once the job has left the controller's memory) and is reported by
+``status()`` and ``reason()``; a job that can never start (e.g. PENDING (PartitionNodeLimit))
+or that sbatch rejects raises ``GangError`` naming the site and SLURM's reason.
+
+Site keys (the ``slurm:`` section of a site file; ``-`` and ``_`` are interchangeable)::
+
+    allocation: per-stage | pilot       # default per-stage
+    conf: /path/to/slurm.conf           # SLURM_CONF for every command (a private cluster)
+    partition, account, qos, time, nodes, mem, mem_per_cpu, constraint, reservation, gres,
+    gpus_per_task, exclusive, nodelist, exclude, ...    # sbatch/srun options, as on the CLI
+    ranks_per_node: 1                   # --ntasks-per-node; nodes = ceil(ranks / this)
+    spread_job: true                    # --spread-job: a gang over as many nodes as possible
+    cpus_per_task: 2                    # default: the stage's CPUs per rank
+    mpi: pmix                           # srun --mpi=... (communicator: mpi)
+    prologue: ["module load python"]    # shell lines run before srun (per-stage mode)
+    sbatch_args: [...], srun_args: [...]  # anything else, verbatim
+    poll_interval: 0.5                  # seconds between squeue calls
+    pending_timeout: 600                # fail a gang whose job is PENDING longer (default: wait)
+    job_name: phalanx                   # prefix of job and step names
+    pilot:                              # allocation: pilot — the held allocation
+      nodes: 4
+      ntasks: 64                        # rank slots held (or ntasks_per_node)
+      time: "12:00:00"                  # plus partition/account/qos/... (default: from above)
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from ..errors import GangError, MissingDependencyError
+from ..runtime import protocol as P
+from .base import Launcher
+
+Echo = bool | Callable[[str], None]
+
+# sbatch/srun options a site section may set (as "--key=value"; True: "--key")
+OPTION_KEYS = frozenset({
+    "nodes", "ntasks-per-node", "cpus-per-task", "time", "partition", "account", "qos",
+    "mem", "mem-per-cpu", "constraint", "reservation", "gres", "gpus", "gpus-per-task",
+    "gpus-per-node", "exclusive", "nodelist", "exclude", "licenses", "wckey", "comment",
+    "hint", "distribution", "network", "switches", "time-min", "begin", "deadline",
+    "spread-job",
+})
+_ALIASES = {"ranks-per-node": "ntasks-per-node"}
+# keys of the section that are not sbatch options
+_SITE_KEYS = frozenset({
+    "allocation", "conf", "mpi", "prologue", "sbatch-args", "srun-args", "poll-interval",
+    "pending-timeout", "job-name", "pilot", "ntasks",
+})
+
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+                    "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
+                    "STOPPED", "RESV_DEL_HOLD"})
+FAILED = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "PREEMPTED",
+                    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+# PENDING reasons that no amount of waiting resolves
+HOPELESS = {
+    "PartitionConfig": "the job's request does not fit the configuration of partition {partition!r}",
+    "PartitionNodeLimit": "the job asks for more nodes than partition {partition!r} allows or has",
+    "PartitionTimeLimit": "the job's time limit exceeds partition {partition!r}'s MaxTime",
+    "PartitionInactive": "partition {partition!r} is inactive",
+    "BadConstraints": "no node can satisfy the job's constraints",
+    "InvalidAccount": "the account is not valid",
+    "InvalidQOS": "the QOS is not valid",
+    "AccountNotAllowed": "the account may not use partition {partition!r}",
+    "QOSNotAllowed": "the QOS may not use partition {partition!r}",
+    "DependencyNeverSatisfied": "a dependency can never be satisfied",
+    "InvalidPartition": "partition {partition!r} does not exist",
+}
+# How a rank whose wrapper never wrote an exit code ended, by the job's final state.
+_STATE_SIGNAL = {"CANCELLED": signal.SIGTERM, "TIMEOUT": signal.SIGTERM, "PREEMPTED": signal.SIGTERM,
+                 "DEADLINE": signal.SIGTERM, "NODE_FAIL": signal.SIGKILL,
+                 "OUT_OF_MEMORY": signal.SIGKILL, "BOOT_FAIL": signal.SIGKILL}
+
+# Runs each rank: exports the rank for programs that read PHALANX_RANK, records the exit code
+# where the driver can read it (srun reports only the largest one).
+_WRAPPER = ('d=$1; shift; PHALANX_RANK=$SLURM_PROCID; export PHALANX_RANK; "$@"; rc=$?; '
+            'f="$d/rank-$SLURM_PROCID.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc')
+
+
+# ------------------------------------------------------------------------------------------
+# talking to SLURM
+@dataclass
+class JobInfo:
+    job_id: str
+    state: str                 # PENDING, RUNNING, COMPLETED, ... ; GONE: no longer known
+    reason: str = ""           # SLURM's reason ("Resources", "PartitionNodeLimit", "None")
+    nodes: str = ""
+    exit_status: int | None = None   # raw wait status (squeue) or None
+    partition: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def describe(self) -> str:
+        text = f"job {self.job_id} {self.state}"
+        if self.reason and self.reason != "None":
+            text += f" ({self.reason})"
+        if self.state == "RUNNING" and self.nodes:
+            text += f" on {self.nodes}"
+        return text
+
+
+class SlurmCommands:
+    """SLURM's command-line tools, run with one environment (``SLURM_CONF`` for a private cluster)."""
+
+    def __init__(self, conf: str | None = None):
+        self.conf = os.path.expandvars(os.path.expanduser(conf)) if conf else None
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The driver's environment without its own SLURM job's variables (the driver may run
+        inside a job: its SLURM_JOB_ID, SLURM_NTASKS... would steer sbatch and srun)."""
+        env = {k: v for k, v in os.environ.items()
+               if not (k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF")}
+        env.pop(P.ENV_RANK, None)
+        if self.conf:
+            env["SLURM_CONF"] = self.conf
+        env.update(extra or {})
+        return env
+
+    def exe(self, name: str) -> str:
+        path = shutil.which(name)
+        if path is None:
+            raise MissingDependencyError(
+                f"executor 'slurm' needs {name!r} on PATH (SLURM's client commands; "
+                "Debian: scripts/setup-slurm.sh)")
+        return path
+
+    def run(self, name: str, *args: str, env: Mapping[str, str] | None = None,
+            timeout: float = 60.0, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([self.exe(name), *args], env=env or self.env(), input=stdin,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def job(self, job_id: str) -> JobInfo:
+        """The job as the controller sees it; after it aged out (MinJobAge), as sacct does."""
+        fields = "JobID:|,State:|,Reason:|,NodeList:|,exit_code:|,Partition:|"
+        try:
+            r = self.run("squeue", "-h", "-t", "all", "-j", job_id, "-O", fields, timeout=30)
+        except subprocess.TimeoutExpired:
+            return JobInfo(job_id, "UNKNOWN", "squeue timed out")
+        if r.returncode == 0:
+            for line in r.stdout.splitlines():
+                parts = line.split("|")
+                if len(parts) >= 6 and parts[0].strip() == job_id:
+                    code = parts[4].strip()
+                    return JobInfo(job_id, parts[1].strip(), parts[2].strip(), parts[3].strip(),
+                                   int(code) if code.lstrip("-").isdigit() else None, parts[5].strip())
+            if not r.stdout.strip():
+                return self._from_sacct(job_id)
+        elif "Invalid job id" in r.stderr:
+            return self._from_sacct(job_id)
+        return JobInfo(job_id, "UNKNOWN", (r.stderr.strip().splitlines() or ["squeue failed"])[-1])
+
+    def _from_sacct(self, job_id: str) -> JobInfo:
+        try:
+            r = self.run("sacct", "-X", "-n", "-P", "-j", job_id,
+                         "-o", "JobID,State,ExitCode,Reason,NodeList,Partition", timeout=30)
+        except (subprocess.TimeoutExpired, MissingDependencyError):
+            return JobInfo(job_id, "GONE")
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            parts = line.split("|")
+            if len(parts) >= 6 and parts[0] == job_id:
+                code, _, sig = parts[2].partition(":")
+                status = (int(sig) & 0x7F) if sig.isdigit() and int(sig) else \
+                    (int(code) << 8 if code.isdigit() else None)
+                return JobInfo(job_id, parts[1].split()[0], parts[3], parts[4], status, parts[5])
+        return JobInfo(job_id, "GONE")  # neither squeue nor accounting knows it any more
+
+    def step_ids(self, job_id: str, name: str) -> list[str]:
+        r = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j", timeout=30)
+        return [line.split("|")[0] for line in r.stdout.splitlines()
+                if line.split("|")[-1] == name] if r.returncode == 0 else []
+
+    def partitions(self) -> list[str]:
+        try:
+            r = self.run("sinfo", "-h", "-o", "%R", timeout=30)
+        except (subprocess.TimeoutExpired, MissingDependencyError):
+            return []
+        return sorted(set(r.stdout.split())) if r.returncode == 0 else []
+
+    def submit(self, args: Sequence[str], env: Mapping[str, str], site: str,
+               script: str | None = None) -> str:
+        """``sbatch --parsable``; a rejected job raises GangError with sbatch's own words."""
+        r = self.run("sbatch", "--parsable", *args, env=env, stdin=script)
+        if r.returncode != 0:
+            raise GangError(f"slurm: sbatch rejected the job{_site(site)}: {self._explain(r.stderr)}")
+        return r.stdout.strip().split(";")[0]
+
+    def _explain(self, stderr: str) -> str:
+        lines = [re.sub(r"^sbatch: error: ", "", l).strip() for l in stderr.splitlines() if l.strip()]
+        text = "; ".join(lines) or "no message"
+        m = re.search(r"invalid partition specified: (\S+)", stderr)
+        if m:
+            known = self.partitions()
+            text = (f"partition {m.group(1)!r} does not exist"
+                    + (f" (partitions: {', '.join(known)})" if known else "") + f" — sbatch: {text}")
+        return text
+
+    def cancel(self, target: str, sig: str | None = None) -> None:
+        args = (["--signal", sig, "--full"] if sig else []) + [target]
+        try:
+            self.run("scancel", *args, timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _site(site: str) -> str:
+    return f" (site {site!r})" if site and site != "slurm" else ""
+
+
+def _norm(key: str) -> str:
+    key = key.replace("_", "-")
+    return _ALIASES.get(key, key)
+
+
+def _option_args(options: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key, value in options.items():
+        if value is None or value is False:
+            continue
+        out.append(f"--{key}" if value is True else f"--{key}={value}")
+    return out
+
+
+def _split_section(section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(sbatch/srun options, phalanx's own keys) of a site's slurm: section; unknown keys fail."""
+    options, own = {}, {}
+    for raw, value in (section or {}).items():
+        key = _norm(str(raw))
+        if key in OPTION_KEYS:
+            options[key] = value
+        elif key in _SITE_KEYS:
+            own[key] = value
+        else:
+            raise ValueError(f"unknown key {raw!r} in the site's slurm: section; known: "
+                             + ", ".join(sorted(OPTION_KEYS | _SITE_KEYS | {"ranks_per_node"})))
+    return options, own
+
+
+def _code_from_status(status: int) -> int:
+    """A raw wait status (SLURM's exit_code) as a Popen-style return code."""
+    if status & 0x7F:
+        return -(status & 0x7F)
+    return status >> 8
+
+
+def _shell_code(rc: int) -> int:
+    """The wrapper's ``$?``: 128+N means the rank was killed by signal N."""
+    return -(rc - 128) if 128 < rc < 128 + 65 else rc
+
+
+# ------------------------------------------------------------------------------------------
+# the pilot allocation
+class SlurmPilot:
+    """One allocation held for many gangs: a batch job that only sleeps, whose nodes the gangs
+    use as job steps (``srun --jobid=J --exact``).
+
+    >>> with SlurmPilot({"nodes": 2, "ntasks": 8, "time": "1:00:00"}) as pilot:
+    ...     gang = px.Gang(4, executor=SlurmLauncher(pilot=pilot, allocation="pilot"))
+    """
+
+    def __init__(self, options: Mapping[str, Any] | None = None, *, conf: str | None = None,
+                 site: str = "slurm", sbatch_args: Sequence[str] = (), prologue: Sequence[str] = (),
+                 job_name: str = "phalanx-pilot", poll_interval: float = 0.5,
+                 start_timeout: float | None = None):
+        opts, own = _split_section(options or {})
+        self.ntasks = own.get("ntasks")
+        self.options = opts
+        self.slurm = SlurmCommands(conf)
+        self.site = site
+        self.sbatch_args = list(sbatch_args)
+        self.prologue = list(prologue)
+        self.job_name = job_name
+        self.poll_interval = poll_interval
+        self.start_timeout = start_timeout
+        self.job_id: str | None = None
+        self.info: JobInfo | None = None
+        self.log_dir: Path | None = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
+        """The pilot a site's ``slurm:`` section describes (its ``pilot:`` keys over the top-level
+        partition/account/qos/time...)."""
+        options, own = _split_section(slurm_section)
+        pilot = dict(own.get("pilot") or {})
+        for key in ("cpus-per-task", "nodes", "ntasks-per-node"):  # these are per gang up top
+            options.pop(key, None)
+        merged = {**options, **{_norm(k): v for k, v in pilot.items()}}
+        return cls(merged, conf=own.get("conf"), site=site,
+                   sbatch_args=own.get("sbatch-args") or (), prologue=own.get("prologue") or (),
+                   job_name=f"{own.get('job-name') or 'phalanx'}-pilot",
+                   poll_interval=float(own.get("poll-interval") or 0.5),
+                   start_timeout=own.get("pending-timeout"))
+
+    _shared: dict[str, "SlurmPilot"] = {}
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
+        """One pilot per distinct site section in this process (a workflow run), cancelled
+        when the process exits."""
+        key = json.dumps([site, slurm_section], sort_keys=True, default=str)
+        with cls._shared_lock:
+            pilot = cls._shared.get(key)
+            if pilot is None:
+                pilot = cls._shared[key] = cls.from_site(slurm_section, site)
+            return pilot
+
+    @property
+    def running(self) -> bool:
+        return self.job_id is not None and self.info is not None and self.info.state == "RUNNING"
+
+    def start(self, timeout: float | None = None) -> "SlurmPilot":
+        """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
+        limit, a node failure) is replaced by a fresh one."""
+        with self._lock:
+            if self.job_id is not None:
+                self.info = self.slurm.job(self.job_id)
+                if self.info.state == "RUNNING":
+                    return self
+            if self.job_id is None or not (self.info.active or self.info.state == "UNKNOWN"):
+                self._submit()
+            timeout = timeout if timeout is not None else self.start_timeout
+            deadline = time.monotonic() + timeout if timeout else None
+            wait = 0.05
+            while True:
+                self.info = self.slurm.job(self.job_id)
+                if self.info.state == "RUNNING":
+                    return self
+                if self.info.state == "PENDING" and self.info.reason in HOPELESS:
+                    self.slurm.cancel(self.job_id)
+                    raise GangError(_hopeless(self.info, self.site, "pilot "))
+                if not self.info.active and self.info.state != "UNKNOWN":
+                    raise GangError(f"slurm: pilot {self.info.describe()}{_site(self.site)}; "
+                                    f"its log: {self.log_dir}/pilot-{self.job_id}.log")
+                if deadline is not None and time.monotonic() > deadline:
+                    self.slurm.cancel(self.job_id)
+                    raise GangError(f"slurm: pilot {self.info.describe()} for more than "
+                                    f"{timeout:.0f} s{_site(self.site)}")
+                time.sleep(wait)
+                wait = min(wait * 2, self.poll_interval)
+
+    def _submit(self) -> None:
+        from ..gang import default_log_root
+
+        self.log_dir = default_log_root().parent / "slurm-pilots"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        args = [f"--job-name={self.job_name}", f"--output={self.log_dir}/pilot-%j.log",
+                "--no-requeue", *_option_args(self.options)]
+        if self.ntasks:
+            args.append(f"--ntasks={self.ntasks}")
+        elif "ntasks-per-node" not in self.options:
+            args.append("--exclusive")  # no size given: whole nodes
+        body = "\n".join(["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps",
+                          *self.prologue, "exec sleep infinity", ""])
+        # no script file: sbatch reads the script from its stdin
+        self.job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
+        self.info = None
+
+    def status(self) -> str:
+        if self.job_id is None:
+            return "slurm: pilot not started"
+        self.info = self.slurm.job(self.job_id)
+        return f"slurm: pilot {self.info.describe()}"
+
+    def close(self) -> None:
+        """Cancel the allocation (every gang still on it ends) and wait until it is gone."""
+        with self._lock:
+            job, self.job_id = self.job_id, None
+        if job is None:
+            return
+        self.slurm.cancel(job)
+        _wait_inactive(self.slurm, job, 15.0)
+
+    def __enter__(self) -> "SlurmPilot":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<SlurmPilot job={self.job_id} {self.info.state if self.info else '-'}>"
+
+    @classmethod
+    def close_shared(cls) -> None:
+        """Cancel the pilots ``shared`` made (at the end of a workflow run; also at exit)."""
+        with cls._shared_lock:
+            pilots = list(cls._shared.values())
+            cls._shared.clear()
+        for pilot in pilots:
+            try:
+                pilot.close()
+            except Exception:  # the controller may be gone already
+                pass
+
+
+atexit.register(SlurmPilot.close_shared)
+
+
+def _hopeless(info: JobInfo, site: str, what: str = "") -> str:
+    hint = HOPELESS.get(info.reason, "").format(partition=info.partition or "?")
+    return f"slurm: {what}job {info.job_id} PENDING ({info.reason}): {hint}{_site(site)}"
+
+
+def _wait_inactive(slurm: SlurmCommands, job: str, within_s: float) -> JobInfo:
+    deadline = time.monotonic() + within_s
+    wait = 0.05
+    while True:
+        info = slurm.job(job)
+        if not info.active or time.monotonic() > deadline:
+            return info
+        time.sleep(wait)
+        wait = min(wait * 1.5, 0.5)
+
+
+# ------------------------------------------------------------------------------------------
+class SlurmLauncher(Launcher):
+    """Starts a gang's ranks as the tasks of one ``srun`` (see the module docstring)."""
+
+    name = "slurm"
+
+    def __init__(self, echo: Echo = False, *, allocation: str = "per-stage",
+                 pilot: SlurmPilot | None = None, conf: str | None = None, site: str = "slurm",
+                 options: Mapping[str, Any] | None = None, cpus_per_rank: int | None = None,
+                 mpi: str | None = None, prologue: Sequence[str] = (),
+                 sbatch_args: Sequence[str] = (), srun_args: Sequence[str] = (),
+                 poll_interval: float = 0.5, pending_timeout: float | None = None,
+                 job_name: str = "phalanx"):
+        if allocation not in ("per-stage", "pilot"):
+            raise ValueError(f"slurm allocation must be 'per-stage' or 'pilot', got {allocation!r}")
+        self.echo = echo
+        self.allocation = allocation
+        self.site = site
+        self.options, own = _split_section(options or {})
+        if own:
+            raise ValueError(f"not sbatch options: {sorted(own)} (use the keyword arguments)")
+        self.cpus_per_rank = int(cpus_per_rank or self.options.pop("cpus-per-task", None) or 1)
+        self.options.pop("cpus-per-task", None)
+        self.mpi = mpi
+        self.prologue = list(prologue)
+        self.sbatch_args = list(sbatch_args)
+        self.srun_args = list(srun_args)
+        self.poll_interval = poll_interval
+        self.pending_timeout = pending_timeout
+        self.job_name = job_name
+        if allocation == "pilot" and pilot is None:
+            pilot = SlurmPilot(conf=conf, site=site)
+        self.pilot = pilot
+        self.slurm = pilot.slurm if pilot is not None and conf is None else SlurmCommands(conf)
+        self._lock = threading.RLock()
+        self._reset(None, 0)
+
+    @classmethod
+    def from_site(cls, slurm_section: Mapping[str, Any] | None, ranks: int, cpus_per_rank: int = 1,
+                  *, site: str = "slurm", echo: Echo = False, pilot: SlurmPilot | None = None,
+                  **overrides: Any) -> "SlurmLauncher":
+        """The launcher for one gang of ``ranks`` on a site whose ``slurm:`` section is given.
+
+        ``overrides`` are sbatch options for this call only (a stage's ``time``, ``nodes``...).
+        In pilot mode the gangs of one process share one pilot (``SlurmPilot.shared``) unless
+        ``pilot`` is given.
+        """
+        section = dict(slurm_section or {})
+        options, own = _split_section(section)
+        over, own_over = _split_section(overrides)
+        options.update(over)
+        own.update(own_over)
+        cpus = int(options.pop("cpus-per-task", None) or cpus_per_rank or 1)
+        per_node = options.get("ntasks-per-node")
+        if per_node and "nodes" not in options:
+            options["nodes"] = max(1, math.ceil(ranks / int(per_node)))
+        allocation = own.get("allocation", "per-stage")
+        if allocation == "pilot" and pilot is None:
+            pilot = SlurmPilot.shared(section, site)
+        return cls(echo=echo, allocation=allocation, pilot=pilot, conf=own.get("conf"), site=site,
+                   options=options, cpus_per_rank=cpus, mpi=own.get("mpi"),
+                   prologue=own.get("prologue") or (), sbatch_args=own.get("sbatch-args") or (),
+                   srun_args=own.get("srun-args") or (),
+                   poll_interval=float(own.get("poll-interval") or 0.5),
+                   pending_timeout=own.get("pending-timeout"),
+                   job_name=own.get("job-name") or "phalanx")
+
+    # ---- state ----------------------------------------------------------------------------
+    def _reset(self, log_dir: Path | None, world_size: int) -> None:
+        self.log_dir = log_dir
+        self.world_size = world_size
+        self.job_id: str | None = None     # per-stage: the gang's job; pilot: the pilot's job
+        self.step_name = ""
+        self.step_id: str | None = None
+        self.info: JobInfo | None = None
+        self._codes: list[int | None] = [None] * world_size
+        self._srun: subprocess.Popen | None = None
+        self._srun_err: list[str] = []
+        self._step_note = ""
+        self._last_poll = 0.0
+        self._submitted = 0.0
+        self._failed: str | None = None    # SLURM's reason once the job failed
+        self._raised = False
+        self._killing = False
+        self._follower: _Follower | None = None
+
+    def placement(self, world_size: int) -> list[dict[str, str]]:
+        # SLURM places and binds the ranks; phalanx only sizes their thread pools
+        return [{P.ENV_THREADS: str(self.cpus_per_rank)} for _ in range(world_size)]
+
+    # ---- launch ---------------------------------------------------------------------------
+    def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
+        with self._lock:
+            self._stop_follower()
+            self._reset(Path(log_dir).absolute(), len(rank_env))
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            for old in self.log_dir.glob("rank-*.exit*"):  # a gang restarted in the same dir
+                old.unlink(missing_ok=True)
+            common = _common_env(rank_env)
+            common["PYTHONUNBUFFERED"] = "1"
+            gang = common.get(P.ENV_GANG_ID) or f"{os.getpid()}-{time.time_ns()}"
+            self.step_name = f"{self.job_name}-{gang}"
+            env = self.slurm.env(common)
+            self._submitted = time.monotonic()
+            if self.allocation == "pilot":
+                self._launch_step(argv, env)
+            else:
+                self._launch_job(argv, env)
+            if self.echo:
+                self._follower = _Follower(self.log_dir, self.world_size, self.echo)
+
+    def _srun_options(self) -> list[str]:
+        out = [f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
+               "--kill-on-bad-exit=0",  # phalanx fails the gang fast itself, with tracebacks
+               f"--output={_pct(self.log_dir)}/rank-%t.log", "--open-mode=append", "--input=none"]
+        if self.mpi:
+            out.append(f"--mpi={self.mpi}")
+        return out
+
+    def _rank_command(self, argv: Sequence[str]) -> list[str]:
+        return ["/bin/sh", "-c", _WRAPPER, "phalanx-rank", str(self.log_dir), *argv]
+
+    def _launch_job(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args,
+                *self._rank_command(argv)]
+        script = self.log_dir / "slurm-job.sh"
+        script.write_text("\n".join([
+            "#!/bin/sh",
+            f"# phalanx gang {self.step_name}: {self.world_size} ranks (phalanx.executors.slurm)",
+            *self.prologue,
+            "exec " + " ".join(shlex.quote(a) for a in srun), ""]))
+        args = [f"--job-name={self.step_name}", f"--output={_pct(self.log_dir)}/launcher.log",
+                "--open-mode=append", "--no-requeue",  # a lost node fails the stage: phalanx retries
+                "--export=ALL", f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
+                *_option_args(self.options), *self.sbatch_args, str(script)]
+        self.job_id = self.slurm.submit(args, env, self.site)
+
+    def _launch_step(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        pilot = self.pilot
+        assert pilot is not None
+        if pilot.ntasks and self.world_size > int(pilot.ntasks):
+            raise GangError(f"slurm: a gang of {self.world_size} ranks does not fit the pilot's "
+                            f"{pilot.ntasks} tasks{_site(self.site)}: raise slurm.pilot.ntasks")
+        pilot.start()
+        self.job_id = pilot.job_id
+        cmd = [self.slurm.exe("srun"), f"--jobid={pilot.job_id}", "--exact",
+               f"--job-name={self.step_name}", *_option_args(
+                   {k: v for k, v in self.options.items() if k in ("nodes", "ntasks-per-node",
+                                                                 "mem", "mem-per-cpu", "gres",
+                                                                 "gpus-per-task", "distribution",
+                                                                 "nodelist", "exclude", "hint",
+                                                                 "spread-job")}),
+               *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
+        launcher_log = open(self.log_dir / "launcher.log", "ab", buffering=0)
+        self._srun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log,
+                                      stderr=subprocess.PIPE, start_new_session=True)
+        launcher_log.close()
+        threading.Thread(target=self._read_srun_stderr, args=(self._srun,), daemon=True,
+                         name="phalanx-slurm-srun").start()
+
+    def _read_srun_stderr(self, proc: subprocess.Popen) -> None:
+        with open(self.log_dir / "launcher.log", "ab", buffering=0) as out:
+            for raw in iter(proc.stderr.readline, b""):
+                out.write(raw)
+                line = raw.decode(errors="replace").strip()
+                with self._lock:
+                    self._srun_err.append(line)
+                    if "temporarily disabled" in line:
+                        m = re.search(r"\((.*)\)", line)
+                        self._step_note = f"waiting for a share of pilot job {self.job_id}" + (
+                            f" ({m.group(1)})" if m else "")
+                    elif "Step created" in line:
+                        self._step_note = ""
+        proc.stderr.close()
+
+    # ---- state and exit codes -------------------------------------------------------------
+    def exitcodes(self) -> list[int | None]:
+        with self._lock:
+            if self.world_size == 0:
+                return []
+            before = list(self._codes)
+            self._read_exit_files()
+            killed = [r for r, c in enumerate(self._codes) if c is not None and c < 0 and before[r] is None]
+            if killed and self.allocation != "pilot":
+                self._why_killed()
+            if all(c is not None for c in self._codes):
+                return list(self._codes)
+            if self.allocation == "pilot":
+                self._check_step()
+            else:
+                self._check_job()
+            return list(self._codes)
+
+    def _read_exit_files(self) -> None:
+        for r, code in enumerate(self._codes):
+            if code is None:
+                try:
+                    text = (self.log_dir / f"rank-{r}.exit").read_text().strip()
+                except OSError:
+                    continue
+                if text.lstrip("-").isdigit():
+                    self._codes[r] = _shell_code(int(text))
+
+    def _poll(self, force: bool = False) -> JobInfo | None:
+        if self.job_id is None:
+            return None
+        now = time.monotonic()
+        if force or self.info is None or now - self._last_poll >= self.poll_interval:
+            self.info = self.slurm.job(self.job_id)
+            self._last_poll = now
+        return self.info
+
+    def _why_killed(self) -> None:
+        """A rank died of a signal: was it SLURM (scancel, time limit, node failure...)?"""
+        if self._failed is not None or self._killing:
+            return
+        info = self._poll(force=True)
+        if info is not None and info.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                               "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE"):
+            if info.active:  # ending: its final state comes within moments
+                self.info = info = _wait_inactive(self.slurm, self.job_id, 1.0)
+            if not info.active:
+                self._note_failure(info)
+
+    def _check_job(self) -> None:
+        info = self._poll()
+        if info is None:
+            return
+        if info.state == "PENDING" and not self._raised and not self._killing:
+            waited = time.monotonic() - self._submitted
+            if info.reason in HOPELESS:
+                self._raise(_hopeless(info, self.site))
+            if self.pending_timeout and waited > self.pending_timeout:
+                self._raise(f"slurm: {info.describe()} for more than {self.pending_timeout:.0f} s"
+                            f"{_site(self.site)}")
+        if info.active or info.state == "UNKNOWN":
+            return
+        # the job ended: ranks without an exit file never ran, or were killed with the job
+        self._settle(info, info.state, info.exit_status)
+
+    def _check_step(self) -> None:
+        proc = self._srun
+        if proc is None:
+            return
+        rc = proc.poll()
+        if rc is None:
+            return
+        self._read_exit_files()  # the last rank may have written its file just before srun ended
+        if all(c is not None for c in self._codes):
+            return
+        info = self._poll(force=True)  # was the pilot lost (TIMEOUT, NODE_FAIL...)?
+        errors = [l for l in self._srun_err if "error" in l.lower()]
+        if not any(c is not None for c in self._codes) and errors and not self._raised \
+                and not self._killing and (info is None or info.active):
+            self._settle(None, "FAILED", None, _shell_code(rc) if rc > 0 else (rc or 1))
+            self._raise(f"slurm: job step of pilot job {self.job_id} could not start"
+                        f"{_site(self.site)}: {'; '.join(errors[-3:])}")
+        if info is not None and not info.active:
+            self._settle(info, info.state, info.exit_status)
+        else:
+            code = _shell_code(rc) if rc > 0 else rc
+            self._settle(None, "FAILED" if code else "COMPLETED", None, code or None)
+
+    def _settle(self, info: JobInfo | None, state: str, status: int | None,
+                code: int | None = None) -> None:
+        """The job (or step) ended: ranks that wrote no exit code get one from its state."""
+        if code is None:
+            if state in _STATE_SIGNAL:
+                code = -int(_STATE_SIGNAL[state])
+            elif status:
+                code = _code_from_status(status) or 1
+            else:
+                code = 0 if state == "COMPLETED" else 1
+        if state in FAILED:
+            self._note_failure(info or JobInfo(self.job_id or "?", state))
+        for r, c in enumerate(self._codes):
+            if c is None:
+                self._codes[r] = code
+
+    def _note_failure(self, info: JobInfo) -> None:
+        """Remember SLURM's word on a failed job for ``reason()``, and put it at the end of the
+        logs of the ranks it ended: the gang shows a failed rank's log tail."""
+        if self._failed is not None or self._killing:
+            return
+        self._failed = f"slurm: {info.describe()}{_site(self.site)}"
+        for r, c in enumerate(self._codes):
+            if c is None or c < 0:
+                try:
+                    with open(self.log_dir / f"rank-{r}.log", "a") as f:
+                        f.write(f"[phalanx] {self._failed}\n")
+                except OSError:
+                    pass
+
+    def _raise(self, message: str) -> None:
+        self._raised = True
+        self._failed = message
+        if self.job_id is not None and self.allocation != "pilot":
+            self.slurm.cancel(self.job_id)
+        raise GangError(message)
+
+    def status(self) -> str:
+        """SLURM's view of this gang, e.g. ``slurm: job 42 PENDING (Resources)``."""
+        with self._lock:
+            if self.job_id is None:
+                return "slurm: not launched"
+            info = self._poll(force=True)
+            if self.allocation != "pilot":
+                return f"slurm: {info.describe()}"
+            if info is not None and info.state != "RUNNING":
+                return f"slurm: pilot {info.describe()}"
+            if self._step_note:
+                return f"slurm: step {self.step_name} {self._step_note}"
+            step = self.step_id or next(iter(self.slurm.step_ids(self.job_id, self.step_name)), None)
+            if step:
+                self.step_id = step
+                state = "RUNNING" if self._srun is not None and self._srun.poll() is None else "ENDED"
+                return f"slurm: step {step} {state} (pilot job {self.job_id} on {info.nodes})"
+            if self._srun is None or self._srun.poll() is not None:
+                return f"slurm: step {self.step_name} of pilot job {self.job_id} ended"
+            # srun tells "step creation temporarily disabled" only once it got its share, and
+            # squeue does not list a step that waits: no step yet after a moment means waiting
+            if time.monotonic() - self._submitted < 1.0:
+                return f"slurm: step {self.step_name} of pilot job {self.job_id} starting"
+            return f"slurm: step {self.step_name} waiting for a share of pilot job {self.job_id}"
+
+    def reason(self) -> str | None:
+        """Why the gang failed, in SLURM's words (``slurm: job 42 TIMEOUT``), or None."""
+        with self._lock:
+            return self._failed
+
+    # ---- stopping -------------------------------------------------------------------------
+    def kill(self, grace_s: float = 2.0) -> None:
+        with self._lock:
+            job = self.job_id
+            self._killing = True  # what follows is our doing, not a SLURM failure to report
+        if job is not None:
+            if self.allocation == "pilot":
+                self._kill_step(grace_s)
+            else:
+                self._kill_job(job, grace_s)
+        self._stop_follower()
+
+    def _kill_job(self, job: str, grace_s: float) -> None:
+        info = self.slurm.job(job)
+        if info.active and all(c is not None for c in self.exitcodes()):
+            info = _wait_inactive(self.slurm, job, grace_s)  # srun and the script are ending
+        if info.active:
+            self.slurm.cancel(job)  # SIGTERM to every step, SIGKILL after KillWait
+            info = _wait_inactive(self.slurm, job, grace_s)
+        if info.active:
+            self.slurm.cancel(job, "KILL")
+            info = _wait_inactive(self.slurm, job, 10.0)
+        with self._lock:
+            self.info = info
+            if not info.active:
+                self._settle(info, info.state, info.exit_status)
+
+    def _kill_step(self, grace_s: float) -> None:
+        proc = self._srun
+        if proc is None:
+            return
+        if proc.poll() is None and any(c is None for c in self.exitcodes()):
+            steps = self.slurm.step_ids(self.job_id, self.step_name)
+            for step in steps:
+                self.slurm.cancel(step)
+            if not steps:  # still waiting for its share: srun ends on SIGTERM
+                _signal(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            for step in self.slurm.step_ids(self.job_id, self.step_name):
+                self.slurm.cancel(step, "KILL")
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                _signal(proc.pid, signal.SIGKILL)
+                proc.wait()
+        with self._lock:
+            self._check_step()
+
+    def _stop_follower(self) -> None:
+        follower, self._follower = getattr(self, "_follower", None), None
+        if follower is not None:
+            follower.stop()
+
+    def __repr__(self) -> str:
+        return f"<SlurmLauncher {self.allocation} job={self.job_id} site={self.site!r}>"
+
+
+def _pct(path: Path) -> str:
+    return str(path).replace("%", "%%")  # srun/sbatch expand %j, %t... in --output
+
+
+def _common_env(rank_env: list[dict[str, str]]) -> dict[str, str]:
+    """The environment all ranks share; the rank itself comes from SLURM_PROCID."""
+    per_rank = (P.ENV_RANK, P.ENV_CPUS, P.ENV_CPUS_BY_RANK)
+    common = {k: v for k, v in rank_env[0].items() if k not in per_rank}
+    for r, env in enumerate(rank_env):
+        rest = {k: v for k, v in env.items() if k not in per_rank}
+        if rest != common:
+            diff = sorted(set(rest.items()) ^ set(common.items()))
+            raise ValueError(f"srun gives every rank the same environment; rank {r} differs in {diff}")
+    return common
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+class _Follower:
+    """Echoes new lines of ``rank-N.log`` files (written by srun on the nodes) to the console."""
+
+    def __init__(self, log_dir: Path, world_size: int, echo: Echo):
+        self.log_dir, self.world_size, self.echo = log_dir, world_size, echo
+        self.offsets = [0] * world_size
+        self.partial = [b""] * world_size
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="phalanx-slurm-logs")
+        self.thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._drain()
+        self._drain(final=True)
+
+    def _drain(self, final: bool = False) -> None:
+        for r in range(self.world_size):
+            try:
+                with open(self.log_dir / f"rank-{r}.log", "rb") as f:
+                    f.seek(self.offsets[r])
+                    data = f.read()
+            except OSError:
+                continue
+            self.offsets[r] += len(data)
+            *lines, self.partial[r] = (self.partial[r] + data).split(b"\n")
+            if final and self.partial[r]:
+                lines.append(self.partial[r])
+                self.partial[r] = b""
+            for line in lines:
+                text = line.decode(errors="replace")
+                prefix = f"[rank {r}] "
+                text = text if text.startswith(prefix) else prefix + text
+                if callable(self.echo):
+                    self.echo(text)
+                else:
+                    print(text, file=sys.stderr, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.thread.join(timeout=2.0)

@@ -1,0 +1,318 @@
+"""The SLURM executor against a real Slurm on this machine (tests/infra/slurm-up.sh: slurmctld,
+3 slurmd "nodes" n1-n3 with 2 CPUs each, munged; all on 127.0.0.1).
+
+Per-stage gangs (one sbatch job each) and pilot gangs (job steps of one held allocation) run
+apps that use the communicator across several slurmd nodes; failures, cancellation and
+SLURM's own reasons (PENDING (Resources), PartitionNodeLimit, a bad partition) are checked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import phalanx as px
+import apps
+from phalanx.executors.slurm import SlurmLauncher, SlurmPilot
+from phalanx.orchestrator.models import Site
+from phalanx.orchestrator.yamlio import load_model
+
+pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
+
+REPO = Path(__file__).resolve().parent.parent
+INFRA = REPO / "tests" / "infra"
+from conftest import SLURM_CONF as CONF  # noqa: E402
+
+
+def site_section(name: str) -> dict:
+    """The slurm: section of a site file, pointed at this session's cluster."""
+    site = load_model(Site, REPO / "site-configs" / f"{name}.yaml")
+    return {**site.slurm, "conf": CONF}
+
+
+def slurm(*args: str, check: bool = True) -> str:
+    r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": CONF},
+                       capture_output=True, text=True, timeout=60)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr}")
+    return r.stdout
+
+
+def active_jobs(job: str | None = None) -> list[str]:
+    """Jobs squeue lists as pending, running, completing or suspended."""
+    args = ["squeue", "-h", "-t", "PD,R,CG,S,CF", "-o", "%i %T"]
+    return [l for l in slurm(*args).splitlines() if job is None or l.split()[0] == job]
+
+
+def wait_until(pred, within: float, what: str):
+    deadline = time.monotonic() + within
+    while True:
+        value = pred()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what}")
+        time.sleep(0.1)
+
+
+# ---- apps run on the ranks ---------------------------------------------------------------
+def where(env):
+    import socket
+
+    return {"rank": env.rank, "node": os.environ.get("SLURMD_NODENAME"),
+            "nodeid": os.environ.get("SLURM_NODEID"), "job": os.environ.get("SLURM_JOB_ID"),
+            "procid": os.environ.get("SLURM_PROCID"), "host": socket.gethostname(),
+            "rank_var": os.environ.get("PHALANX_RANK"),
+            "ranks": env.comm.allgather_obj(env.rank)}
+
+
+def alltoallv(env):
+    import numpy as np
+
+    # rank r sends (d + 1) * (r + 1) bytes of value r to rank d
+    counts = [(d + 1) * (env.rank + 1) for d in range(env.world_size)]
+    recv, recv_counts = env.comm.alltoallv(np.full(sum(counts), env.rank, dtype=np.uint8), counts)
+    return recv_counts.tolist(), recv.tolist()
+
+
+def rank1_raises(env):
+    if env.rank == 1:
+        raise ValueError("bad value on rank 1 under slurm")
+    env.comm.barrier()
+
+
+def rank0_exits(env):
+    if env.rank == 0:
+        os._exit(3)
+    env.comm.barrier()
+
+
+def check_spread_and_comm(gang: px.Gang, launcher: SlurmLauncher, ranks: int) -> list[dict]:
+    info = gang.run(where)
+    assert [i["rank"] for i in info] == [i["rank_var"] and int(i["rank_var"]) for i in info] \
+        == [int(i["procid"]) for i in info] == list(range(ranks))
+    # one rank per slurmd node: distinct NodeNames and node ids (all on this one host)
+    assert len({i["node"] for i in info}) == ranks, info
+    assert len({i["nodeid"] for i in info}) == ranks, info
+    assert {i["job"] for i in info} == {launcher.job_id}
+    assert all(i["ranks"] == list(range(ranks)) for i in info)  # allgather
+    got = gang.run(alltoallv)
+    for d, (counts, data) in enumerate(got):
+        assert counts == [(d + 1) * (r + 1) for r in range(ranks)]
+        assert data == [r for r in range(ranks) for _ in range((d + 1) * (r + 1))]
+    return info
+
+
+# ---- per-stage: every gang is its own sbatch job ------------------------------------------
+@pytest.fixture(scope="class")
+def launcher():
+    return SlurmLauncher.from_site(site_section("slurm-local"), 3, site="slurm-local")
+
+
+@pytest.fixture(scope="class")
+def gang(launcher):
+    with px.Gang(3, executor=launcher, echo=False) as g:
+        yield g
+
+
+class TestPerStage:
+
+    def test_ranks_spread_over_nodes_and_use_the_communicator(self, gang, launcher):
+        check_spread_and_comm(gang, launcher, 3)
+        assert re.fullmatch(r"slurm: job \d+ RUNNING on n\[1-3\]", launcher.status())
+        assert launcher.exitcodes() == [None, None, None]
+        log_dir = gang.log_dir
+        assert (log_dir / "slurm-job.sh").read_text().count("srun") == 1
+        assert "--ntasks=3" in (log_dir / "slurm-job.sh").read_text()
+
+    def test_failing_rank_fails_the_gang_fast_with_its_traceback(self, gang, launcher):
+        gang.run(where)
+        job = launcher.job_id
+        t0 = time.monotonic()
+        with pytest.raises(px.RankError) as info:
+            gang.run(rank1_raises)
+        assert time.monotonic() - t0 < 10
+        err = info.value
+        assert err.ranks == [1] and sorted(err.stopped) == [0, 2]
+        assert "bad value on rank 1 under slurm" in str(err) and "rank1_raises" in str(err)
+        assert active_jobs(job) == []  # the gang's job was cancelled and is gone
+        assert launcher.reason() is None  # a rank failed, not SLURM
+        # the next run starts a fresh gang: a new job
+        assert [i["rank"] for i in gang.run(where)] == [0, 1, 2]
+        assert launcher.job_id != job
+
+    def test_scancel_from_outside_fails_the_gang_with_slurms_word(self, gang, launcher):
+        gang.run(where)
+        job = launcher.job_id
+        threading.Timer(1.0, slurm, args=("scancel", job)).start()
+        with pytest.raises(px.RankError) as info:
+            gang.run(apps.sleep_forever, timeout=60)
+        assert launcher.reason() is not None and f"job {job} CANCELLED" in launcher.reason()
+        assert f"slurm: job {job} CANCELLED" in str(info.value)  # in the failed rank's log tail
+        assert active_jobs(job) == []
+
+    def test_kill_cancels_the_job_and_leaves_nothing_in_squeue(self, gang, launcher):
+        gang.run(where)
+        job = launcher.job_id
+        with pytest.raises(px.GangError, match="did not manage to finish"):
+            gang.run(apps.sleep_forever, timeout=1.0)  # the gang kills its ranks: scancel
+        assert active_jobs(job) == []
+        assert slurm("squeue", "-h", "-t", "all", "-j", job, "-o", "%T").split() == ["CANCELLED"]
+        assert launcher.exitcodes() == [-15, -15, -15]
+
+
+# ---- the launcher alone: commands, pending states, SLURM's reasons -----------------------
+def rank_env(n: int, **extra: str) -> list[dict[str, str]]:
+    return [{"PHALANX_RANK": str(r), "PHALANX_WORLD_SIZE": str(n), **extra} for r in range(n)]
+
+
+def wait_codes(launcher: SlurmLauncher, within: float = 30.0) -> list[int]:
+    return wait_until(lambda: (c := launcher.exitcodes()) and all(x is not None for x in c) and c,
+                      within, "the ranks to exit")
+
+
+def test_command_ranks_get_their_rank_log_and_exit_code(tmp_path):
+    echoed: list[str] = []
+    launcher = SlurmLauncher.from_site(site_section("slurm-local"), 3, echo=echoed.append)
+    launcher.launch(["sh", "-c", 'echo "rank $PHALANX_RANK of $PHALANX_WORLD_SIZE on $SLURMD_NODENAME $GREETING"; '
+                     'echo oops >&2; exit $PHALANX_RANK'], rank_env(3, GREETING="hi"), tmp_path)
+    assert wait_codes(launcher) == [0, 1, 2]
+    nodes = set()
+    for r in range(3):
+        out = (tmp_path / f"rank-{r}.log").read_text().splitlines()
+        assert out[0].startswith(f"rank {r} of 3 on n") and out[0].endswith(" hi") and "oops" in out
+        nodes.add(out[0].split()[5])
+    assert nodes == {"n1", "n2", "n3"}
+    launcher.kill()
+    for r in range(3):  # echo=: every rank's lines reach the console, prefixed
+        assert any(l.startswith(f"[rank {r}] rank {r} of 3 on n") and l.endswith(" hi") for l in echoed)
+        assert f"[rank {r}] oops" in echoed
+    assert active_jobs(launcher.job_id) == []
+    assert launcher.reason() is None
+
+
+def test_status_while_pending_and_kill_leaves_no_job(tmp_path):
+    blocker = slurm("sbatch", "--parsable", "-N3", "-n6", "-o", "/dev/null", "--wrap", "sleep 120").strip()
+    try:
+        wait_until(lambda: "RUNNING" in slurm("squeue", "-h", "-j", blocker, "-o", "%T"), 20, "the blocker")
+        launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2)
+        launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
+        status = wait_until(lambda: re.fullmatch(r"slurm: job \d+ PENDING \((Resources|Priority)\)",
+                                                 s := launcher.status()) and s, 20, "PENDING (Resources)")
+        assert status == f"slurm: job {launcher.job_id} PENDING (Resources)" or "Priority" in status
+        assert launcher.exitcodes() == [None, None]
+        t0 = time.monotonic()
+        launcher.kill(grace_s=1.0)
+        assert time.monotonic() - t0 < 10
+        assert active_jobs(launcher.job_id) == []
+        assert launcher.exitcodes() == [-15, -15]
+    finally:
+        slurm("scancel", blocker)
+    wait_until(lambda: not active_jobs(blocker), 20, "the blocker to go")
+
+
+def test_a_bad_partition_is_a_clear_error():
+    launcher = SlurmLauncher.from_site({**site_section("slurm-local"), "partition": "gpu"}, 2,
+                                       site="slurm-local")
+    with pytest.raises(px.GangError) as info:
+        px.Gang(2, executor=launcher, echo=False).start()
+    msg = str(info.value)
+    assert msg.startswith("slurm: sbatch rejected the job (site 'slurm-local'): partition 'gpu' does not exist")
+    assert "partitions: debug, small" in msg and "Invalid partition name" in msg
+
+
+def test_a_job_that_can_never_start_fails_with_slurms_reason():
+    # partition "small" has MaxNodes=1: sbatch accepts a 2-node job, which then waits forever
+    launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2, site="slurm-local",
+                                       partition="small", nodes=2)
+    t0 = time.monotonic()
+    with pytest.raises(px.GangError) as info:
+        px.Gang(2, executor=launcher, echo=False).start()
+    assert time.monotonic() - t0 < 20
+    # SLURM says PartitionConfig or PartitionNodeLimit, depending on when it looks
+    assert re.match(r"slurm: job \d+ PENDING \((PartitionNodeLimit|PartitionConfig)\): .*partition 'small'.* "
+                    r"\(site 'slurm-local'\)$", str(info.value)), str(info.value)
+    assert active_jobs(launcher.job_id) == []
+
+
+def test_a_pilot_that_ended_is_replaced_and_a_gang_too_big_for_it_is_refused(tmp_path):
+    pilot = SlurmPilot({"nodes": 1, "ntasks": 1}, conf=CONF).start(timeout=30)
+    try:
+        first = pilot.job_id
+        slurm("scancel", first)  # e.g. its time limit: the next gang gets a fresh pilot
+        wait_until(lambda: not active_jobs(first), 20, "the pilot to end")
+        second = pilot.start(timeout=30).job_id
+        assert second != first
+        with pytest.raises(px.GangError, match="a gang of 2 ranks does not fit the pilot's 1 tasks"):
+            SlurmLauncher(allocation="pilot", pilot=pilot).launch(["true"], rank_env(2), tmp_path)
+    finally:
+        pilot.close()
+    assert active_jobs(second) == []
+
+
+# ---- pilot: one held allocation, every gang a job step ----------------------------------
+@pytest.fixture(scope="class")
+def section():
+    return site_section("slurm-pilot-local")
+
+
+@pytest.fixture(scope="class")
+def pilot(section):
+    p = SlurmPilot.from_site(section, site="slurm-pilot-local").start(timeout=60)
+    yield p
+    job = p.job_id
+    p.close()
+    assert active_jobs(job) == []
+
+
+@pytest.fixture(scope="class")
+def pilot_launcher(pilot, section):
+    return SlurmLauncher.from_site(section, 2, site="slurm-pilot-local", pilot=pilot)
+
+
+@pytest.fixture(scope="class")
+def pilot_gang(pilot_launcher):
+    with px.Gang(2, executor=pilot_launcher, echo=False) as g:
+        yield g
+
+
+class TestPilot:
+    def test_a_gang_is_a_step_of_the_pilot_spread_over_its_nodes(self, pilot, pilot_gang, pilot_launcher):
+        assert re.fullmatch(r"slurm: pilot job \d+ RUNNING on n\[1-3\]", pilot.status())
+        assert pilot_launcher.job_id == pilot.job_id
+        check_spread_and_comm(pilot_gang, pilot_launcher, 2)
+        assert re.fullmatch(rf"slurm: step {pilot.job_id}\.\d+ RUNNING \(pilot job {pilot.job_id} on n\[1-3\]\)",
+                            pilot_launcher.status()), pilot_launcher.status()
+
+    def test_a_rank_that_exits_fails_the_gang_and_the_pilot_lives_on(self, pilot, pilot_gang):
+        t0 = time.monotonic()
+        with pytest.raises(px.RankError) as info:
+            pilot_gang.run(rank0_exits)
+        assert time.monotonic() - t0 < 10
+        assert info.value.ranks[0] == 0 and "exited with code 3" in str(info.value)
+        assert pilot.status().startswith(f"slurm: pilot job {pilot.job_id} RUNNING")
+        # the gang's step is gone, the pilot's batch step (the holder) remains
+        wait_until(lambda: slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split()
+                   == [f"{pilot.job_id}.batch"], 10, "the step to go")
+
+    def test_steps_share_the_pilot_and_wait_for_a_free_share(self, pilot, tmp_path):
+        full = SlurmLauncher(allocation="pilot", pilot=pilot)
+        full.launch(["sleep", "300"], rank_env(6), tmp_path / "full")  # all 6 slots
+        wait_until(lambda: "RUNNING" in full.status(), 20, "the first step")
+        late = SlurmLauncher(allocation="pilot", pilot=pilot)
+        late.launch(["sh", "-c", "exit 0"], rank_env(2), tmp_path / "late")
+        status = wait_until(lambda: "waiting for a share" in (s := late.status()) and s, 20,
+                            "the second step to wait")
+        assert status.endswith(f"waiting for a share of pilot job {pilot.job_id}")
+        assert late.exitcodes() == [None, None]
+        full.kill(grace_s=1.0)
+        assert all(c is not None and c < 0 for c in full.exitcodes()), full.exitcodes()
+        assert wait_codes(late) == [0, 0]  # it got the freed share
+        late.kill()
+        assert slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split() == [f"{pilot.job_id}.batch"]

@@ -146,6 +146,15 @@ class Gang:
                 + str(RankError(list(failures.values()))))
         self.pids = [pids[r] for r in range(self.world_size)]
 
+    def redirect_logs(self, log_dir: str | Path) -> bool:
+        """Send the ranks' output to ``log_dir`` from now on; False if the executor cannot."""
+        redirect = getattr(self._launcher, "redirect", None)
+        if not self.running or redirect is None:
+            return False
+        self.log_dir = Path(log_dir)
+        redirect(self.log_dir)
+        return True
+
     def close(self) -> None:
         """Stop the ranks: ask them to leave, then make sure they did."""
         self._teardown(graceful=True)

@@ -76,3 +76,10 @@ def wf_mark(env):
     from pathlib import Path
 
     Path(env.params["dir"], f"{env.stage}.{env.rank}").write_text(str(time.time()))
+
+
+def wf_say(env):
+    """Prints a line naming its stage (log routing checks) and passes ``tx`` on as ``out``."""
+    print(f"stage {env.stage} on rank {env.rank}", flush=True)
+    df = env.input("tx")
+    return {env.outputs[0]: df} if env.outputs else None

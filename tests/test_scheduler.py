@@ -283,3 +283,48 @@ def test_cli_logs_shows_each_ranks_output(tmp_path):
     one = subprocess.run([sys.executable, "-m", "phalanx.cli", "logs", run_id, "say", "--rank", "1",
                           "--state", str(tmp_path / "state")], capture_output=True, text=True, env=env).stdout
     assert one.strip() == "[say attempt 1 rank 1] hello from 1"
+
+
+def chain(**site_options) -> tuple[Workflow, Site]:
+    wf = Workflow(name="chain", stages={
+        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 1000}, outputs=["tx"]),
+        "second": Stage(app="apps:wf_say", ranks=2, inputs={"tx": "tx"}, outputs=["tx2"]),
+        "third": Stage(app="apps:wf_say", ranks=2, inputs={"tx": "tx2"}),
+    })
+    return wf, Site(name="t2", cores=2, **site_options)
+
+
+def test_stages_of_the_same_size_reuse_the_gang_with_their_own_logs(db):
+    wf, st = chain()
+    result = run_workflow(wf, st, db=db)
+    assert result.ok, result.failed
+    att = {a["stage"]: a for a in db.attempts(result.run_id)}
+    pids = {s: [r["pid"] for r in a["rank_info"]] for s, a in att.items()}
+    assert pids["generate"] == pids["second"] == pids["third"]  # one gang served the chain
+    for stage in ("second", "third"):  # each stage's output in its own attempt's log dir
+        logs = sorted(Path(att[stage]["log_dir"]).glob("rank-*.log"))
+        assert [p.read_text().strip() for p in logs] == [f"stage {stage} on rank {r}" for r in (0, 1)]
+    assert not list(Path(att["generate"]["log_dir"]).glob("rank-*.log")) or \
+        "stage second" not in Path(att["generate"]["log_dir"], "rank-0.log").read_text()
+    stages = {s["stage"]: s for s in db.stages(result.run_id)}
+    assert list(stages["third"]["inputs"]) == ["tx"] and stages["third"]["inputs"]["tx"]["dataset"] == "tx2"
+    from test_gang import wait_dead
+
+    assert wait_dead(pids["generate"]) == []  # the kept gang is stopped when the run ends
+
+
+def test_reuse_can_be_turned_off_and_a_retry_never_reuses(db, tmp_path):
+    wf, st = chain(reuse_gangs=False)
+    result = run_workflow(wf, st, db=db)
+    assert result.ok, result.failed
+    att = {a["stage"]: {r["pid"] for r in a["rank_info"]} for a in db.attempts(result.run_id)}
+    assert not att["generate"] & att["second"] and not att["second"] & att["third"]
+
+    retried = pipeline(fail_marker=str(tmp_path / "m"), fail_times=1)
+    retried.stages["totals"].ranks, retried.stages["totals"].retries = 2, 1
+    result = run_workflow(retried, site(2), db=db)
+    assert result.ok, result.failed
+    first, second = db.attempts(result.run_id, "totals")
+    gen = {r["pid"] for r in db.attempts(result.run_id, "generate")[0]["rank_info"]}
+    assert {r["pid"] for r in first["rank_info"]} == gen      # attempt 1 reused generate's gang
+    assert not {r["pid"] for r in second["rank_info"]} & gen  # the retry got a fresh one

@@ -80,6 +80,11 @@ class LocalLauncher(Launcher):
     def exitcodes(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
 
+    def redirect(self, log_dir: Path) -> None:
+        """Write the ranks' output to ``log_dir`` from now on (a gang reused by the next stage)."""
+        if self._output is not None:
+            self._output.move_to(log_dir)
+
     def kill(self, grace_s: float = 2.0) -> None:
         live = [p for p in self.procs if p.poll() is None]
         for p in live:
@@ -117,6 +122,14 @@ class RankOutput:
         self.echo = echo
         self._files: dict[int | None, IO[bytes]] = {}
         self._lock = threading.Lock()  # several pump threads may open files at once
+
+    def move_to(self, log_dir: Path) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            for f in self._files.values():
+                f.close()
+            self._files.clear()
+            self.log_dir = log_dir
 
     def write(self, rank: int | None, line: bytes) -> None:
         log = self._files.get(rank)

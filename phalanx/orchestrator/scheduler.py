@@ -48,7 +48,10 @@ class Scheduler:
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._pool = None  # warm rank processes (local executor), made by run()
-        self._unstarted = 0  # ranks of stages not started yet: what the pool may warm
+        self._pending: list[str] = []  # stages not started yet
+        # Gangs of succeeded stages, kept for the next stage of the same size (slots → gang):
+        # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
+        self._idle: dict[tuple[int, ...], Gang] = {}
 
     def _event(self, stage: str | None, kind: str, message: str) -> None:
         self.db.event(self.run_id, kind, message, stage)
@@ -72,17 +75,48 @@ class Scheduler:
         if self.site.executor == "local" and warm and any(self.wf.stages[s].kind != "command" for s in pending):
             from ..executors.pool import WarmPool
 
-            self._unstarted = sum(self.wf.stages[s].ranks for s in pending if self.wf.stages[s].kind != "command")
-            self._pool = WarmPool(warm, demand=lambda: self._unstarted)
+            self._pending = pending
+            self._pool = WarmPool(warm, demand=self._warm_demand)
         try:
             return self._run(pending, done, deps)
         finally:
+            self._close_idle(list(self._idle))
             if self._pool is not None:
                 self._pool.close()
             if self.site.executor == "slurm":  # the run's pilot allocation, if it held one
                 from ..executors.slurm import SlurmPilot
 
                 SlurmPilot.close_shared()
+
+    def _warm_demand(self) -> int:
+        """Rank processes the warm pool should have ready: the ranks of stages not started yet
+        that no live gang of their size can serve (those reuse it)."""
+        with self._lock:
+            live = {len(k) for k in self._idle} | {g.world_size for g in self._gangs.values()}
+        stages = [self.wf.stages[s] for s in list(self._pending)]
+        return sum(st.ranks for st in stages if st.kind != "command" and st.ranks not in live)
+
+    def _place(self, ranks: int, reuse: bool) -> tuple[list[int], Gang | None]:
+        """Slots for a gang of ``ranks``: an idle gang's when one fits in the free slots."""
+        gang = None
+        with self._lock:
+            if reuse:
+                for key in list(self._idle):
+                    if len(key) == ranks and set(key) <= set(self._free):
+                        gang, slots = self._idle.pop(key), list(key)
+                        break
+            if gang is None:
+                slots = self._free[:ranks]
+            self._free = [s for s in self._free if s not in slots]
+            stale = [k for k in self._idle if set(k) & set(slots)]  # their CPUs go to a new gang
+        self._close_idle(stale)
+        return slots, gang
+
+    def _close_idle(self, keys: list[tuple[int, ...]]) -> None:
+        with self._lock:
+            gangs = [self._idle.pop(k) for k in keys if k in self._idle]
+        for g in gangs:
+            threading.Thread(target=g.close, name="phalanx-close-gang", daemon=True).start()
 
     def _run(self, pending: list[str], done: set[str], deps: dict[str, set[str]]) -> RunResult:
         failed: dict[str, str] = {}
@@ -97,11 +131,10 @@ class Scheduler:
                             continue
                         ranks = self.wf.stages[name].ranks
                         if deps[name] <= done and ranks <= len(self._free):
-                            slots, self._free = self._free[:ranks], self._free[ranks:]
+                            reuse = self.site.reuse_gangs and self.wf.stages[name].kind != "command"
+                            slots, gang = self._place(ranks, reuse)
                             pending.remove(name)
-                            if self.wf.stages[name].kind != "command":
-                                self._unstarted -= ranks  # the warm pool stops warming for it
-                            running[pool.submit(self._run_stage, name, slots)] = (name, slots)
+                            running[pool.submit(self._run_stage, name, slots, gang)] = (name, slots)
                     if not running:
                         break
                     # A timeout, so the main thread runs Python often enough to see Ctrl-C
@@ -133,6 +166,7 @@ class Scheduler:
         with self._lock:
             gangs = list(self._gangs.values())
             commands = list(self._commands.values())
+        self._close_idle(list(self._idle))
         for g in gangs:
             g._teardown(graceful=False)
         for launcher in commands:
@@ -148,7 +182,7 @@ class Scheduler:
         return LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None,
                              pool=self._pool)
 
-    def _run_stage(self, name: str, slots: list[int]) -> str | None:
+    def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
         st = self.wf.stages[name]
         inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
@@ -170,11 +204,15 @@ class Scheduler:
                 if attempt <= st.retries and not self._cancelled.is_set():
                     time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
                 continue
-            gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
-                        rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
-                        start_timeout=self.site.start_timeout)
-            self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}")
+            gang, reused = (reused, None) if reused is not None and reused.redirect_logs(log_dir) else (None, None)
+            how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
+            if gang is None:
+                gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
+                            rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
+                            start_timeout=self.site.start_timeout)
+            self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
             self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
+            keep = False
             try:
                 with self._lock:
                     self._gangs[name] = gang
@@ -190,10 +228,16 @@ class Scheduler:
                 if attempt <= st.retries and not self._cancelled.is_set():
                     time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
                 continue
+            else:  # a gang that just succeeded may serve the next stage of its size
+                keep = (self.site.reuse_gangs and self.site.executor == "local" and gang.running
+                        and not self._cancelled.is_set())
             finally:
-                gang.close()
                 with self._lock:
                     self._gangs.pop(name, None)
+                    if keep:
+                        self._idle[tuple(slots)] = gang
+                if not keep:
+                    gang.close()
             outputs = results[0]["outputs"]
             self.db.end_attempt(self.run_id, name, attempt, "succeeded", ranks=rank_records(results))
             self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs,

@@ -18,7 +18,7 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
     rank) rows and bytes of each sealed output.
     """
     started = time.time()
-    env.stage, env.inputs, env.outputs = stage, inputs, list(outputs)
+    env.stage, env.inputs, env.outputs, env.input_stats = stage, inputs, list(outputs), {}
     result = resolve_app(app)(env)
     if isinstance(result, dict):
         for name in outputs:  # the declared order: every rank puts in the same order

@@ -58,6 +58,7 @@ class Gang:
         comm_timeout: float = 1800.0,
         store: "str | Path | Store | None" = None,
         session: str = "default",
+        control_host: str = "127.0.0.1",
     ):
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
@@ -69,6 +70,7 @@ class Gang:
         self.echo = echo
         self.start_timeout = start_timeout
         self.comm_timeout = comm_timeout
+        self.control_host = control_host  # where ranks reach the driver ("auto": this host's address)
         self._log_dir_arg = Path(log_dir) if log_dir else None
         self.store = store if isinstance(store, Store) else Store(store, session)
         self._launcher: Launcher | None = None
@@ -92,7 +94,7 @@ class Gang:
         self.gang_id = new_gang_id()
         self.log_dir = self._log_dir_arg or default_log_root() / self.gang_id
         self._launcher = self._make_launcher()
-        self._control = ControlServer(self.world_size)
+        self._control = ControlServer(self.world_size, self.control_host)
         rdzv = backend_for(self.rendezvous)
         self._rdzv_url = rdzv.prepare(self.rendezvous, self.gang_id, self.log_dir)
         base = {

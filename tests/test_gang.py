@@ -214,3 +214,12 @@ def test_rank_output_is_prefixed_and_logged(tmp_path):
 
 def app_print(env):
     print(f"hello from {env.rank}", flush=True)
+
+
+def test_ranks_reach_the_driver_on_this_hosts_address():
+    """control_host="auto" (ranks on other machines) advertises the host's own address."""
+    import socket
+
+    with px.Gang(2, control_host="auto", echo=False) as gang:
+        assert gang.run(lambda env: env.comm.allreduce(1)) == [2, 2]
+        assert gang._control.address.startswith(socket.gethostbyname(socket.getfqdn()) + ":")

@@ -17,6 +17,12 @@ from ..runtime import protocol as P
 
 class ControlServer:
     def __init__(self, world_size: int, host: str = "127.0.0.1"):
+        """``host``: the address ranks connect to (loopback unless ranks run on other
+        machines; ``auto``: this host's address as its own name resolves)."""
+        if host == "auto":
+            import socket
+
+            host = socket.gethostbyname(socket.getfqdn())
         self.world_size = world_size
         self.authkey = secrets.token_bytes(16)
         self.listener = Listener((host, 0), authkey=self.authkey)

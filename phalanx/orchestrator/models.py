@@ -106,6 +106,9 @@ class Site(_Strict):
     communicator: Literal["gloo", "mpi"] = "gloo"
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
+    driver_host: str = Field(
+        "127.0.0.1", description="address ranks use to reach the driver; 'auto': this host's address "
+        "(ranks on other machines: SLURM compute nodes, a Ray cluster)")
     start_timeout: float = Field(
         300, gt=0, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
     reuse_gangs: bool = Field(

@@ -209,7 +209,7 @@ class Scheduler:
             if gang is None:
                 gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
                             rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
-                            start_timeout=self.site.start_timeout)
+                            start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
             self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
             self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
             keep = False

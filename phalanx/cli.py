@@ -90,7 +90,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     import os
     import socket
 
-    from .orchestrator.rundb import FINAL, RunDB, pid_alive
+    from .orchestrator.rundb import FINAL, RunDB, wait_exit
 
     db = RunDB(args.state)
     run = db.run(args.run)  # a driver that died unannounced is marked "lost" here
@@ -106,10 +106,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 1
     pid = run["pid"]
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + args.wait
-    while pid_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if pid_alive(pid):  # the driver did not stop in time: its ranks die with it (PDEATHSIG)
+    if not wait_exit(pid, args.wait):  # the driver did not stop in time: its ranks die with it (PDEATHSIG)
         os.kill(pid, signal.SIGKILL)
         print(f"run {args.run}: driver {pid} did not stop within {args.wait:.0f}s; killed it", file=sys.stderr)
     print(f"run {args.run} {db.run(args.run)['state']}")

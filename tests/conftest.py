@@ -106,3 +106,21 @@ def slurm_cluster():
     # a cluster a developer started by hand stays up; PHALANX_SLURM_KEEP=1 keeps ours
     if not was_up and not os.environ.get("PHALANX_SLURM_KEEP"):
         subprocess.run([str(_INFRA / "slurm-down.sh")], capture_output=True, timeout=120)
+
+
+# ---- a multi-node Ray cluster on loopback (tests marked ray) ---------------------------------
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A head and two worker raylets (1 CPU each; resources node_head/node_a/node_b); this
+    process is connected to it.  Stops only what it started (never `ray stop`)."""
+    ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
+    from infra.ray_cluster import LocalRayCluster
+
+    cluster = LocalRayCluster(workers=2, cpus_per_node=1)
+    cluster.start()
+    try:
+        ray.init(address=cluster.address, namespace="phalanx-test", log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.stop()

@@ -297,3 +297,15 @@ def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp
     before = jobs()
     same_results_as_local(etl, tmp_path, "slurm-local")
     assert jobs() - before >= 4  # one job per stage (generate, features, train, report)
+
+
+@pytest.mark.ray
+def test_the_etl_example_gives_the_same_results_on_ray(etl, ray_cluster, tmp_path, monkeypatch):
+    import ray
+
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # what ray-local.yaml's "auto" finds
+    before = len(ray.util.placement_group_table())
+    db = same_results_as_local(etl, tmp_path, "ray-local")
+    groups = ray.util.placement_group_table()
+    assert len(groups) - before >= 1  # the stages' gangs were Ray placement groups
+    assert all(g["state"] == "REMOVED" for g in list(groups.values())[before:])  # and are gone

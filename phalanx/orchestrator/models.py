@@ -112,7 +112,7 @@ class Site(_Strict):
     start_timeout: float = Field(
         300, gt=0, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
     reuse_gangs: bool = Field(
-        True, description="local executor: a succeeded stage's gang (processes + communicator) runs the "
+        True, description="local and ray executors: a succeeded stage's gang (processes + communicator) runs the "
         "next stage of the same size; retries always get a fresh gang")
     warm_ranks: Optional[int] = Field(
         None, ge=0, description="local executor: rank processes kept started, imports done, so a stage's "

@@ -179,3 +179,11 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait up to ``timeout_s`` for process ``pid`` to end; True if it did."""
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not pid_alive(pid)

@@ -229,7 +229,7 @@ class Scheduler:
                     time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
                 continue
             else:  # a gang that just succeeded may serve the next stage of its size
-                keep = (self.site.reuse_gangs and self.site.executor == "local" and gang.running
+                keep = (self.site.reuse_gangs and self.site.executor in ("local", "ray") and gang.running
                         and not self._cancelled.is_set())
             finally:
                 with self._lock:

@@ -140,11 +140,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"phalanx status: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
     print(f"run {run['id']}: {run['workflow']} — {run['state']} (session {run['session']!r})")
+    placed = {e["stage"]: e["message"] for e in db.events(args.run) if e["kind"] == "placed"}
     for s in db.stages(args.run):
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
         print(f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
               f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}")
+        if s["stage"] in placed:  # e.g. "slurm: job 42 RUNNING on n[1-2]"
+            print(f"      on {placed[s['stage']]}")
         for local, i in s["inputs"].items():
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']})")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,7 +275,7 @@ def test_q10_matches_duckdb(tpch, tables):
 
 
 # ---- the same workflow on other sites gives the same results --------------------------------
-def same_results_as_local(etl, tmp: Path, site_name: str) -> RunDB:
+def same_results_as_local(etl, tmp: Path, site_name: str) -> tuple[RunDB, str]:
     _, _, local = etl
     db, run_id, store = run_example(ETL, ETL_SMALL, tmp, site_name=site_name)
     for name, key in (("transactions", "tx_id"), ("users", "user_id"), ("features", "user_id")):
@@ -284,7 +285,7 @@ def same_results_as_local(etl, tmp: Path, site_name: str) -> RunDB:
     # reduction orders): the loss must fall the same way, within a small margin.
     here, there = (s.read("train_metrics").to_pandas().loss.to_numpy() for s in (local, store))
     assert (np.diff(there) < 0).all() and abs(there[-1] - here[-1]) < 0.05, (here, there)
-    return db
+    return db, run_id
 
 
 @pytest.mark.slurm
@@ -295,8 +296,10 @@ def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp
         return len(out.split())
 
     before = jobs()
-    same_results_as_local(etl, tmp_path, "slurm-local")
+    db, run_id = same_results_as_local(etl, tmp_path, "slurm-local")
     assert jobs() - before >= 4  # one job per stage (generate, features, train, report)
+    placed = [e for e in db.events(run_id) if e["kind"] == "placed"]  # what `phalanx status` shows
+    assert placed and all(re.match(r"slurm: job \d+ RUNNING", e["message"]) for e in placed), placed
 
 
 @pytest.mark.ray
@@ -305,7 +308,7 @@ def test_the_etl_example_gives_the_same_results_on_ray(etl, ray_cluster, tmp_pat
 
     monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)  # what ray-local.yaml's "auto" finds
     before = len(ray.util.placement_group_table())
-    db = same_results_as_local(etl, tmp_path, "ray-local")
+    same_results_as_local(etl, tmp_path, "ray-local")
     groups = ray.util.placement_group_table()
     assert len(groups) - before >= 1  # the stages' gangs were Ray placement groups
     assert all(g["state"] == "REMOVED" for g in list(groups.values())[before:])  # and are gone

@@ -212,17 +212,23 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
     proc = driver([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    db = RunDB(tmp_path / "state")
     pids, deadline = [], time.monotonic() + 60
-    while len(pids) < 2:
+
+    def gang_started() -> bool:
+        runs = db.runs()
+        return bool(runs) and any(a["gang_id"] for a in db.attempts(runs[0]["id"]))
+
+    while len(pids) < 2 or not gang_started():  # (warm ranks are workers before any gang)
         assert time.monotonic() < deadline, "the stage's ranks never started"
         pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
                               capture_output=True, text=True).stdout.split()
+        time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     from test_gang import wait_dead
 
     assert wait_dead([int(p) for p in pids]) == []
-    db = RunDB(tmp_path / "state")
     run = db.runs()[0]
     assert run["state"] == "lost"
     assert [s["state"] for s in db.stages(run["id"])] == ["lost"]

@@ -227,6 +227,25 @@ def test_a_bad_partition_is_a_clear_error():
     assert "partitions: debug, small" in msg and "Invalid partition name" in msg
 
 
+def test_a_stages_own_slurm_options_override_the_sites(tmp_path):
+    """A workflow stage asking for a partition that does not exist fails with SLURM's word
+    for it; its sibling with the site's options runs."""
+    from phalanx.orchestrator.models import Stage, Workflow
+    from phalanx.orchestrator.rundb import RunDB
+    from phalanx.orchestrator.scheduler import run_workflow
+
+    site = load_model(Site, REPO / "site-configs" / "slurm-local.yaml")
+    site.store.root = str(tmp_path / "store")
+    wf = Workflow(name="override", stages={
+        "fine": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, outputs=["tx"]),
+        "gpu": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, slurm={"partition": "gpu"}),
+    })
+    result = run_workflow(wf, site, db=RunDB(tmp_path / "state"))
+    assert list(result.failed) == ["gpu"]
+    assert "partition 'gpu' does not exist" in result.failed["gpu"]
+    assert px.Store(tmp_path / "store", result.session).read("tx").num_rows == 100
+
+
 def test_a_job_that_can_never_start_fails_with_slurms_reason():
     # partition "small" has MaxNodes=1: sbatch accepts a 2-node job, which then waits forever
     launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2, site="slurm-local",

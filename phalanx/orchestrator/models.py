@@ -46,6 +46,10 @@ class Stage(_Strict):
     params: dict[str, Any] = Field(default_factory=dict, description="env.params of the app")
     retries: int = Field(0, ge=0, description="reruns on a fresh gang after a failure")
     timeout: Optional[float] = Field(None, gt=0, description="seconds before the stage is stopped")
+    slurm: Optional[dict[str, Any]] = Field(
+        None, description="this stage's SLURM options over the site's slurm: section (time, partition...)")
+    ray: Optional[dict[str, Any]] = Field(
+        None, description="this stage's Ray options over the site's ray: section (strategy, resources...)")
 
     @field_validator("inputs", mode="before")
     @classmethod

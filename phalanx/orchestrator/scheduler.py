@@ -18,7 +18,7 @@ from ..errors import GangError, RankError
 from ..executors.local import LocalLauncher, usable_cpus
 from ..gang import Gang
 from ..store import Store
-from .models import Site, Workflow
+from .models import Site, Stage, Workflow
 from .rundb import RunDB
 from .validate import dependencies
 
@@ -172,9 +172,9 @@ class Scheduler:
         for launcher in commands:
             launcher.kill(grace_s=0.5)
 
-    def _launcher(self, slots: list[int]):
+    def _launcher(self, slots: list[int], stage: str | None = None):
         if self.site.executor in ("slurm", "ray"):
-            return site_launcher(self.site, len(slots))
+            return site_launcher(self.site, len(slots), self.wf.stages[stage] if stage else None)
         if self.site.executor != "local":
             return self.site.executor
         cpus = usable_cpus()
@@ -207,7 +207,7 @@ class Scheduler:
             gang, reused = (reused, None) if reused is not None and reused.redirect_logs(log_dir) else (None, None)
             how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
             if gang is None:
-                gang = Gang(st.ranks, executor=self._launcher(slots), communicator=self.site.communicator,
+                gang = Gang(st.ranks, executor=self._launcher(slots, name), communicator=self.site.communicator,
                             rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
                             start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
             self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
@@ -218,6 +218,9 @@ class Scheduler:
                     self._gangs[name] = gang
                 gang.start()
                 self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
+                where = getattr(gang._launcher, "status", None)  # the resource manager's view
+                if callable(where):
+                    self._event(name, "placed", where())
                 results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
                                    params=st.params, timeout=st.timeout)
             except (RankError, GangError) as exc:
@@ -257,7 +260,7 @@ class Scheduler:
         from ..runtime.rendezvous import backend_for, new_gang_id
 
         st = self.wf.stages[name]
-        launcher = self._launcher(slots)
+        launcher = self._launcher(slots, name)
         if not isinstance(launcher, Launcher):
             return f"command stages need the local executor, not {launcher!r}"
         gang_id = new_gang_id()
@@ -296,15 +299,18 @@ class Scheduler:
                 self._commands.pop(name, None)
 
 
-def site_launcher(site: Site, ranks: int):
-    """The launcher of one gang on a batch or cloud site (its own section of the site file)."""
+def site_launcher(site: Site, ranks: int, stage: Stage | None = None):
+    """The launcher of one gang on a batch or cloud site: the site's section of the site file,
+    with the stage's own section of the same name over it."""
     if site.executor == "slurm":
         from ..executors.slurm import SlurmLauncher
 
-        return SlurmLauncher.from_site(site.slurm or {}, ranks, site=site.name)
+        section = {**(site.slurm or {}), **((stage.slurm if stage else None) or {})}
+        return SlurmLauncher.from_site(section, ranks, site=site.name)
     from ..executors.ray import RayLauncher
 
-    return RayLauncher.from_site(site.ray or {}, ranks, site=site.name)
+    section = {**(site.ray or {}), **((stage.ray if stage else None) or {})}
+    return RayLauncher.from_site(section, ranks, site=site.name)
 
 
 def command_argv(command: list[str]) -> list[str]:

@@ -223,3 +223,36 @@ def test_ranks_reach_the_driver_on_this_hosts_address():
     with px.Gang(2, control_host="auto", echo=False) as gang:
         assert gang.run(lambda env: env.comm.allreduce(1)) == [2, 2]
         assert gang._control.address.startswith(socket.gethostbyname(socket.getfqdn()) + ":")
+
+
+def listening_addresses(env):
+    """The (address, port) of every TCP socket this rank listens on, from /proc."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                    addr, port = cols[1].split(":")
+                    found.append((addr, int(port, 16)))
+    return found
+
+
+def test_ranks_listen_on_loopback_only():
+    """Rank 0's rendezvous store and Gloo's sockets must not be reachable from other hosts."""
+    with px.Gang(2, echo=False) as gang:
+        per_rank = gang.run(listening_addresses)
+    assert per_rank[0], "rank 0 hosts the tcp rendezvous: it must listen somewhere"
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 in /proc's byte order
+    for rank, addrs in enumerate(per_rank):
+        assert all(a in loopback for a, _ in addrs), f"rank {rank} listens on {addrs}"

@@ -66,8 +66,18 @@ class TCPRendezvous(Rendezvous):
         from torch.distributed import TCPStore
 
         u = urlparse(url)
-        return TCPStore(u.hostname, u.port, world_size, is_master=(rank == 0),
-                        timeout=_timeout(timeout_s), wait_for_workers=False)
+        if rank != 0:
+            return TCPStore(u.hostname, u.port, world_size, is_master=False,
+                            timeout=_timeout(timeout_s), wait_for_workers=False)
+        # TCPStore alone listens on every interface: bind the socket to the URL's host
+        # (loopback for a gang on one machine) and hand it over.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((u.hostname, u.port))
+        sock.listen(max(128, world_size))
+        # detach: the store's server owns the descriptor from now on (Python must not close it)
+        return TCPStore(u.hostname, u.port, world_size, is_master=True, timeout=_timeout(timeout_s),
+                        wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=False)
 
 
 class FileRendezvous(Rendezvous):

@@ -75,14 +75,25 @@ def main() -> None:
     ap.add_argument("--stages", type=int, default=10)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--no-example", action="store_true", help="skip the example pipeline's split")
+    ap.add_argument("--site", default="local", help="site name or file (slurm-local, ray-local...)")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    modes = {  # how a stage gets its gang
-        "cold (new processes each stage)": Site(name="local", warm_ranks=0, reuse_gangs=False),
-        "warm pool (fresh gang, imports done)": Site(name="local", reuse_gangs=False),
-        "reuse (default: gang kept across stages)": Site(name="local"),
-    }
-    print(f"chain of {args.stages} trivial {args.ranks}-rank stages (target < 1.5 s per stage)")
+    from phalanx.orchestrator.validate import load_site
+
+    site = load_site(args.site)
+    if site.executor == "local":
+        modes = {  # how a stage gets its gang
+            "cold (new processes each stage)": site.model_copy(update={"warm_ranks": 0, "reuse_gangs": False}),
+            "warm pool (fresh gang, imports done)": site.model_copy(update={"reuse_gangs": False}),
+            "reuse (default: gang kept across stages)": site,
+        }
+    elif site.executor == "ray":
+        modes = {"ray: new gang each stage": site.model_copy(update={"reuse_gangs": False}),
+                 "ray: reuse (default)": site}
+    else:  # batch jobs hold real resources while idle: no reuse
+        modes = {f"{site.executor}: a new gang (job or step) each stage": site}
+    print(f"chain of {args.stages} trivial {args.ranks}-rank stages on site {site.name!r} "
+          f"(target < 1.5 s per stage)")
     base = None
     for label, site in modes.items():
         total, per = chain(args.stages, args.ranks, site)
@@ -90,7 +101,7 @@ def main() -> None:
         base = base or each
         print(f"  {label:42} {total:6.2f} s in all, {each:5.2f} s per stage "
               f"(median {statistics.median(per):.2f}, max {max(per):.2f})  x{base / each:.1f} vs cold")
-    if not args.no_example:
+    if not args.no_example and site.executor == "local":
         example_split(Path(__file__).resolve().parent.parent / "workflows" / "etl_to_training.yaml")
     print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())
 

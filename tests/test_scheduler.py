@@ -82,6 +82,11 @@ def test_a_failing_stage_is_retried_on_a_fresh_gang(db, tmp_path):
     assert [a["state"] for a in attempts] == ["failed", "succeeded"]
     assert attempts[0]["gang_id"] != attempts[1]["gang_id"]
     assert "planned failure 1" in attempts[0]["error"]
+    ranks = attempts[0]["rank_info"]  # per rank: pid and how it ended
+    assert [r["rank"] for r in ranks] == [0, 1, 2] and all(r["pid"] for r in ranks)
+    failed = [r for r in ranks if r.get("outcome") == "failed"]
+    assert failed and all("RuntimeError: planned failure 1" in r["error"] for r in failed)
+    assert all(r.get("outcome") in ("failed", "stopped") for r in ranks)
 
 
 def test_resume_reuses_sealed_outputs_and_reruns_the_rest(db, tmp_path):

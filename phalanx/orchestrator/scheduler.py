@@ -225,8 +225,7 @@ class Scheduler:
                                    params=st.params, timeout=st.timeout)
             except (RankError, GangError) as exc:
                 error = str(exc).splitlines()[0]
-                self.db.end_attempt(self.run_id, name, attempt, "failed", str(exc),
-                                    ranks=[{"rank": r, "pid": pid} for r, pid in enumerate(gang.pids)])
+                self.db.end_attempt(self.run_id, name, attempt, "failed", str(exc), ranks=failed_ranks(gang, exc))
                 self._event(name, "failed", f"attempt {attempt}: {error}")
                 if attempt <= st.retries and not self._cancelled.is_set():
                     time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
@@ -325,6 +324,22 @@ def rank_records(results: list[dict]) -> list[dict]:
     """Per rank: pid, host and when its app ran (the report's timeline)."""
     return [{"rank": r, **{k: res[k] for k in ("pid", "host", "started", "ended")}}
             for r, res in enumerate(results)]
+
+
+def failed_ranks(gang: Gang, exc: Exception) -> list[dict]:
+    """Per rank of a failed attempt: pid, and how it ended — failed (its error and exit code,
+    None while it still reported), or stopped by fail-fast."""
+    failures = {f.rank: f for f in getattr(exc, "failures", [])}
+    stopped = set(getattr(exc, "stopped", []))
+    out = []
+    for r in range(gang.world_size):
+        rec: dict = {"rank": r, "pid": gang.pids[r] if r < len(gang.pids) else None}
+        if r in failures:
+            rec.update(outcome="failed", error=failures[r].summary(), exit=failures[r].exitcode)
+        elif r in stopped:
+            rec["outcome"] = "stopped"
+        out.append(rec)
+    return out
 
 
 def input_totals(results: list[dict]) -> dict[str, dict]:

@@ -50,27 +50,47 @@ class Gang:
         ranks: int,
         *,
         executor: str | Launcher | None = None,
-        communicator: str = "gloo",
-        rendezvous: str = "tcp",
+        communicator: str | None = None,
+        rendezvous: str | None = None,
         log_dir: str | Path | None = None,
         echo: bool | Callable[[str], None] = True,
-        start_timeout: float = 120.0,
+        start_timeout: float | None = None,
         comm_timeout: float = 1800.0,
         store: "str | Path | Store | None" = None,
         session: str = "default",
-        control_host: str = "127.0.0.1",
+        control_host: str | None = None,
+        site: "str | Path | Any | None" = None,
     ):
+        """``site``: a site name, file or model (``px.Gang(4, site="ray-local")``): executor,
+        communicator, rendezvous, store root, driver address and start timeout come from it;
+        arguments given here win."""
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
+        if site is not None:
+            from .orchestrator.models import Site
+            from .orchestrator.scheduler import site_launcher
+            from .orchestrator.validate import load_site
+
+            s = site if isinstance(site, Site) else load_site(str(site))
+            communicator = communicator or s.communicator
+            rendezvous = rendezvous or s.rendezvous
+            control_host = control_host or s.driver_host
+            start_timeout = start_timeout or s.start_timeout
+            store = store if store is not None else s.store.root
+            if executor is None and s.executor in ("slurm", "ray"):
+                executor = site_launcher(s, ranks)
+            elif executor is None and s.executor != "local":
+                executor = s.executor
+        communicator = communicator or "gloo"
         self.world_size = ranks
         # MPI ranks must be started by an MPI launcher; everything else runs as local processes.
         self.executor = executor or ("mpirun" if communicator == "mpi" else "local")
         self.communicator = communicator
-        self.rendezvous = rendezvous
+        self.rendezvous = rendezvous or "tcp"
         self.echo = echo
-        self.start_timeout = start_timeout
+        self.start_timeout = start_timeout or 120.0
         self.comm_timeout = comm_timeout
-        self.control_host = control_host  # where ranks reach the driver ("auto": this host's address)
+        self.control_host = control_host or "127.0.0.1"  # where ranks reach the driver ("auto": this host's address)
         self._log_dir_arg = Path(log_dir) if log_dir else None
         self.store = store if isinstance(store, Store) else Store(store, session)
         self._launcher: Launcher | None = None

@@ -314,3 +314,14 @@ def test_site_files_are_valid(name):
     assert site.executor == "ray"
     lch = RayLauncher.from_site(site.ray, 2, site=site.name)
     assert lch.site == site.name
+
+
+def test_a_gang_named_by_its_site_file_keeps_its_actors_across_runs(ray_cluster, monkeypatch):
+    """px.Gang(ranks, site="ray-local"): the site's executor, communicator and rendezvous."""
+    monkeypatch.setenv("RAY_ADDRESS", ray_cluster.address)
+    site = Path(__file__).parents[1] / "site-configs" / "ray-local.yaml"
+    with px.Gang(2, site=str(site), echo=False) as gang:
+        assert type(gang._launcher).__name__ == "RayLauncher"
+        first, second = gang.run(app_where), gang.run(app_where)
+    assert [r["actor_id"] for r in first] == [r["actor_id"] for r in second]
+    assert all(r["actor_id"] for r in first) and len({r["pid"] for r in first}) == 2

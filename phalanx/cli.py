@@ -73,12 +73,28 @@ def cmd_run(args: argparse.Namespace) -> int:
     for stage, error in result.failed.items():
         attempts = db.attempts(result.run_id, stage)
         logs = attempts[-1]["log_dir"] if attempts else "-"
-        print(f"  stage {stage!r} failed: {error}\n    logs: {logs}", file=sys.stderr)
+        print(f"  stage {stage!r} failed: {error}", file=sys.stderr)
+        tail = _traceback_tail(attempts[-1]["error"] if attempts else "")
+        if tail:
+            print(tail, file=sys.stderr)
+        print(f"    logs: {logs}", file=sys.stderr)
     for stage in result.skipped:
         print(f"  stage {stage!r} did not run: an upstream stage failed", file=sys.stderr)
     if not result.ok:
         print(f"resume with: phalanx run {args.workflow} --resume {result.run_id}", file=sys.stderr)
     return 0 if result.ok else 1
+
+
+def _traceback_tail(error: str | None, lines: int = 6) -> str:
+    """The last lines of the first failing rank's traceback in an attempt's error, indented."""
+    marker = "--- traceback of rank "
+    if not error or marker not in error:
+        return ""
+    head, _, tb = error.partition(marker)
+    rank, _, tb = tb.partition("---\n")
+    body = [line for line in tb.rstrip().splitlines() if line.strip()]
+    return "\n".join([f"    rank {rank.strip()}, last lines of its traceback:"] +
+                     [f"      {line}" for line in body[-lines:]])
 
 
 def _interrupt(signum, frame):

@@ -83,3 +83,13 @@ def wf_say(env):
     print(f"stage {env.stage} on rank {env.rank}", flush=True)
     df = env.input("tx")
     return {env.outputs[0]: df} if env.outputs else None
+
+
+def wf_divide_by_zero(env):
+    """Rank 1 fails two frames deep (the CLI's traceback summary is checked)."""
+    def ratio(x):
+        return 1 / x
+
+    if env.rank == 1:
+        ratio(0)
+    env.comm.barrier()

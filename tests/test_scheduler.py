@@ -339,3 +339,16 @@ def test_reuse_can_be_turned_off_and_a_retry_never_reuses(db, tmp_path):
     gen = {r["pid"] for r in db.attempts(result.run_id, "generate")[0]["rank_info"]}
     assert {r["pid"] for r in first["rank_info"]} == gen      # attempt 1 reused generate's gang
     assert not {r["pid"] for r in second["rank_info"]} & gen  # the retry got a fresh one
+
+
+def test_cli_run_failure_names_stage_rank_and_the_traceback(tmp_path):
+    wf = tmp_path / "wf.yaml"
+    wf.write_text("name: boom\nstages:\n  bad:\n    app: apps:wf_divide_by_zero\n    ranks: 2\n")
+    env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "stage 'bad' failed: 1 rank(s) failed (ranks 1); first: rank 1: ZeroDivisionError" in out.stderr
+    assert "rank 1, last lines of its traceback:" in out.stderr
+    assert "in ratio" in out.stderr and "return 1 / x" in out.stderr
+    assert "--resume" in out.stderr

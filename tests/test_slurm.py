@@ -335,3 +335,51 @@ class TestPilot:
         assert wait_codes(late) == [0, 0]  # it got the freed share
         late.kill()
         assert slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split() == [f"{pilot.job_id}.batch"]
+
+
+def wait_for_node_failure_then_finish(env):
+    """Attempt 1: mark that the ranks run, then wait (a node will fail under them).
+    Later attempts: finish at once."""
+    from pathlib import Path
+
+    marker = Path(env.params["dir"]) / "attempt-1-started"
+    if not marker.exists():
+        env.comm.barrier()
+        if env.rank == 0:
+            marker.write_text(os.environ.get("SLURM_JOB_ID", ""))
+        time.sleep(300)
+
+
+def test_a_node_failure_under_a_stage_retries_it_on_the_nodes_left(tmp_path):
+    """A slurmd node going DOWN kills the stage's job (SLURM: NODE_FAIL); the stage's retry
+    runs on the remaining nodes and the workflow succeeds."""
+    from phalanx.orchestrator.models import Stage, Workflow
+    from phalanx.orchestrator.rundb import RunDB
+    from phalanx.orchestrator.scheduler import run_workflow
+
+    site = load_model(Site, REPO / "site-configs" / "slurm-local.yaml")
+    site.store.root = str(tmp_path / "store")
+    wf = Workflow(name="nodefail", stages={"s": Stage(
+        app="test_slurm:wait_for_node_failure_then_finish", ranks=3, retries=1,
+        params={"dir": str(tmp_path)})})  # spread_job: the 3 ranks over the 3 nodes
+    db = RunDB(tmp_path / "state")
+    outcome = {}
+    runner = threading.Thread(target=lambda: outcome.update(r=run_workflow(wf, site, db=db)))
+    runner.start()
+    marker, node = tmp_path / "attempt-1-started", None
+    try:
+        wait_until(marker.exists, 120, "attempt 1's ranks to start")
+        nodelist = slurm("squeue", "-h", "-j", marker.read_text(), "-o", "%N").strip()
+        node = slurm("scontrol", "show", "hostnames", nodelist).split()[-1]
+        slurm("scontrol", "update", f"NodeName={node}", "State=DOWN", "Reason=phalanx-test")
+        runner.join(timeout=240)
+        assert not runner.is_alive(), "the workflow did not finish after the node failure"
+    finally:
+        if node:
+            slurm("scontrol", "update", f"NodeName={node}", "State=RESUME", check=False)
+        runner.join(timeout=60)
+    result = outcome["r"]
+    assert result.ok, result.failed
+    first, second = db.attempts(result.run_id, "s")
+    assert first["state"] == "failed" and "NODE_FAIL" in first["error"], first["error"]
+    assert second["state"] == "succeeded"

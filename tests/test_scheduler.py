@@ -240,6 +240,20 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
     out = subprocess.run([sys.executable, "-m", "phalanx.cli", "cancel", run["id"]], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "already lost" in out.stdout
+    # what a put of the dead gang left unsealed goes on resume; the stage then runs again
+    store = px.Store(session=run["session"])
+    gang_id = db.attempts(run["id"])[0]["gang_id"]
+    orphan = Path(store.tier.staging(store.session, "", f"{gang_id}-0123456789ab"))
+    orphan.mkdir(parents=True)
+    (orphan / "part-0.arrow").write_bytes(b"half a partition")
+    wf.write_text("name: crashy\nstages:\n  loop:\n    app: apps:wf_mark\n    ranks: 2\n"
+                  f"    params: {{dir: {tmp_path}}}\n")
+    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf), "--resume", run["id"]],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert not orphan.exists()
+    assert sorted(p.name for p in tmp_path.glob("loop.*")) == ["loop.0", "loop.1"]
+    store.delete_session()
 
 
 def test_command_stage_runs_a_program_on_every_rank(db, tmp_path):

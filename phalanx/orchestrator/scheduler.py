@@ -65,6 +65,11 @@ class Scheduler:
         self.on_event("", "run", self.run_id)
         deps = dependencies(self.wf)
         prior = {s["stage"]: s["state"] for s in self.db.stages(self.run_id)}
+        # A resumed run's earlier gangs are all gone (the run was ours to resume): what they
+        # staged and never sealed — a driver killed mid-put leaves it — is removed now.
+        for a in self.db.attempts(self.run_id):
+            if a["gang_id"]:
+                self.store.abort_staging(a["gang_id"])
         done = {s for s in self.wf.stages if prior.get(s) == "succeeded" and
                 (self._sealed(s) or not self.wf.stages[s].outputs)}
         for s in done:

@@ -172,6 +172,11 @@ class TestMetadataConformance:
         got = meta.get("s", "d")
         assert got.location == "/y/v1" and got.version == "v1" and got.accessed == 2000.5
         assert meta.get("s", "missing") is None and meta.list("nobody") == []
+        # a spill (unless_pinned) loses against a pin made while it copied; a reload does not
+        meta.set_pinned("s", "d", True)
+        assert not meta.relocate("s", "d", "v1", "/y/v1", "/spill/v1", unless_pinned=True)
+        assert meta.get("s", "d").location == "/y/v1"
+        assert meta.relocate("s", "d", "v1", "/y/v1", "/z/v1")
 
     def test_the_url_opens_the_same_catalogue(self, meta):
         meta.seal(dataset(), replace=False)

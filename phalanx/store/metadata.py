@@ -110,9 +110,10 @@ class MetadataBackend(ABC):
 
     @abstractmethod
     def relocate(self, session: str, name: str, version: str, old_location: str,
-                 new_location: str) -> bool:
+                 new_location: str, unless_pinned: bool = False) -> bool:
         """Point the dataset at a new location, atomically, only if it is still ``version``
-        at ``old_location`` (compare-and-set); False when it changed meanwhile."""
+        at ``old_location`` (compare-and-set) — and, with ``unless_pinned``, not pinned (a
+        spill must not win against a pin made while it copied); False otherwise."""
 
     def all(self) -> list[DatasetInfo]:
         """Every dataset of every session."""
@@ -261,10 +262,11 @@ class SQLiteMetadata(MetadataBackend):
             return cur.rowcount == 1
 
     def relocate(self, session: str, name: str, version: str, old_location: str,
-                 new_location: str) -> bool:
+                 new_location: str, unless_pinned: bool = False) -> bool:
         with self._connect() as con:
             cur = con.execute(
-                "UPDATE datasets SET location=? WHERE session=? AND name=? AND version=? AND location=?",
+                "UPDATE datasets SET location=? WHERE session=? AND name=? AND version=? AND location=?"
+                + (" AND pinned=0" if unless_pinned else ""),
                 (new_location, session, name, version, old_location))
             return cur.rowcount == 1
 

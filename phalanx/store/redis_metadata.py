@@ -138,17 +138,19 @@ class RedisMetadata(MetadataBackend):
                     continue
 
     def relocate(self, session: str, name: str, version: str, old_location: str,
-                 new_location: str) -> bool:
-        datasets = self._keys(session)[0]
+                 new_location: str, unless_pinned: bool = False) -> bool:
+        datasets, _, pinned = self._keys(session)
         with self.client.pipeline() as pipe:
             while True:
                 try:
-                    pipe.watch(datasets)
+                    pipe.watch(datasets, pinned)
                     cur = pipe.hget(datasets, name)
                     if cur is None:
                         return False
                     d = json.loads(cur)
                     if d["version"] != version or d["location"] != old_location:
+                        return False
+                    if unless_pinned and pipe.hget(pinned, name):
                         return False
                     d["location"] = new_location
                     pipe.multi()

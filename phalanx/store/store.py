@@ -377,7 +377,9 @@ class Store:
         except BaseException:
             dst.remove(scratch)
             raise
-        if not self.meta.relocate(info.session, info.name, info.version, info.location, final):
+        spilling = dst is self.spill_tier
+        if not self.meta.relocate(info.session, info.name, info.version, info.location, final,
+                                  unless_pinned=spilling):
             dst.remove(final)
             return None
         src.remove(info.location)

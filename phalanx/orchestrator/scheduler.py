@@ -202,7 +202,7 @@ class Scheduler:
                 if error is None:
                     self.db.end_attempt(self.run_id, name, attempt, "succeeded")
                     self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs={})
-                    self._event(name, "succeeded", f"{st.ranks} ranks exited 0")
+                    self._event(name, "succeeded", f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
                     return None
                 self.db.end_attempt(self.run_id, name, attempt, "failed", error)
                 self._event(name, "failed", f"attempt {attempt}: {error}")

@@ -1,107 +1,29 @@
-"""SLURM executor: the ranks of a gang are the tasks of one ``srun``.
-
-Driven through SLURM's own commands (``sbatch``, ``srun``, ``squeue``, ``sacct``, ``scancel``):
-pyslurm does not build against the Slurm 22.05 of Debian 12, and the commands work with every
-Slurm a site runs.  Two ways to get the nodes, chosen by the site's ``slurm:`` section:
-
-``allocation: per-stage`` (default)
-    Every gang is its own batch job: ``sbatch`` of a script whose body ``srun``\\ s the ranks.
-    Simple and fair to other users; every stage queues once.
-``allocation: pilot``
-    One allocation (a ``SlurmPilot``: a holder job submitted with ``sbatch`` that sleeps) is
-    held for the whole workflow, and every gang is a job step ``srun --jobid=J --exact -n N`` on
-    a share of it: no queueing per stage (the RADICAL-Pilot / Parsl pattern).  Concurrent gangs
-    get disjoint CPUs (``--exact``); a gang that does not fit waits until a step ends.
-
-Ranks learn their rank from ``SLURM_PROCID`` (a small shell wrapper also exports it as
-``PHALANX_RANK`` for command stages); everything else in their environment is common to all
-ranks and passed through ``--export=ALL``.  Each rank's stdout and stderr go to
-``log_dir/rank-N.log`` (``srun --output=.../rank-%t.log``), its exit code to
-``log_dir/rank-N.exit`` (written by the wrapper), so ``log_dir`` must be on a filesystem the
-compute nodes and the driver share.  SLURM's own view — job state and reason — comes from
-``squeue`` (``sacct`` once the job has left the controller's memory) and is reported by
-``status()`` and ``reason()``; a job that can never start (e.g. PENDING (PartitionNodeLimit))
-or that sbatch rejects raises ``GangError`` naming the site and SLURM's reason.
-
-Site keys (the ``slurm:`` section of a site file; ``-`` and ``_`` are interchangeable)::
-
-    allocation: per-stage | pilot       # default per-stage
-    conf: /path/to/slurm.conf           # SLURM_CONF for every command (a private cluster)
-    partition, account, qos, time, nodes, mem, mem_per_cpu, constraint, reservation, gres,
-    gpus_per_task, exclusive, nodelist, exclude, ...    # sbatch/srun options, as on the CLI
-    ranks_per_node: 1                   # --ntasks-per-node; nodes = ceil(ranks / this)
-    spread_job: true                    # --spread-job: a gang over as many nodes as possible
-    cpus_per_task: 2                    # default: the stage's CPUs per rank
-    mpi: pmix                           # srun --mpi=... (communicator: mpi)
-    prologue: ["module load python"]    # shell lines run before srun (per-stage mode)
-    sbatch_args: [...], srun_args: [...]  # anything else, verbatim
-    poll_interval: 0.5                  # seconds between squeue calls
-    pending_timeout: 600                # fail a gang whose job is PENDING longer (default: wait)
-    job_name: phalanx                   # prefix of job and step names
-    pilot:                              # allocation: pilot — the held allocation
-      nodes: 4
-      ntasks: 64                        # rank slots held (or ntasks_per_node)
-      time: "12:00:00"                  # plus partition/account/qos/... (default: from above)
-"""
+"""``SlurmLauncher``: a gang's ranks as the tasks of one ``srun`` (a batch job of its own, or a job
+step of a pilot), their exit codes, SLURM's view of them, and the echo of their logs."""
 
 from __future__ import annotations
 
-import atexit
-import json
 import math
 import os
 import re
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from ..errors import GangError, MissingDependencyError
-from ..runtime import protocol as P
-from .base import Launcher
+from ...errors import GangError
+from ...runtime import protocol as P
+from ..base import Launcher
+from .commands import (FAILED, HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site,
+                       _split_section, _wait_inactive)
+from .pilot import SlurmPilot
 
 Echo = bool | Callable[[str], None]
 
-# sbatch/srun options a site section may set (as "--key=value"; True: "--key")
-OPTION_KEYS = frozenset({
-    "nodes", "ntasks-per-node", "cpus-per-task", "time", "partition", "account", "qos",
-    "mem", "mem-per-cpu", "constraint", "reservation", "gres", "gpus", "gpus-per-task",
-    "gpus-per-node", "exclusive", "nodelist", "exclude", "licenses", "wckey", "comment",
-    "hint", "distribution", "network", "switches", "time-min", "begin", "deadline",
-    "spread-job",
-})
-_ALIASES = {"ranks-per-node": "ntasks-per-node"}
-# keys of the section that are not sbatch options
-_SITE_KEYS = frozenset({
-    "allocation", "conf", "mpi", "prologue", "sbatch-args", "srun-args", "poll-interval",
-    "pending-timeout", "job-name", "pilot", "ntasks",
-})
-
-ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-                    "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
-                    "STOPPED", "RESV_DEL_HOLD"})
-FAILED = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "PREEMPTED",
-                    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
-# PENDING reasons that no amount of waiting resolves
-HOPELESS = {
-    "PartitionConfig": "the job's request does not fit the configuration of partition {partition!r}",
-    "PartitionNodeLimit": "the job asks for more nodes than partition {partition!r} allows or has",
-    "PartitionTimeLimit": "the job's time limit exceeds partition {partition!r}'s MaxTime",
-    "PartitionInactive": "partition {partition!r} is inactive",
-    "BadConstraints": "no node can satisfy the job's constraints",
-    "InvalidAccount": "the account is not valid",
-    "InvalidQOS": "the QOS is not valid",
-    "AccountNotAllowed": "the account may not use partition {partition!r}",
-    "QOSNotAllowed": "the QOS may not use partition {partition!r}",
-    "DependencyNeverSatisfied": "a dependency can never be satisfied",
-    "InvalidPartition": "partition {partition!r} does not exist",
-}
 # How a rank whose wrapper never wrote an exit code ended, by the job's final state.
 _STATE_SIGNAL = {"CANCELLED": signal.SIGTERM, "TIMEOUT": signal.SIGTERM, "PREEMPTED": signal.SIGTERM,
                  "DEADLINE": signal.SIGTERM, "NODE_FAIL": signal.SIGKILL,
@@ -111,166 +33,6 @@ _STATE_SIGNAL = {"CANCELLED": signal.SIGTERM, "TIMEOUT": signal.SIGTERM, "PREEMP
 # where the driver can read it (srun reports only the largest one).
 _WRAPPER = ('d=$1; shift; PHALANX_RANK=$SLURM_PROCID; export PHALANX_RANK; "$@"; rc=$?; '
             'f="$d/rank-$SLURM_PROCID.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc')
-
-
-# ------------------------------------------------------------------------------------------
-# talking to SLURM
-@dataclass
-class JobInfo:
-    job_id: str
-    state: str                 # PENDING, RUNNING, COMPLETED, ... ; GONE: no longer known
-    reason: str = ""           # SLURM's reason ("Resources", "PartitionNodeLimit", "None")
-    nodes: str = ""
-    exit_status: int | None = None   # raw wait status (squeue) or None
-    partition: str = ""
-
-    @property
-    def active(self) -> bool:
-        return self.state in ACTIVE
-
-    def describe(self) -> str:
-        text = f"job {self.job_id} {self.state}"
-        if self.reason and self.reason != "None":
-            text += f" ({self.reason})"
-        if self.state == "RUNNING" and self.nodes:
-            text += f" on {self.nodes}"
-        return text
-
-
-class SlurmCommands:
-    """SLURM's command-line tools, run with one environment (``SLURM_CONF`` for a private cluster)."""
-
-    def __init__(self, conf: str | None = None):
-        self.conf = os.path.expandvars(os.path.expanduser(conf)) if conf else None
-
-    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The driver's environment without its own SLURM job's variables (the driver may run
-        inside a job: its SLURM_JOB_ID, SLURM_NTASKS... would steer sbatch and srun)."""
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF")}
-        env.pop(P.ENV_RANK, None)
-        if self.conf:
-            env["SLURM_CONF"] = self.conf
-        env.update(extra or {})
-        return env
-
-    def exe(self, name: str) -> str:
-        path = shutil.which(name)
-        if path is None:
-            raise MissingDependencyError(
-                f"executor 'slurm' needs {name!r} on PATH (SLURM's client commands; "
-                "Debian: scripts/setup-slurm.sh)")
-        return path
-
-    def run(self, name: str, *args: str, env: Mapping[str, str] | None = None,
-            timeout: float = 60.0, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([self.exe(name), *args], env=env or self.env(), input=stdin,
-                              capture_output=True, text=True, timeout=timeout)
-
-    def job(self, job_id: str) -> JobInfo:
-        """The job as the controller sees it; after it aged out (MinJobAge), as sacct does."""
-        fields = "JobID:|,State:|,Reason:|,NodeList:|,exit_code:|,Partition:|"
-        try:
-            r = self.run("squeue", "-h", "-t", "all", "-j", job_id, "-O", fields, timeout=30)
-        except subprocess.TimeoutExpired:
-            return JobInfo(job_id, "UNKNOWN", "squeue timed out")
-        if r.returncode == 0:
-            for line in r.stdout.splitlines():
-                parts = line.split("|")
-                if len(parts) >= 6 and parts[0].strip() == job_id:
-                    code = parts[4].strip()
-                    return JobInfo(job_id, parts[1].strip(), parts[2].strip(), parts[3].strip(),
-                                   int(code) if code.lstrip("-").isdigit() else None, parts[5].strip())
-            if not r.stdout.strip():
-                return self._from_sacct(job_id)
-        elif "Invalid job id" in r.stderr:
-            return self._from_sacct(job_id)
-        return JobInfo(job_id, "UNKNOWN", (r.stderr.strip().splitlines() or ["squeue failed"])[-1])
-
-    def _from_sacct(self, job_id: str) -> JobInfo:
-        try:
-            r = self.run("sacct", "-X", "-n", "-P", "-j", job_id,
-                         "-o", "JobID,State,ExitCode,Reason,NodeList,Partition", timeout=30)
-        except (subprocess.TimeoutExpired, MissingDependencyError):
-            return JobInfo(job_id, "GONE")
-        for line in r.stdout.splitlines() if r.returncode == 0 else []:
-            parts = line.split("|")
-            if len(parts) >= 6 and parts[0] == job_id:
-                code, _, sig = parts[2].partition(":")
-                status = (int(sig) & 0x7F) if sig.isdigit() and int(sig) else \
-                    (int(code) << 8 if code.isdigit() else None)
-                return JobInfo(job_id, parts[1].split()[0], parts[3], parts[4], status, parts[5])
-        return JobInfo(job_id, "GONE")  # neither squeue nor accounting knows it any more
-
-    def step_ids(self, job_id: str, name: str) -> list[str]:
-        r = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j", timeout=30)
-        return [line.split("|")[0] for line in r.stdout.splitlines()
-                if line.split("|")[-1] == name] if r.returncode == 0 else []
-
-    def partitions(self) -> list[str]:
-        try:
-            r = self.run("sinfo", "-h", "-o", "%R", timeout=30)
-        except (subprocess.TimeoutExpired, MissingDependencyError):
-            return []
-        return sorted(set(r.stdout.split())) if r.returncode == 0 else []
-
-    def submit(self, args: Sequence[str], env: Mapping[str, str], site: str,
-               script: str | None = None) -> str:
-        """``sbatch --parsable``; a rejected job raises GangError with sbatch's own words."""
-        r = self.run("sbatch", "--parsable", *args, env=env, stdin=script)
-        if r.returncode != 0:
-            raise GangError(f"slurm: sbatch rejected the job{_site(site)}: {self._explain(r.stderr)}")
-        return r.stdout.strip().split(";")[0]
-
-    def _explain(self, stderr: str) -> str:
-        lines = [re.sub(r"^sbatch: error: ", "", l).strip() for l in stderr.splitlines() if l.strip()]
-        text = "; ".join(lines) or "no message"
-        m = re.search(r"invalid partition specified: (\S+)", stderr)
-        if m:
-            known = self.partitions()
-            text = (f"partition {m.group(1)!r} does not exist"
-                    + (f" (partitions: {', '.join(known)})" if known else "") + f" — sbatch: {text}")
-        return text
-
-    def cancel(self, target: str, sig: str | None = None) -> None:
-        args = (["--signal", sig, "--full"] if sig else []) + [target]
-        try:
-            self.run("scancel", *args, timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _site(site: str) -> str:
-    return f" (site {site!r})" if site and site != "slurm" else ""
-
-
-def _norm(key: str) -> str:
-    key = key.replace("_", "-")
-    return _ALIASES.get(key, key)
-
-
-def _option_args(options: Mapping[str, Any]) -> list[str]:
-    out = []
-    for key, value in options.items():
-        if value is None or value is False:
-            continue
-        out.append(f"--{key}" if value is True else f"--{key}={value}")
-    return out
-
-
-def _split_section(section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(sbatch/srun options, phalanx's own keys) of a site's slurm: section; unknown keys fail."""
-    options, own = {}, {}
-    for raw, value in (section or {}).items():
-        key = _norm(str(raw))
-        if key in OPTION_KEYS:
-            options[key] = value
-        elif key in _SITE_KEYS:
-            own[key] = value
-        else:
-            raise ValueError(f"unknown key {raw!r} in the site's slurm: section; known: "
-                             + ", ".join(sorted(OPTION_KEYS | _SITE_KEYS | {"ranks_per_node"})))
-    return options, own
 
 
 def _code_from_status(status: int) -> int:
@@ -285,174 +47,8 @@ def _shell_code(rc: int) -> int:
     return -(rc - 128) if 128 < rc < 128 + 65 else rc
 
 
-# ------------------------------------------------------------------------------------------
-# the pilot allocation
-class SlurmPilot:
-    """One allocation held for many gangs: a batch job that only sleeps, whose nodes the gangs
-    use as job steps (``srun --jobid=J --exact``).
-
-    >>> with SlurmPilot({"nodes": 2, "ntasks": 8, "time": "1:00:00"}) as pilot:
-    ...     gang = px.Gang(4, executor=SlurmLauncher(pilot=pilot, allocation="pilot"))
-    """
-
-    def __init__(self, options: Mapping[str, Any] | None = None, *, conf: str | None = None,
-                 site: str = "slurm", sbatch_args: Sequence[str] = (), prologue: Sequence[str] = (),
-                 job_name: str = "phalanx-pilot", poll_interval: float = 0.5,
-                 start_timeout: float | None = None):
-        opts, own = _split_section(options or {})
-        self.ntasks = own.get("ntasks")
-        self.options = opts
-        self.slurm = SlurmCommands(conf)
-        self.site = site
-        self.sbatch_args = list(sbatch_args)
-        self.prologue = list(prologue)
-        self.job_name = job_name
-        self.poll_interval = poll_interval
-        self.start_timeout = start_timeout
-        self.job_id: str | None = None
-        self.info: JobInfo | None = None
-        self.log_dir: Path | None = None
-        self._lock = threading.Lock()
-
-    @classmethod
-    def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
-        """The pilot a site's ``slurm:`` section describes (its ``pilot:`` keys over the top-level
-        partition/account/qos/time...)."""
-        options, own = _split_section(slurm_section)
-        pilot = dict(own.get("pilot") or {})
-        for key in ("cpus-per-task", "nodes", "ntasks-per-node"):  # these are per gang up top
-            options.pop(key, None)
-        merged = {**options, **{_norm(k): v for k, v in pilot.items()}}
-        return cls(merged, conf=own.get("conf"), site=site,
-                   sbatch_args=own.get("sbatch-args") or (), prologue=own.get("prologue") or (),
-                   job_name=f"{own.get('job-name') or 'phalanx'}-pilot",
-                   poll_interval=float(own.get("poll-interval") or 0.5),
-                   start_timeout=own.get("pending-timeout"))
-
-    _shared: dict[str, "SlurmPilot"] = {}
-    _shared_lock = threading.Lock()
-
-    @classmethod
-    def shared(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
-        """One pilot per distinct site section in this process (a workflow run), cancelled
-        when the process exits."""
-        key = json.dumps([site, slurm_section], sort_keys=True, default=str)
-        with cls._shared_lock:
-            pilot = cls._shared.get(key)
-            if pilot is None:
-                pilot = cls._shared[key] = cls.from_site(slurm_section, site)
-            return pilot
-
-    @property
-    def running(self) -> bool:
-        return self.job_id is not None and self.info is not None and self.info.state == "RUNNING"
-
-    def start(self, timeout: float | None = None) -> "SlurmPilot":
-        """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
-        limit, a node failure) is replaced by a fresh one."""
-        with self._lock:
-            if self.job_id is not None:
-                self.info = self.slurm.job(self.job_id)
-                if self.info.state == "RUNNING":
-                    return self
-            if self.job_id is None or not (self.info.active or self.info.state == "UNKNOWN"):
-                self._submit()
-            timeout = timeout if timeout is not None else self.start_timeout
-            deadline = time.monotonic() + timeout if timeout else None
-            wait = 0.05
-            while True:
-                self.info = self.slurm.job(self.job_id)
-                if self.info.state == "RUNNING":
-                    return self
-                if self.info.state == "PENDING" and self.info.reason in HOPELESS:
-                    self.slurm.cancel(self.job_id)
-                    raise GangError(_hopeless(self.info, self.site, "pilot "))
-                if not self.info.active and self.info.state != "UNKNOWN":
-                    raise GangError(f"slurm: pilot {self.info.describe()}{_site(self.site)}; "
-                                    f"its log: {self.log_dir}/pilot-{self.job_id}.log")
-                if deadline is not None and time.monotonic() > deadline:
-                    self.slurm.cancel(self.job_id)
-                    raise GangError(f"slurm: pilot {self.info.describe()} for more than "
-                                    f"{timeout:.0f} s{_site(self.site)}")
-                time.sleep(wait)
-                wait = min(wait * 2, self.poll_interval)
-
-    def _submit(self) -> None:
-        from ..gang import default_log_root
-
-        self.log_dir = default_log_root().parent / "slurm-pilots"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        args = [f"--job-name={self.job_name}", f"--output={self.log_dir}/pilot-%j.log",
-                "--no-requeue", *_option_args(self.options)]
-        if self.ntasks:
-            args.append(f"--ntasks={self.ntasks}")
-        elif "ntasks-per-node" not in self.options:
-            args.append("--exclusive")  # no size given: whole nodes
-        body = "\n".join(["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps",
-                          *self.prologue, "exec sleep infinity", ""])
-        # no script file: sbatch reads the script from its stdin
-        self.job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
-        self.info = None
-
-    def status(self) -> str:
-        if self.job_id is None:
-            return "slurm: pilot not started"
-        self.info = self.slurm.job(self.job_id)
-        return f"slurm: pilot {self.info.describe()}"
-
-    def close(self) -> None:
-        """Cancel the allocation (every gang still on it ends) and wait until it is gone."""
-        with self._lock:
-            job, self.job_id = self.job_id, None
-        if job is None:
-            return
-        self.slurm.cancel(job)
-        _wait_inactive(self.slurm, job, 15.0)
-
-    def __enter__(self) -> "SlurmPilot":
-        return self.start()
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def __repr__(self) -> str:
-        return f"<SlurmPilot job={self.job_id} {self.info.state if self.info else '-'}>"
-
-    @classmethod
-    def close_shared(cls) -> None:
-        """Cancel the pilots ``shared`` made (at the end of a workflow run; also at exit)."""
-        with cls._shared_lock:
-            pilots = list(cls._shared.values())
-            cls._shared.clear()
-        for pilot in pilots:
-            try:
-                pilot.close()
-            except Exception:  # the controller may be gone already
-                pass
-
-
-atexit.register(SlurmPilot.close_shared)
-
-
-def _hopeless(info: JobInfo, site: str, what: str = "") -> str:
-    hint = HOPELESS.get(info.reason, "").format(partition=info.partition or "?")
-    return f"slurm: {what}job {info.job_id} PENDING ({info.reason}): {hint}{_site(site)}"
-
-
-def _wait_inactive(slurm: SlurmCommands, job: str, within_s: float) -> JobInfo:
-    deadline = time.monotonic() + within_s
-    wait = 0.05
-    while True:
-        info = slurm.job(job)
-        if not info.active or time.monotonic() > deadline:
-            return info
-        time.sleep(wait)
-        wait = min(wait * 1.5, 0.5)
-
-
-# ------------------------------------------------------------------------------------------
 class SlurmLauncher(Launcher):
-    """Starts a gang's ranks as the tasks of one ``srun`` (see the module docstring)."""
+    """Starts a gang's ranks as the tasks of one ``srun`` (see the package docstring)."""
 
     name = "slurm"
 

@@ -1,0 +1,225 @@
+"""Talking to SLURM: its commands (``squeue``, ``sacct``, ``sbatch``, ``scancel``...) and what they
+report (``JobInfo``), and the ``slurm:`` section of a site file split into sbatch/srun options."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+from ...errors import GangError, MissingDependencyError
+from ...runtime import protocol as P
+
+# sbatch/srun options a site section may set (as "--key=value"; True: "--key")
+OPTION_KEYS = frozenset({
+    "nodes", "ntasks-per-node", "cpus-per-task", "time", "partition", "account", "qos",
+    "mem", "mem-per-cpu", "constraint", "reservation", "gres", "gpus", "gpus-per-task",
+    "gpus-per-node", "exclusive", "nodelist", "exclude", "licenses", "wckey", "comment",
+    "hint", "distribution", "network", "switches", "time-min", "begin", "deadline",
+    "spread-job",
+})
+_ALIASES = {"ranks-per-node": "ntasks-per-node"}
+# keys of the section that are not sbatch options
+_SITE_KEYS = frozenset({
+    "allocation", "conf", "mpi", "prologue", "sbatch-args", "srun-args", "poll-interval",
+    "pending-timeout", "job-name", "pilot", "ntasks",
+})
+
+ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+                    "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
+                    "STOPPED", "RESV_DEL_HOLD"})
+FAILED = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "PREEMPTED",
+                    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+# PENDING reasons that no amount of waiting resolves
+HOPELESS = {
+    "PartitionConfig": "the job's request does not fit the configuration of partition {partition!r}",
+    "PartitionNodeLimit": "the job asks for more nodes than partition {partition!r} allows or has",
+    "PartitionTimeLimit": "the job's time limit exceeds partition {partition!r}'s MaxTime",
+    "PartitionInactive": "partition {partition!r} is inactive",
+    "BadConstraints": "no node can satisfy the job's constraints",
+    "InvalidAccount": "the account is not valid",
+    "InvalidQOS": "the QOS is not valid",
+    "AccountNotAllowed": "the account may not use partition {partition!r}",
+    "QOSNotAllowed": "the QOS may not use partition {partition!r}",
+    "DependencyNeverSatisfied": "a dependency can never be satisfied",
+    "InvalidPartition": "partition {partition!r} does not exist",
+}
+
+
+@dataclass
+class JobInfo:
+    job_id: str
+    state: str                 # PENDING, RUNNING, COMPLETED, ... ; GONE: no longer known
+    reason: str = ""           # SLURM's reason ("Resources", "PartitionNodeLimit", "None")
+    nodes: str = ""
+    exit_status: int | None = None   # raw wait status (squeue) or None
+    partition: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE
+
+    def describe(self) -> str:
+        text = f"job {self.job_id} {self.state}"
+        if self.reason and self.reason != "None":
+            text += f" ({self.reason})"
+        if self.state == "RUNNING" and self.nodes:
+            text += f" on {self.nodes}"
+        return text
+
+
+class SlurmCommands:
+    """SLURM's command-line tools, run with one environment (``SLURM_CONF`` for a private cluster)."""
+
+    def __init__(self, conf: str | None = None):
+        self.conf = os.path.expandvars(os.path.expanduser(conf)) if conf else None
+
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The driver's environment without its own SLURM job's variables (the driver may run
+        inside a job: its SLURM_JOB_ID, SLURM_NTASKS... would steer sbatch and srun)."""
+        env = {k: v for k, v in os.environ.items()
+               if not (k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF")}
+        env.pop(P.ENV_RANK, None)
+        if self.conf:
+            env["SLURM_CONF"] = self.conf
+        env.update(extra or {})
+        return env
+
+    def exe(self, name: str) -> str:
+        path = shutil.which(name)
+        if path is None:
+            raise MissingDependencyError(
+                f"executor 'slurm' needs {name!r} on PATH (SLURM's client commands; "
+                "Debian: scripts/setup-slurm.sh)")
+        return path
+
+    def run(self, name: str, *args: str, env: Mapping[str, str] | None = None,
+            timeout: float = 60.0, stdin: str | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([self.exe(name), *args], env=env or self.env(), input=stdin,
+                              capture_output=True, text=True, timeout=timeout)
+
+    def job(self, job_id: str) -> JobInfo:
+        """The job as the controller sees it; after it aged out (MinJobAge), as sacct does."""
+        fields = "JobID:|,State:|,Reason:|,NodeList:|,exit_code:|,Partition:|"
+        try:
+            r = self.run("squeue", "-h", "-t", "all", "-j", job_id, "-O", fields, timeout=30)
+        except subprocess.TimeoutExpired:
+            return JobInfo(job_id, "UNKNOWN", "squeue timed out")
+        if r.returncode == 0:
+            for line in r.stdout.splitlines():
+                parts = line.split("|")
+                if len(parts) >= 6 and parts[0].strip() == job_id:
+                    code = parts[4].strip()
+                    return JobInfo(job_id, parts[1].strip(), parts[2].strip(), parts[3].strip(),
+                                   int(code) if code.lstrip("-").isdigit() else None, parts[5].strip())
+            if not r.stdout.strip():
+                return self._from_sacct(job_id)
+        elif "Invalid job id" in r.stderr:
+            return self._from_sacct(job_id)
+        return JobInfo(job_id, "UNKNOWN", (r.stderr.strip().splitlines() or ["squeue failed"])[-1])
+
+    def _from_sacct(self, job_id: str) -> JobInfo:
+        try:
+            r = self.run("sacct", "-X", "-n", "-P", "-j", job_id,
+                         "-o", "JobID,State,ExitCode,Reason,NodeList,Partition", timeout=30)
+        except (subprocess.TimeoutExpired, MissingDependencyError):
+            return JobInfo(job_id, "GONE")
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            parts = line.split("|")
+            if len(parts) >= 6 and parts[0] == job_id:
+                code, _, sig = parts[2].partition(":")
+                status = (int(sig) & 0x7F) if sig.isdigit() and int(sig) else \
+                    (int(code) << 8 if code.isdigit() else None)
+                return JobInfo(job_id, parts[1].split()[0], parts[3], parts[4], status, parts[5])
+        return JobInfo(job_id, "GONE")  # neither squeue nor accounting knows it any more
+
+    def step_ids(self, job_id: str, name: str) -> list[str]:
+        r = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j", timeout=30)
+        return [line.split("|")[0] for line in r.stdout.splitlines()
+                if line.split("|")[-1] == name] if r.returncode == 0 else []
+
+    def partitions(self) -> list[str]:
+        try:
+            r = self.run("sinfo", "-h", "-o", "%R", timeout=30)
+        except (subprocess.TimeoutExpired, MissingDependencyError):
+            return []
+        return sorted(set(r.stdout.split())) if r.returncode == 0 else []
+
+    def submit(self, args: Sequence[str], env: Mapping[str, str], site: str,
+               script: str | None = None) -> str:
+        """``sbatch --parsable``; a rejected job raises GangError with sbatch's own words."""
+        r = self.run("sbatch", "--parsable", *args, env=env, stdin=script)
+        if r.returncode != 0:
+            raise GangError(f"slurm: sbatch rejected the job{_site(site)}: {self._explain(r.stderr)}")
+        return r.stdout.strip().split(";")[0]
+
+    def _explain(self, stderr: str) -> str:
+        lines = [re.sub(r"^sbatch: error: ", "", l).strip() for l in stderr.splitlines() if l.strip()]
+        text = "; ".join(lines) or "no message"
+        m = re.search(r"invalid partition specified: (\S+)", stderr)
+        if m:
+            known = self.partitions()
+            text = (f"partition {m.group(1)!r} does not exist"
+                    + (f" (partitions: {', '.join(known)})" if known else "") + f" — sbatch: {text}")
+        return text
+
+    def cancel(self, target: str, sig: str | None = None) -> None:
+        args = (["--signal", sig, "--full"] if sig else []) + [target]
+        try:
+            self.run("scancel", *args, timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _site(site: str) -> str:
+    return f" (site {site!r})" if site and site != "slurm" else ""
+
+
+def _norm(key: str) -> str:
+    key = key.replace("_", "-")
+    return _ALIASES.get(key, key)
+
+
+def _option_args(options: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key, value in options.items():
+        if value is None or value is False:
+            continue
+        out.append(f"--{key}" if value is True else f"--{key}={value}")
+    return out
+
+
+def _split_section(section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(sbatch/srun options, phalanx's own keys) of a site's slurm: section; unknown keys fail."""
+    options, own = {}, {}
+    for raw, value in (section or {}).items():
+        key = _norm(str(raw))
+        if key in OPTION_KEYS:
+            options[key] = value
+        elif key in _SITE_KEYS:
+            own[key] = value
+        else:
+            raise ValueError(f"unknown key {raw!r} in the site's slurm: section; known: "
+                             + ", ".join(sorted(OPTION_KEYS | _SITE_KEYS | {"ranks_per_node"})))
+    return options, own
+
+
+def _hopeless(info: JobInfo, site: str, what: str = "") -> str:
+    hint = HOPELESS.get(info.reason, "").format(partition=info.partition or "?")
+    return f"slurm: {what}job {info.job_id} PENDING ({info.reason}): {hint}{_site(site)}"
+
+
+def _wait_inactive(slurm: SlurmCommands, job: str, within_s: float) -> JobInfo:
+    deadline = time.monotonic() + within_s
+    wait = 0.05
+    while True:
+        info = slurm.job(job)
+        if not info.active or time.monotonic() > deadline:
+            return info
+        time.sleep(wait)
+        wait = min(wait * 1.5, 0.5)
+

@@ -30,3 +30,15 @@ class Launcher(ABC):
     def placement(self, world_size: int) -> list[dict[str, str]]:
         """Extra per-rank environment for placement (CPU affinity, threads)."""
         return [{} for _ in range(world_size)]
+
+
+def shared_env(rank_env: list[dict[str, str]], per_rank: Sequence[str], launcher: str) -> dict[str, str]:
+    """The one environment a launcher that starts all ranks at once (mpirun, srun) gives them:
+    ``rank_env`` without the ``per_rank`` keys, which must then be the same for every rank."""
+    common = {k: v for k, v in rank_env[0].items() if k not in per_rank}
+    for r, env in enumerate(rank_env):
+        rest = {k: v for k, v in env.items() if k not in per_rank}
+        if rest != common:
+            diff = sorted(set(rest.items()) ^ set(common.items()))
+            raise ValueError(f"{launcher} gives every rank the same environment; rank {r} differs in {diff}")
+    return common

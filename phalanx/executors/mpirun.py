@@ -21,7 +21,7 @@ from typing import Sequence
 
 from ..errors import MissingDependencyError
 from ..runtime import protocol as P
-from .base import Launcher
+from .base import Launcher, shared_env
 from .local import Echo, RankOutput, cpu_placement, start_pump
 
 ENV_CPUS_BY_RANK = P.ENV_CPUS_BY_RANK
@@ -187,12 +187,7 @@ class TagOutputRouter:
 
 def _common_env(rank_env: list[dict[str, str]]) -> dict[str, str]:
     """The environment of all ranks, with per-rank CPU sets folded into one variable."""
-    common = {k: v for k, v in rank_env[0].items() if k not in _PER_RANK}
-    for r, env in enumerate(rank_env):
-        rest = {k: v for k, v in env.items() if k not in _PER_RANK}
-        if rest != common:
-            diff = sorted(set(rest.items()) ^ set(common.items()))
-            raise ValueError(f"mpirun gives every rank the same environment; rank {r} differs in {diff}")
+    common = shared_env(rank_env, _PER_RANK, "mpirun")
     if any(P.ENV_CPUS in env for env in rank_env):
         common[ENV_CPUS_BY_RANK] = "|".join(env.get(P.ENV_CPUS, "") for env in rank_env)
     return common

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import GangError
 from ...runtime import protocol as P
-from ..base import Launcher
+from ..base import Launcher, shared_env
 from .commands import (FAILED, HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site,
                        _split_section, _wait_inactive)
 from .pilot import SlurmPilot
@@ -441,14 +441,7 @@ def _pct(path: Path) -> str:
 
 def _common_env(rank_env: list[dict[str, str]]) -> dict[str, str]:
     """The environment all ranks share; the rank itself comes from SLURM_PROCID."""
-    per_rank = (P.ENV_RANK, P.ENV_CPUS, P.ENV_CPUS_BY_RANK)
-    common = {k: v for k, v in rank_env[0].items() if k not in per_rank}
-    for r, env in enumerate(rank_env):
-        rest = {k: v for k, v in env.items() if k not in per_rank}
-        if rest != common:
-            diff = sorted(set(rest.items()) ^ set(common.items()))
-            raise ValueError(f"srun gives every rank the same environment; rank {r} differs in {diff}")
-    return common
+    return shared_env(rank_env, (P.ENV_RANK, P.ENV_CPUS, P.ENV_CPUS_BY_RANK), "srun")
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -256,3 +256,23 @@ def test_ranks_listen_on_loopback_only():
     loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 in /proc's byte order
     for rank, addrs in enumerate(per_rank):
         assert all(a in loopback for a, _ in addrs), f"rank {rank} listens on {addrs}"
+
+
+def test_a_gang_on_one_launcher_instance_restarts_with_new_ranks_after_a_failure():
+    from phalanx.executors.local import LocalLauncher
+
+    def fail_on_1(env):
+        if env.rank == 1:
+            raise ValueError("no")
+        env.comm.barrier()
+
+    gang = px.Gang(2, executor=LocalLauncher(echo=False), echo=False)
+    try:
+        first = gang.run(lambda env: os.getpid())
+        with pytest.raises(px.RankError):
+            gang.run(fail_on_1)
+        again = gang.run(lambda env: os.getpid())  # a fresh gang on the same launcher
+        assert len(again) == 2 and not set(again) & set(first)
+        assert gang._launcher.exitcodes() == [None, None]
+    finally:
+        gang.close()

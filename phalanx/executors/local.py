@@ -60,6 +60,7 @@ class LocalLauncher(Launcher):
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         self._output = RankOutput(log_dir, self.echo)
+        self.procs, self._pumps = [], []  # a gang restarting after a failure launches again
         from .pool import hand_over
 
         warm = self.pool.take(len(rank_env)) if self.pool and tuple(argv) == WORKER_ARGV else []

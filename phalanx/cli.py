@@ -217,9 +217,19 @@ def cmd_store(args: argparse.Namespace) -> int:
         elif args.store_cmd == "show":
             print(json.dumps(store.info(args.name).summary(), indent=2, default=str))
         elif args.store_cmd == "rm":
+            if args.all == bool(args.names):
+                print("phalanx store rm: give dataset names or --all (every dataset of the session)",
+                      file=sys.stderr)
+                return 2
+            if args.all:
+                print(f"removed {store.delete_session()} datasets of session {store.session!r}")
             for name in args.names:
                 store.delete(name)
                 print(f"removed {name}")
+        elif args.store_cmd == "sessions":
+            for session in store.sessions():
+                infos = [d for d in store.meta.list(session)]
+                print(f"{session:50} {len(infos):>4} datasets {sum(d.nbytes for d in infos) / 1e6:>10.1f} MB")
     except StoreError as exc:
         print(f"phalanx store: {exc}", file=sys.stderr)
         return 1
@@ -295,8 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     ssub.add_parser("ls")
     show = ssub.add_parser("show")
     show.add_argument("name")
-    rm = ssub.add_parser("rm")
-    rm.add_argument("names", nargs="+")
+    rm = ssub.add_parser("rm", help="remove datasets of the session (--all: all of them)")
+    rm.add_argument("names", nargs="*")
+    rm.add_argument("--all", action="store_true")
+    ssub.add_parser("sessions", help="every session with its datasets' count and size (a run writes to "
+                    "<workflow>-<run id>)")
     s.set_defaults(fn=cmd_store)
 
     sc = sub.add_parser("schema", help="write the JSON Schemas of workflow and site files")

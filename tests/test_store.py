@@ -321,3 +321,27 @@ def app_delete_and_pin(env, name):
 def test_store_changes_from_a_gang_are_made_once(gang):
     results = gang.run(app_delete_and_pin, f"collective-{gang.world_size}")
     assert results == [(True, False, "DatasetNotFoundError")] * gang.world_size
+
+
+def test_cli_store_sessions_ls_rm_and_rm_all(tmp_path):
+    import subprocess
+    import sys
+
+    root = tmp_path / "root"
+    for session, names in (("run-a", ["x", "y"]), ("run-b", ["z"])):
+        s = px.Store(root, session)
+        for n in names:
+            s.put(n, pa.table({"v": list(range(10))}))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "phalanx.cli", "store", "--root", str(root), *args],
+                              capture_output=True, text=True, timeout=60)
+
+    out = cli("sessions")
+    assert out.returncode == 0 and [l.split()[:2] for l in out.stdout.splitlines()] == [["run-a", "2"], ["run-b", "1"]]
+    assert cli("--session", "run-a", "rm").returncode == 2  # neither names nor --all
+    assert cli("--session", "run-a", "rm", "x").stdout.strip() == "removed x"
+    assert "removed 1 datasets of session 'run-a'" in cli("--session", "run-a", "rm", "--all").stdout
+    assert px.Store(root, "run-a").list() == [] and px.Store(root, "run-b").list() == ["z"]
+    bad = cli("--session", "run-b", "rm", "nope")
+    assert bad.returncode == 1 and "no dataset 'nope'" in bad.stderr

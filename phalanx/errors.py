@@ -32,6 +32,17 @@ class RankFailure:
             return f"rank {self.rank}: {self.exc_type}: {self.message}"
         return f"rank {self.rank}: {self.message}"
 
+    @property
+    def collateral(self) -> bool:
+        """This rank failed only because a peer went away (Gloo and MPI raise that as the
+        surviving rank's own error): not the cause worth showing first."""
+        return bool(self.exc_type) and any(s in self.message for s in _PEER_LOST)
+
+
+# How communication libraries word "the other side is gone".
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "connection closed", "MPI_ERR_PROC_FAILED")
+
 
 class RankError(PhalanxError):
     """One or more ranks of a gang failed; the other ranks were stopped.
@@ -43,7 +54,9 @@ class RankError(PhalanxError):
     def __init__(self, failures: list[RankFailure], stopped: list[int] | None = None):
         self.failures = sorted(failures, key=lambda f: f.rank)
         self.stopped = stopped or []
-        first = self.failures[0]
+        # the cause first: a rank that raised or died, before those that only lost a peer
+        first = min(self.failures, key=lambda f: (f.collateral, f.rank))
+        self.first = first
         ranks = ", ".join(str(f.rank) for f in self.failures)
         head = f"{len(self.failures)} rank(s) failed (ranks {ranks}); first: {first.summary()}"
         if self.stopped:

@@ -76,22 +76,26 @@ def test_failing_rank_stops_the_others_and_reports_its_traceback(gang2):
     assert set(gang2.pids).isdisjoint(pids)
 
 
-def app_exit(env, how):
-    if env.rank == 0:
+def app_exit(env, how, dead):
+    if env.rank == dead:
+        time.sleep(0.2)  # the other rank is already waiting in the barrier
         if how == "exit":
             os._exit(3)
         os.kill(os.getpid(), signal.SIGKILL)
     env.comm.barrier()
 
 
+@pytest.mark.parametrize("dead", [0, 1])
 @pytest.mark.parametrize("how,expected", [("exit", "exited with code 3"), ("kill", "killed by signal SIGKILL")])
-def test_a_rank_that_dies_fails_the_gang_fast(gang2, how, expected):
+def test_a_rank_that_dies_fails_the_gang_fast_and_is_named_first(gang2, how, expected, dead):
     pids = list(gang2.pids)
     t0 = time.monotonic()
     with pytest.raises(px.RankError) as info:
-        gang2.run(app_exit, how)
+        gang2.run(app_exit, how, dead)
     assert time.monotonic() - t0 < 10
-    assert info.value.ranks[0] == 0 and expected in str(info.value)
+    assert dead in info.value.ranks
+    # the dead rank is the headline, not the survivor's "connection closed by peer"
+    assert f"first: rank {dead}: rank process {expected}" in str(info.value).splitlines()[0]
     assert wait_dead(pids) == []
 
 

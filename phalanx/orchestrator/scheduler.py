@@ -190,7 +190,6 @@ class Scheduler:
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
         st = self.wf.stages[name]
-        inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
         self.db.set_stage(self.run_id, name, "running", started=time.time())
         error = ""
         for attempt in range(1, st.retries + 2):
@@ -200,60 +199,70 @@ class Scheduler:
             if st.kind == "command":
                 error = self._run_command(name, attempt, slots, log_dir)
                 if error is None:
-                    self.db.end_attempt(self.run_id, name, attempt, "succeeded")
-                    self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs={})
-                    self._event(name, "succeeded", f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
+                    self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
                     return None
-                self.db.end_attempt(self.run_id, name, attempt, "failed", error)
-                self._event(name, "failed", f"attempt {attempt}: {error}")
-                if attempt <= st.retries and not self._cancelled.is_set():
-                    time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
-                continue
-            gang, reused = (reused, None) if reused is not None and reused.redirect_logs(log_dir) else (None, None)
-            how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
-            if gang is None:
-                gang = Gang(st.ranks, executor=self._launcher(slots, name), communicator=self.site.communicator,
-                            rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
-                            start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
-            self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
-            self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
-            keep = False
-            try:
-                with self._lock:
-                    self._gangs[name] = gang
-                gang.start()
-                self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
-                where = getattr(gang._launcher, "status", None)  # the resource manager's view
-                if callable(where):
-                    self._event(name, "placed", where())
-                results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
-                                   params=st.params, timeout=st.timeout)
-            except (RankError, GangError) as exc:
-                error = str(exc).splitlines()[0]
-                self.db.end_attempt(self.run_id, name, attempt, "failed", str(exc), ranks=failed_ranks(gang, exc))
-                self._event(name, "failed", f"attempt {attempt}: {error}")
-                if attempt <= st.retries and not self._cancelled.is_set():
-                    time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
-                continue
-            else:  # a gang that just succeeded may serve the next stage of its size
-                keep = (self.site.reuse_gangs and self.site.executor in ("local", "ray") and gang.running
-                        and not self._cancelled.is_set())
-            finally:
-                with self._lock:
-                    self._gangs.pop(name, None)
-                    if keep:
-                        self._idle[tuple(slots)] = gang
-                if not keep:
-                    gang.close()
-            outputs = results[0]["outputs"]
-            self.db.end_attempt(self.run_id, name, attempt, "succeeded", ranks=rank_records(results))
-            self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs,
-                              inputs=input_totals(results))
-            self._event(name, "succeeded", ", ".join(f"{k}: {r:,} rows" for k, (r, _) in outputs.items()))
-            return None
+                detail, ranks = error, None
+            else:
+                failure = self._gang_attempt(name, attempt, slots, log_dir, reused)
+                reused = None  # a kept gang serves only the first attempt
+                if failure is None:
+                    return None
+                error, detail, ranks = failure
+            self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks)
+            self._event(name, "failed", f"attempt {attempt}: {error}")
+            if attempt <= st.retries and not self._cancelled.is_set():
+                time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
 
+    def _succeeded(self, name: str, attempt: int, message: str, results: list[dict] | None = None) -> None:
+        outputs = results[0]["outputs"] if results else {}
+        self.db.end_attempt(self.run_id, name, attempt, "succeeded",
+                            ranks=rank_records(results) if results else None)
+        self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs,
+                          **({"inputs": input_totals(results)} if results else {}))
+        self._event(name, "succeeded", message)
+
+    def _gang_attempt(self, name: str, attempt: int, slots: list[int], log_dir,
+                      reused: Gang | None) -> tuple[str, str, list[dict]] | None:
+        """One attempt of a bsp/torch stage on a gang (the previous stage's, when it was kept for
+        this one); None on success, else (summary, full error, per-rank records)."""
+        st = self.wf.stages[name]
+        inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
+        gang = reused if reused is not None and reused.redirect_logs(log_dir) else None
+        how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
+        if gang is None:
+            gang = Gang(st.ranks, executor=self._launcher(slots, name), communicator=self.site.communicator,
+                        rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
+                        start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
+        self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
+        self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
+        keep = False
+        try:
+            with self._lock:
+                self._gangs[name] = gang
+            gang.start()
+            self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
+            where = getattr(gang._launcher, "status", None)  # the resource manager's view
+            if callable(where):
+                self._event(name, "placed", where())
+            results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
+                               params=st.params, timeout=st.timeout)
+        except (RankError, GangError) as exc:
+            return str(exc).splitlines()[0], str(exc), failed_ranks(gang, exc)
+        else:  # a gang that just succeeded may serve the next stage of its size
+            keep = (self.site.reuse_gangs and self.site.executor in ("local", "ray") and gang.running
+                    and not self._cancelled.is_set())
+        finally:
+            with self._lock:
+                self._gangs.pop(name, None)
+                if keep:
+                    self._idle[tuple(slots)] = gang
+            if not keep:
+                gang.close()
+        rows = ", ".join(f"{k}: {r:,} rows" for k, (r, _) in results[0]["outputs"].items())
+        self._succeeded(name, attempt, rows, results)
+        return None
 
     def _run_command(self, name: str, attempt: int, slots: list[int], log_dir) -> str | None:
         """An external program on every rank (an existing MPI or native code as a stage): it

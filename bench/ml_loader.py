@@ -54,20 +54,26 @@ def make_table(rows: int, features: int, seed: int = 0) -> pa.Table:
     return pa.table(cols)
 
 
+def timed_epochs(env, batches, set_epoch, epochs: int, extra=lambda: ()) -> list[tuple]:
+    """Per epoch: (rows seen, seconds, *extra()) with every rank starting together."""
+    out = []
+    for epoch in range(epochs):
+        set_epoch(epoch)
+        env.comm.barrier()
+        rows = 0
+        t = time.perf_counter()
+        for x, _ in batches:
+            rows += len(x)
+        out.append((rows, time.perf_counter() - t, *extra()))
+    return out
+
+
 def app_phalanx(env, session: str, name: str, features: list[str], batch_size: int, epochs: int):
     t0 = time.perf_counter()
     ld = px.ml.loader(env, name, features, label="y", batch_size=batch_size, shuffle="global", seed=0,
                       session=session)
     setup = time.perf_counter() - t0
-    out = []
-    for epoch in range(epochs):
-        ld.set_epoch(epoch)
-        env.comm.barrier()
-        rows = 0
-        t = time.perf_counter()
-        for x, y in ld:
-            rows += len(x)
-        out.append((rows, time.perf_counter() - t, ld.stats["build_s"]))
+    out = timed_epochs(env, ld, ld.set_epoch, epochs, extra=lambda: (ld.stats["build_s"],))
     ld.close()
     return setup, out
 
@@ -85,15 +91,7 @@ def app_torch(env, parquet: str, features: list[str], batch_size: int, epochs: i
     ds = TensorDataset(x, y)
     sampler = DistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0)
     dl = DataLoader(ds, batch_size=batch_size, sampler=sampler)
-    out = []
-    for epoch in range(epochs):
-        sampler.set_epoch(epoch)
-        env.comm.barrier()
-        rows = 0
-        t = time.perf_counter()
-        for xb, yb in dl:
-            rows += len(xb)
-        out.append((rows, time.perf_counter() - t))
+    out = timed_epochs(env, dl, sampler.set_epoch, epochs)
 
     class PandasRows(Dataset):
         def __len__(self):

@@ -26,11 +26,15 @@ CREATE TABLE IF NOT EXISTS attempts (
     PRIMARY KEY (run_id, stage, attempt));
 CREATE TABLE IF NOT EXISTS events (
     run_id TEXT NOT NULL, ts REAL NOT NULL, stage TEXT, kind TEXT NOT NULL, message TEXT);
+CREATE TABLE IF NOT EXISTS allocations (
+    run_id TEXT NOT NULL, stage TEXT, executor TEXT NOT NULL, ident TEXT NOT NULL,
+    record TEXT NOT NULL, created REAL NOT NULL, released REAL,
+    PRIMARY KEY (run_id, executor, ident));
 """
 # Columns added after the first release: (table, column, type); added to older databases on open.
 _ADDED = [("runs", "pid", "INTEGER"), ("runs", "host", "TEXT"), ("stages", "inputs", "TEXT"),
-          ("attempts", "rank_info", "TEXT")]
-_JSON = {"outputs", "inputs", "rank_info"}
+          ("attempts", "rank_info", "TEXT"), ("stages", "fingerprint", "TEXT")]
+_JSON = {"outputs", "inputs", "rank_info", "record"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 
 
@@ -117,6 +121,26 @@ class RunDB:
                         "WHERE run_id=? AND stage=? AND attempt=?",
                         (state, time.time(), error, json.dumps(ranks) if ranks is not None else None,
                          run_id, stage, attempt))
+
+    # ---- allocations: what a driver holds on a resource manager (jobs, steps, pilots, groups) --
+    def add_allocation(self, run_id: str, stage: str | None, record: dict) -> None:
+        """Record a resource-manager allocation the moment it exists (``record``: executor,
+        id and whatever ``phalanx.executors.release`` needs to free it), so a driver killed
+        without a word leaves the next ``status``/``cancel``/``--resume`` enough to free it."""
+        with self._con() as con:
+            con.execute("INSERT OR REPLACE INTO allocations VALUES (?,?,?,?,?,?,NULL)",
+                        (run_id, stage, record["executor"], str(record["id"]), json.dumps(record), time.time()))
+
+    def release_allocation(self, run_id: str, record: dict) -> None:
+        with self._con() as con:
+            con.execute("UPDATE allocations SET released=? WHERE run_id=? AND executor=? AND ident=?",
+                        (time.time(), run_id, record["executor"], str(record["id"])))
+
+    def allocations(self, run_id: str, live: bool = True) -> list[dict]:
+        """Per allocation: its record plus stage, created, released; ``live``: unreleased only."""
+        q = "SELECT * FROM allocations WHERE run_id=?" + (" AND released IS NULL" if live else "") + " ORDER BY created"
+        with self._con() as con:
+            return [_decoded(dict(r)) for r in con.execute(q, (run_id,))]
 
     def event(self, run_id: str, kind: str, message: str, stage: str | None = None) -> None:
         with self._con() as con:

@@ -334,3 +334,35 @@ def test_partitioning_is_tracked_and_results_stay_correct(gang):
     assert_same_rows(moved_keys, sql("SELECT key + 1 AS key, MAX(w) AS w FROM T WHERE key IS NOT NULL "
                                      "GROUP BY key", T=T))
     assert dedup.num_rows == len(set(T["key"].to_pylist()))
+
+
+# ---- frames with no rows on any rank, or rows on rank 0 only --------------------------------
+def app_sparse(env, rows_on_rank0):
+    t = make_part(env.rank, env.world_size, rows=rows_on_rank0 if env.rank == 0 else 0)
+    df = px.DataFrame.from_arrow(t, env).select(["key", "v", "w", "s"])
+    out = {"sort": df.sort_values(["s", "key"], ascending=[False, True]),
+           "merge": df.merge(df.select(["key", "w"]), on="key", how="outer", broadcast=False),
+           "groupby": df.select(["key", "v", "w"]).groupby("key").sum(),
+           "drop_duplicates": df.drop_duplicates("key", keep="last"),
+           "head": df.head(3)}
+    return {name: result.collect(root=0) for name, result in out.items()}
+
+
+@pytest.mark.parametrize("rows_on_rank0", [0, 40], ids=["empty-everywhere", "rows-on-rank0-only"])
+def test_operators_on_empty_ranks_match_pandas(gang, rows_on_rank0):
+    out = gathered(gang.run(app_sparse, rows_on_rank0))
+    p = make_part(0, gang.world_size, rows=rows_on_rank0).select(["key", "v", "w", "s"]).to_pandas()
+    expected = {
+        "sort": p.sort_values(["s", "key"], ascending=[False, True], na_position="last"),
+        "merge": p.merge(p[["key", "w"]], on="key", how="outer"),
+        "groupby": p[["key", "v", "w"]].groupby("key").sum().reset_index(),
+        "drop_duplicates": p.drop_duplicates("key", keep="last"),
+        "head": p.head(3),
+    }
+    for name, exp in expected.items():
+        got = out[name]
+        assert got.column_names == list(exp.columns), name
+        exp = pa.Table.from_pandas(exp, preserve_index=False).cast(got.schema)
+        assert_same_rows(got, exp)
+        if name in ("sort", "head"):
+            assert got.equals(exp), name

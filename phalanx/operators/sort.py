@@ -43,6 +43,8 @@ def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
     if comm.world_size == 1:
         return local
     splitters = _splitters(comm, local, by, desc)
+    if not splitters:  # no rank has a row
+        return local
     cuts = [0] + [_upper_bound(local, by, desc, comm.rank, s) for s in splitters] + [local.num_rows]
     parts = [local.slice(cuts[i], cuts[i + 1] - cuts[i]) for i in range(comm.world_size)]
     received = concat(exchange_tables(comm, parts, local.schema), local.schema)

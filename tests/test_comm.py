@@ -166,6 +166,24 @@ def app_objects(env):
             c.allreduce_scalar(-env.rank, "min"))
 
 
+def app_every_collective_warnings_caught(env):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # deprecations too, and every repeat
+        app_exchange(env, "small")
+        app_allgather_bytes(env, False)
+        app_broadcast_bytes(env, 0, 10)
+        app_allreduce(env, "int64", "max")
+        app_objects(env)
+        env.comm.barrier()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def app_print(env, text: str):
+    print(text)
+
+
 def app_fail_on_rank_1(env):
     if env.rank == 1:
         raise ValueError("rank 1 fails on purpose")
@@ -249,6 +267,19 @@ def test_object_helpers(comm_gang):
     bcast = {"from": n - 1, "blob": b"x" * 100_000}
     want = (gathered, bcast, n * (n + 1) // 2, 0.5 * (n - 1), -(n - 1))
     assert comm_gang.run(app_objects) == [want] * n
+
+
+def test_no_library_noise_in_rank_output(tmp_path):
+    """A gang that prints nothing shows nothing: no warning from torch (or any library) at
+    start, in any collective or at shutdown; its rank logs are empty and private (0600)."""
+    lines: list[str] = []
+    with px.Gang(ranks=2, echo=lines.append, log_dir=tmp_path) as g:
+        assert g.run(app_every_collective_warnings_caught) == [[], []]
+        assert lines == [] and list(tmp_path.glob("rank-*.log")) == []
+        g.run(app_print, "hello")
+    assert sorted(lines) == ["[rank 0] hello", "[rank 1] hello"]
+    for log in tmp_path.glob("rank-*.log"):
+        assert log.stat().st_mode & 0o777 == 0o600, f"{log}: {oct(log.stat().st_mode)}"
 
 
 # ---- mpirun executor: fail-fast leaves nothing behind -------------------------------------

@@ -140,7 +140,8 @@ class RankOutput:
                 if log is None:
                     name = f"rank-{rank}.log" if rank is not None else "launcher.log"
                     # unbuffered: the gang reads a failed rank's log tail at once
-                    log = self._files[rank] = open(self.log_dir / name, "ab", buffering=0)
+                    fd = os.open(self.log_dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                    log = self._files[rank] = os.fdopen(fd, "ab", buffering=0)
         log.write(line)
         if self.echo:
             prefix = f"[rank {rank}] " if rank is not None else "[launcher] "

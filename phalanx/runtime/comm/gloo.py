@@ -12,6 +12,8 @@ import torch.distributed as dist
 from .base import Communicator, ReduceOp
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+# torch 2.15 renamed all_gather_into_tensor (now an alias kept for old code) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class GlooCommunicator(Communicator):
@@ -42,13 +44,13 @@ class GlooCommunicator(Communicator):
     def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
         size = torch.tensor([data.nbytes], dtype=torch.int64)
         sizes = torch.empty(self.world_size, dtype=torch.int64)
-        dist.all_gather_into_tensor(sizes, size)
+        _all_gather_single(sizes, size)
         sizes_np = sizes.numpy()
         width = max(int(sizes_np.max()), 1)
         padded = torch.zeros(width, dtype=torch.uint8)
         padded[: data.nbytes] = _as_tensor(data)
         out = torch.from_numpy(np.empty(width * self.world_size, dtype=np.uint8))
-        dist.all_gather_into_tensor(out, padded)
+        _all_gather_single(out, padded)
         flat = out.numpy()
         return [flat[i * width: i * width + int(n)] for i, n in enumerate(sizes_np)]
 

@@ -37,7 +37,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .orchestrator.rundb import RunDB
+    from .orchestrator.rundb import RunDB, RunLockedError
     from .orchestrator.scheduler import run_workflow
     from .orchestrator.validate import load_workflow
     from .orchestrator.yamlio import ConfigError
@@ -63,6 +63,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         with progress:
             result = run_workflow(wf, site, file=str(args.workflow), db=db, resume=args.resume,
                                   on_event=progress)
+    except RunLockedError as exc:  # a second driver of one run
+        print(f"phalanx run: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         run_id = args.resume or progress.run_id or "?"
         print(f"\ncancelled: every gang was stopped; sealed outputs are kept.\n"
@@ -156,13 +159,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"phalanx status: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
     print(f"run {run['id']}: {run['workflow']} — {run['state']} (session {run['session']!r})")
+    # where the resource manager placed a stage: its latest attempt's, shown while it runs
     placed = {e["stage"]: e["message"] for e in db.events(args.run) if e["kind"] == "placed"}
     for s in db.stages(args.run):
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
         print(f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
               f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}")
-        if s["stage"] in placed:  # e.g. "slurm: job 42 RUNNING on n[1-2]"
+        if s["stage"] in placed and s["state"] == "running":  # e.g. "slurm: job 42 RUNNING on n[1-2]"
             print(f"      on {placed[s['stage']]}")
         for local, i in s["inputs"].items():
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']})")

@@ -107,6 +107,17 @@ class Gang:
     def running(self) -> bool:
         return self._launcher is not None
 
+    def health(self) -> str | None:
+        """None when every rank is alive and connected, else what is wrong: a gang kept idle
+        between runs (reused by the next stage) may have lost a rank meanwhile."""
+        if not self.running:
+            return "not running"
+        dead = [f"rank {r} exited with code {c}" for r, c in enumerate(self._launcher.exitcodes()) if c is not None]
+        with self._control.events.mutex:  # a rank's lost connection is an event nobody read yet
+            lost = sorted({r for r, msg in self._control.events.queue if msg[0] in ("eof", "error")})
+        dead += [f"rank {r} lost its connection" for r in lost if not any(d.startswith(f"rank {r} ") for d in dead)]
+        return "; ".join(dead) or None
+
     def start(self) -> "Gang":
         if self.running:
             return self

@@ -45,7 +45,7 @@ def loader(env: "BSPEnv", dataset: str, features: str | Sequence[str], label: st
            batch_size: int = 1024, shuffle: str | None = "global", seed: int = 0,
            drop_last: bool = False, dtype: torch.dtype = torch.float32,
            label_dtype: torch.dtype | None = None, prefetch: int = 2, session: str | None = None,
-           verify: bool = False, chunk_bytes: int = CHUNK_BYTES) -> "Loader":
+           verify: bool = True, chunk_bytes: int = CHUNK_BYTES) -> "Loader":
     """Batches ``(x, y)`` (or ``x`` without a label) of stored dataset ``dataset`` for this rank.
 
     Collective: every rank of the gang calls it with the same arguments.  ``x`` has shape
@@ -63,7 +63,8 @@ def loader(env: "BSPEnv", dataset: str, features: str | Sequence[str], label: st
 
     prefetch: chunks built ahead by a background thread (the next epoch's too, assuming
     ``set_epoch(epoch + 1)``); 0 builds in the consuming thread.  session: a store session
-    other than the gang's.  verify: check partition checksums when opening them.
+    other than the gang's.  verify: check every partition's checksum first (each partition by
+    one rank; a corrupted one fails the loader on every rank, naming it).
     """
     return Loader(env, dataset, features, label, batch_size=batch_size, shuffle=shuffle, seed=seed,
                   drop_last=drop_last, dtype=dtype, label_dtype=label_dtype, prefetch=prefetch,
@@ -99,13 +100,13 @@ def rank_rows(num_rows: int, world_size: int, rank: int, shuffle: str | None, se
 class _Columns:
     """The dataset's feature (and label) columns: one segment per record batch of each partition."""
 
-    def __init__(self, store: "Store", info: "DatasetInfo", names: Sequence[str], verify: bool):
+    def __init__(self, store: "Store", info: "DatasetInfo", names: Sequence[str]):
         starts = [0]
         self.segments: list[list[np.ndarray]] = []
         for i, part in enumerate(info.partitions):
             if part.rows == 0:
                 continue
-            table = store.partition(info, i, verify).select(list(names))
+            table = store.partition(info, i).select(list(names))
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
@@ -311,7 +312,7 @@ class Loader:
                  *, batch_size: int = 1024, shuffle: str | None = "global", seed: int = 0,
                  drop_last: bool = False, dtype: torch.dtype = torch.float32,
                  label_dtype: torch.dtype | None = None, prefetch: int = 2, session: str | None = None,
-                 verify: bool = False, chunk_bytes: int = CHUNK_BYTES):
+                 verify: bool = True, chunk_bytes: int = CHUNK_BYTES):
         for attr in ("rank", "world_size", "comm", "store"):
             if not hasattr(env, attr):
                 raise TypeError(f"px.ml.loader needs the env of a gang rank (the first argument of an "
@@ -356,7 +357,11 @@ class Loader:
             self.label_dtype, self._ydtype, self._yconvert = None, None, False
         if info.num_rows == 0:
             raise ValueError(f"px.ml.loader: dataset {dataset!r} has no rows")
-        columns = _Columns(store, info, features + ([label] if label is not None else []), verify)
+        if verify:
+            from ..store.rank import verify_share
+
+            env.comm.on_every_rank(f"px.ml.loader {dataset!r}: verifying checksums", verify_share, env, store, info)
+        columns = _Columns(store, info, features + ([label] if label is not None else []))
 
         self.num_rows = info.num_rows
         self.num_samples = samples_per_rank(self.num_rows, self.world_size, self.drop_last)

@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS allocations (
 # Columns added after the first release: (table, column, type); added to older databases on open.
 _ADDED = [("runs", "pid", "INTEGER"), ("runs", "host", "TEXT"), ("stages", "inputs", "TEXT"),
           ("attempts", "rank_info", "TEXT"), ("stages", "fingerprint", "TEXT")]
-_JSON = {"outputs", "inputs", "rank_info", "record"}
+_JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 
 
@@ -83,6 +83,12 @@ class RunDB:
             con.executemany("INSERT INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
                             [(run_id, s, "pending", r) for s, r in stages.items()])
         return run_id, session
+
+    def add_stages(self, run_id: str, stages: dict[str, int]) -> None:
+        """Rows for stages a resumed run's workflow has and the run did not (an edited file)."""
+        with self._con() as con:
+            con.executemany("INSERT OR IGNORE INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
+                            [(run_id, s, "pending", r) for s, r in stages.items()])
 
     def set_run(self, run_id: str, state: str) -> None:
         ended = time.time() if state in FINAL else None
@@ -159,16 +165,59 @@ class RunDB:
 
     def _reconciled(self, run: dict) -> dict:
         """A run whose driver died without a word (SIGKILL, a crashed node) is "lost", not
-        "running" forever; its ranks died with it (PDEATHSIG) and it can be resumed."""
+        "running" forever: what it still held on a resource manager (jobs, pilots, placement
+        groups) is released, and it can be resumed."""
         if run["state"] == "running" and run.get("pid") and run.get("host") == socket.gethostname() \
                 and not pid_alive(run["pid"]):
-            self.set_run(run["id"], "lost")
-            self.event(run["id"], "lost", f"driver process {run['pid']} is gone")
-            for s in self.stages(run["id"]):
-                if s["state"] == "running":
-                    self.set_stage(run["id"], s["stage"], "lost", ended=time.time())
+            with self._con() as con:  # one process marks it lost (and reports it), not every reader
+                marked = con.execute("UPDATE runs SET state='lost', ended=? WHERE id=? AND state='running' "
+                                     "AND pid=?", (time.time(), run["id"], run["pid"])).rowcount
+            if marked:
+                self.event(run["id"], "lost", f"driver process {run['pid']} is gone")
+                for s in self.stages(run["id"]):
+                    if s["state"] == "running":
+                        self.set_stage(run["id"], s["stage"], "lost", ended=time.time())
             run = {**run, "state": "lost"}
+        if run["state"] in ("lost", "cancelled", "failed"):
+            self.release_leftovers(run["id"])
         return run
+
+    def release_leftovers(self, run_id: str) -> list[str]:
+        """Free the allocations a driver that is gone left behind; one event per allocation."""
+        lines = []
+        for alloc in self.allocations(run_id):
+            try:
+                from ..executors import release
+
+                line = release(alloc["record"])
+            except Exception as exc:  # the resource manager unreachable: try again next time
+                self.event(run_id, "release", f"could not release {alloc['executor']} {alloc['ident']}: {exc}",
+                           alloc["stage"])
+                continue
+            self.release_allocation(run_id, alloc["record"])
+            self.event(run_id, "release", f"left by the driver: {line}", alloc["stage"])
+            lines.append(line)
+        return lines
+
+    # ---- one driver per run ----------------------------------------------------------------
+    def acquire(self, run_id: str) -> dict:
+        """Make this process the run's driver (``--resume``): refused while another live
+        driver holds it; a dead driver's hold is taken over (its leftovers freed first)."""
+        run = self.run(run_id)  # reconciles: a dead driver's run becomes "lost"
+        if run is None:
+            raise KeyError(run_id)
+        me = (os.getpid(), socket.gethostname())
+        with self._con() as con:
+            con.execute("BEGIN IMMEDIATE")  # no second driver between our read and our write
+            row = dict(con.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone())
+            holder = (row["pid"], row["host"])
+            if row["state"] == "running" and holder != me:
+                con.execute("ROLLBACK")
+                raise RunLockedError(run_id, *holder)
+            con.execute("UPDATE runs SET state='running', ended=NULL, pid=?, host=? WHERE id=?",
+                        (*me, run_id))
+            con.execute("COMMIT")
+        return {**row, "state": "running", "pid": me[0], "host": me[1]}
 
     def events(self, run_id: str) -> list[dict]:
         with self._con() as con:
@@ -183,6 +232,18 @@ class RunDB:
         with self._con() as con:
             q = "SELECT * FROM attempts WHERE run_id=?" + (" AND stage=?" if stage else "") + " ORDER BY started"
             return [_decoded(dict(r)) for r in con.execute(q, (run_id, stage) if stage else (run_id,))]
+
+
+class RunLockedError(RuntimeError):
+    """Another live driver holds the run."""
+
+    def __init__(self, run_id: str, pid: int, host: str):
+        here = host == socket.gethostname()
+        hint = (f"wait for it, or stop it with: phalanx cancel {run_id}" if here else
+                f"it runs on another host: stop it there (phalanx cancel {run_id})")
+        super().__init__(f"run {run_id} is being driven by process {pid} on host {host!r}; "
+                         f"one driver per run — {hint}")
+        self.run_id, self.pid, self.host = run_id, pid, host
 
 
 def _decoded(row: dict) -> dict:

@@ -18,6 +18,7 @@ from ..errors import GangError, RankError
 from ..executors.local import LocalLauncher, usable_cpus
 from ..gang import Gang
 from ..store import Store
+from .fingerprint import changes, fingerprints
 from .models import Site, Stage, Workflow
 from .rundb import RunDB
 from .validate import dependencies
@@ -57,23 +58,18 @@ class Scheduler:
         self.db.event(self.run_id, kind, message, stage)
         self.on_event(stage or "", kind, message)
 
-    def _sealed(self, stage: str) -> bool:
-        outs = self.wf.stages[stage].outputs
-        return bool(outs) and all(self.store.exists(o) for o in outs)
-
     def run(self) -> RunResult:
         self.on_event("", "run", self.run_id)
         deps = dependencies(self.wf)
-        prior = {s["stage"]: s["state"] for s in self.db.stages(self.run_id)}
+        prior = {s["stage"]: s for s in self.db.stages(self.run_id)}
         # A resumed run's earlier gangs are all gone (the run was ours to resume): what they
         # staged and never sealed — a driver killed mid-put leaves it — is removed now.
         for a in self.db.attempts(self.run_id):
             if a["gang_id"]:
                 self.store.abort_staging(a["gang_id"])
-        done = {s for s in self.wf.stages if prior.get(s) == "succeeded" and
-                (self._sealed(s) or not self.wf.stages[s].outputs)}
-        for s in done:
-            self._event(s, "reused", "outputs sealed by an earlier attempt: not run again")
+        self.fingerprints = fingerprints(self.wf, deps, self.store)
+        done = {s for s in self.wf.stages if prior.get(s, {}).get("state") == "succeeded"
+                and self._reusable(s, prior[s])}
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
         warm = self.capacity if self.site.warm_ranks is None else self.site.warm_ranks
@@ -93,6 +89,20 @@ class Scheduler:
 
                 SlurmPilot.close_shared()
 
+    def _reusable(self, stage: str, prior: dict) -> bool:
+        """A stage that succeeded in an earlier attempt of this run is not run again only when
+        what would produce its outputs is unchanged (fingerprint) and every output is still
+        sealed and passes its checksums; otherwise it runs again, and says why."""
+        changed = changes(prior.get("fingerprint") or {}, self.fingerprints[stage])
+        problem = ("changed since it ran: " + "; ".join(changed)) if changed else \
+            unverified(self.store, self.wf.stages[stage].outputs)
+        if problem:
+            self._event(stage, "rerun", f"{problem}: runs again")
+            return False
+        self._event(stage, "reused", "outputs sealed by an earlier attempt, fingerprint and checksums "
+                                     "match: not run again")
+        return True
+
     def _warm_demand(self) -> int:
         """Rank processes the warm pool should have ready: the ranks of stages not started yet
         that no live gang of their size can serve (those reuse it)."""
@@ -101,19 +111,27 @@ class Scheduler:
         stages = [self.wf.stages[s] for s in list(self._pending)]
         return sum(st.ranks for st in stages if st.kind != "command" and st.ranks not in live)
 
-    def _place(self, ranks: int, reuse: bool) -> tuple[list[int], Gang | None]:
+    def _place(self, stage: str, ranks: int, reuse: bool) -> tuple[list[int], Gang | None]:
         """Slots for a gang of ``ranks``: an idle gang's when one fits in the free slots."""
-        gang = None
+        gang, dead = None, []
         with self._lock:
             if reuse:
                 for key in list(self._idle):
                     if len(key) == ranks and set(key) <= set(self._free):
-                        gang, slots = self._idle.pop(key), list(key)
-                        break
-            if gang is None:
-                slots = self._free[:ranks]
+                        candidate = self._idle.pop(key)
+                        problem = candidate.health()  # a rank may have died while it sat idle
+                        if problem is None:
+                            gang, slots = candidate, list(key)
+                            break
+                        dead.append((candidate, problem))
+            if gang is None:  # slots no kept gang holds first: keep those gangs for later stages
+                held = {s for k in self._idle for s in k}
+                slots = sorted(self._free, key=lambda s: s in held)[:ranks]
             self._free = [s for s in self._free if s not in slots]
             stale = [k for k in self._idle if set(k) & set(slots)]  # their CPUs go to a new gang
+        for g, problem in dead:
+            self._event(stage, "gang", f"kept gang {g.gang_id} not reused: {problem}; a fresh gang starts")
+            threading.Thread(target=g.close, name="phalanx-close-gang", daemon=True).start()
         self._close_idle(stale)
         return slots, gang
 
@@ -137,7 +155,7 @@ class Scheduler:
                         ranks = self.wf.stages[name].ranks
                         if deps[name] <= done and ranks <= len(self._free):
                             reuse = self.site.reuse_gangs and self.wf.stages[name].kind != "command"
-                            slots, gang = self._place(ranks, reuse)
+                            slots, gang = self._place(name, ranks, reuse)
                             pending.remove(name)
                             running[pool.submit(self._run_stage, name, slots, gang)] = (name, slots)
                     if not running:
@@ -179,39 +197,57 @@ class Scheduler:
 
     def _launcher(self, slots: list[int], stage: str | None = None):
         if self.site.executor in ("slurm", "ray"):
-            return site_launcher(self.site, len(slots), self.wf.stages[stage] if stage else None)
-        if self.site.executor != "local":
+            launcher = site_launcher(self.site, len(slots), self.wf.stages[stage] if stage else None)
+        elif self.site.executor != "local":
             return self.site.executor
-        cpus = usable_cpus()
-        fits = self.capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
-        return LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None,
-                             pool=self._pool)
+        else:
+            cpus = usable_cpus()
+            fits = self.capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
+            launcher = LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None,
+                                     pool=self._pool)
+        # Every job, step, pilot or placement group is in the run DB the moment it exists: a
+        # driver killed without a word leaves enough for the next status/cancel/resume to free it.
+        launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
+        return launcher
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
         st = self.wf.stages[name]
-        self.db.set_stage(self.run_id, name, "running", started=time.time())
+        self.db.set_stage(self.run_id, name, "running", started=time.time(), ended=None, error=None)
         error = ""
-        for attempt in range(1, st.retries + 2):
+        # A resumed run numbers on: earlier attempts keep their records and logs.
+        first = 1 + max((a["attempt"] for a in self.db.attempts(self.run_id, name)), default=0)
+        for attempt in range(first, first + st.retries + 1):
             if self._cancelled.is_set():
+                self.db.set_stage(self.run_id, name, "cancelled", ended=time.time(), error="cancelled")
                 return "cancelled"
             log_dir = self.db.log_dir(self.run_id, name, attempt)
-            if st.kind == "command":
-                error = self._run_command(name, attempt, slots, log_dir)
-                if error is None:
-                    self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
-                    return None
-                detail, ranks = error, None
-            else:
-                failure = self._gang_attempt(name, attempt, slots, log_dir, reused)
-                reused = None  # a kept gang serves only the first attempt
-                if failure is None:
-                    return None
-                error, detail, ranks = failure
+            try:
+                if st.kind == "command":
+                    error = self._run_command(name, attempt, slots, log_dir)
+                    if error is None:
+                        self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
+                        return None
+                    detail, ranks = error, None
+                else:
+                    failure = self._gang_attempt(name, attempt, slots, log_dir, reused)
+                    reused = None  # a kept gang serves only the first attempt
+                    if failure is None:
+                        return None
+                    error, detail, ranks = failure
+            except Exception as exc:  # a bad executor section, an unknown rendezvous...: this stage's
+                import traceback       # failure, never the run's (siblings keep running)
+
+                error, ranks = f"{type(exc).__name__}: {exc}", None
+                detail = f"{error}\n{traceback.format_exc()}"
+            if self._cancelled.is_set():
+                self.db.end_attempt(self.run_id, name, attempt, "cancelled", detail, ranks=ranks)
+                self.db.set_stage(self.run_id, name, "cancelled", ended=time.time(), error="cancelled")
+                return "cancelled"
             self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks)
             self._event(name, "failed", f"attempt {attempt}: {error}")
-            if attempt <= st.retries and not self._cancelled.is_set():
-                time.sleep(BACKOFF_S[min(attempt - 1, len(BACKOFF_S) - 1)])
+            if attempt < first + st.retries and not self._cancelled.is_set():
+                time.sleep(BACKOFF_S[min(attempt - first, len(BACKOFF_S) - 1)])
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
 
@@ -219,7 +255,8 @@ class Scheduler:
         outputs = results[0]["outputs"] if results else {}
         self.db.end_attempt(self.run_id, name, attempt, "succeeded",
                             ranks=rank_records(results) if results else None)
-        self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs,
+        self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs, error=None,
+                          fingerprint=self.fingerprints[name],
                           **({"inputs": input_totals(results)} if results else {}))
         self._event(name, "succeeded", message)
 
@@ -229,6 +266,7 @@ class Scheduler:
         this one); None on success, else (summary, full error, per-rank records)."""
         st = self.wf.stages[name]
         inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
+        self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
         gang = reused if reused is not None and reused.redirect_logs(log_dir) else None
         how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
         if gang is None:
@@ -236,7 +274,6 @@ class Scheduler:
                         rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
                         start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
         self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
-        self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
         keep = False
         try:
             with self._lock:
@@ -273,6 +310,7 @@ class Scheduler:
         from ..runtime.rendezvous import backend_for, new_gang_id
 
         st = self.wf.stages[name]
+        self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))
         launcher = self._launcher(slots, name)
         if not isinstance(launcher, Launcher):
             return f"command stages need the local executor, not {launcher!r}"
@@ -283,7 +321,7 @@ class Scheduler:
                 **{f"PHALANX_PARAM_{k.upper()}": str(v) for k, v in st.params.items()}}
         placement = launcher.placement(st.ranks)
         rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(st.ranks)]
-        self.db.start_attempt(self.run_id, name, attempt, gang_id, str(log_dir))
+        self.db.set_attempt_gang(self.run_id, name, attempt, gang_id)
         self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {st.command[0]!r} on slots {slots}")
         with self._lock:
             self._commands[name] = launcher
@@ -312,6 +350,19 @@ class Scheduler:
                 self._commands.pop(name, None)
 
 
+class RunAllocations:
+    """A launcher's allocation hook: resource-manager allocations recorded in the run DB."""
+
+    def __init__(self, db: RunDB, run_id: str, stage: str | None):
+        self.db, self.run_id, self.stage = db, run_id, stage
+
+    def held(self, record: dict) -> None:
+        self.db.add_allocation(self.run_id, self.stage, record)
+
+    def released(self, record: dict) -> None:
+        self.db.release_allocation(self.run_id, record)
+
+
 def site_launcher(site: Site, ranks: int, stage: Stage | None = None):
     """The launcher of one gang on a batch or cloud site: the site's section of the site file,
     with the stage's own section of the same name over it."""
@@ -324,6 +375,23 @@ def site_launcher(site: Site, ranks: int, stage: Stage | None = None):
 
     section = {**(site.ray or {}), **((stage.ray if stage else None) or {})}
     return RayLauncher.from_site(section, ranks, site=site.name)
+
+
+def unverified(store: Store, outputs: list[str]) -> str | None:
+    """Why sealed outputs cannot be trusted (missing, a partition corrupted or truncated), or
+    None when every partition of every output passes its checksum."""
+    from ..errors import StoreError
+
+    for name in outputs:
+        if not store.exists(name):
+            return f"output {name!r} is not in the store"
+        info = store.info(name)
+        try:
+            for i in range(info.num_partitions):
+                store.partition(info, i, verify=True)
+        except StoreError as exc:
+            return f"output {name!r} failed verification ({exc})"
+    return None
 
 
 def command_argv(command: list[str]) -> list[str]:
@@ -372,10 +440,12 @@ def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB 
     """Run (or resume) a workflow; returns which stages failed."""
     db = db or RunDB()
     if resume:
-        run = db.run(resume)
-        if run is None:
-            raise GangError(f"no run {resume!r} in {db.path}")
+        try:
+            run = db.acquire(resume)  # one driver per run: RunLockedError while another holds it
+        except KeyError:
+            raise GangError(f"no run {resume!r} in {db.path}") from None
         run_id, session = run["id"], run["session"]
+        db.add_stages(run_id, {n: s.ranks for n, s in wf.stages.items()})  # stages added since
     else:
         run_id, session = db.new_run(wf.name, file, site.name, site.store.session,
                                      {n: s.ranks for n, s in wf.stages.items()})

@@ -78,11 +78,13 @@ class RankStore:
                             partitioning, producer, run, replace)
 
     def get(self, name: str, by: str | Sequence[str] | None = None, shuffle: str | None = None,
-            seed: int = 0, columns: Sequence[str] | None = None, verify: bool = False) -> DataFrame:
+            seed: int = 0, columns: Sequence[str] | None = None, verify: bool = True) -> DataFrame:
         """This rank's share of a sealed dataset, repartitioned for this gang (collective).
 
         default: rows balanced, zero-copy slices · ``by=keys``: hash-partitioned by keys ·
-        ``shuffle="random"``: a seeded random permutation of all rows.
+        ``shuffle="random"``: a seeded random permutation of all rows.  ``verify``: every
+        partition's checksum is checked first (each by one rank), so a corrupted or truncated
+        partition fails the read on every rank, naming dataset and partition.
         """
         env, comm = self.env, self.env.comm
         if shuffle not in (None, "random"):
@@ -96,8 +98,11 @@ class RankStore:
         # Only the columns asked for (and the keys) are gathered, shuffled or taken.
         wanted = list(dict.fromkeys(keys + as_list(columns))) if columns is not None else None
 
+        if verify:  # split over the ranks: each partition is hashed once, not once per reader
+            comm.on_every_rank(f"get {name!r}: verifying checksums", verify_share, env, self.store, info)
+
         def open_partition(i: int) -> pa.Table:
-            table = self.store.partition(info, i, verify)
+            table = self.store.partition(info, i)
             return table.select(wanted) if wanted is not None else table
 
         rank, nranks = env.rank, env.world_size
@@ -119,6 +124,15 @@ class RankStore:
             if partitioned_by and not set(partitioned_by) <= set(columns):
                 partitioned_by = None
         return DataFrame(table, env, partitioned_by)
+
+
+
+
+def verify_share(env: "BSPEnv", store: Store, info: DatasetInfo) -> None:
+    """Check this rank's share of a dataset's checksums (partition i by rank i mod world size);
+    run on every rank (``comm.on_every_rank``) so a bad partition fails the read everywhere."""
+    for i in range(env.rank, info.num_partitions, env.world_size):
+        store.partition(info, i, verify=True)
 
 
 def _as_table(data: Any) -> tuple[pa.Table, tuple[str, ...] | None]:

@@ -1,0 +1,57 @@
+"""Stage apps of the resume/driver fault tests, importable as "fault_apps:function"."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def wait_for_file(env):
+    """Blocks (bounded) until params.file exists: a stage that runs as long as the test wants."""
+    path, deadline = Path(env.params["file"]), time.monotonic() + env.params.get("limit", 120)
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+    env.comm.barrier()
+
+
+def write_pid(env):
+    """Each rank writes its pid to params.dir/<stage>.<rank>.pid."""
+    Path(env.params["dir"], f"{env.stage}.{env.rank}.pid").write_text(str(os.getpid()))
+    env.comm.barrier()
+
+
+def kill_idle_rank(env):
+    """Waits until stage params.victim has succeeded (its gang now idle, kept for reuse), then
+    SIGKILLs that stage's rank 1 and waits until it is dead."""
+    from phalanx.orchestrator.rundb import RunDB, pid_alive
+
+    db, victim = RunDB(env.params["state"]), env.params["victim"]
+    deadline = time.monotonic() + 120
+    while True:
+        run = db.runs()[0]
+        if {s["stage"]: s["state"] for s in db.stages(run["id"])}.get(victim) == "succeeded":
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"stage {victim!r} never succeeded")
+        time.sleep(0.05)
+    pid = int(Path(env.params["dir"], f"{victim}.1.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    while pid_alive(pid):
+        time.sleep(0.01)
+
+
+def count_rows(env):
+    """The input ``tx`` as ``counted``: rows and the sum of ``amount``, one row."""
+    import pyarrow as pa
+
+    import phalanx as px
+
+    df = env.input("tx")
+    total = env.comm.allreduce_scalar(int(pa.compute.sum(df.to_arrow()["amount"]).as_py() or 0))
+    part = pa.table({"rows": [df.num_rows], "amount": [total]}) if env.rank == 0 else \
+        pa.table({"rows": pa.array([], pa.int64()), "amount": pa.array([], pa.int64())})
+    return {"counted": px.DataFrame.from_arrow(part, env)}

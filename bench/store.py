@@ -76,9 +76,10 @@ def bench_put_get(store: px.Store, sizes_mb: list[int], reps: int) -> None:
     store.delete("bench")
 
 
-def app_get(env, session: str, name: str, mode: str):
+def app_get(env, session: str, name: str, mode: str, verify: bool = True):
     rs = env.store.for_session(session)
     kwargs = {"balanced": {}, "by": {"by": "key"}, "random": {"shuffle": "random", "seed": 1}}[mode]
+    kwargs["verify"] = verify
     rs.get(name, **kwargs)  # warm: page cache, imports
     env.comm.barrier()
     before = pa.total_allocated_bytes()
@@ -91,7 +92,9 @@ def app_get(env, session: str, name: str, mode: str):
 
 def bench_repartition(store: px.Store, rows: int, producers: list[int], consumers: list[int]) -> None:
     print(f"\n## N→M get: {rows:,} rows (key int64, value float64), time = max over consumer ranks")
-    print(f"{'N':>3} {'M':>3} {'mode':>9} {'s':>8} {'Mrows/s':>9} {'allocated/rank':>15}  path")
+    print("(s: checksums verified, the default; unverified: verify=False; the ratio is what verifying costs)")
+    print(f"{'N':>3} {'M':>3} {'mode':>9} {'s':>8} {'Mrows/s':>9} {'unverified s':>13} {'verified/unverified':>20} "
+          f"{'allocated/rank':>15}  path")
     for m in consumers:
         with px.Gang(ranks=m, echo=False, store=store.root, session=store.session) as gang:
             for n in producers:
@@ -101,9 +104,11 @@ def bench_repartition(store: px.Store, rows: int, producers: list[int], consumer
                 store.put("hashed", parts, replace=True, partitioning=hash_partitioning(["key"], n))
                 for mode, name in (("balanced", "plain"), ("by", "hashed"), ("random", "plain")):
                     res = gang.run(app_get, store.session, name, mode)
+                    bare = max(r[0] for r in gang.run(app_get, store.session, name, mode, False))
                     s = max(r[0] for r in res)
                     alloc = max(r[3] for r in res)
-                    print(f"{n:>3} {m:>3} {mode:>9} {s:>8.3f} {rows / s / 1e6:>9.1f} {alloc:>15,}  {res[0][2]}")
+                    print(f"{n:>3} {m:>3} {mode:>9} {s:>8.3f} {rows / s / 1e6:>9.1f} {bare:>13.3f} "
+                          f"{s / bare:>19.2f}x {alloc:>15,}  {res[0][2]}")
 
 
 def main() -> None:

@@ -12,6 +12,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from ..errors import PhalanxError
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id TEXT PRIMARY KEY, workflow TEXT NOT NULL, file TEXT, site TEXT, session TEXT NOT NULL,
@@ -234,7 +236,7 @@ class RunDB:
             return [_decoded(dict(r)) for r in con.execute(q, (run_id, stage) if stage else (run_id,))]
 
 
-class RunLockedError(RuntimeError):
+class RunLockedError(PhalanxError):
     """Another live driver holds the run."""
 
     def __init__(self, run_id: str, pid: int, host: str):

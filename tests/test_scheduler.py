@@ -279,6 +279,14 @@ def test_command_stage_fails_fast_when_a_rank_exits_non_zero(db, tmp_path):
     assert result.failed == {"native": "rank 1 exited with code 3"}
 
 
+def test_command_stage_timeout_names_the_ranks_that_did_not_finish(db):
+    code = "import os, time; time.sleep(600) if os.environ['PHALANX_RANK'] == '1' else None"
+    wf = Workflow(name="cmdslow", stages={
+        "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2, timeout=2)})
+    result = run_workflow(wf, site(2), db=db)
+    assert result.failed == {"native": "rank 1 did not finish within the stage timeout of 2s"}
+
+
 def test_command_stage_with_a_missing_program(db):
     wf = Workflow(name="cmdmissing", stages={
         "native": Stage(kind="command", command=["/no/such/program"], ranks=1)})

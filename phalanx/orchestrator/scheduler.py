@@ -338,7 +338,9 @@ class Scheduler:
                 if self._cancelled.is_set():
                     return "cancelled"
                 if deadline is not None and time.monotonic() > deadline:
-                    return f"timed out after {st.timeout}s"
+                    late = [r for r, c in enumerate(codes) if c is None]
+                    return (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not finish "
+                            f"within the stage timeout of {st.timeout:g}s")
                 time.sleep(0.05)
         except OSError as exc:  # the program does not exist or is not executable
             return f"cannot start {st.command[0]!r}: {exc.strerror or exc}"

@@ -200,6 +200,8 @@ def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how, driver)
     assert proc.wait(timeout=30) == 130
     assert f"--resume {run_id}" in proc.stderr.read()
     assert db.run(run_id)["state"] == "cancelled"
+    assert [(s["state"], s["error"]) for s in db.stages(run_id)] == [("cancelled", "cancelled")]
+    assert [a["state"] for a in db.attempts(run_id)] == ["cancelled"]
     from test_gang import wait_dead
 
     assert wait_dead([int(p) for p in pids]) == []

@@ -11,12 +11,18 @@ from pathlib import Path
 
 
 def _overrides(items: list[str]) -> dict[str, str]:
-    out = {}
+    """``--set KEY=VALUE`` items as {KEY: VALUE}; a ConfigError names every malformed one."""
+    from .orchestrator.yamlio import ConfigError
+
+    out, bad = {}, []
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"--set {item!r}: expected key=value, e.g. stages.gen.params.rows=1000")
-        out[key] = value
+        if sep and all(key.split(".")):
+            out[key] = value
+        else:
+            bad.append(f"--set {item}: expected KEY=VALUE, e.g. stages.gen.params.rows=1000")
+    if bad:
+        raise ConfigError(bad)
     return out
 
 

@@ -1,14 +1,111 @@
 """Workflow and site models: what YAML files and the Python API compile to.
 
 Unknown keys are rejected everywhere (``extra="forbid"``) so a typo is an error, not a silently
-ignored setting.  The JSON Schema of both models is published in docs/ for editors.
+ignored setting; so are values a run would fail on later (a bool as a count, an infinite
+timeout, a path as a name, an executor or rendezvous nobody provides).  The JSON Schema of both
+models is published in docs/ for editors.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+import difflib
+import re
+from typing import Annotated, Any, Literal, Optional, Sequence
+from urllib.parse import urlparse
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationInfo,
+                      WithJsonSchema, field_validator, model_validator)
+from pydantic_core import PydanticCustomError
+
+from .yamlio import Located
+
+MAX_NAME = 100           # a workflow's name names its store session and directories
+MAX_SESSION = 128        # a run's session is "<workflow>-<run id>"
+MAX_SLOTS = 1_000_000    # ranks of a gang, slots of a site
+MAX_RETRIES = 100
+MAX_SECONDS = 366 * 86400  # a year: timeouts beyond that are typos (and overflow timers)
+MAX_MEMORY_GB = 1e9
+MPI_EXECUTORS = ("mpirun", "slurm")  # they start a gang as one MPI_COMM_WORLD (mpirun, srun)
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+Int = Annotated[int, Strict()]  # YAML's true/false and 2.5 are not counts
+Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS, allow_inf_nan=False)]
+
+
+def _short(value: str, limit: int = 32) -> str:
+    return repr(value if len(value) <= limit else value[:limit - 1] + "…")
+
+
+def check_name(value: str, what: str = "name", limit: int = MAX_NAME) -> str:
+    """A stage, dataset or workflow name: safe as a file name, a key and a session."""
+    if len(value) > limit or not _NAME.fullmatch(value):
+        raise ValueError(f"{_short(value)} is not a {what}: 1 to {limit} letters, digits, '_', '.' or '-', "
+                         "starting with a letter or digit")
+    return value
+
+
+def _check_dataset(value: str) -> str:
+    session, _, name = value.rpartition("/")
+    if session:  # another run's dataset
+        check_name(session, "store session", MAX_SESSION)
+    check_name(name)
+    return value
+
+
+def _schema(pattern: str, limit: int) -> WithJsonSchema:
+    return WithJsonSchema({"type": "string", "pattern": pattern, "maxLength": limit})
+
+
+Name = Annotated[str, AfterValidator(check_name), _schema(f"^{_NAME.pattern}$", MAX_NAME)]
+Session = Annotated[str, AfterValidator(lambda v: check_name(v, "store session", MAX_SESSION)),
+                    _schema(f"^{_NAME.pattern}$", MAX_SESSION)]
+Dataset = Annotated[str, AfterValidator(_check_dataset),
+                    _schema(f"^({_NAME.pattern}/)?{_NAME.pattern}$", MAX_SESSION + 1 + MAX_NAME)]
+
+
+def _unknown(value: str, known: Sequence[str]) -> str:
+    """" (did you mean 'x'?)" for a near miss, else the known values."""
+    close = difflib.get_close_matches(value, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+
+
+def _one_of(kind: str, value: str, known: Sequence[str]) -> None:
+    if value not in known:
+        raise ValueError(f"unknown {kind} {value!r}{_unknown(value, known)}")
+
+
+def _unknown_key(keys: tuple, known: Sequence[str]) -> PydanticCustomError:
+    """An unknown key inside a section; ``keys`` (its path in the section) gives the error its line."""
+    return PydanticCustomError("unknown_key", "unknown key{hint}",
+                               {"keys": keys, "hint": _unknown(str(keys[-1]), known)})
+
+
+def _slurm_keys(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The keys ``SlurmLauncher.from_site`` accepts (also inside ``pilot:``)."""
+    from ..executors.slurm.commands import _SITE_KEYS, OPTION_KEYS, _norm
+
+    known = sorted(OPTION_KEYS | _SITE_KEYS)
+    pilot = (section or {}).get("pilot")
+    nested = [(("pilot", k), k) for k in pilot] if isinstance(pilot, dict) else []
+    for keys, key in [((k,), k) for k in section or {}] + nested:
+        if _norm(str(key)) not in known:
+            raise _unknown_key(keys, known)
+    return section
+
+
+def _ray_keys(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The keys ``RayLauncher.from_site`` accepts (importing phalanx's module, not ray)."""
+    from ..executors.ray import SITE_KEYS
+
+    for key in section or {}:
+        if key not in SITE_KEYS:
+            raise _unknown_key((key,), SITE_KEYS)
+    return section
+
+
+SlurmSection = Annotated[Optional[dict[str, Any]], AfterValidator(_slurm_keys)]
+RaySection = Annotated[Optional[dict[str, Any]], AfterValidator(_ray_keys)]
 
 
 class _Strict(BaseModel):
@@ -18,11 +115,11 @@ class _Strict(BaseModel):
 class InputSpec(_Strict):
     """How a stage reads one store dataset (see ``env.store.get``)."""
 
-    dataset: str = Field(description="name of a dataset in the store")
+    dataset: Dataset = Field(description="name of a dataset in the store; SESSION/NAME: another run's")
     by: Optional[list[str]] = Field(None, description="hash-partition by these columns for the stage's ranks")
     shuffle: Optional[Literal["random", "global"]] = Field(
         None, description="random: a seeded permutation of all rows; global: for the ML loader, per epoch")
-    seed: int = 0
+    seed: Int = Field(0, ge=0, le=2**63 - 1)
     columns: Optional[list[str]] = None
 
     @model_validator(mode="after")
@@ -38,17 +135,18 @@ class Stage(_Strict):
     kind: Literal["bsp", "torch", "command"] = "bsp"
     app: Optional[str] = Field(None, description='"package.module:function(env)"; for bsp and torch stages')
     command: Optional[list[str]] = Field(None, description="program and arguments run on every rank (kind: command)")
-    ranks: int = Field(1, ge=1, description="gang size: all ranks start together or not at all")
+    ranks: Int = Field(1, ge=1, le=MAX_SLOTS, description="gang size: all ranks start together or not at all")
     needs: list[str] = Field(default_factory=list, description="stages that must finish first")
     inputs: dict[str, InputSpec] = Field(
         default_factory=dict, description="local name → dataset name, or a dataset with a repartition mode")
-    outputs: list[str] = Field(default_factory=list, description="datasets this stage seals in the store")
+    outputs: list[Name] = Field(default_factory=list, description="datasets this stage seals in the store")
     params: dict[str, Any] = Field(default_factory=dict, description="env.params of the app")
-    retries: int = Field(0, ge=0, description="reruns on a fresh gang after a failure")
-    timeout: Optional[float] = Field(None, gt=0, description="seconds before the stage is stopped")
-    slurm: Optional[dict[str, Any]] = Field(
+    retries: Int = Field(0, ge=0, le=MAX_RETRIES, description=f"reruns on a fresh gang after a failure "
+                         f"(at most {MAX_RETRIES})")
+    timeout: Optional[Seconds] = Field(None, description="seconds before the stage is stopped")
+    slurm: SlurmSection = Field(
         None, description="this stage's SLURM options over the site's slurm: section (time, partition...)")
-    ray: Optional[dict[str, Any]] = Field(
+    ray: RaySection = Field(
         None, description="this stage's Ray options over the site's ray: section (strategy, resources...)")
 
     @field_validator("inputs", mode="before")
@@ -70,17 +168,21 @@ class Stage(_Strict):
             raise ValueError(f"a {self.kind} stage needs app: 'package.module:function'")
         elif ":" not in self.app:
             raise ValueError(f"app must look like 'package.module:function', got {self.app!r}")
+        for key in self.params if self.kind == "command" else ():
+            if not _ENV_NAME.fullmatch(key):
+                raise ValueError(f"param {key!r} cannot be an environment variable "
+                                 f"(PHALANX_PARAM_{key.upper()}): use letters, digits and '_'")
         return self
 
 
 
-class Workflow(_Strict):
+class Workflow(_Strict, Located):
     """A DAG of stages, run on one site."""
 
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-                      description="letters, digits, '_', '.', '-' (names the store session)")
+    name: Name = Field(description=f"letters, digits, '_', '.', '-', at most {MAX_NAME} (names the store "
+                       "session)")
     site: str = Field("local", description="a name from site-configs/ or a path to a site file")
-    stages: dict[str, Stage] = Field(min_length=1)
+    stages: dict[Name, Stage] = Field(min_length=1)
     # Python workflows (px.Workflow): stage → the function itself, sent to ranks by value, so
     # functions from a notebook or a script's __main__ work.  Not part of the file format.
     _apps: dict[str, Any] = PrivateAttr(default_factory=dict)
@@ -96,39 +198,79 @@ class Workflow(_Strict):
 
 class StoreConfig(_Strict):
     root: Optional[str] = Field(None, description="store directory (default: /dev/shm/phalanx-$USER/store)")
-    session: Optional[str] = Field(None, description="namespace; default: the workflow's name")
+    session: Optional[Session] = Field(None, description="namespace; default: the workflow's name and the run id")
+
+    @field_validator("root")
+    @classmethod
+    def _known_tier(cls, value: Optional[str]) -> Optional[str]:
+        from ..store.tiers import tiers
+
+        if value and "://" in value:
+            _one_of("store tier", value.split("://", 1)[0], tiers.names())
+        return value
 
 
-class Site(_Strict):
+class Site(_Strict, Located):
     """Where gangs run.  Executor-specific settings live in their own section (slurm:, ray:...)
     so the orchestrator needs to know only ``executor`` and the capacity."""
 
     name: str
-    executor: str = Field("local", description="local | mpirun | slurm | ray | kubernetes")
-    cores: Optional[int] = Field(None, ge=1, description="slots for ranks; default: this machine's cores")
-    memory_gb: Optional[float] = Field(None, gt=0)
+    executor: str = Field("local", description="local | mpirun | slurm | ray (the executors registry)")
+    cores: Optional[Int] = Field(None, ge=1, le=MAX_SLOTS, description="slots for ranks; default: this "
+                                 "machine's cores")
+    memory_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True)
     communicator: Literal["gloo", "mpi"] = "gloo"
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
     driver_host: str = Field(
         "127.0.0.1", description="address ranks use to reach the driver; 'auto': this host's address "
         "(ranks on other machines: SLURM compute nodes, a Ray cluster)")
-    start_timeout: float = Field(
-        300, gt=0, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
+    start_timeout: Seconds = Field(
+        300, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
     reuse_gangs: bool = Field(
         True, description="local and ray executors: a succeeded stage's gang (processes + communicator) runs the "
         "next stage of the same size; retries always get a fresh gang")
-    warm_ranks: Optional[int] = Field(
-        None, ge=0, description="local executor: rank processes kept started, imports done, so a stage's "
+    warm_ranks: Optional[Int] = Field(
+        None, ge=0, le=MAX_SLOTS, description="local executor: rank processes kept started, imports done, so a stage's "
         "gang starts in a fraction of a second; 0 turns it off; default: the site's slots")
-    slurm: Optional[dict[str, Any]] = None
-    ray: Optional[dict[str, Any]] = None
+    slurm: SlurmSection = None
+    ray: RaySection = None
     kubernetes: Optional[dict[str, Any]] = None
 
     @field_validator("store", mode="before")
     @classmethod
     def _empty_section(cls, value: Any) -> Any:
         return {} if value is None else value  # "store:" with only comments under it
+
+    @field_validator("executor")
+    @classmethod
+    def _known_executor(cls, value: str) -> str:
+        from ..executors import executors
+
+        _one_of("executor", value, executors.names())
+        return value
+
+    @field_validator("communicator")
+    @classmethod
+    def _mpi_needs_an_mpi_launcher(cls, value: str, info: ValidationInfo) -> str:
+        executor = info.data.get("executor")  # absent when it was invalid itself
+        if value == "mpi" and executor and executor not in MPI_EXECUTORS:
+            raise ValueError(f"'mpi' needs executor {' or '.join(map(repr, MPI_EXECUTORS))} (MPI ranks must be "
+                             f"started by an MPI launcher), not {executor!r}")
+        return value
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _known_rendezvous(cls, value: str) -> str:
+        from ..runtime.rendezvous import rendezvous_backends
+
+        _one_of("rendezvous", value.split("://", 1)[0] if "://" in value else value,
+                rendezvous_backends.names())
+        try:
+            urlparse(value).port
+        except ValueError as exc:  # a port that is no number, or out of range
+            raise ValueError(f"{value!r}: {exc}") from None
+        return value
 
     def capacity(self) -> int:
         """Rank slots the site can ever give at once."""

@@ -11,8 +11,9 @@ from typing import Any
 
 import yaml
 
+from ..errors import PhalanxError
 from .models import Site, Workflow
-from .yamlio import ConfigError, _line_of, load_model, load_yaml, parse
+from .yamlio import ConfigError, load_model, load_yaml, locate, parse, parse_yaml
 
 
 def dependencies(wf: Workflow) -> dict[str, set[str]]:
@@ -64,15 +65,15 @@ def _import_problem(app: str) -> str | None:
     return None if callable(obj) else f"{app!r} is not callable"
 
 
-def check(wf: Workflow, site: Site, *, source: str = "<python>", root: yaml.Node | None = None,
+def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Node | None = None,
           existing: set[str] | None = None, check_imports: bool = True) -> list[str]:
-    """Every problem found, as "file:line: field: message" (empty when the workflow is sound)."""
+    """Every problem found, as "file:line: field: message" (empty when the workflow is sound).
+    Fields are located in the file ``wf`` was read from, unless ``source`` says otherwise."""
     problems: list[str] = []
 
     def report(loc: tuple, message: str) -> None:
-        line = _line_of(root, loc) if root is not None else None
-        where = f"{source}:{line}" if line else source
-        problems.append(f"{where}: {'.'.join(map(str, loc))}: {message}")
+        where = wf.where(loc) if source is None else locate(loc, source, root)
+        problems.append(f"{where}: {message}")
 
     names = list(wf.stages)  # file order: problems read top to bottom
     producers: dict[str, str] = {}
@@ -92,9 +93,9 @@ def check(wf: Workflow, site: Site, *, source: str = "<python>", root: yaml.Node
         for local, spec in st.inputs.items():
             session, _, short = spec.dataset.rpartition("/")
             if session:  # another session's dataset (e.g. an earlier run's): must be sealed now
-                if not _sealed_elsewhere(site, session, short):
-                    report(("stages", name, "inputs", local),
-                           f"dataset {short!r} is not in store session {session!r} of {_store_root(site)}")
+                problem = _not_sealed_in(site, session, short)
+                if problem:
+                    report(("stages", name, "inputs", local), problem)
             elif spec.dataset not in producers and spec.dataset not in (existing or set()):
                 report(("stages", name, "inputs", local),
                        f"dataset {spec.dataset!r} is produced by no stage and is not in the store "
@@ -106,25 +107,50 @@ def check(wf: Workflow, site: Site, *, source: str = "<python>", root: yaml.Node
             problem = _import_problem(st.app)
             if problem:
                 report(("stages", name, "app"), problem)
+        if st.kind == "command" and site.executor not in COMMAND_EXECUTORS:
+            report(("stages", name, "kind"), f"command stages need the {', '.join(COMMAND_EXECUTORS[:-1])} or "
+                   f"{COMMAND_EXECUTORS[-1]} executor, not {site.executor!r}")
+    problems += _launcher_problems(wf, site, report)
     cycle = _find_cycle({n: {d for d in deps if d in wf.stages} for n, deps in dependencies(wf).items()})
     if cycle:
         report(("stages", cycle[0], "needs"), "cycle: " + " → ".join(cycle))
     return problems
 
 
-def _store_root(site: Site) -> str:
-    from ..store import Store
-
-    return str(Store(site.store.root).root)
+COMMAND_EXECUTORS = ("local", "slurm", "ray")  # their launchers start any program (mpirun: only ranks)
 
 
-def _sealed_elsewhere(site: Site, session: str, name: str) -> bool:
+def _launcher_problems(wf: Workflow, site: Site, report) -> list[str]:
+    """What the batch or cloud executor refuses when a run builds each stage's launcher (a
+    strategy it does not know, a resources list that does not match the gang): reported at the
+    stage's own section, else at the site's (once)."""
+    if site.executor not in ("slurm", "ray"):
+        return []
+    from .scheduler import site_launcher
+
+    at_site: dict[str, str] = {}
+    for name, st in wf.stages.items():
+        try:
+            site_launcher(site, st.ranks, st)
+        except Exception as exc:  # whatever the launcher rejects (PhalanxError, ValueError, TypeError)
+            if getattr(st, site.executor):
+                report(("stages", name, site.executor), str(exc))
+            else:
+                at_site.setdefault(str(exc), f"{site.where((site.executor,))}: {exc}")
+    return list(at_site.values())
+
+
+def _not_sealed_in(site: Site, session: str, name: str) -> str | None:
+    """None when store session ``session`` holds ``name`` sealed, else why it does not."""
     from ..store import Store
 
     try:
-        return Store(site.store.root, session).exists(name)
-    except ValueError:  # a malformed name
-        return False
+        store = Store(site.store.root, session)
+        if store.exists(name):
+            return None
+    except (PhalanxError, ValueError, OSError) as exc:  # the store cannot be opened
+        return f"cannot read store session {session!r}: {exc}"
+    return f"dataset {name!r} is not in store session {session!r} of {store.root}"
 
 
 SITE_DIRS_ENV = "PHALANX_SITE_PATH"
@@ -135,27 +161,35 @@ def find_site(name_or_path: str, near: Path | None = None) -> Path | None:
     or the site-configs directory beside the workflow's directory."""
     import os
 
+    def exists(p: Path) -> bool:
+        try:
+            return p.exists()
+        except (OSError, ValueError):  # a name too long for a path
+            return False
+
     if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
         p = Path(name_or_path)
-        return p if p.exists() else None
+        return p if exists(p) else None
     dirs = [Path(d) for d in os.environ.get(SITE_DIRS_ENV, "").split(os.pathsep) if d]
     dirs.append(Path.cwd() / "site-configs")
     if near is not None:
         dirs += [near / "site-configs", near.parent / "site-configs"]
     for d in dirs:
         for ext in (".yaml", ".yml"):
-            if (d / f"{name_or_path}{ext}").exists():
+            if exists(d / f"{name_or_path}{ext}"):
                 return d / f"{name_or_path}{ext}"
     return None
 
 
-def load_site(name_or_path: str, near: Path | None = None) -> Site:
+def load_site(name_or_path: str, near: Path | None = None, where: str | None = None) -> Site:
+    """``where``: the field that named the site ("wf.yaml:2: site"), for the error."""
     path = find_site(name_or_path, near)
     if path is None:
         if name_or_path == "local":
             return Site(name="local")  # this machine with defaults: no file needed
-        raise ConfigError([f"site {name_or_path!r}: no such site file (looked in ${SITE_DIRS_ENV}, "
-                           "./site-configs and beside the workflow)"])
+        what = f"{where}: no such site file {name_or_path!r}" if where else \
+            f"site {name_or_path!r}: no such site file"
+        raise ConfigError([f"{what} (looked in ${SITE_DIRS_ENV}, ./site-configs and beside the workflow)"])
     return load_model(Site, path)
 
 
@@ -163,14 +197,26 @@ def load_workflow(path: str | Path, site: str | None = None, overrides: dict[str
                   existing: set[str] | None = None, check_imports: bool = True) -> tuple[Workflow, Site]:
     """Parse and check a workflow file; raises ConfigError listing every problem."""
     data, root, source = load_yaml(path)
-    for dotted, value in (overrides or {}).items():
-        _set_dotted(data, dotted, value)
-    wf = parse(Workflow, data, source, root)
-    st = load_site(site or wf.site, Path(path).resolve().parent)
-    problems = check(wf, st, source=source, root=root, existing=existing, check_imports=check_imports)
+    overridden = _apply_overrides(data, overrides or {}) if isinstance(data, dict) else []
+    wf = parse(Workflow, data, source, root, overridden)
+    st = load_site(site or wf.site, Path(path).resolve().parent, where=None if site else wf.where(("site",)))
+    problems = check(wf, st, existing=existing, check_imports=check_imports)
     if problems:
         raise ConfigError(problems)
     return wf, st
+
+
+def _apply_overrides(data: dict, overrides: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Set every override; the key paths set, or a ConfigError naming each bad one."""
+    problems = []
+    for dotted, value in overrides.items():
+        try:
+            _set_dotted(data, dotted, value)
+        except ConfigError as exc:
+            problems += exc.problems
+    if problems:
+        raise ConfigError(problems)
+    return [tuple(dotted.split(".")) for dotted in overrides]
 
 
 def _set_dotted(data: dict, dotted: str, value: Any) -> None:
@@ -181,4 +227,4 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError([f"--set {dotted}: {key!r} is not a mapping"])
-    node[keys[-1]] = yaml.safe_load(value) if isinstance(value, str) else value
+    node[keys[-1]] = parse_yaml(value, f"--set {dotted}", lines=False)[0] if isinstance(value, str) else value

@@ -191,7 +191,7 @@ def test_check_accepts_models_built_in_python():
     (("outputs: [transactions, users]", "outputs: ['', users]"),
      "wf.yaml:7: stages.generate.outputs.0: '' is not a name: 1 to 100 letters, digits, '_', '.' "
      "or '-', starting with a letter or digit"),
-    (("  report:", "  ../x:"), "wf.yaml:15: stages.../x: '../x' is not a name: 1 to 100 letters, digits, "
+    (("  report:", "  ../x:"), "wf.yaml:15: stages.'../x': '../x' is not a name: 1 to 100 letters, digits, "
      "'_', '.' or '-', starting with a letter or digit"),
     (("{tx: transactions,", "{tx: a/b/transactions,"),
      "wf.yaml:12: stages.features.inputs.tx.dataset: 'a/b' is not a store session: 1 to 128 letters, "
@@ -311,7 +311,8 @@ def test_every_yaml_error_names_the_line(tmp_path, content, expected):
     ({"stages.features.ranks": "0"}, "--set stages.features.ranks: stages.features.ranks: must be ≥ 1"),
     ({"stages.generate": "{app: 'apps:rank_info', colour: red}"},
      "--set stages.generate: stages.generate.colour: unknown key"),
-    ({"stages.generate.ranks.x": "1"}, "--set stages.generate.ranks.x: 'ranks' is not a mapping"),
+    ({"stages.generate.ranks.x": "1"}, "--set stages.generate.ranks.x: stages.generate.ranks: is not a mapping, so 'x' "
+     "cannot be set in it"),
     ({"stages.features.ranks": "64"}, "--set stages.features.ranks: stages.features.ranks: 64 ranks, but site "
      f"'local' can give at most {Site(name='local').capacity()}"),
 ])

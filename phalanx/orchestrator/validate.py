@@ -13,7 +13,7 @@ import yaml
 
 from ..errors import PhalanxError
 from .models import Site, Workflow
-from .yamlio import ConfigError, load_model, load_yaml, locate, parse, parse_yaml
+from .yamlio import ConfigError, field_path, load_model, load_yaml, locate, parse, parse_yaml
 
 
 def dependencies(wf: Workflow) -> dict[str, set[str]]:
@@ -223,8 +223,9 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     """``--set stages.x.params.rows=10``: YAML-typed value at a dotted path."""
     keys = dotted.split(".")
     node = data
-    for key in keys[:-1]:
+    for i, key in enumerate(keys[:-1]):
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError([f"--set {dotted}: {key!r} is not a mapping"])
+            raise ConfigError([f"--set {dotted}: {field_path(keys[:i + 1])}: is not a mapping, so "
+                               f"{keys[i + 1]!r} cannot be set in it"])
     node[keys[-1]] = parse_yaml(value, f"--set {dotted}", lines=False)[0] if isinstance(value, str) else value

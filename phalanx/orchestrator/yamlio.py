@@ -10,6 +10,7 @@ PyYAML cannot convert (``2024-13-45``), and then the models' own checks.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Iterable, Optional, TypeVar
 
@@ -30,7 +31,7 @@ class ConfigError(PhalanxError):
     """A workflow or site file is invalid; ``problems`` lists every "file:line: field: message"."""
 
     def __init__(self, problems: list[str]):
-        self.problems = problems
+        self.problems = [" ".join(p.splitlines()) for p in problems]  # one line each
         super().__init__("\n".join(problems))
 
 
@@ -53,9 +54,20 @@ def _line_of(node: yaml.Node | None, loc: tuple) -> int | None:
     return line
 
 
+def _part(key: Any) -> str:
+    """A key in a field path: as written when plain, else quoted ('a/../b', '', 'two words')."""
+    text = str(key)
+    return text if re.fullmatch(r"[\w-]+", text) else repr(key)
+
+
+def field_path(loc: Iterable) -> str:
+    """``("stages", "a/b", "ranks")`` → "stages.'a/b'.ranks"."""
+    return ".".join(map(_part, loc)) or "(top level)"
+
+
 def locate(loc: tuple, source: str, root: yaml.Node | None = None, overridden: Iterable[tuple] = ()) -> str:
     """"file:line: field" of a field, or "--set KEY: field" when an override gave its value."""
-    field = ".".join(map(str, loc)) or "(top level)"
+    field = field_path(loc)
     for keys in overridden:
         if tuple(map(str, loc[:len(keys)])) == keys:
             return f"--set {'.'.join(keys)}: {field}"

@@ -213,12 +213,12 @@ def _store(args: argparse.Namespace):
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from .errors import StoreError
+    from .errors import PhalanxError
 
-    store = _store(args)
     try:
+        store = _store(args)
         if args.store_cmd == "ls":
-            infos = [store.info(n) for n in store.list()]
+            infos = store.meta.list(store.session)
             if not infos:
                 print(f"no datasets in session {store.session!r} of {store.root}")
             for info in infos:
@@ -227,23 +227,46 @@ def cmd_store(args: argparse.Namespace) -> int:
         elif args.store_cmd == "show":
             print(json.dumps(store.info(args.name).summary(), indent=2, default=str))
         elif args.store_cmd == "rm":
-            if args.all == bool(args.names):
-                print("phalanx store rm: give dataset names or --all (every dataset of the session)",
-                      file=sys.stderr)
-                return 2
-            if args.all:
-                print(f"removed {store.delete_session()} datasets of session {store.session!r}")
-            for name in args.names:
-                store.delete(name)
-                print(f"removed {name}")
+            return cmd_store_rm(store, args)
         elif args.store_cmd == "sessions":
-            for session in store.sessions():
-                infos = [d for d in store.meta.list(session)]
-                print(f"{session:50} {len(infos):>4} datasets {sum(d.nbytes for d in infos) / 1e6:>10.1f} MB")
-    except StoreError as exc:
+            cmd_store_sessions(store)
+    except (PhalanxError, ValueError) as exc:  # e.g. Redis metadata unreachable: one line, no traceback
         print(f"phalanx store: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def cmd_store_rm(store, args: argparse.Namespace) -> int:
+    if (args.all and args.names) or not (args.all or args.names or args.staging):
+        print("phalanx store rm: give dataset names, --all (every dataset of the session) "
+              "or --staging (its unsealed writes)", file=sys.stderr)
+        return 2
+    if args.all or args.staging:
+        gone = store.remove_unsealed()
+        print(f"removed {len(gone)} unsealed writes ({sum(u.bytes for u in gone) / 1e6:.1f} MB) "
+              f"of session {store.session!r}")
+    if args.all:
+        print(f"removed {store.delete_session()} datasets of session {store.session!r}")
+    for name in args.names:
+        store.delete(name)
+        print(f"removed {name}")
+    return 0
+
+
+def cmd_store_sessions(store) -> None:
+    """Every session with its datasets, and the writes no seal published (a killed driver's)."""
+    unsealed: dict[str, list] = {}
+    for u in store.unsealed():
+        unsealed.setdefault(u.session, []).append(u)
+    for session in sorted(set(store.sessions()) | set(unsealed)):
+        infos = store.meta.list(session)
+        line = f"{session:50} {len(infos):>4} datasets {sum(d.nbytes for d in infos) / 1e6:>10.1f} MB"
+        if session in unsealed:
+            writes = unsealed[session]
+            line += (f"  + {len(writes)} unsealed writes {sum(u.bytes for u in writes) / 1e6:.1f} MB, "
+                     f"last written {min(u.idle_s for u in writes):.0f}s ago "
+                     f"(free: phalanx store --session {session} rm --staging)")
+        print(line)
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
@@ -318,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     rm = ssub.add_parser("rm", help="remove datasets of the session (--all: all of them)")
     rm.add_argument("names", nargs="*")
     rm.add_argument("--all", action="store_true")
+    rm.add_argument("--staging", action="store_true",
+                    help="remove the session's unsealed writes (a killed driver's); datasets stay")
     ssub.add_parser("sessions", help="every session with its datasets' count and size (a run writes to "
                     "<workflow>-<run id>)")
     s.set_defaults(fn=cmd_store)

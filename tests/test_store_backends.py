@@ -23,7 +23,6 @@ from phalanx.store.metadata import DatasetInfo, PartitionInfo, SQLiteMetadata, o
 from phalanx.store.store import parse_bytes
 from phalanx.store.tiers import serialize
 from reference import assert_same_rows, make_part, whole
-from conftest import free_port
 from test_store import every_type_table, same_table
 
 BUCKET = "phalanx-test"
@@ -36,7 +35,9 @@ def s3_endpoint():
     pytest.importorskip("moto", reason="moto[server] is not installed (pip install 'phalanx[test]')")
     import pyarrow.fs as pafs
 
-    port = free_port()
+    with socket.socket() as s:  # (not conftest's free_port: tests/faults has a conftest module too)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
@@ -263,10 +264,26 @@ class TestTierConformance:
             return real(location, index, table)
 
         monkeypatch.setattr(tstore.tier, "write_partition", write)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(StoreError, match=r"session 'conf': put 'f' partition 1: writing .*/part-00001.arrow "
+                                             r"failed: disk full"):
             tstore.put("f", [pa.table({"a": [1]}), pa.table({"a": [2]})])
         monkeypatch.undo()
-        assert not tstore.exists("f") and tstore.tier.staged("local") == []
+        assert not tstore.exists("f") and tstore.tier.staged("local") == [] and tstore.unsealed() == []
+
+    def test_unsealed_writes_are_listed_with_size_and_age_and_removed(self, tstore):
+        tstore.put("sealed", pa.table({"a": [1]}))
+        other = tstore.for_session("conf-other")
+        for store, name in ((tstore, "half"), (other, "half")):  # a killed driver's, never sealed
+            store.stage_partition(store.new_staging_id("gang9"), 0, pa.table({"a": np.arange(1000)}), name=name)
+        found = tstore.unsealed()
+        assert [u.session for u in found] == ["conf", "conf-other"]
+        size = serialize(pa.table({"a": np.arange(1000)})).size
+        assert all(u.bytes == size and 0 <= u.idle_s < 60 and u.staging_id.startswith("gang9-") for u in found)
+        assert [u.location for u in tstore.remove_unsealed()] == [found[0].location]
+        assert [u.session for u in tstore.unsealed()] == ["conf-other"] and tstore.unsealed("conf") == []
+        assert tstore.read("sealed")["a"].to_pylist() == [1]
+        other.remove_unsealed()
+        assert tstore.unsealed() == []
 
     def test_abort_staging_removes_unsealed_writes_of_its_owner_only(self, tstore):
         sealed_id = tstore.new_staging_id("gang7")
@@ -302,7 +319,10 @@ def test_store_configuration_from_the_environment(s3_endpoint, tmp_path, monkeyp
     store = px.Store(session="envcfg")
     assert store.tier.kind == "s3" and store.meta.url == redis_url
     env = store.rank_env()
-    assert env["PHALANX_STORE_METADATA"] == redis_url and env["PHALANX_STORE_BUDGET"] == ""
+    assert env["PHALANX_STORE_BUDGET"] == ""
+    # ranks get the catalogue's identity too: they refuse a Redis that lost it
+    assert env["PHALANX_STORE_METADATA"].startswith(f"{redis_url}?catalogue=")
+    assert open_metadata(env["PHALANX_STORE_METADATA"]).url == redis_url
     monkeypatch.delenv("PHALANX_STORE_METADATA")
     with pytest.raises(ValueError, match="memory budget needs a directory"):
         px.Store(root, memory_budget=10)

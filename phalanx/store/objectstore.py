@@ -14,6 +14,7 @@ objects are found by listing ``<prefix>/<session>/<name>/<owner>-*`` and deleted
 
 from __future__ import annotations
 
+import fnmatch
 import os
 from urllib.parse import parse_qs, urlparse
 
@@ -116,13 +117,21 @@ class ObjectTier(Tier):
         infos = self.fs.get_file_info(pafs.FileSelector(path, recursive=False, allow_not_found=True))
         return [i.base_name for i in infos if i.type == pafs.FileType.Directory]
 
+    def usage(self, location: str) -> tuple[int, float]:
+        """Bytes of the objects under ``location`` and when the last was written."""
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(location), recursive=True,
+                                                        allow_not_found=True))
+        files = [i for i in infos if i.type == pafs.FileType.File]
+        return (sum(i.size for i in files),
+                max((i.mtime.timestamp() for i in files if i.mtime is not None), default=0.0))
+
     def staged(self, owner: str) -> list[Staged]:
-        """Every ``<session>/<name>/<owner>-*`` prefix (sealed ones included: the store
-        filters those out against the metadata)."""
+        """Every ``<session>/<name>/<owner>-*`` prefix (``owner`` may be ``*``; sealed ones
+        included: the store filters those out against the metadata)."""
         found = []
         for session in self._children(self.base):
             for name in self._children(f"{self.base}/{session}"):
                 for version in self._children(f"{self.base}/{session}/{name}"):
-                    if version.startswith(f"{owner}-"):
+                    if fnmatch.fnmatchcase(version, f"{owner}-*"):
                         found.append(Staged(session, name, version, self.final(session, name, version)))
         return found

@@ -6,6 +6,15 @@ Keys, per session (a session name never contains ``/``, so the keys cannot colli
 - ``<prefix>accessed/<session>``  hash: dataset name → last access time (LRU spill order)
 - ``<prefix>pinned/<session>``    hash: dataset name → 1 when pinned
 - ``<prefix>sessions``            set of sessions that hold datasets
+- ``<prefix>catalogue``           hash: ``id`` (random, set once) and ``writes`` (a counter of
+  seals, moves and deletes)
+
+Every connection (and reconnection) checks the catalogue against what this process saw
+before: a Redis that came back empty (restarted without persistence, flushed) has another
+``id``, one restored from an older snapshot has fewer ``writes``.  Either way the datasets this
+process knows of are not what Redis holds, so every call fails (``StoreError`` naming the
+URL) instead of reading or sealing against a different catalogue.  ``pinned_url()`` carries
+the ``id`` to the ranks of a gang, so a rank started after the loss refuses it too.
 
 ``seal`` and ``relocate`` are optimistic transactions (WATCH the session's dataset hash, check,
 MULTI/EXEC, retry if another client changed it in between): a name exists unless replaced,
@@ -16,13 +25,17 @@ and a move only lands if the dataset is still the version and location it copied
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import time
+import uuid
+from typing import Any, Callable, TypeVar
 from urllib.parse import parse_qs, urlencode, urlparse
 
 import pyarrow as pa
 import redis
 
+from ..errors import StoreError
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo
 
 DEFAULT_PREFIX = "phalanx:store:"
@@ -34,7 +47,7 @@ redis.call('HDEL', KEYS[1], ARGV[1])
 redis.call('HDEL', KEYS[2], ARGV[1])
 redis.call('HDEL', KEYS[3], ARGV[1])
 if redis.call('HLEN', KEYS[1]) == 0 then redis.call('SREM', KEYS[4], ARGV[2]) end
-return old
+return {old, redis.call('HINCRBY', KEYS[5], 'writes', 1)}
 """
 
 _SET_IF_EXISTS = """
@@ -45,19 +58,97 @@ return 1
 """
 
 
+def redact_url(url: str) -> str:
+    """The URL with its password (if any) replaced by ``***``: safe to print or record."""
+    u = urlparse(url)
+    if u.password is None:
+        return url
+    user = f"{u.username}:" if u.username else ":"
+    return u._replace(netloc=f"{user}***@{u.netloc.rpartition('@')[2]}").geturl()
+
+
+class CatalogueLost(redis.RedisError):
+    """Redis no longer holds the catalogue this process saw (emptied or rolled back)."""
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _named(method: F) -> F:
+    """Redis errors (unreachable, catalogue lost) become a StoreError naming the URL."""
+    @functools.wraps(method)
+    def call(self: "RedisMetadata", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except CatalogueLost as exc:
+            raise StoreError(f"store metadata {self.where}: {exc}") from None
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreError(f"store metadata {self.where} is unreachable: {exc}") from None
+        except redis.RedisError as exc:
+            raise StoreError(f"store metadata {self.where}: {type(exc).__name__}: {exc}") from exc
+    return call  # type: ignore[return-value]
+
+
 class RedisMetadata(MetadataBackend):
     def __init__(self, url: str):
         u = urlparse(url)
-        query = parse_qs(u.query)
-        self.prefix = query.pop("prefix", [DEFAULT_PREFIX])[-1]
-        self.url = url
-        clean = u._replace(query=urlencode({k: v[-1] for k, v in query.items()})).geturl()
-        self.client = redis.Redis.from_url(clean)
+        query = {k: v[-1] for k, v in parse_qs(u.query).items()}
+        self.prefix = query.pop("prefix", DEFAULT_PREFIX)
+        self._catalogue: str | None = query.pop("catalogue", None)  # the id a gang's driver saw
+        self._writes = 0      # the highest write count this process has seen
+        self.url = url if self._catalogue is None else _without(url, "catalogue")
+        self.where = redact_url(self.url)
+        query.setdefault("socket_connect_timeout", "5")  # an unreachable host fails in seconds
+        clean = u._replace(query=urlencode(query)).geturl()
+        self.client = redis.Redis.from_url(clean, redis_connect_func=self._on_connect)
         self._delete = self.client.register_script(_DELETE)
         self._set_if_exists = self.client.register_script(_SET_IF_EXISTS)
 
     def __repr__(self) -> str:
-        return f"RedisMetadata({self.url})"
+        return f"RedisMetadata({self.where})"
+
+    def pinned_url(self) -> str:
+        """``url`` naming this catalogue's id too (learnt now if need be): what a gang's ranks
+        get, so that a rank started after Redis lost the catalogue refuses it."""
+        if self._catalogue is None:
+            try:
+                self.client.ping()
+            except redis.RedisError:  # unreachable: the ranks will say so themselves
+                return self.url
+        sep = "&" if urlparse(self.url).query else "?"
+        return f"{self.url}{sep}catalogue={self._catalogue}"
+
+    # ---- the catalogue's identity, checked on every (re)connection ------------------------------
+    @property
+    def _catalogue_key(self) -> str:
+        return f"{self.prefix}catalogue"
+
+    def _on_connect(self, conn: redis.connection.AbstractConnection) -> None:
+        conn.on_connect()
+        floor = self._writes  # seen before this connection's first command: it must see as many
+        if self._catalogue is None:
+            conn.send_command("HSETNX", self._catalogue_key, "id", uuid.uuid4().hex[:16])
+            conn.read_response()
+        conn.send_command("HMGET", self._catalogue_key, "id", "writes")
+        ident, writes = conn.read_response()
+        ident = ident.decode() if ident else None
+        if self._catalogue is None:
+            self._catalogue = ident
+        elif ident != self._catalogue:
+            raise CatalogueLost(
+                f"the catalogue this store was opened with (id {self._catalogue}) is gone: Redis came back "
+                "empty (restarted without persistence, or flushed), so every dataset sealed in it "
+                "is lost to phalanx. Run Redis with persistence (appendonly yes) and resume the run "
+                "from a new process: stages whose outputs are gone run again")
+        if int(writes or 0) < floor:
+            raise CatalogueLost(
+                f"the catalogue went back in time: it has {int(writes or 0)} writes, this process "
+                f"saw {floor} (Redis restarted from an older snapshot): datasets sealed, replaced "
+                "or deleted since may be wrong in it. Resume the run from a new process")
+        self._observe(writes)
+
+    def _observe(self, writes: bytes | int | None) -> None:
+        self._writes = max(self._writes, int(writes or 0))
 
     def close(self) -> None:
         self.client.close()
@@ -92,25 +183,34 @@ class RedisMetadata(MetadataBackend):
                            float(accessed) if accessed else d["created"])
 
     # ---- reading ---------------------------------------------------------------------------
-    def get(self, session: str, name: str) -> DatasetInfo | None:
-        pipe = self.client.pipeline(transaction=True)  # the three hashes as of one instant
-        for key in self._keys(session):
-            pipe.hget(key, name)
-        blob, accessed, pinned = pipe.execute()
-        return self._decode(session, name, blob, accessed, pinned) if blob else None
-
-    def list(self, session: str) -> list[DatasetInfo]:
+    def _snapshot(self, session: str, command: str, *args: str) -> list:
+        """``command`` (hget, hgetall) on the session's three hashes as of one instant; the
+        write count comes along."""
         pipe = self.client.pipeline(transaction=True)
         for key in self._keys(session):
-            pipe.hgetall(key)
-        blobs, accessed, pinned = pipe.execute()
+            getattr(pipe, command)(key, *args)
+        pipe.hget(self._catalogue_key, "writes")
+        *found, writes = pipe.execute()
+        self._observe(writes)
+        return found
+
+    @_named
+    def get(self, session: str, name: str) -> DatasetInfo | None:
+        blob, accessed, pinned = self._snapshot(session, "hget", name)
+        return self._decode(session, name, blob, accessed, pinned) if blob else None
+
+    @_named
+    def list(self, session: str) -> list[DatasetInfo]:
+        blobs, accessed, pinned = self._snapshot(session, "hgetall")
         return [self._decode(session, n.decode(), blobs[n], accessed.get(n), pinned.get(n))
                 for n in sorted(blobs)]
 
+    @_named
     def sessions(self) -> list[str]:
         return sorted(s.decode() for s in self.client.smembers(self._sessions_key))
 
     # ---- writing ---------------------------------------------------------------------------
+    @_named
     def seal(self, info: DatasetInfo, replace: bool) -> DatasetInfo | None:
         datasets, accessed, pinned = self._keys(info.session)
         blob = self._encode(info)
@@ -132,11 +232,13 @@ class RedisMetadata(MetadataBackend):
                     else:
                         pipe.hdel(pinned, info.name)
                     pipe.sadd(self._sessions_key, info.session)
-                    pipe.execute()
+                    pipe.hincrby(self._catalogue_key, "writes", 1)
+                    self._observe(pipe.execute()[-1])
                     return old
                 except redis.WatchError:
                     continue
 
+    @_named
     def relocate(self, session: str, name: str, version: str, old_location: str,
                  new_location: str, unless_pinned: bool = False) -> bool:
         datasets, _, pinned = self._keys(session)
@@ -155,21 +257,37 @@ class RedisMetadata(MetadataBackend):
                     d["location"] = new_location
                     pipe.multi()
                     pipe.hset(datasets, name, json.dumps(d).encode())
-                    pipe.execute()
+                    pipe.hincrby(self._catalogue_key, "writes", 1)
+                    self._observe(pipe.execute()[-1])
                     return True
                 except redis.WatchError:
                     continue
 
+    @_named
     def delete(self, session: str, name: str) -> DatasetInfo | None:
         datasets, accessed, pinned = self._keys(session)
-        old = self._delete(keys=[datasets, accessed, pinned, self._sessions_key], args=[name, session])
-        return self._decode(session, name, old, None, None) if old else None
+        found = self._delete(keys=[datasets, accessed, pinned, self._sessions_key, self._catalogue_key],
+                             args=[name, session])
+        if not found:
+            return None
+        old, writes = found
+        self._observe(writes)
+        return self._decode(session, name, old, None, None)
 
+    @_named
     def touch(self, session: str, name: str, when: float | None = None) -> None:
         datasets, accessed, _ = self._keys(session)
         self._set_if_exists(keys=[datasets, accessed],
                             args=[name, repr(time.time() if when is None else when)])
 
+    @_named
     def set_pinned(self, session: str, name: str, pinned: bool) -> bool:
         datasets, _, pinned_key = self._keys(session)
         return bool(self._set_if_exists(keys=[datasets, pinned_key], args=[name, "1" if pinned else ""]))
+
+
+def _without(url: str, key: str) -> str:
+    """``url`` without the query parameter ``key`` (the others kept as written)."""
+    u = urlparse(url)
+    kept = [p for p in u.query.split("&") if p and p.split("=", 1)[0] != key]
+    return u._replace(query="&".join(kept)).geturl()

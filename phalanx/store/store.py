@@ -15,17 +15,19 @@ import copy
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from dataclasses import replace as _replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import pyarrow as pa
 
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
-from .tiers import FileTier, Tier, checksum_buffer, default_root, default_spill_root, open_tier, part_file
+from .tiers import (FileTier, Staged, Tier, checksum_buffer, default_root, default_spill_root, open_tier,
+                    part_file)
 
 log = logging.getLogger("phalanx.store")
 
@@ -75,6 +77,18 @@ def _check_name(name: str) -> str:
     return name
 
 
+class Unsealed(NamedTuple):
+    """A put's partitions that no seal published: a put in progress, or what the gang of a
+    killed driver left behind."""
+
+    session: str
+    name: str | None     # None on a file tier (its staging area does not record it)
+    staging_id: str
+    location: str
+    bytes: int
+    idle_s: float        # seconds since it was last written
+
+
 class Store:
     """A store rooted at a directory (``/dev/shm/phalanx-$USER/store`` by default) or an object
     store (``s3://bucket/prefix?endpoint_override=http://host:port``).
@@ -122,14 +136,19 @@ class Store:
     def rank_env(self) -> dict[str, str]:
         """The environment that makes ``Store()`` in another process (a rank) open this store."""
         return {
-            ENV_STORE: str(self.root), ENV_SESSION: self.session, ENV_METADATA: self.meta.url,
+            ENV_STORE: str(self.root), ENV_SESSION: self.session, ENV_METADATA: self._rank_metadata_url(),
             ENV_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
             ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
         }
 
+    def _rank_metadata_url(self) -> str:
+        # Redis names the catalogue's identity too, so ranks refuse a Redis that lost it.
+        pinned = getattr(self.meta, "pinned_url", None)
+        return pinned() if pinned is not None else self.meta.url
+
     def __repr__(self) -> str:
         budget = f" budget={self.memory_budget}" if self.memory_budget is not None else ""
-        return f"<phalanx.Store {self.root} session={self.session!r} metadata={self.meta.url}{budget}>"
+        return f"<phalanx.Store {self.root} session={self.session!r} metadata={self.meta!r}{budget}>"
 
     def _where(self) -> str:
         return f"store {self.root} session {self.session!r}"
@@ -265,7 +284,11 @@ class Store:
         if name is None and not self.tier.atomic_rename:
             raise ValueError(f"{self._where()}: stage_partition needs the dataset name")
         location = self.tier.staging(self.session, _check_name(name) if name else "", staging_id)
-        nbytes, checksum = self.tier.write_partition(location, index, table)
+        try:
+            nbytes, checksum = self.tier.write_partition(location, index, table)
+        except OSError as exc:  # e.g. ENOSPC: the tier is full
+            raise StoreError(f"{self._where()}: put {name!r} partition {index}: writing "
+                             f"{location}/{part_file(index)} failed: {exc}") from exc
         return PartitionInfo(index, table.num_rows, nbytes, checksum)
 
     def discard_staging(self, name: str | None, staging_id: str) -> None:
@@ -294,12 +317,20 @@ class Store:
         except FileExistsError:
             self.tier.remove(final)
             raise self._exists(name) from None
-        except BaseException:
+        except BaseException as exc:
             # The seal may have committed before the error reached us (a lost reply, Ctrl-C):
-            # remove the payload only if the metadata does not point at it.
-            current = self._current(name)
+            # remove the payload only if the metadata says it does not point at it — when the
+            # metadata cannot say (unreachable), the payload stays (garbage at worst).
+            try:
+                current = self.meta.get(self.session, name)
+            except Exception:
+                log.warning("%s: sealing %r: the metadata did not say whether the seal landed; "
+                            "its payload stays at %s", self._where(), name, final)
+                current = info
             if current is None or current.version != staging_id:
                 self.tier.remove(final)
+            if isinstance(exc, Exception) and not isinstance(exc, StoreError):  # e.g. a full disk
+                raise StoreError(f"{self._where()}: sealing {name!r} failed: {exc}") from exc
             raise
         # Sealed: from here on, failures only leave garbage, never a wrong dataset.
         try:
@@ -427,12 +458,6 @@ class Store:
                 continue
         return removed
 
-    def _current(self, name: str) -> DatasetInfo | None:
-        try:
-            return self.meta.get(self.session, name)
-        except Exception:
-            return None
-
     def delete_session(self) -> int:
         """Remove every dataset of this session (metadata and payload); returns how many."""
         names = self.list()
@@ -453,11 +478,53 @@ class Store:
         On an object store, writes are in place, so a prefix of ``owner`` that the metadata
         has sealed is kept."""
         removed = 0
-        for st in self.tier.staged(owner):
-            if st.name is not None:
-                cur = self.meta.get(st.session, st.name)
-                if cur is not None and cur.version == st.version and cur.location == st.location:
-                    continue
-            self.tier.remove(st.location)
+        for tier, st in self._staged(owner):
+            tier.remove(st.location)
             removed += 1
         return removed
+
+    def unsealed(self, session: str | None = None) -> list[Unsealed]:
+        """Writes no seal has published, in every session (or ``session``), with their size
+        and idle time: puts in progress, or what the gangs of a killed driver left behind."""
+        now = time.time()
+        found = []
+        for tier, st in self._staged("*"):
+            if session is None or st.session == session:
+                nbytes, written = _usage(tier, st.location)
+                found.append(Unsealed(st.session, st.name, st.version, st.location, nbytes,
+                                      max(0.0, now - written)))
+        return sorted(found, key=lambda u: (u.session, u.staging_id))
+
+    def remove_unsealed(self) -> list[Unsealed]:
+        """Remove this session's unsealed writes (see ``unsealed``) and return them; a put
+        still in progress in the session then fails, so use it on sessions no run writes."""
+        gone = self.unsealed(self.session)
+        for u in gone:
+            self._tier_for(u.location).remove(u.location)
+        return gone
+
+    def _staged(self, owner: str) -> Iterator[tuple[Tier, Staged]]:
+        """Unsealed writes whose staging id matches ``<owner>-*`` (``owner`` may be ``*``), on
+        the root and the spill tier; written-in-place prefixes the metadata sealed are skipped."""
+        for tier in (self.tier, self.spill_tier):
+            for st in tier.staged(owner) if tier is not None else ():
+                if st.name is not None:
+                    cur = self.meta.get(st.session, st.name)
+                    if cur is not None and cur.version == st.version and cur.location == st.location:
+                        continue
+                yield tier, st
+
+
+def _usage(tier: Tier, location: str) -> tuple[int, float]:
+    """Bytes under a location and when it was last written (seconds since the epoch)."""
+    if not isinstance(tier, FileTier):
+        return tier.usage(location)  # type: ignore[attr-defined]  # ObjectTier
+    nbytes, written = 0, 0.0
+    for path in (Path(location), *Path(location).rglob("*")):
+        try:
+            st = path.stat()
+        except FileNotFoundError:  # sealed or removed while we looked
+            continue
+        nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
+        written = max(written, st.st_mtime)
+    return nbytes, written

@@ -164,7 +164,11 @@ class Gang:
         failures: dict[int, RankFailure] = {}
         deadline = time.monotonic() + self.start_timeout
         while len(ready) < self.world_size and not failures:
-            rank, msg = self._next_event(deadline, what="to start")
+            event = self._next_event(deadline)
+            if event is None:
+                raise self._timed_out(set(range(self.world_size)) - ready, "ready", "start within the "
+                                      f"start timeout (start_timeout={self.start_timeout:g}s)")
+            rank, msg = event
             if msg[0] == "hello":
                 pids[rank] = msg[2]
             elif msg[0] == "ready":
@@ -256,7 +260,11 @@ class Gang:
         failures: dict[int, RankFailure] = {}
         deadline = time.monotonic() + timeout if timeout else None
         while len(results) + len(failures) < self.world_size and not failures:
-            rank, msg = self._next_event(deadline, what=f"to finish (timeout={timeout}s)")
+            event = self._next_event(deadline)
+            if event is None:
+                raise self._timed_out(set(range(self.world_size)) - set(results), "finished",
+                                      f"finish within the stage timeout (timeout={timeout:g}s)")
+            rank, msg = event
             if msg[0] == "result" and msg[1] == task:
                 results[rank] = msg[2]
             elif msg[0] in ("error", "eof"):
@@ -287,7 +295,8 @@ class Gang:
                 results[rank] = msg[2]
                 pending.discard(rank)
 
-    def _next_event(self, deadline: float | None, what: str) -> tuple[int, tuple]:
+    def _next_event(self, deadline: float | None) -> tuple[int, tuple] | None:
+        """The next (rank, message) from the ranks; None once ``deadline`` has passed."""
         while True:
             wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
@@ -295,13 +304,22 @@ class Gang:
             except queue.Empty:
                 pass
             if deadline is not None and time.monotonic() >= deadline:
-                status = getattr(self._launcher, "status", None)  # e.g. "slurm: job 42 PENDING (Resources)"
-                why = f" ({status()})" if callable(status) else ""
-                raise GangError(f"gang {self.gang_id}: ranks did not manage {what} within "
-                                f"{self.start_timeout:.0f}s{why}; logs in {self.log_dir}")
+                return None
             for rank, code in enumerate(self._launcher.exitcodes()):
                 if code is not None and rank not in self._control.conns:
                     return rank, ("eof",)  # died before it ever connected
+
+    def _timed_out(self, late: set[int], done: str, what: str) -> GangError:
+        """e.g. "ranks 1, 3 did not manage to finish within the stage timeout (timeout=5s);
+        ranks 0, 2 finished; logs in ..." """
+        others = sorted(set(range(self.world_size)) - late)
+        text = f"gang {self.gang_id}: {_ranks(late)} did not manage to {what}"
+        if others:
+            text += f"; {_ranks(others)} {done}"
+        status = getattr(self._launcher, "status", None)  # e.g. "slurm: job 42 PENDING (Resources)"
+        if callable(status):
+            text += f" ({status()})"
+        return GangError(f"{text}; logs in {self.log_dir}")
 
     def _failure_of(self, rank: int, msg: tuple) -> RankFailure:
         if msg[0] == "error":
@@ -309,6 +327,9 @@ class Gang:
         code = self._wait_exitcode(rank)
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"
+            memory_note = getattr(self._launcher, "memory_note", None)  # over a limit, OOM killer...
+            if code == -signal.SIGKILL and callable(memory_note):
+                how += memory_note(rank)
         elif code is not None:
             how = f"exited with code {code}"
         else:
@@ -327,9 +348,21 @@ class Gang:
 
 
 def default_log_root() -> Path:
-    """Per-user directory for gang logs (PHALANX_LOG_DIR overrides)."""
+    """Per-user directory for gang logs (PHALANX_LOG_DIR overrides): ``<tmp>/phalanx-<user>/gangs``,
+    refused if another user could write there."""
+    from .private import private_dir
+
     root = os.environ.get("PHALANX_LOG_DIR")
-    return Path(root) if root else Path(tempfile.gettempdir()) / f"phalanx-{getpass.getuser()}" / "gangs"
+    if root:
+        return Path(root)
+    return private_dir(Path(tempfile.gettempdir()) / f"phalanx-{getpass.getuser()}", "holds gang logs",
+                       "set PHALANX_LOG_DIR to a directory of your own") / "gangs"
+
+
+def _ranks(ranks: "set[int] | list[int]") -> str:
+    """"rank 2" or "ranks 0, 1, 3"."""
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def _tail(path: Path, lines: int = 20) -> str:

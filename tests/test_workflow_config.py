@@ -228,6 +228,13 @@ def site_problems(tmp_path: Path, text: str) -> list[str]:
     ("name: s\nexecutor: ray\nray:\n  strategy: PACK\n  cpus: 2\n",
      "site.yaml:5: ray.cpus: unknown key; known: address, namespace, strategy, cpus_per_rank, resources, "
      "ready_timeout_s, runtime_env, init"),
+    ("name: s\nexecutor: slurm\nslurm:\n  mpi: {pmix: true}\n", "site.yaml:4: slurm.mpi: must be a string"),
+    ("name: s\nexecutor: slurm\nslurm:\n  prologue: module load x\n", "site.yaml:4: slurm.prologue: must be a list"),
+    ("name: s\nexecutor: slurm\nslurm:\n  partition: [a, b]\n",
+     "site.yaml:4: slurm.partition: must be a string, number or true/false (sbatch --partition=VALUE)"),
+    ("name: s\nexecutor: slurm\nslurm:\n  pilot:\n    time: {h: 1}\n",
+     "site.yaml:5: slurm.pilot.time: must be a string, number or true/false (sbatch --time=VALUE)"),
+    ("name: s\nexecutor: ray\nray:\n  namespace: []\n", "site.yaml:4: ray.namespace: must be a string or null"),
     ("name: s\ncores: 1000000000\n", "site.yaml:2: cores: must be ≤ 1000000"),
     ("name: s\nstart_timeout: .nan\n", "site.yaml:2: start_timeout: must be a finite number"),
     ("name: s\nstore:\n  session: ../up\n",
@@ -334,3 +341,9 @@ def test_an_input_may_name_another_runs_session():
     from phalanx.orchestrator.models import InputSpec
 
     assert InputSpec(dataset="etl-20240101-120000-abcdef/tx").dataset == "etl-20240101-120000-abcdef/tx"
+
+
+def test_any_yaml_param_dumps_to_the_json_a_run_records(tmp_path):
+    text = GOOD.replace("params: {rows: 1000}", "params: {rows: 1000, key: !!binary /w==, day: 2024-01-02}")
+    wf, _ = load_workflow(write(tmp_path, text), check_imports=False)
+    assert wf.stages["generate"].model_dump(mode="json")["params"] == {"rows": 1000, "key": "_w==", "day": "2024-01-02"}

@@ -75,41 +75,64 @@ def _one_of(kind: str, value: str, known: Sequence[str]) -> None:
         raise ValueError(f"unknown {kind} {value!r}{_unknown(value, known)}")
 
 
-def _unknown_key(keys: tuple, known: Sequence[str]) -> PydanticCustomError:
-    """An unknown key inside a section; ``keys`` (its path in the section) gives the error its line."""
-    return PydanticCustomError("unknown_key", "unknown key{hint}",
-                               {"keys": keys, "hint": _unknown(str(keys[-1]), known)})
+# What executor-section values must be where a launcher uses them as they are (numbers it
+# converts are checked when validate builds each stage's launcher); a key not listed: anything.
+_TEXT, _NUMBER, _LIST, _MAPPING = (str,), (int, float), (list,), (dict,)
+_SECTION_TYPES: dict[str, tuple[type, ...]] = {
+    "address": _TEXT, "namespace": (str, type(None)), "strategy": _TEXT, "resources": (dict, list),
+    "runtime_env": _MAPPING, "init": _MAPPING,  # ray:
+    "allocation": _TEXT, "conf": _TEXT, "mpi": _TEXT, "job-name": _TEXT, "prologue": _LIST,
+    "sbatch-args": _LIST, "srun-args": _LIST, "pilot": _MAPPING, "ntasks": (int,)}  # slurm:
+_OPTION = (str, int, float, bool)  # an sbatch/srun option: --key=value (true: --key)
+_TYPE_NAMES = {_TEXT: "a string", _LIST: "a list", _MAPPING: "a mapping", (int,): "an integer",
+               (str, type(None)): "a string or null", (dict, list): "a mapping or a list"}
 
 
-def _slurm_keys(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The keys ``SlurmLauncher.from_site`` accepts (also inside ``pilot:``)."""
+def _section_error(keys: tuple, message: str) -> PydanticCustomError:
+    """A problem inside an executor section; ``keys`` (the path in the section) gives it its line."""
+    return PydanticCustomError("section", "{message}", {"keys": keys, "message": message})
+
+
+def _check_section(section: dict, known: Sequence[str], at: tuple = (), norm=str,
+                   options: Sequence[str] = ()) -> None:
+    """Unknown keys and values of the wrong type; ``options`` take one value each (sbatch's)."""
+    for key, value in section.items():
+        name = norm(key)
+        if name not in known:
+            raise _section_error(at + (key,), f"unknown key{_unknown(name, known)}")
+        want = _OPTION if name in options else _SECTION_TYPES.get(name, (object,))
+        if not isinstance(value, want):
+            what = (f"a string, number or true/false (sbatch --{name}=VALUE)" if want is _OPTION
+                    else _TYPE_NAMES[want])
+            raise _section_error(at + (key,), f"must be {what}")
+
+
+def _slurm_section(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What ``SlurmLauncher.from_site`` accepts, ``pilot:`` (sbatch options) included."""
     from ..executors.slurm.commands import _SITE_KEYS, OPTION_KEYS, _norm
 
-    known = sorted(OPTION_KEYS | _SITE_KEYS)
-    pilot = (section or {}).get("pilot")
-    nested = [(("pilot", k), k) for k in pilot] if isinstance(pilot, dict) else []
-    for keys, key in [((k,), k) for k in section or {}] + nested:
-        if _norm(str(key)) not in known:
-            raise _unknown_key(keys, known)
+    known, norm = sorted(OPTION_KEYS | _SITE_KEYS), lambda key: _norm(str(key))
+    _check_section(section or {}, known, norm=norm, options=sorted(OPTION_KEYS))
+    if isinstance((section or {}).get("pilot"), dict):
+        _check_section(section["pilot"], known, ("pilot",), norm, sorted(OPTION_KEYS))
     return section
 
 
-def _ray_keys(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The keys ``RayLauncher.from_site`` accepts (importing phalanx's module, not ray)."""
+def _ray_section(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """What ``RayLauncher.from_site`` accepts (importing phalanx's module, not ray)."""
     from ..executors.ray import SITE_KEYS
 
-    for key in section or {}:
-        if key not in SITE_KEYS:
-            raise _unknown_key((key,), SITE_KEYS)
+    _check_section(section or {}, SITE_KEYS)
     return section
 
 
-SlurmSection = Annotated[Optional[dict[str, Any]], AfterValidator(_slurm_keys)]
-RaySection = Annotated[Optional[dict[str, Any]], AfterValidator(_ray_keys)]
+SlurmSection = Annotated[Optional[dict[str, Any]], AfterValidator(_slurm_section)]
+RaySection = Annotated[Optional[dict[str, Any]], AfterValidator(_ray_section)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # bytes (YAML's !!binary in params) dump to JSON as base64, as run records and fingerprints need
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64")
 
 
 class InputSpec(_Strict):

@@ -123,7 +123,7 @@ def _data_path(err: dict) -> tuple:
     """The field path, without pydantic's validator steps ('function-after[...]', '[key]'),
     down to the key a section check names."""
     path = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
-    return path + tuple(err.get("ctx", {}).get("keys", ())) if err["type"] == "unknown_key" else path
+    return path + tuple(err.get("ctx", {}).get("keys", ())) if err["type"] == "section" else path
 
 
 def problems_from(exc: ValidationError, data: Any, source: str, root: yaml.Node | None,

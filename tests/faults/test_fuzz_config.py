@@ -150,7 +150,7 @@ def work(tmp_path, monkeypatch):
 
 
 def _fuzz_workflow_files(tmp: Path) -> None:
-    @fuzz(150)
+    @fuzz(120)
     @given(mutated(WORKFLOWS))
     def run(text: str) -> None:
         wf = _write(tmp, "wf.yaml", text)
@@ -159,7 +159,7 @@ def _fuzz_workflow_files(tmp: Path) -> None:
 
 
 def _fuzz_site_files(tmp: Path) -> None:
-    @fuzz(150)
+    @fuzz(120)
     @given(mutated(SITES), st.sampled_from(sorted(WORKFLOWS)))
     def run(text: str, workflow: str) -> None:
         site = _write(tmp, "site.yaml", text)
@@ -169,7 +169,7 @@ def _fuzz_site_files(tmp: Path) -> None:
 
 
 def _fuzz_bytes(tmp: Path) -> None:
-    @fuzz(150)
+    @fuzz(120)
     @given(spliced(), st.booleans())
     def run(raw: bytes, as_site: bool) -> None:
         path = _write(tmp, "in.yaml", raw)
@@ -187,7 +187,7 @@ def _fuzz_set_values(tmp: Path) -> None:
         ["[a", "{", "true", ".inf", ".nan", "1e999", "-1", "''", "!!binary x", "&a *a", "\t1", "2024-13-45",
          "!!python/object:os.system x", "[" * 3000, "{a: 1, a: 2}", "1000000000"]))
 
-    @fuzz(150)
+    @fuzz(120)
     @given(st.lists(st.tuples(key, value), min_size=1, max_size=3))
     def run(sets: list[tuple[str, str]]) -> None:
         wf = ROOT / "workflows" / "tpch.yaml"
@@ -198,7 +198,7 @@ def _fuzz_set_values(tmp: Path) -> None:
 
 def _fuzz_cli(tmp: Path) -> None:
     """The real ``phalanx validate``: exit 0 with "ok", or 1 with located problems, no traceback."""
-    @fuzz(8)
+    @fuzz(6)
     @given(mutated(WORKFLOWS) | spliced().map(lambda b: b.decode("utf-8", "replace")), NAMES)
     def run(text: str, value: str) -> None:
         wf = _write(tmp, "cli.yaml", text)

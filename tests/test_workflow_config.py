@@ -276,6 +276,12 @@ def test_validate_checks_what_the_executor_checks_at_start(tmp_path):
         "wf.yaml:16: stages.report.kind: command stages need the local, slurm or ray executor, not 'mpirun'"]
 
 
+def test_the_driver_must_be_able_to_listen_on_its_address(tmp_path):
+    assert site_problems(tmp_path, "name: s\ndriver_host: 192.0.2.1\n") == [  # TEST-NET-1: no machine's
+        "site.yaml:2: driver_host: cannot listen on '192.0.2.1' on this machine (Cannot assign requested address); "
+        "ranks reach the driver there: give an address of this machine, or 'auto'"]
+
+
 def test_a_command_stage_gets_only_what_an_environment_can_hold(tmp_path):
     text = GOOD.replace("    needs: [features]\n", "    needs: [features]\n    params: {'a=b': 1}\n")
     assert problems(tmp_path, text) == [

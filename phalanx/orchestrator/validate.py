@@ -111,6 +111,9 @@ def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Nod
             report(("stages", name, "kind"), f"command stages need the {', '.join(COMMAND_EXECUTORS[:-1])} or "
                    f"{COMMAND_EXECUTORS[-1]} executor, not {site.executor!r}")
     problems += _launcher_problems(wf, site, report)
+    problem = _listen_problem(site.driver_host)
+    if problem:
+        problems.append(f"{site.where(('driver_host',))}: {problem}")
     cycle = _find_cycle({n: {d for d in deps if d in wf.stages} for n, deps in dependencies(wf).items()})
     if cycle:
         report(("stages", cycle[0], "needs"), "cycle: " + " → ".join(cycle))
@@ -138,6 +141,20 @@ def _launcher_problems(wf: Workflow, site: Site, report) -> list[str]:
             else:
                 at_site.setdefault(str(exc), f"{site.where((site.executor,))}: {exc}")
     return list(at_site.values())
+
+
+def _listen_problem(host: str) -> str | None:
+    """Why the driver could not listen where its ranks will connect (``ControlServer``), if so."""
+    import socket
+
+    try:
+        address = socket.gethostbyname(socket.getfqdn()) if host == "auto" else host
+        with socket.socket() as sock:
+            sock.bind((address, 0))
+    except (OSError, ValueError) as exc:  # not this machine's address, no such name, bad text
+        return (f"cannot listen on {host!r} on this machine ({getattr(exc, 'strerror', None) or exc}); "
+                "ranks reach the driver there: give an address of this machine, or 'auto'")
+    return None
 
 
 def _not_sealed_in(site: Site, session: str, name: str) -> str | None:

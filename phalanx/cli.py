@@ -79,10 +79,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130
     state = "succeeded" if result.ok else "FAILED"
     print(f"run {result.run_id} {state} in {time.monotonic() - t0:.1f}s (store session {result.session!r})")
+    from .redact import redact
+
     for stage, error in result.failed.items():
         attempts = db.attempts(result.run_id, stage)
         logs = attempts[-1]["log_dir"] if attempts else "-"
-        print(f"  stage {stage!r} failed: {error}", file=sys.stderr)
+        print(f"  stage {stage!r} failed: {redact(error)}", file=sys.stderr)
         tail = _traceback_tail(attempts[-1]["error"] if attempts else "")
         if tail:
             print(tail, file=sys.stderr)

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .redact import redact
+
 
 class PhalanxError(Exception):
-    """Base class of every phalanx error."""
+    """Base class of every phalanx error.  Its message never carries a credential: a URL's
+    password or a secret-named value in it is replaced by ``***`` (``phalanx.redact``)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args), **kwargs)
 
 
 class MissingDependencyError(PhalanxError, ImportError):
@@ -15,6 +21,10 @@ class MissingDependencyError(PhalanxError, ImportError):
 
 class GangError(PhalanxError):
     """The gang could not be started, or is no longer usable."""
+
+
+class UnsafePathError(PhalanxError, PermissionError):
+    """A directory phalanx would keep its data in could be changed by another user."""
 
 
 @dataclass
@@ -26,6 +36,9 @@ class RankFailure:
     message: str
     traceback: str = ""
     exitcode: int | None = None
+
+    def __post_init__(self) -> None:  # a rank's message travels to the terminal and the run DB
+        self.message, self.traceback = redact(self.message), redact(self.traceback)
 
     def summary(self) -> str:
         if self.exc_type:

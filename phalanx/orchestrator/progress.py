@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TextIO
 
+from ..redact import redact
 from .models import Workflow
 
 _STYLE = {"pending": "dim", "running": "bold yellow", "succeeded": "green", "reused": "cyan",
@@ -56,7 +57,7 @@ class RunProgress:
             self._live.__exit__(*exc)
 
     def __call__(self, stage: str, kind: str, message: str) -> None:
-        now = time.monotonic()
+        now, message = time.monotonic(), redact(message)
         if kind == "run":
             self.run_id = message
         row = self.rows.get(stage)

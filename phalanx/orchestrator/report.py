@@ -7,7 +7,7 @@ the stage got its slots: the gap before an attempt's bar is its gang starting, t
 the rank bars are handing the app over and collecting its results); a table per stage with
 the rows and bytes of its outputs and inputs and each input's repartition path; the failed
 attempts' errors; and the run's events.  Everything taken from the workflow or the run (names,
-errors, messages) is HTML-escaped.
+errors, messages) is HTML-escaped, with any credential in it masked.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..redact import redact
 from .rundb import FINAL, RunDB
 
 COLOURS = {"succeeded": "#2f9e55", "failed": "#d64545", "cancelled": "#e39b2d", "running": "#3b7dd8",
@@ -38,7 +39,8 @@ class UnknownRun(KeyError):
 
 
 def esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
+    """Text for the page: credentials masked (``phalanx.redact``), then HTML-escaped."""
+    return html.escape(redact(str(value)), quote=True)
 
 
 # ---- what the report shows ---------------------------------------------------------------

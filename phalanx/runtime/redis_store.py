@@ -13,6 +13,8 @@ from urllib.parse import parse_qs, urlparse
 import redis
 import torch.distributed as dist
 
+from ..redact import redact
+
 _POLL_S = 0.002
 
 
@@ -36,8 +38,11 @@ class RedisStore(dist.Store):
         self.url = url
         self.client, self.prefix = _client_and_prefix(url)
         self._timeout_s = timeout_s
-        self.client.ping()  # fail here, naming the URL, rather than inside Gloo
-        
+        try:  # fail here, naming the URL (without its password), rather than inside Gloo
+            self.client.ping()
+        except redis.RedisError as exc:
+            raise ConnectionError(f"rendezvous {redact(url)}: {exc}") from exc
+
     def _k(self, key: str) -> str:
         return self.prefix + key
 
@@ -59,7 +64,7 @@ class RedisStore(dist.Store):
         deadline = time.monotonic() + limit
         while not self.check(keys):
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rendezvous {self.url}: keys {keys} not set after {limit:.0f}s")
+                raise TimeoutError(f"rendezvous {redact(self.url)}: keys {keys} not set after {limit:.0f}s")
             time.sleep(_POLL_S)
 
     def compare_set(self, key: str, expected, desired) -> bytes:

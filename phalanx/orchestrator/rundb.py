@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import PhalanxError
+from ..private import create_private, private_dir
+from ..redact import redact_opt
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -51,8 +53,9 @@ def default_state_dir() -> Path:
 class RunDB:
     def __init__(self, state_dir: str | Path | None = None):
         self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.state_dir / "runs.sqlite"
+        private_dir(self.state_dir, "phalanx's run database and logs",
+                    "set PHALANX_STATE to a directory of your own")
+        self.path = create_private(self.state_dir / "runs.sqlite")  # 0600, and so its -wal, -shm
         with self._con() as con:
             con.executescript(_SCHEMA)
             for table, column, kind in _ADDED:
@@ -105,6 +108,8 @@ class RunDB:
         cols = {"state": state, **fields}
         for key in _JSON & set(cols):
             cols[key] = json.dumps(cols[key])
+        if "error" in cols:
+            cols["error"] = redact_opt(cols["error"])
         sets = ", ".join(f"{k}=?" for k in cols)
         with self._con() as con:
             con.execute(f"UPDATE stages SET {sets} WHERE run_id=? AND stage=?", (*cols.values(), run_id, stage))
@@ -127,7 +132,7 @@ class RunDB:
         with self._con() as con:
             con.execute("UPDATE attempts SET state=?, ended=?, error=?, rank_info=COALESCE(?, rank_info) "
                         "WHERE run_id=? AND stage=? AND attempt=?",
-                        (state, time.time(), error, json.dumps(ranks) if ranks is not None else None,
+                        (state, time.time(), redact_opt(error), json.dumps(ranks) if ranks is not None else None,
                          run_id, stage, attempt))
 
     # ---- allocations: what a driver holds on a resource manager (jobs, steps, pilots, groups) --
@@ -152,7 +157,8 @@ class RunDB:
 
     def event(self, run_id: str, kind: str, message: str, stage: str | None = None) -> None:
         with self._con() as con:
-            con.execute("INSERT INTO events VALUES (?,?,?,?,?)", (run_id, time.time(), stage, kind, message))
+            con.execute("INSERT INTO events VALUES (?,?,?,?,?)",
+                        (run_id, time.time(), stage, kind, redact_opt(message)))
 
     # ---- reads --------------------------------------------------------------------------
     def run(self, run_id: str) -> dict | None:

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 
 from .._registry import Registry
+from ..private import create_private, makedirs
 
 
 @dataclass
@@ -144,7 +145,7 @@ class SQLiteMetadata(MetadataBackend):
             text = text[len("sqlite://"):]
         self.path = Path(text).absolute()
         self.url = f"sqlite://{self.path}"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        create_private(makedirs(self.path.parent) / self.path.name)  # 0600, and so its -wal, -shm
         with self._connect() as con:
             con.executescript(_SCHEMA)
             cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}

@@ -27,19 +27,21 @@ import pyarrow.ipc as ipc
 import xxhash
 
 from .._registry import Registry
+from ..private import create_private, makedirs, private_dir
 
 CHECKSUM = "xxh3_64"
 
 
 def default_root() -> Path:
-    """Shared memory when the machine has it (the fast tier on one host), else the temp dir.
+    """Shared memory when the machine has it (the fast tier on one host), else the temp dir:
+    ``<base>/phalanx-<user>/store``, refused if another user could write there (``private``).
 
     ``PHALANX_STORE`` overrides it (``Store`` also accepts an ``s3://`` URL there)."""
     env = os.environ.get("PHALANX_STORE")
     if env:
         return Path(env)
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"phalanx-{getpass.getuser()}" / "store"
+    return _own_dir(base, "the store root", "PHALANX_STORE") / "store"
 
 
 def default_spill_root() -> Path:
@@ -48,7 +50,13 @@ def default_spill_root() -> Path:
     if env:
         return Path(env)
     base = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path(tempfile.gettempdir())
-    return base / f"phalanx-{getpass.getuser()}" / "store"
+    return _own_dir(base, "the store's spill directory", "PHALANX_STORE_SPILL") / "store"
+
+
+def _own_dir(base: Path, what: str, env: str) -> Path:
+    """``<base>/phalanx-<user>``, private to this user (refused if someone else made it)."""
+    return private_dir(base / f"phalanx-{getpass.getuser()}", f"holds {what}",
+                       f"set {env} to a directory of your own")
 
 
 def checksum_buffer(buf: pa.Buffer | bytes | memoryview) -> str:
@@ -177,18 +185,14 @@ class FileTier(Tier):
         return str(self.root / session / ".staging" / tag)
 
     def write_partition(self, location: str, index: int, table: pa.Table) -> tuple[int, str]:
-        directory = Path(location)
-        directory.mkdir(parents=True, exist_ok=True)
-        path = directory / part_file(index)
+        path = _new_partition(location, index)
         with pa.OSFile(str(path), "wb") as sink:
             with ipc.new_file(sink, table.schema) as writer:
                 writer.write_table(table)
         return path.stat().st_size, checksum_file(path)
 
     def write_buffer(self, location: str, index: int, buf: pa.Buffer) -> None:
-        directory = Path(location)
-        directory.mkdir(parents=True, exist_ok=True)
-        with pa.OSFile(str(directory / part_file(index)), "wb") as sink:
+        with pa.OSFile(str(_new_partition(location, index)), "wb") as sink:
             sink.write(buf)
 
     def read_buffer(self, location: str, index: int) -> pa.Buffer:
@@ -197,7 +201,7 @@ class FileTier(Tier):
             return source.read_buffer()
 
     def commit(self, staging: str, final: str) -> None:
-        Path(final).parent.mkdir(parents=True, exist_ok=True)
+        makedirs(Path(final).parent)
         os.rename(staging, final)  # atomic within one filesystem
 
     def remove(self, location: str) -> None:
@@ -209,6 +213,11 @@ class FileTier(Tier):
     def staged(self, owner: str) -> list[Staged]:
         return [Staged(p.parent.parent.name, None, p.name, str(p))
                 for p in self.root.glob(f"*/.staging/{owner}-*")]
+
+
+def _new_partition(location: str, index: int) -> Path:
+    """The partition's file, created empty and readable by this user only (dirs 0700)."""
+    return create_private(makedirs(location) / part_file(index), truncate=True)
 
 
 tiers = Registry("store tier")

@@ -77,7 +77,7 @@ def _one_of(kind: str, value: str, known: Sequence[str]) -> None:
 
 # What executor-section values must be where a launcher uses them as they are (numbers it
 # converts are checked when validate builds each stage's launcher); a key not listed: anything.
-_TEXT, _NUMBER, _LIST, _MAPPING = (str,), (int, float), (list,), (dict,)
+_TEXT, _LIST, _MAPPING = (str,), (list,), (dict,)
 _SECTION_TYPES: dict[str, tuple[type, ...]] = {
     "address": _TEXT, "namespace": (str, type(None)), "strategy": _TEXT, "resources": (dict, list),
     "runtime_env": _MAPPING, "init": _MAPPING,  # ray:

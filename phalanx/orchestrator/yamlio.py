@@ -190,7 +190,7 @@ class _Loader(yaml.SafeLoader):
         except yaml.YAMLError:
             raise
         except Exception as exc:  # PyYAML's converters raise ValueError, AttributeError...
-            what = repr(node.value) if isinstance(node, yaml.ScalarNode) else "this node"
+            what = repr(node.value[:40]) if isinstance(node, yaml.ScalarNode) else "this node"
             why = f": {exc}" if isinstance(exc, ValueError) else ""
             raise ConstructorError(None, None, f"cannot read {what} as !!{node.tag.rsplit(':', 1)[-1]}{why}",
                                    node.start_mark) from None
@@ -209,23 +209,19 @@ def _yaml_problem(exc: yaml.YAMLError, text: str) -> tuple[int, str]:
 def parse_yaml(text: str, source: str, lines: bool = True) -> tuple[Any, yaml.Node]:
     """YAML text → (data, its node tree); a ConfigError says "source:line" (``lines=False``:
     just "source", for a ``--set`` value)."""
+    loader = None
     try:
         loader = _Loader(text)  # checks the characters at once
+        root = loader.get_single_node() or yaml.ScalarNode(  # an empty document: a null at line 1
+            "tag:yaml.org,2002:null", "", yaml.Mark(source, 0, 0, 0, None, None))
+        return loader.construct_document(root), root
     except yaml.YAMLError as exc:
-        loader, error = None, exc
-    else:
-        try:
-            root = loader.get_single_node()
-            if root is None:  # an empty document: a null at line 1
-                root = yaml.ScalarNode("tag:yaml.org,2002:null", "", yaml.Mark(source, 0, 0, 0, None, None))
-            return loader.construct_document(root), root
-        except yaml.YAMLError as exc:
-            error = exc
-        finally:
+        line, problem = _yaml_problem(exc, text)
+        raise ConfigError([f"{source}:{line}: not valid YAML: {problem}" if lines else
+                           f"{source}: not valid YAML: {problem}"]) from None
+    finally:
+        if loader is not None:
             loader.dispose()
-    line, problem = _yaml_problem(error, text)
-    raise ConfigError([f"{source}:{line}: not valid YAML: {problem}" if lines else
-                       f"{source}: not valid YAML: {problem}"]) from None
 
 
 def load_yaml(path: str | Path) -> tuple[Any, yaml.Node, str]:

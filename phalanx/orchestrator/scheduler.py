@@ -204,7 +204,7 @@ class Scheduler:
             cpus = usable_cpus()
             fits = self.capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
             launcher = LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None,
-                                     pool=self._pool)
+                                     pool=self._pool, mem_limit_bytes=rank_memory(self.site))
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
         # driver killed without a word leaves enough for the next status/cancel/resume to free it.
         launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
@@ -372,6 +372,10 @@ def site_launcher(site: Site, ranks: int, stage: Stage | None = None):
         from ..executors.slurm import SlurmLauncher
 
         section = {**(site.slurm or {}), **((stage.slurm if stage else None) or {})}
+        share = rank_memory(site)
+        if share and not {"mem", "mem-per-cpu", "mem_per_cpu"} & set(section):  # SLURM enforces it
+            cpus = int(section.get("cpus-per-task", section.get("cpus_per_task", 1)))
+            section["mem-per-cpu"] = f"{max(1, share // cpus >> 20)}M"
         return SlurmLauncher.from_site(section, ranks, site=site.name)
     from ..executors.ray import RayLauncher
 
@@ -394,6 +398,12 @@ def unverified(store: Store, outputs: list[str]) -> str | None:
         except StoreError as exc:
             return f"output {name!r} failed verification ({exc})"
     return None
+
+
+def rank_memory(site: Site) -> int | None:
+    """Bytes each rank may hold: the site's ``memory_gb`` shared over its slots, like its cores,
+    so stages running side by side stay within it together."""
+    return int(site.memory_gb * 2**30 / site.capacity()) if site.memory_gb else None
 
 
 def command_argv(command: list[str]) -> list[str]:

@@ -55,3 +55,14 @@ def count_rows(env):
     part = pa.table({"rows": [df.num_rows], "amount": [total]}) if env.rank == 0 else \
         pa.table({"rows": pa.array([], pa.int64()), "amount": pa.array([], pa.int64())})
     return {"counted": px.DataFrame.from_arrow(part, env)}
+
+
+def eat_memory(env):
+    """Rank 1 allocates 64 MiB at a time (touched) up to params.gib GiB; the others wait."""
+    import numpy as np
+
+    if env.rank == 1:
+        held = []
+        for _ in range(int(env.params["gib"] * 16)):
+            held.append(np.ones(8 << 20))  # 64 MiB of float64
+    env.comm.barrier()

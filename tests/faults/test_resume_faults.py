@@ -228,3 +228,13 @@ def test_a_backend_that_cannot_start_fails_its_stages_without_cancelling_the_run
     assert {a["state"] for a in db.attempts(result.run_id)} == {"failed"}
     fault.outcome("each stage fails with the reason; run 'failed', no stage left 'running'")
     fault.data_lost("none")
+
+
+def test_a_sites_memory_gb_is_enforced_per_rank(db, fault):
+    fault.describe("a rank over the site's memory_gb (its share: 1 GiB)", backend="local")
+    wf = Workflow(name="mem", stages={"eat": Stage(app="fault_apps:eat_memory", ranks=2, params={"gib": 3})})
+    result = run_workflow(wf, Site(name="t", cores=2, memory_gb=2), db=db)
+    assert not result.ok
+    assert "rank 1" in result.failed["eat"] and "over its memory limit of 1 GiB" in result.failed["eat"], result.failed
+    fault.outcome("the rank is killed at its share of memory_gb and named; the machine never ran short")
+    fault.data_lost("none")

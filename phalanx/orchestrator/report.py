@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..private import makedirs
 from ..redact import redact
 from .rundb import FINAL, RunDB
 
@@ -84,7 +85,7 @@ def write_report(db: RunDB, run_id: str, out: str | Path | None = None) -> Path:
     path = Path(out) if out is not None else db.state_dir / "reports"
     if out is None or path.is_dir():
         path = path / f"{run_id}.html"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    makedirs(path.parent)
     path.write_text(page, encoding="utf-8")
     return path
 

@@ -22,6 +22,7 @@ from urllib.parse import parse_qs, urlencode, urlparse
 
 from .._registry import Registry
 from ..errors import PhalanxError
+from ..private import makedirs
 
 
 class Rendezvous(ABC):
@@ -86,8 +87,7 @@ class FileRendezvous(Rendezvous):
     @classmethod
     def prepare(cls, spec: str, gang_id: str, workdir: Path) -> str:
         path = urlparse(spec).path if "://" in spec else ""
-        directory = Path(path) if path else workdir
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = makedirs(Path(path) if path else workdir)
         return f"file://{directory / f'rdzv-{gang_id}'}"
 
     @classmethod

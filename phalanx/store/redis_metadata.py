@@ -36,6 +36,7 @@ import pyarrow as pa
 import redis
 
 from ..errors import StoreError
+from ..redact import redact
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo
 
 DEFAULT_PREFIX = "phalanx:store:"
@@ -56,15 +57,6 @@ if ARGV[2] == '' then redis.call('HDEL', KEYS[2], ARGV[1])
 else redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
 return 1
 """
-
-
-def redact_url(url: str) -> str:
-    """The URL with its password (if any) replaced by ``***``: safe to print or record."""
-    u = urlparse(url)
-    if u.password is None:
-        return url
-    user = f"{u.username}:" if u.username else ":"
-    return u._replace(netloc=f"{user}***@{u.netloc.rpartition('@')[2]}").geturl()
 
 
 class CatalogueLost(redis.RedisError):
@@ -97,7 +89,7 @@ class RedisMetadata(MetadataBackend):
         self._catalogue: str | None = query.pop("catalogue", None)  # the id a gang's driver saw
         self._writes = 0      # the highest write count this process has seen
         self.url = url if self._catalogue is None else _without(url, "catalogue")
-        self.where = redact_url(self.url)
+        self.where = redact(self.url)
         query.setdefault("socket_connect_timeout", "5")  # an unreachable host fails in seconds
         clean = u._replace(query=urlencode(query)).geturl()
         self.client = redis.Redis.from_url(clean, redis_connect_func=self._on_connect)

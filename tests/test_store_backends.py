@@ -21,6 +21,7 @@ import phalanx as px
 from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
 from phalanx.store.metadata import DatasetInfo, PartitionInfo, SQLiteMetadata, open_metadata
 from phalanx.store.store import parse_bytes
+from phalanx.runtime.rendezvous import free_port
 from phalanx.store.tiers import serialize
 from reference import assert_same_rows, make_part, whole
 from test_store import every_type_table, same_table
@@ -35,9 +36,7 @@ def s3_endpoint():
     pytest.importorskip("moto", reason="moto[server] is not installed (pip install 'phalanx[test]')")
     import pyarrow.fs as pafs
 
-    with socket.socket() as s:  # (not conftest's free_port: tests/faults has a conftest module too)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}

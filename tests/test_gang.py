@@ -15,6 +15,7 @@ import pytest
 
 import phalanx as px
 import apps
+from phalanx.runtime.protocol import heartbeat_s
 
 HERE = Path(__file__).parent
 
@@ -159,7 +160,8 @@ def test_run_timeout_stops_the_ranks(gang2):
     assert not gang2.running
 
 
-def test_ctrl_c_stops_every_rank(tmp_path):
+def sleeping_driver(tmp_path, **env: str) -> tuple[subprocess.Popen, list[int]]:
+    """A driver process whose gang of 2 sleeps forever, and its ranks' pids."""
     script = tmp_path / "driver.py"
     script.write_text(textwrap.dedent(f"""
         import sys
@@ -170,15 +172,50 @@ def test_ctrl_c_stops_every_rank(tmp_path):
             g.run(apps.sleep_forever)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), proc.stderr.read()
-    pids = [int(p) for p in line.split()[1:]]
+    return proc, [int(p) for p in line.split()[1:]]
+
+
+def test_ctrl_c_stops_every_rank(tmp_path):
+    proc, pids = sleeping_driver(tmp_path)
     assert all(alive(p) for p in pids)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=20)
     assert "KeyboardInterrupt" in proc.stderr.read()
     assert wait_dead(pids) == []
+
+
+def app_sleep_pid(env, seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def test_heartbeats_keep_ranks_alive_past_the_driver_timeout(monkeypatch):
+    """Ranks leave a silent driver after PHALANX_DRIVER_TIMEOUT; the driver's heartbeats keep
+    them while an app runs longer than that."""
+    monkeypatch.setenv("PHALANX_DRIVER_TIMEOUT", "1")
+    with px.Gang(ranks=2, echo=False) as g:
+        assert g.run(app_sleep_pid, 3.0) == g.pids
+        assert g.run(app_sleep_pid, 0.0) == g.pids
+
+
+def test_ranks_leave_a_driver_that_stops_answering(tmp_path):
+    """A driver that hangs (here: SIGSTOP) keeps its connections open: no end of file, no
+    parent death; the ranks notice the missing heartbeats and exit (their last words go to
+    the stopped driver's pipes: no log to read here)."""
+    proc, pids = sleeping_driver(tmp_path, PHALANX_DRIVER_TIMEOUT="2")
+    try:
+        proc.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert wait_dead(pids, within=20) == []
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    # the last heartbeat came up to one interval before the stop
+    assert took > 2 - heartbeat_s(2) - 0.2, f"the ranks left {took:.1f} s after the stop: not by the 2 s timeout"
 
 
 @pytest.mark.parametrize("rendezvous", ["file", "tcp://127.0.0.1"])

@@ -21,6 +21,7 @@ from typing import Sequence
 
 from ..errors import MissingDependencyError
 from ..runtime import protocol as P
+from ..runtime.worker import descendants as _descendants
 from .base import Launcher, shared_env
 from .local import Echo, RankOutput, cpu_placement, start_pump
 
@@ -191,20 +192,6 @@ def _common_env(rank_env: list[dict[str, str]]) -> dict[str, str]:
     if any(P.ENV_CPUS in env for env in rank_env):
         common[ENV_CPUS_BY_RANK] = "|".join(env.get(P.ENV_CPUS, "") for env in rank_env)
     return common
-
-
-def _descendants(pid: int) -> list[int]:
-    """Children, grandchildren... of ``pid`` (Linux /proc; empty elsewhere)."""
-    found, todo = [], [pid]
-    while todo:
-        try:
-            with open(f"/proc/{todo[0]}/task/{todo[0]}/children") as f:
-                kids = [int(c) for c in f.read().split()]
-        except OSError:  # gone already, or not Linux
-            kids = []
-        found += kids
-        todo = todo[1:] + kids
-    return found
 
 
 def _alive(pid: int) -> bool:

@@ -5,6 +5,9 @@ Every message is a tuple whose first item names it; payloads are cloudpickled on
 rank → driver: ("hello", rank, pid, host) · ("ready", rank, seconds) · ("result", task, value)
                ("error", task | None, RankFailure)
 driver → rank: ("run", task, app, args, kwargs, params) · ("shutdown",)
+               and, every ``heartbeat_s(timeout)``, an empty message (``HEARTBEAT``, never a
+               pickle): a rank that hears nothing for ``PHALANX_DRIVER_TIMEOUT`` seconds, or sees
+               the connection end, takes its driver for gone and exits (``worker.DriverWatch``)
 """
 
 from __future__ import annotations
@@ -28,6 +31,16 @@ ENV_CPUS_BY_RANK = "PHALANX_CPUS_BY_RANK"  # "0|1|2,3": per rank, when all ranks
 ENV_THREADS = "PHALANX_THREADS"        # threads for this rank's local kernels
 ENV_TIMEOUT = "PHALANX_TIMEOUT"        # seconds for rendezvous and collectives
 ENV_PDEATHSIG = "PHALANX_PDEATHSIG"    # "1": die with the launching process
+ENV_DRIVER_TIMEOUT = "PHALANX_DRIVER_TIMEOUT"  # seconds of silence after which the driver is gone
+
+HEARTBEAT = b""            # the driver's "still here"
+HEARTBEAT_S = 1.0          # how often the driver sends it, at most
+DRIVER_TIMEOUT_S = 60.0    # default silence a rank tolerates (a driver stopped, hung or cut off)
+
+
+def heartbeat_s(driver_timeout_s: float) -> float:
+    """Seconds between heartbeats: a rank's timeout spans at least four."""
+    return min(HEARTBEAT_S, driver_timeout_s / 4)
 
 # Where other launchers put the rank, in the order they are checked.
 _RANK_VARS = (ENV_RANK, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
@@ -50,4 +63,8 @@ def send(conn: Connection, *msg: Any) -> None:
 
 
 def recv(conn: Connection) -> tuple:
-    return pickle.loads(conn.recv_bytes())
+    return loads(conn.recv_bytes())
+
+
+def loads(data: bytes) -> tuple:
+    return pickle.loads(data)

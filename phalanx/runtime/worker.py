@@ -4,13 +4,22 @@ Started by an executor (local processes, srun, mpirun, a Ray actor...) with the 
 variables of ``protocol``.  It connects to the driver, rendezvouses with its peers, builds the
 communicator once, then runs apps sent by the driver until told to shut down: the gang and its
 communicator outlive one app (CylonFlow's stateful actors).
+
+A rank never outlives its driver: ``DriverWatch`` reads the control connection in a thread
+while the app computes, and ends the rank and everything it started when the connection ends
+(the driver exited or was killed) or stays silent past the driver's heartbeat timeout (a
+driver hung or cut off) — on every executor, whether or not a parent-death signal reaches the
+rank (srun and Ray put processes between the driver and its ranks).
 """
 
 from __future__ import annotations
 
 import os
+import queue
+import signal
 import socket
 import sys
+import threading
 import time
 
 
@@ -39,7 +48,6 @@ def _die_with_parent() -> None:
     if os.environ.get("PHALANX_PDEATHSIG") != "1" or not sys.platform.startswith("linux"):
         return
     import ctypes
-    import signal
 
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -61,6 +69,8 @@ def main() -> int:
     host, _, port = os.environ[P.ENV_CONTROL].rpartition(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[P.ENV_AUTHKEY]))
     P.send(conn, "hello", rank, os.getpid(), socket.gethostname())
+    watch = DriverWatch(conn, rank, float(os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S))
+    watch.start()
 
     try:
         env = _build_env(rank, world_size, threads)
@@ -68,7 +78,79 @@ def main() -> int:
         P.send(conn, "error", None, failure_from_exception(rank, exc))
         return 1
     P.send(conn, "ready", rank, time.perf_counter() - t0)
-    return _serve(conn, env)
+    return _serve(conn, watch, env)
+
+
+class DriverWatch(threading.Thread):
+    """Reads everything the driver sends: apps and shutdown go to ``inbox`` for the main
+    thread; heartbeats only prove the driver lives.  End of the connection, or silence for
+    ``timeout_s``, means the driver is gone: the rank and its children end at once, even while
+    the app computes, so nothing of theirs (a seal into the store) happens after the driver."""
+
+    def __init__(self, conn, rank: int, timeout_s: float):
+        super().__init__(name="phalanx-driver-watch", daemon=True)
+        self.conn, self.rank, self.timeout_s = conn, rank, timeout_s
+        self.inbox: "queue.Queue[bytes]" = queue.Queue()
+        self.stopping = threading.Event()  # set by the main thread on "shutdown"
+
+    def run(self) -> None:
+        from . import protocol as P
+
+        heard = time.monotonic()
+        while True:
+            try:
+                if not self.conn.poll(P.heartbeat_s(self.timeout_s)):
+                    if time.monotonic() - heard > self.timeout_s:
+                        self.driver_gone(f"no word from the driver for {self.timeout_s:g} s "
+                                         "(hung, stopped or cut off)")
+                    continue
+                data = self.conn.recv_bytes()
+            except (EOFError, OSError):
+                # after "shutdown" the driver closes the connection: that is no loss (the
+                # main thread may not have taken the message from the inbox yet)
+                if self.stopping.wait(1.0 if self.inbox.qsize() else 0.0):
+                    return
+                self.driver_gone("the driver closed the control connection (it exited or was killed)")
+            heard = time.monotonic()
+            if data != P.HEARTBEAT:
+                self.inbox.put(data)
+
+    def driver_gone(self, why: str) -> None:
+        try:
+            print(f"phalanx rank {self.rank}: {why}; ending this rank and what it started",
+                  file=sys.stderr, flush=True)
+        except Exception:  # stderr may be a pipe the dead driver read
+            pass
+        end_process_tree()
+        os._exit(1)
+
+
+def end_process_tree() -> None:
+    """SIGKILL this process's descendants, and its process group when it leads one (a rank
+    started with its own session; not under srun or Ray, whose groups hold other processes)."""
+    for pid in descendants(os.getpid()):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Children, grandchildren... of ``pid`` (Linux /proc; empty elsewhere)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = []
+        try:  # every thread's children: a subprocess started from any thread counts
+            for task in os.listdir(f"/proc/{todo[0]}/task"):
+                with open(f"/proc/{todo[0]}/task/{task}/children") as f:
+                    kids += [int(c) for c in f.read().split()]
+        except OSError:  # gone already, or not Linux
+            pass
+        found += kids
+        todo = todo[1:] + kids
+    return found
 
 
 def _build_env(rank: int, world_size: int, threads: int):
@@ -103,16 +185,14 @@ def _limit_kernel_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _serve(conn, env) -> int:
+def _serve(conn, watch: DriverWatch, env) -> int:
     from . import protocol as P
     from .tasks import failure_from_exception, resolve_app
 
     while True:
-        try:
-            msg = P.recv(conn)
-        except (EOFError, OSError):
-            return 0  # the driver went away: nothing left to do
+        msg = P.loads(watch.inbox.get())  # the driver's end ends this process (DriverWatch)
         if msg[0] == "shutdown":
+            watch.stopping.set()
             env.comm.close()
             return 0
         _, task, app, args, kwargs, params = msg

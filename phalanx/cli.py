@@ -356,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if hasattr(signal, "SIGPIPE"):  # `phalanx status | head` ends quietly
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
-    return args.fn(args)
+    from .errors import PhalanxError
+
+    try:
+        return args.fn(args)
+    except PhalanxError as exc:  # a refused directory, an unreachable store...: one line, no traceback
+        print(f"phalanx {args.cmd}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

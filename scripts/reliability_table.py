@@ -5,7 +5,7 @@
     .venv/bin/python scripts/reliability_table.py -m "faults and not slurm and not ray"
 
 Each fault test records fault, backend, what phalanx did, time to detect and data lost
-(tests/faults/conftest.py); the table between the markers in docs/reliability.md is replaced.
+(the fault fixture in tests/conftest.py); the table between the markers in docs/reliability.md is replaced.
 """
 
 from __future__ import annotations

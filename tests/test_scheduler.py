@@ -376,3 +376,16 @@ def test_cli_run_failure_names_stage_rank_and_the_traceback(tmp_path):
     assert "rank 1, last lines of its traceback:" in out.stderr
     assert "in ratio" in out.stderr and "return 1 / x" in out.stderr
     assert "--resume" in out.stderr
+
+
+def test_a_site_names_where_the_store_catalogue_lives(db, tmp_path):
+    from phalanx.orchestrator.models import StoreConfig
+
+    url = f"sqlite://{tmp_path / 'catalogue.sqlite'}"
+    s = Site(name="meta", cores=4, store=StoreConfig(metadata=url))
+    result = run_workflow(pipeline(), s, db=db)
+    assert result.ok, result.failed
+    assert px.Store(session=result.session, metadata=url).list() == ["totals", "tx"]
+    assert not px.Store(session=result.session).exists("tx")  # not in the default catalogue
+    with pytest.raises(ValueError, match="unknown store metadata backend 'mongo'"):
+        StoreConfig(metadata="mongo://x")

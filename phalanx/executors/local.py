@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Callable, Iterable, Sequence
 
+from ..private import makedirs, opener
 from .base import Launcher
 
 if TYPE_CHECKING:
@@ -243,14 +244,14 @@ class RankOutput:
     """
 
     def __init__(self, log_dir: Path, echo: Echo):
-        log_dir.mkdir(parents=True, exist_ok=True)
+        makedirs(log_dir)  # logs are the user's only: 0700 directories, 0600 files
         self.log_dir = log_dir
         self.echo = echo
         self._files: dict[int | None, IO[bytes]] = {}
         self._lock = threading.Lock()  # several pump threads may open files at once
 
     def move_to(self, log_dir: Path) -> None:
-        log_dir.mkdir(parents=True, exist_ok=True)
+        makedirs(log_dir)
         with self._lock:
             for f in self._files.values():
                 f.close()
@@ -265,8 +266,7 @@ class RankOutput:
                 if log is None:
                     name = f"rank-{rank}.log" if rank is not None else "launcher.log"
                     # unbuffered: the gang reads a failed rank's log tail at once
-                    fd = os.open(self.log_dir / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                    log = self._files[rank] = os.fdopen(fd, "ab", buffering=0)
+                    log = self._files[rank] = open(self.log_dir / name, "ab", buffering=0, opener=opener)
         log.write(line)
         if self.echo:
             prefix = f"[rank {rank}] " if rank is not None else "[launcher] "

@@ -28,12 +28,17 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
+def _pickled_digest(value: Any) -> str:
+    """A param JSON cannot hold (a numpy array in a Python workflow): the digest of its pickle."""
+    import cloudpickle
+
+    return "pickled " + hashlib.sha256(cloudpickle.dumps(value)).hexdigest()[:16]
+
+
 def app_identity(app: Any) -> str:
     """A digest of the app's code: its module's source file, or the pickled function."""
     if not isinstance(app, str):
-        import cloudpickle
-
-        return "pickled " + hashlib.sha256(cloudpickle.dumps(app)).hexdigest()[:16]
+        return _pickled_digest(app)
     module = app.partition(":")[0]
     try:
         spec = importlib.util.find_spec(module)
@@ -55,7 +60,7 @@ def fingerprints(wf: Workflow, deps: dict[str, set[str]], store: Store) -> dict[
         if name in out:
             return out[name]
         st = wf.stages[name]
-        definition = st.model_dump(mode="json", exclude=_NOT_OUTPUT)
+        definition = st.model_dump(mode="json", exclude=_NOT_OUTPUT, fallback=_pickled_digest)
         external = {}
         for spec in st.inputs.values():
             if spec.dataset not in produced:

@@ -222,6 +222,18 @@ class Workflow(_Strict, Located):
 class StoreConfig(_Strict):
     root: Optional[str] = Field(None, description="store directory (default: /dev/shm/phalanx-$USER/store)")
     session: Optional[Session] = Field(None, description="namespace; default: the workflow's name and the run id")
+    metadata: Optional[str] = Field(
+        None, description="where the store's catalogue lives: sqlite:///path or redis://host:port/db (ranks on "
+        "several hosts); default: $PHALANX_STORE_METADATA, else SQLite beside the store root")
+
+    @field_validator("metadata")
+    @classmethod
+    def _known_metadata(cls, value: Optional[str]) -> Optional[str]:
+        from ..store.metadata import metadata_backends
+
+        if value and "://" in value:
+            _one_of("store metadata backend", value.split("://", 1)[0], metadata_backends.names())
+        return value
 
     @field_validator("root")
     @classmethod

@@ -40,7 +40,7 @@ class Scheduler:
     def __init__(self, wf: Workflow, site: Site, db: RunDB, run_id: str, session: str,
                  on_event: Callable[[str, str, str], None] | None = None):
         self.wf, self.site, self.db, self.run_id = wf, site, db, run_id
-        self.store = Store(site.store.root, session)
+        self.store = Store(site.store.root, session, metadata=site.store.metadata)
         self.on_event = on_event or (lambda stage, kind, msg: None)
         self.capacity = site.capacity()
         self._free = list(range(self.capacity))
@@ -461,4 +461,10 @@ def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB 
     else:
         run_id, session = db.new_run(wf.name, file, site.name, site.store.session,
                                      {n: s.ranks for n, s in wf.stages.items()})
-    return Scheduler(wf, site, db, run_id, session, on_event).run()
+    try:
+        scheduler = Scheduler(wf, site, db, run_id, session, on_event)
+    except BaseException as exc:  # the store refused (another user's root, Redis down): the run ends here
+        db.event(run_id, "failed", f"{type(exc).__name__}: {exc}")
+        db.set_run(run_id, "failed")
+        raise
+    return scheduler.run()

@@ -27,6 +27,7 @@ from typing import Any, Iterator
 import pyarrow as pa
 
 from .._registry import Registry
+from ..errors import StoreError
 from ..private import create_private, makedirs
 
 
@@ -157,10 +158,15 @@ class SQLiteMetadata(MetadataBackend):
 
     @contextmanager
     def _connect(self) -> Iterator[sqlite3.Connection]:
-        con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        try:
+            con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise StoreError(f"store metadata {self.path}: {exc}") from None
         try:
             con.execute("PRAGMA journal_mode=WAL")
             yield con
+        except sqlite3.Error as exc:  # a full disk ("disk I/O error"), a corrupted file...
+            raise StoreError(f"store metadata {self.path}: {exc}") from exc
         finally:
             con.close()
 
@@ -214,7 +220,8 @@ class SQLiteMetadata(MetadataBackend):
                 yield con
                 con.execute("COMMIT")
             except BaseException:
-                con.execute("ROLLBACK")
+                if con.in_transaction:  # a failed COMMIT (disk full) may have ended it already
+                    con.execute("ROLLBACK")
                 raise
 
     def seal(self, info: DatasetInfo, replace: bool) -> DatasetInfo | None:

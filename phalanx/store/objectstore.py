@@ -21,6 +21,7 @@ from urllib.parse import parse_qs, urlparse
 import pyarrow as pa
 import pyarrow.fs as pafs
 
+from ..redact import redact
 from .tiers import Staged, Tier, checksum_buffer, part_file, serialize
 
 _OPTIONS = ("endpoint_override", "region", "scheme", "anonymous", "force_virtual_addressing")
@@ -30,11 +31,11 @@ def parse_s3_url(url: str) -> tuple[str, dict]:
     """``s3://bucket/prefix?opts`` → (``bucket/prefix``, S3FileSystem keyword arguments)."""
     u = urlparse(url)
     if u.scheme != "s3" or not u.netloc:
-        raise ValueError(f"not an s3://bucket/prefix URL: {url!r}")
+        raise ValueError(f"not an s3://bucket/prefix URL: {redact(url)!r}")
     query = {k: v[-1] for k, v in parse_qs(u.query).items()}
     unknown = set(query) - set(_OPTIONS)
     if unknown:
-        raise ValueError(f"store URL {url!r}: unknown option(s) {sorted(unknown)}; "
+        raise ValueError(f"store URL {redact(url)!r}: unknown option(s) {sorted(unknown)}; "
                          f"known: {', '.join(_OPTIONS)} (credentials come from AWS_* variables)")
     kwargs: dict = {}
     endpoint = query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") \

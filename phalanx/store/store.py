@@ -25,6 +25,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import pyarrow as pa
 
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
+from ..private import makedirs
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
 from .tiers import (FileTier, Staged, Tier, checksum_buffer, default_root, default_spill_root, open_tier,
                     part_file)
@@ -432,7 +433,7 @@ class Store:
         if trash is None:  # object stores: remove at once (documented)
             self._tier_for(location).remove(location)
             return
-        trash.mkdir(parents=True, exist_ok=True)
+        makedirs(trash)
         (trash / f"{time.time_ns()}-{uuid.uuid4().hex[:6]}").write_text(location)
         self.purge_retired()
 

@@ -265,8 +265,6 @@ def test_what_phalanx_creates_is_private(tmp_path, victim, monkeypatch, fault):
     fault.data_lost("none")
 
 
-@pytest.mark.xfail(strict=True, reason="rank logs are opened in executors/local.py RankOutput (not yet "
-                   "with phalanx.private.opener / makedirs)")
 def test_rank_logs_are_private(tmp_path):
     wf = tmp_path / "say.yaml"
     wf.write_text(textwrap.dedent(f"""

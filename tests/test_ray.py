@@ -7,8 +7,10 @@ talk over Gloo, not through Ray.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -283,6 +285,37 @@ def test_a_workflow_stage_whose_actor_dies_is_retried_on_a_fresh_gang(ray_cluste
     want = store.read("tx").to_pandas().groupby("user", as_index=False)["amount"].sum()
     assert got["user"].tolist() == want["user"].tolist() and got["amount"].tolist() == want["amount"].tolist()
     store.delete_session()
+
+
+class Hook(list):
+    """An allocation hook that remembers what it was told."""
+
+    def held(self, record: dict) -> None:
+        self.append(("held", dict(record)))
+
+    def released(self, record: dict) -> None:
+        self.append(("released", dict(record)))
+
+
+def test_a_gangs_placement_group_is_announced_and_released_from_another_process(ray_cluster):
+    """What ``phalanx status`` does for a lost run: a fresh process connects to the cluster,
+    kills the recorded gang's actors and removes its placement group."""
+    lch = launcher(ray_cluster)
+    lch.allocation_hook = hook = Hook()
+    with px.Gang(2, executor=lch, echo=False) as gang:
+        record = {"executor": "ray", "kind": "placement_group", "id": f"phalanx-{gang.gang_id}",
+                  "ranks": 2, "address": ray_cluster.address, "namespace": ray.get_runtime_context().namespace}
+        assert hook == [("held", record)]
+        code = "import json, sys; from phalanx.executors import release; print(release(json.loads(sys.argv[1])))"
+        out = subprocess.run([sys.executable, "-c", code, json.dumps(record)], capture_output=True,
+                             text=True, timeout=120)
+        assert out.stdout.strip() == f"ray: removed placement group {record['id']} and killed 2 rank actor(s)", out
+        assert wait_until(lambda: not any(alive(p) for p in gang.pids))
+        assert wait_until(lambda: not live_groups(gang))
+        from phalanx.executors import release
+
+        assert release(record) == f"ray: placement group {record['id']} already gone"  # here: Ray's connection
+    assert hook[-1] == ("released", record)
 
 
 def test_missing_ray_names_the_extra(monkeypatch):

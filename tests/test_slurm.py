@@ -8,9 +8,11 @@ SLURM's own reasons (PENDING (Resources), PartitionNodeLimit, a bad partition) a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -273,6 +275,62 @@ def test_a_pilot_that_ended_is_replaced_and_a_gang_too_big_for_it_is_refused(tmp
     finally:
         pilot.close()
     assert active_jobs(second) == []
+
+
+# ---- allocations: announced to the launcher's hook, freed from any process -----------------
+class Hook(list):
+    """An allocation hook that remembers what it was told."""
+
+    def held(self, record: dict) -> None:
+        self.append(("held", dict(record)))
+
+    def released(self, record: dict) -> None:
+        self.append(("released", dict(record)))
+
+
+def release_elsewhere(record: dict) -> str:
+    """``phalanx.executors.release`` in another process (as ``phalanx status`` of a lost run)."""
+    code = "import json, sys; from phalanx.executors import release; print(release(json.loads(sys.argv[1])))"
+    return subprocess.run([sys.executable, "-c", code, json.dumps(record)], capture_output=True,
+                          text=True, timeout=120, check=True).stdout.strip()
+
+
+def test_a_job_is_announced_before_sbatch_and_released_by_name_from_another_process(tmp_path):
+    launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2)
+    launcher.allocation_hook = hook = Hook()
+    launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
+    name = launcher.step_name
+    record = {"executor": "slurm", "kind": "job", "id": name, "job": launcher.job_id, "conf": CONF}
+    assert hook == [("held", {**record, "job": None}), ("held", record)]  # named before SLURM knew it
+    wait_until(lambda: "RUNNING" in launcher.status(), 30, "the job to run")
+    assert release_elsewhere({**record, "job": None}) == f"slurm: scancel job {launcher.job_id} ({name})"
+    wait_until(lambda: not active_jobs(launcher.job_id), 30, "the job to go")
+    assert release_elsewhere(record) == f"slurm: job {name} already gone"
+    launcher.kill()
+    assert hook[-1] == ("released", record)
+
+
+def test_a_pilot_and_its_steps_are_announced_and_released_from_another_process(tmp_path):
+    pilot = SlurmPilot({"nodes": 1, "ntasks": 2}, conf=CONF)
+    launcher = SlurmLauncher(allocation="pilot", pilot=pilot)
+    launcher.allocation_hook = hook = Hook()
+    try:
+        launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
+        records = [r for what, r in hook if what == "held"]
+        assert [(r["kind"], r["job"]) for r in records] == [("pilot", None), ("pilot", pilot.job_id),
+                                                           ("step", pilot.job_id)]
+        step = records[-1]
+        wait_until(lambda: "RUNNING" in launcher.status(), 30, "the step to run")
+        assert re.fullmatch(rf"slurm: scancel step {pilot.job_id}\.\d+ \({step['id']}\)", release_elsewhere(step))
+        assert all(c < 0 for c in wait_codes(launcher))  # the step ended; the pilot lives on
+        assert active_jobs(pilot.job_id)
+        assert release_elsewhere(records[1]) == f"slurm: scancel pilot {pilot.job_id} ({records[1]['id']})"
+        wait_until(lambda: not active_jobs(records[1]["job"]), 30, "the pilot to go")
+        assert release_elsewhere(step) == f"slurm: step {step['id']} already gone"
+        launcher.kill()
+    finally:
+        pilot.close()
+    assert hook[-2:] == [("released", step), ("released", records[1])]
 
 
 # ---- pilot: one held allocation, every gang a job step ----------------------------------

@@ -32,7 +32,15 @@ Differences from the local executor, by design:
   directory) can still reach it.
 - A dead actor's rank reports exit code -9 (SIGKILL), and Ray's reason is appended to its log
   (``[phalanx ray] the rank's Ray actor died: ...``), which the gang's error shows.
-- If the driver dies, Ray removes the job's actors and placement groups (about a second).
+
+When the driver dies: the rank actors are named (``phalanx-<gang>-rankR``, namespace
+``phalanx``) but not detached, so they and the placement group belong to the driver's Ray
+job.  Measured on Ray 2.60 with the driver SIGKILLed: the raylet sees the driver's socket
+close, the GCS marks the job finished, kills its actors and removes its placement groups
+within 0.3 s.  The ranks also end by themselves (their control connection ends:
+``runtime.worker.DriverWatch``).  Where Ray would keep them longer (a Ray Client driver keeps
+its job for a reconnect grace period; a partitioned driver), the placement group is in the run
+DB from before its creation (``base.held``) and ``release`` removes it and kills its actors.
 
 Site section (all optional)::
 
@@ -72,7 +80,7 @@ from urllib.parse import urlparse
 
 from ..errors import GangError, MissingDependencyError, PhalanxError
 from ..runtime import protocol as P
-from .base import Launcher
+from .base import Launcher, held, released
 
 STRATEGIES = ("STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD")
 SITE_KEYS = ("address", "namespace", "strategy", "cpus_per_rank", "resources",
@@ -152,6 +160,7 @@ class RayLauncher(Launcher):
         self._codes: list[int | None] = []
         self._follower: _LogFollower | None = None
         self._log_paths: list[Path] = []
+        self._allocation: dict | None = None   # the gang's placement group (base.held)
         self.timings: dict[str, float] = {}
 
     @classmethod
@@ -229,7 +238,11 @@ class RayLauncher(Launcher):
         gang_id = rank_env[0].get(P.ENV_GANG_ID) or uuid.uuid4().hex[:12]
 
         t0 = time.perf_counter()
-        self.pg = placement_group(bundles, strategy=self.strategy, name=f"phalanx-{gang_id}")
+        self._allocation = {"executor": "ray", "kind": "placement_group", "id": f"phalanx-{gang_id}",
+                            "ranks": n, "address": ray.get_runtime_context().gcs_address,
+                            "namespace": ray.get_runtime_context().namespace}
+        held(self.allocation_hook, self._allocation)  # before it exists: found by name
+        self.pg = placement_group(bundles, strategy=self.strategy, name=self._allocation["id"])
         ready, _ = ray.wait([self.pg.ready()], timeout=self.ready_timeout_s)
         if not ready:
             why = self._why_unplaceable(ray, bundles)
@@ -351,21 +364,23 @@ class RayLauncher(Launcher):
 
     # ---- helpers ------------------------------------------------------------------------------
     def _reset(self) -> None:
-        if self.pg is not None or self.actors:
+        if self.pg is not None or self.actors or self._allocation is not None:
             self.kill(grace_s=0)
         self.pg, self.actors, self.nodes, self._done, self._codes = None, [], [], [], []
         self.timings = {}
 
     def _remove_pg(self) -> None:
         pg, self.pg = self.pg, None
-        if pg is None:
-            return
-        try:
-            from ray.util.placement_group import remove_placement_group
+        if pg is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
 
-            remove_placement_group(pg)
-        except Exception:
-            pass
+                remove_placement_group(pg)
+            except Exception:  # Ray is gone (shutdown): it removed the job's groups itself
+                pass
+        record, self._allocation = self._allocation, None
+        if record is not None:
+            released(self.allocation_hook, record)
 
     def _describe(self, bundles: list[dict[str, float]]) -> str:
         kinds: dict[str, int] = {}
@@ -441,6 +456,40 @@ class RayLauncher(Launcher):
                 f.write(f"[phalanx ray] {text}\n")
         except (OSError, IndexError):
             pass
+
+
+def release(record: dict) -> str:
+    """Kill the rank actors and remove the placement group of a gang recorded by
+    ``RayLauncher.launch`` (from any process; connects to the record's cluster if need be)."""
+    ray = import_ray()
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table, remove_placement_group
+
+    ours = not ray.is_initialized()
+    if ours:
+        RayLauncher(address=record["address"], namespace=record.get("namespace"), site="release").connect()
+    elif ray.get_runtime_context().gcs_address != record["address"]:
+        raise GangError(f"ray: this process is connected to the Ray cluster at "
+                        f"{ray.get_runtime_context().gcs_address}, not {record['address']}")
+    try:
+        actors = 0
+        for r in range(int(record.get("ranks", 0))):
+            try:
+                ray.kill(ray.get_actor(f"{record['id']}-rank{r}", namespace=record.get("namespace")),
+                         no_restart=True)
+                actors += 1
+            except ValueError:  # no such live actor
+                pass
+        groups = [pg_id for pg_id, t in placement_group_table().items()
+                  if t.get("name") == record["id"] and t.get("state") != "REMOVED"]
+        for pg_id in groups:
+            remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
+    finally:
+        if ours:
+            ray.shutdown()
+    if not (actors or groups):
+        return f"ray: placement group {record['id']} already gone"
+    return f"ray: removed placement group {record['id']} and killed {actors} rank actor(s)"
 
 
 def _fits(bundle: dict[str, float], have: dict[str, float]) -> bool:

@@ -44,9 +44,9 @@ Site keys (the ``slurm:`` section of a site file; ``-`` and ``_`` are interchang
       time: "12:00:00"                  # plus partition/account/qos/... (default: from above)
 """
 
-from .commands import ACTIVE, FAILED, HOPELESS, OPTION_KEYS, JobInfo, SlurmCommands
+from .commands import ACTIVE, FAILED, HOPELESS, OPTION_KEYS, JobInfo, SlurmCommands, release
 from .launcher import Echo, SlurmLauncher
 from .pilot import SlurmPilot
 
 __all__ = ["ACTIVE", "FAILED", "HOPELESS", "OPTION_KEYS", "Echo", "JobInfo", "SlurmCommands",
-           "SlurmLauncher", "SlurmPilot"]
+           "SlurmLauncher", "SlurmPilot", "release"]

@@ -137,6 +137,13 @@ class SlurmCommands:
                 return JobInfo(job_id, parts[1].split()[0], parts[3], parts[4], status, parts[5])
         return JobInfo(job_id, "GONE")  # neither squeue nor accounting knows it any more
 
+    def jobs_named(self, name: str) -> list[str]:
+        """Active jobs called ``name``; an unreachable controller raises GangError."""
+        r = self.run("squeue", "-h", "-n", name, "-o", "%i", timeout=30)
+        if r.returncode != 0:
+            raise GangError(f"slurm: squeue failed: {r.stderr.strip() or r.returncode}")
+        return r.stdout.split()
+
     def step_ids(self, job_id: str, name: str) -> list[str]:
         r = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j", timeout=30)
         return [line.split("|")[0] for line in r.stdout.splitlines()
@@ -173,6 +180,30 @@ class SlurmCommands:
             self.run("scancel", *args, timeout=15)
         except subprocess.TimeoutExpired:
             pass
+
+
+def allocation(kind: str, name: str, slurm: SlurmCommands, job: str | None = None) -> dict:
+    """The record of a job, pilot or step (``base.held``): named before SLURM knows it, so
+    ``release`` finds it by name even when the driver died before it learnt the job id."""
+    return {"executor": "slurm", "kind": kind, "id": name, "job": job, "conf": slurm.conf}
+
+
+def release(record: dict) -> str:
+    """scancel an allocation recorded by ``allocation`` (from any process on a submit host)."""
+    slurm = SlurmCommands(record.get("conf"))
+    kind, name = record.get("kind", "job"), record["id"]
+    if kind == "step":  # a step of a pilot: gone with it
+        info = slurm.job(record["job"])
+        if info.state == "UNKNOWN":
+            raise GangError(f"slurm: cannot tell whether pilot job {record['job']} lives: {info.reason}")
+        targets = slurm.step_ids(record["job"], name) if info.active else []
+    else:
+        targets = slurm.jobs_named(name)
+    for target in targets:
+        slurm.cancel(target)
+    if not targets:
+        return f"slurm: {kind} {name} already gone"
+    return f"slurm: scancel {kind} {', '.join(targets)} ({name})"
 
 
 def _site(site: str) -> str:

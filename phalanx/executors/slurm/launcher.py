@@ -17,9 +17,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import GangError
 from ...runtime import protocol as P
-from ..base import Launcher, shared_env
+from ..base import Launcher, held, released, shared_env
 from .commands import (FAILED, HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site,
-                       _split_section, _wait_inactive)
+                       _split_section, _wait_inactive, allocation)
 from .pilot import SlurmPilot
 
 Echo = bool | Callable[[str], None]
@@ -131,6 +131,7 @@ class SlurmLauncher(Launcher):
         self._raised = False
         self._killing = False
         self._follower: _Follower | None = None
+        self._allocation: dict | None = None  # this gang's job or step (base.held)
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
         # SLURM places and binds the ranks; phalanx only sizes their thread pools
@@ -181,7 +182,22 @@ class SlurmLauncher(Launcher):
                 "--open-mode=append", "--no-requeue",  # a lost node fails the stage: phalanx retries
                 "--export=ALL", f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
                 *_option_args(self.options), *self.sbatch_args, str(script)]
-        self.job_id = self.slurm.submit(args, env, self.site)
+        self._hold(allocation("job", self.step_name, self.slurm))  # before sbatch: see base.held
+        try:
+            self.job_id = self.slurm.submit(args, env, self.site)
+        except BaseException:
+            self._let_go()
+            raise
+        self._hold({**self._allocation, "job": self.job_id})
+
+    def _hold(self, record: dict) -> None:
+        self._allocation = record
+        held(self.allocation_hook, record)
+
+    def _let_go(self) -> None:
+        record, self._allocation = self._allocation, None
+        if record is not None:
+            released(self.allocation_hook, record)
 
     def _launch_step(self, argv: Sequence[str], env: dict[str, str]) -> None:
         pilot = self.pilot
@@ -189,8 +205,9 @@ class SlurmLauncher(Launcher):
         if pilot.ntasks and self.world_size > int(pilot.ntasks):
             raise GangError(f"slurm: a gang of {self.world_size} ranks does not fit the pilot's "
                             f"{pilot.ntasks} tasks{_site(self.site)}: raise slurm.pilot.ntasks")
-        pilot.start()
+        pilot.start(hook=self.allocation_hook, driver=env.get(P.ENV_CONTROL))
         self.job_id = pilot.job_id
+        self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
         cmd = [self.slurm.exe("srun"), f"--jobid={pilot.job_id}", "--exact",
                f"--job-name={self.step_name}", *_option_args(
                    {k: v for k, v in self.options.items() if k in ("nodes", "ntasks-per-node",
@@ -402,10 +419,12 @@ class SlurmLauncher(Launcher):
             self.info = info
             if not info.active:
                 self._settle(info, info.state, info.exit_status)
+                self._let_go()
 
     def _kill_step(self, grace_s: float) -> None:
         proc = self._srun
-        if proc is None:
+        if proc is None:  # srun never started
+            self._let_go()
             return
         if proc.poll() is None and any(c is None for c in self.exitcodes()):
             steps = self.slurm.step_ids(self.job_id, self.step_name)
@@ -425,6 +444,7 @@ class SlurmLauncher(Launcher):
                 proc.wait()
         with self._lock:
             self._check_step()
+            self._let_go()  # srun ended: so did its step
 
     def _stop_follower(self) -> None:
         follower, self._follower = getattr(self, "_follower", None), None

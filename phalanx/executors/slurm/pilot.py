@@ -1,17 +1,43 @@
-"""The pilot allocation: one SLURM allocation held for many gangs (``allocation: pilot``)."""
+"""The pilot allocation: one SLURM allocation held for many gangs (``allocation: pilot``).
+
+A pilot started for a driver's gangs ends with that driver: its batch script holds a TCP
+connection to a listener of the driver (``_Beacon``, on the address the ranks reach the
+driver at) and exits when it closes — the driver exited or was killed — so SLURM ends the
+job and every step on it.  The run DB has its record too (``commands.allocation``).
+"""
 
 from __future__ import annotations
 
 import atexit
 import json
+import shlex
+import socket
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ...errors import GangError
+from ..base import AllocationHook, held, released
 from .commands import (HOPELESS, JobInfo, SlurmCommands, _hopeless, _norm, _option_args, _site,
-                       _split_section, _wait_inactive)
+                       _split_section, _wait_inactive, allocation)
+
+# The pilot's holder: connected to the driver's beacon, it ends when the driver does.
+_HOLDER = """import socket, sys, time
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60)
+except OSError as e:
+    print(f"phalanx pilot: cannot reach the driver at {sys.argv[1]}:{sys.argv[2]} ({e}); "
+          "holding the allocation until cancelled", flush=True)
+    while True:
+        time.sleep(3600)
+s.settimeout(None)
+while s.recv(1):
+    pass
+print("phalanx pilot: the driver is gone; ending the allocation", flush=True)
+"""
 
 
 class SlurmPilot:
@@ -40,6 +66,9 @@ class SlurmPilot:
         self.info: JobInfo | None = None
         self.log_dir: Path | None = None
         self._lock = threading.Lock()
+        self._hook: AllocationHook | None = None   # told when the pilot is submitted and gone
+        self._record: dict | None = None
+        self._beacon: _Beacon | None = None
 
     @classmethod
     def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
@@ -74,16 +103,20 @@ class SlurmPilot:
     def running(self) -> bool:
         return self.job_id is not None and self.info is not None and self.info.state == "RUNNING"
 
-    def start(self, timeout: float | None = None) -> "SlurmPilot":
+    def start(self, timeout: float | None = None, *, hook: AllocationHook | None = None,
+              driver: str | None = None) -> "SlurmPilot":
         """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
-        limit, a node failure) is replaced by a fresh one."""
+        limit, a node failure) is replaced by a fresh one.  ``hook``: told of the job (a run's
+        allocation hook); ``driver``: "host:port" the nodes reach this driver at (a gang's
+        control address) — the pilot then ends when this process does."""
         with self._lock:
             if self.job_id is not None:
                 self.info = self.slurm.job(self.job_id)
                 if self.info.state == "RUNNING":
                     return self
             if self.job_id is None or not (self.info.active or self.info.state == "UNKNOWN"):
-                self._submit()
+                self._forget()
+                self._submit(hook, driver)
             timeout = timeout if timeout is not None else self.start_timeout
             deadline = time.monotonic() + timeout if timeout else None
             wait = 0.05
@@ -104,22 +137,44 @@ class SlurmPilot:
                 time.sleep(wait)
                 wait = min(wait * 2, self.poll_interval)
 
-    def _submit(self) -> None:
+    def _submit(self, hook: AllocationHook | None, driver: str | None) -> None:
         from ...gang import default_log_root
 
         self.log_dir = default_log_root().parent / "slurm-pilots"
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        args = [f"--job-name={self.job_name}", f"--output={self.log_dir}/pilot-%j.log",
+        name = f"{self.job_name}-{uuid.uuid4().hex[:12]}"  # unique: released by name
+        args = [f"--job-name={name}", f"--output={self.log_dir}/pilot-%j.log",
                 "--no-requeue", *_option_args(self.options)]
         if self.ntasks:
             args.append(f"--ntasks={self.ntasks}")
         elif "ntasks-per-node" not in self.options:
             args.append("--exclusive")  # no size given: whole nodes
+        hold = "exec sleep infinity"
+        if driver:
+            self._beacon = _Beacon(driver.rpartition(":")[0])
+            hold = "exec " + shlex.join([sys.executable, "-c", _HOLDER, *self._beacon.address])
         body = "\n".join(["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps",
-                          *self.prologue, "exec sleep infinity", ""])
-        # no script file: sbatch reads the script from its stdin
-        self.job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
+                          *self.prologue, hold, ""])
+        self._hook, self._record = hook, allocation("pilot", name, self.slurm)
+        held(hook, self._record)  # before sbatch: see base.held
+        try:
+            # no script file: sbatch reads the script from its stdin
+            self.job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
+        except BaseException:
+            self._forget()
+            raise
+        self._record = {**self._record, "job": self.job_id}
+        held(hook, self._record)
         self.info = None
+
+    def _forget(self) -> None:
+        """The pilot's job is gone: tell the hook, close the beacon."""
+        record, self._record = self._record, None
+        if record is not None:
+            released(self._hook, record)
+        beacon, self._beacon = self._beacon, None
+        if beacon is not None:
+            beacon.close()
 
     def status(self) -> str:
         if self.job_id is None:
@@ -134,7 +189,9 @@ class SlurmPilot:
         if job is None:
             return
         self.slurm.cancel(job)
-        _wait_inactive(self.slurm, job, 15.0)
+        if not _wait_inactive(self.slurm, job, 15.0).active:
+            with self._lock:
+                self._forget()
 
     def __enter__(self) -> "SlurmPilot":
         return self.start()
@@ -159,3 +216,29 @@ class SlurmPilot:
 
 
 atexit.register(SlurmPilot.close_shared)
+
+
+class _Beacon:
+    """A listener whose connections this process holds open until it ends: a pilot's holder
+    connects and exits on end of file (the driver is gone)."""
+
+    def __init__(self, host: str):
+        self.sock = socket.create_server((host, 0))
+        self.conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, name="phalanx-pilot-beacon", daemon=True).start()
+
+    @property
+    def address(self) -> tuple[str, str]:
+        host, port = self.sock.getsockname()[:2]
+        return host, str(port)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.conns.append(self.sock.accept()[0])
+            except OSError:  # closed
+                return
+
+    def close(self) -> None:
+        for s in [self.sock, *self.conns]:
+            s.close()

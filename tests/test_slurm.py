@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -331,6 +332,24 @@ def test_a_pilot_and_its_steps_are_announced_and_released_from_another_process(t
     finally:
         pilot.close()
     assert hook[-2:] == [("released", step), ("released", records[1])]
+
+
+def test_a_driver_that_exits_holding_a_job_cancels_it_at_exit(tmp_path):
+    """No gang, no scheduler: only the launcher knew the job; the exit handler frees it."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(REPO / "tests")!r})
+        from test_slurm import rank_env, site_section
+        from phalanx.executors.slurm import SlurmLauncher
+        launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2)
+        launcher.launch(["sleep", "300"], rank_env(2), {str(tmp_path)!r})
+        print(launcher.job_id, flush=True)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    job = out.stdout.strip()
+    assert out.returncode == 0 and job.isdigit(), out.stderr
+    assert f"released at exit: slurm: scancel job {job}" in out.stderr
+    wait_until(lambda: not active_jobs(job), 30, "the job to go")
 
 
 # ---- pilot: one held allocation, every gang a job step ----------------------------------

@@ -194,12 +194,15 @@ def kill_driver_then_resume(run: Run, fault, left=None) -> str:
 
     resumed = run.cli("run", str(run.wf), *run.site, "--plain", "--resume", run_id)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert run.db.allocations(run_id) == [], "the resumed run ended holding allocations"
+    if left is not None:
+        wait_for("the resumed run's allocations to end", lambda: not left(run.records(run_id)), 10, poll=0.1)
     reused = [e["stage"] for e in run.db.events(run_id) if e["kind"] == "reused"]
     assert reused == ["gen"], reused
     got = store.read("totals").to_pandas()
     assert dict(zip(got["user"].tolist(), got["amount"].tolist())) == expected_totals()
-    fault.outcome(f"ranks gone {detect_s:.2f} s after the kill, allocations {gone_s:.1f} s; "
-                  "run lost, resumed reusing gen: right totals")
+    ended = f", {run.backend}'s allocations {gone_s:.1f} s" if left is not None else ""
+    fault.outcome(f"ranks gone {detect_s:.2f} s after the kill{ended}; run lost, resumed reusing gen: right totals")
     fault.data_lost("none")
     return run_id
 
@@ -256,6 +259,34 @@ def test_driver_killed_ray(ray_cluster, tmp_path, fault):
     try:
         run_id = kill_driver_then_resume(run, fault, ray_left)
         assert {r["kind"] for r in run.records(run_id)} == {"placement_group"}
+    finally:
+        run.cleanup()
+
+
+@pytest.mark.parametrize("site", [pytest.param("slurm-pilot-local", marks=pytest.mark.slurm),
+                                  pytest.param("ray-local", marks=pytest.mark.ray)])
+def test_a_cancelled_driver_frees_every_allocation_itself(request, tmp_path, site):
+    """``phalanx cancel`` (SIGTERM: the driver's KeyboardInterrupt path): the driver releases its
+    job steps and pilot, or placement groups, before it exits — nothing is left for the next
+    ``phalanx status`` to free (it would say so with "release" events)."""
+    if site.startswith("slurm"):
+        conf = request.getfixturevalue("slurm_cluster")
+        run = Run(tmp_path, site, site)
+        left = lambda records: slurm_left(conf, {r["id"] for r in records})  # noqa: E731
+    else:
+        cluster = request.getfixturevalue("ray_cluster")
+        run = Run(tmp_path, site, site, {"RAY_ADDRESS": cluster.address})
+        left = ray_left
+    try:
+        run.start()
+        pids = wait_for("every totals rank running", run.rank_pids, 180, poll=0.1)
+        run_id = run.run_id
+        out = run.cli("cancel", run_id, timeout=120)
+        assert out.returncode == 0 and run.proc.wait(timeout=60) == 130, out
+        assert not any(pid_alive(p) for p in pids)
+        assert run.records(run_id) and run.db.allocations(run_id) == []
+        assert [e for e in run.db.events(run_id) if e["kind"] == "release"] == []
+        wait_for("SLURM or Ray to finish ending them", lambda: not left(run.records(run_id)), 10, poll=0.1)
     finally:
         run.cleanup()
 

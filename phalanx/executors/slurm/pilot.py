@@ -34,7 +34,14 @@ except OSError as e:
     while True:
         time.sleep(3600)
 s.settimeout(None)
-while s.recv(1):
+s.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)  # a driver host that vanishes: ~1 min
+for opt, value in (("TCP_KEEPIDLE", 30), ("TCP_KEEPINTVL", 10), ("TCP_KEEPCNT", 3)):
+    if hasattr(socket, opt):
+        s.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+try:
+    while s.recv(1):
+        pass
+except OSError:  # keepalive gave up
     pass
 print("phalanx pilot: the driver is gone; ending the allocation", flush=True)
 """

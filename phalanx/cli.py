@@ -133,7 +133,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         return 1
     pid = run["pid"]
     os.kill(pid, signal.SIGTERM)
-    if not wait_exit(pid, args.wait):  # the driver did not stop in time: its ranks die with it (PDEATHSIG)
+    if not wait_exit(pid, args.wait):  # the driver did not stop in time: its ranks leave it (heartbeat, PDEATHSIG)
         os.kill(pid, signal.SIGKILL)
         print(f"run {args.run}: driver {pid} did not stop within {args.wait:.0f}s; killed it", file=sys.stderr)
     print(f"run {args.run} {db.run(args.run)['state']}")
@@ -169,6 +169,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"run {run['id']}: {run['workflow']} — {run['state']} (session {run['session']!r})")
     # where the resource manager placed a stage: its latest attempt's, shown while it runs
     placed = {e["stage"]: e["message"] for e in db.events(args.run) if e["kind"] == "placed"}
+    released: dict[str, list[str]] = {}
+    for e in db.events(args.run):
+        if e["kind"] == "release":
+            released.setdefault(e["stage"], []).append(e["message"])
     for s in db.stages(args.run):
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
@@ -176,6 +180,8 @@ def cmd_status(args: argparse.Namespace) -> int:
               f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}")
         if s["stage"] in placed and s["state"] == "running":  # e.g. "slurm: job 42 RUNNING on n[1-2]"
             print(f"      on {placed[s['stage']]}")
+        for e in released.get(s["stage"], []):  # what a dead driver left, freed by status/cancel/resume
+            print(f"      released {e}")
         for local, i in s["inputs"].items():
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']})")
     return 0
@@ -354,7 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     sc.set_defaults(fn=cmd_schema)
 
     args = ap.parse_args(argv)
-    if hasattr(signal, "SIGPIPE"):  # `phalanx status | head` ends quietly
+    # `phalanx status | head` ends quietly; not for a driver (run), which writes to rank sockets
+    # that may have just closed: there a broken pipe is an error to handle, not death.
+    if hasattr(signal, "SIGPIPE") and args.fn is not cmd_run:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     from .errors import PhalanxError
 

@@ -14,6 +14,7 @@ import os
 import logging
 import queue
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -23,7 +24,7 @@ from typing import Any, Callable
 
 from .errors import GangError, RankError, RankFailure
 from .executors import executors
-from .executors.base import Launcher
+from .executors.base import Launcher, pid_alive
 from .executors.control import ControlServer
 from .executors.local import WORKER_ARGV
 from .runtime import protocol as P
@@ -101,6 +102,7 @@ class Gang:
         self.log_dir: Path | None = None
         self.ready_seconds: float | None = None
         self.pids: list[int] = []
+        self.hosts: list[str] = []  # where each rank runs (from its hello)
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property
@@ -112,7 +114,12 @@ class Gang:
         between runs (reused by the next stage) may have lost a rank meanwhile."""
         if not self.running:
             return "not running"
-        dead = [f"rank {r} exited with code {c}" for r, c in enumerate(self._launcher.exitcodes()) if c is not None]
+        codes = self._launcher.exitcodes()
+        dead = [f"rank {r} exited with code {c}" for r, c in enumerate(codes) if c is not None]
+        # a rank whose main thread is gone but not yet reaped (threads still ending) is dead too
+        here = socket.gethostname()
+        dead += [f"rank {r} (pid {pid}) is gone" for r, (pid, host) in enumerate(zip(self.pids, self.hosts))
+                 if codes[r] is None and host == here and not pid_alive(pid)]
         with self._control.events.mutex:  # a rank's lost connection is an event nobody read yet
             lost = sorted({r for r, msg in self._control.events.queue if msg[0] in ("eof", "error")})
         dead += [f"rank {r} lost its connection" for r in lost if not any(d.startswith(f"rank {r} ") for d in dead)]
@@ -162,6 +169,7 @@ class Gang:
         ready: set[int] = set()
         pids: dict[int, int] = {}
         failures: dict[int, RankFailure] = {}
+        hosts: dict[int, str] = {}
         deadline = time.monotonic() + self.start_timeout
         while len(ready) < self.world_size and not failures:
             event = self._next_event(deadline)
@@ -170,7 +178,7 @@ class Gang:
                                       f"start timeout (start_timeout={self.start_timeout:g}s)")
             rank, msg = event
             if msg[0] == "hello":
-                pids[rank] = msg[2]
+                pids[rank], hosts[rank] = msg[2], (msg[3] if len(msg) > 3 else "")
             elif msg[0] == "ready":
                 ready.add(rank)
             elif msg[0] in ("error", "eof"):
@@ -182,6 +190,7 @@ class Gang:
                 f"(communicator {self.communicator!r}, rendezvous {self.rendezvous!r}):\n"
                 + str(RankError(list(failures.values()))))
         self.pids = [pids[r] for r in range(self.world_size)]
+        self.hosts = [hosts[r] for r in range(self.world_size)]
 
     def redirect_logs(self, log_dir: str | Path) -> bool:
         """Send the ranks' output to ``log_dir`` from now on; False if the executor cannot."""

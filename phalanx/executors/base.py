@@ -17,6 +17,7 @@ A record is a JSON-able dict: ``executor``, ``id`` (unique for that executor) an
 from __future__ import annotations
 
 import atexit
+import os
 import logging
 import threading
 from abc import ABC, abstractmethod
@@ -90,6 +91,21 @@ class Launcher(ABC):
     def placement(self, world_size: int) -> list[dict[str, str]]:
         """Extra per-rank environment for placement (CPU affinity, threads)."""
         return [{} for _ in range(world_size)]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def shared_env(rank_env: list[dict[str, str]], per_rank: Sequence[str], launcher: str) -> dict[str, str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from ..errors import PhalanxError
+from ..executors.base import pid_alive  # noqa: F401  (callers import it from here too)
 from ..private import create_private, private_dir
 from ..redact import redact_opt
 
@@ -258,20 +259,6 @@ def _decoded(row: dict) -> dict:
     for key in _JSON & set(row):
         row[key] = json.loads(row[key]) if row[key] else ({} if key != "rank_info" else [])
     return row
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
 
 
 def wait_exit(pid: int, timeout_s: float) -> bool:

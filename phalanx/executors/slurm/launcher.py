@@ -315,7 +315,9 @@ class SlurmLauncher(Launcher):
             return
         info = self._poll(force=True)  # was the pilot lost (TIMEOUT, NODE_FAIL...)?
         errors = [l for l in self._srun_err if "error" in l.lower()]
-        if not any(c is not None for c in self._codes) and errors and not self._raised \
+        # a step cancelled from outside (scancel) ran and was killed: not a start failure
+        killed = any(re.search(r"CANCELLED|: (Killed|Terminated)$", l.strip()) for l in errors)
+        if not any(c is not None for c in self._codes) and errors and not killed and not self._raised \
                 and not self._killing and (info is None or info.active):
             self._settle(None, "FAILED", None, _shell_code(rc) if rc > 0 else (rc or 1))
             self._raise(f"slurm: job step of pilot job {self.job_id} could not start"
@@ -323,7 +325,7 @@ class SlurmLauncher(Launcher):
         if info is not None and not info.active:
             self._settle(info, info.state, info.exit_status)
         else:
-            code = _shell_code(rc) if rc > 0 else rc
+            code = -int(signal.SIGKILL) if killed else (_shell_code(rc) if rc > 0 else rc)
             self._settle(None, "FAILED" if code else "COMPLETED", None, code or None)
 
     def _settle(self, info: JobInfo | None, state: str, status: int | None,

@@ -226,22 +226,17 @@ class StoreConfig(_Strict):
         None, description="where the store's catalogue lives: sqlite:///path or redis://host:port/db (ranks on "
         "several hosts); default: $PHALANX_STORE_METADATA, else SQLite beside the store root")
 
-    @field_validator("metadata")
+    @field_validator("root", "metadata")
     @classmethod
-    def _known_metadata(cls, value: Optional[str]) -> Optional[str]:
+    def _known_scheme(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        """``s3://`` needs a store tier of that name, ``redis://`` a metadata backend."""
         from ..store.metadata import metadata_backends
-
-        if value and "://" in value:
-            _one_of("store metadata backend", value.split("://", 1)[0], metadata_backends.names())
-        return value
-
-    @field_validator("root")
-    @classmethod
-    def _known_tier(cls, value: Optional[str]) -> Optional[str]:
         from ..store.tiers import tiers
 
+        kind, registry = (("store tier", tiers) if info.field_name == "root" else
+                          ("store metadata backend", metadata_backends))
         if value and "://" in value:
-            _one_of("store tier", value.split("://", 1)[0], tiers.names())
+            _one_of(kind, value.split("://", 1)[0], registry.names())
         return value
 
 

@@ -41,7 +41,7 @@ def app_rank1_hangs(env):
 
 def test_hung_rank_is_named_when_the_stage_times_out(fault):
     fault.describe("a rank hangs (stage timeout 3 s)")
-    with px.Gang(ranks=3, echo=False, site=site) as gang:
+    with px.Gang(ranks=3, echo=False) as gang:
         pids = list(gang.pids)
         t0 = time.monotonic()
         with pytest.raises(px.GangError) as info:

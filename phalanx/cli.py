@@ -362,7 +362,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # `phalanx status | head` ends quietly; not for a driver (run), which writes to rank sockets
     # that may have just closed: there a broken pipe is an error to handle, not death.
-    if hasattr(signal, "SIGPIPE") and args.fn is not cmd_run:
+    # Only for the command itself: main(argv) called from a program (a test) must not change
+    # how that whole process treats SIGPIPE.
+    if argv is None and hasattr(signal, "SIGPIPE") and args.fn is not cmd_run:
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     from .errors import PhalanxError
 

@@ -289,7 +289,7 @@ def same_results_as_local(etl, tmp: Path, site_name: str) -> tuple[RunDB, str]:
 
 
 @pytest.mark.slurm
-def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp_path, capsys):
+def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp_path):
     def jobs() -> int:  # jobs SLURM knows (finished ones are kept for MinJobAge)
         out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
                              env={**os.environ, "SLURM_CONF": slurm_cluster}, check=True).stdout
@@ -300,11 +300,10 @@ def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp
     assert jobs() - before >= 4  # one job per stage (generate, features, train, report)
     placed = [e for e in db.events(run_id) if e["kind"] == "placed"]  # what `phalanx status` shows
     assert placed and all(re.match(r"slurm: job \d+ RUNNING", e["message"]) for e in placed), placed
-    from phalanx.cli import main
-
-    capsys.readouterr()
-    main(["status", run_id, "--state", str(db.state_dir)])  # a finished stage shows no stale placement
-    assert "RUNNING" not in capsys.readouterr().out
+    status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run_id, "--state", str(db.state_dir)],
+                            capture_output=True, text=True, timeout=60)
+    assert status.returncode == 0 and "succeeded" in status.stdout, status.stderr
+    assert "RUNNING" not in status.stdout  # a finished stage shows no stale placement
 
 
 @pytest.mark.ray

@@ -275,9 +275,11 @@ def test_tier_full_fails_the_put_cleanly_and_the_run_resumes_once_there_is_room(
         fullest = pool.submit(low_water_mark, root, done)
         result = run_workflow(wf, site, db=db)
         done.set()
-        least_free, full_at = fullest.result()
+        _, full_at = fullest.result()
 
-    assert not result.ok and result.skipped == ["totals"] and least_free < (1 << 20)
+    # ENOSPC in the error (checked below) is the proof the tier filled; the 5 ms sampler may miss
+    # the instant it was full (it did under CI load), so its low mark only dates the detection
+    assert not result.ok and result.skipped == ["totals"], result.failed
     error = db.attempts(result.run_id, "generate")[0]["error"]
     for text in ("No space left on device", "put 'tx' partition ", "StoreError", f"store {root} ",
                  f"{root}/{result.session}/.staging/"):

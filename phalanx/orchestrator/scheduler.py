@@ -450,6 +450,14 @@ def input_totals(results: list[dict]) -> dict[str, dict]:
 def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,
                  resume: str | None = None, on_event=None) -> RunResult:
     """Run (or resume) a workflow; returns which stages failed."""
+    return prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event).run()
+
+
+def prepare_run(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,
+                resume: str | None = None, on_event=None) -> Scheduler:
+    """The run's record (new, or the resumed run's, locked to this driver) and its scheduler,
+    not started yet: ``.run()`` runs it, ``.cancel()`` from another thread stops it, and
+    ``.run_id`` is known at once (what a run handle needs)."""
     db = db or RunDB()
     if resume:
         try:
@@ -462,9 +470,8 @@ def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB 
         run_id, session = db.new_run(wf.name, file, site.name, site.store.session,
                                      {n: s.ranks for n, s in wf.stages.items()})
     try:
-        scheduler = Scheduler(wf, site, db, run_id, session, on_event)
+        return Scheduler(wf, site, db, run_id, session, on_event)
     except BaseException as exc:  # the store refused (another user's root, Redis down): the run ends here
         db.event(run_id, "failed", f"{type(exc).__name__}: {exc}")
         db.set_run(run_id, "failed")
         raise
-    return scheduler.run()

@@ -22,9 +22,16 @@ import logging
 import threading
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Protocol, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+
+from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic_core import PydanticCustomError
+
+from ..procs import pid_alive  # noqa: F401  (re-exported: callers check driver and rank pids)
 
 log = logging.getLogger("phalanx.executors")
+Echo = bool | Callable[[str], None]  # True: rank lines to stderr; a callable gets each line
 
 
 class AllocationHook(Protocol):
@@ -72,7 +79,9 @@ def _release_all() -> None:
 
 
 class Launcher(ABC):
-    """Starts ``world_size`` copies of ``argv``, rank r with ``rank_env[r]`` added to its env."""
+    """Starts, watches and stops the processes of one gang: ``world_size`` copies of ``argv``,
+    rank r with ``rank_env[r]`` added to its environment.  A launcher serves one gang at a time
+    (a gang that restarts launches again on the same launcher)."""
 
     name = "abstract"
     allocation_hook: AllocationHook | None = None  # told of every allocation (see above)
@@ -86,26 +95,160 @@ class Launcher(ABC):
 
     @abstractmethod
     def kill(self, grace_s: float = 2.0) -> None:
-        """Stop every rank: SIGTERM, then SIGKILL after ``grace_s``; reap them."""
+        """Stop every rank: SIGTERM, then SIGKILL after ``grace_s``; reap them; free what the
+        gang held (its job, step, placement group)."""
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
         """Extra per-rank environment for placement (CPU affinity, threads)."""
         return [{} for _ in range(world_size)]
 
+    def status(self) -> str | None:
+        """The resource manager's view of the gang (``slurm: job 42 PENDING (Resources)``), or
+        None where there is none to tell (processes of this machine)."""
+        return None
 
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    def reason(self) -> str | None:
+        """Why the gang failed in the resource manager's words (``slurm: job 42 TIMEOUT``)."""
+        return None
+
+    def redirect(self, log_dir: Path) -> bool:
+        """Write the ranks' output to ``log_dir`` from now on (a gang reused by the next stage);
+        False where the executor cannot."""
         return False
-    except PermissionError:
-        return True
-    try:  # a zombie (exited, not yet reaped) is not alive
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+
+    def memory_note(self, rank: int) -> str:
+        """What memory says about a rank killed by SIGKILL (over its limit, the OOM killer)."""
+        return ""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an executor can do; the scheduler asks these instead of naming executors."""
+
+    reuse_gangs: bool = False    # a succeeded stage's gang (processes, communicator) may serve the next
+    pins_cpus: bool = False      # the site's slots are this machine's CPUs: gangs get disjoint CPU sets
+    warm_pool: bool = False      # takes pre-started rank processes (executors.pool.WarmPool)
+    runs_commands: bool = True   # starts any program as a rank (command stages)
+    mpi_world: bool = False      # the ranks of a gang are one MPI_COMM_WORLD (communicator: mpi)
+    remote_ranks: bool = False   # ranks may run on other hosts: logs and the store must be shared
+
+
+class ExecutorConfig(BaseModel):
+    """The typed section of a site file named after its executor (``slurm:``, ``ray:``...); a
+    stage's section of the same name overrides keys of it for that stage.  Every field has a
+    default, so a stage's partial section validates on its own."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @classmethod
+    def known_keys(cls) -> list[str]:
+        """The keys the section takes, in the order the docs list them."""
+        return list(cls.model_fields)
+
+    @classmethod
+    def normalize_key(cls, key: str) -> str:
+        """A key as the model knows it (SLURM's: ``-`` and ``_`` are the same)."""
+        return key
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_keys(cls, data: Any) -> Any:
+        """An unknown key is named with its nearest known one: ``slurm.partiton: unknown key
+        (did you mean 'partition'?)`` (the "section" error type carries the key to its line)."""
+        if isinstance(data, dict):
+            known = cls.known_keys()
+            for key in data:
+                if cls.normalize_key(str(key)) not in known:
+                    raise PydanticCustomError("section", "{message}", {
+                        "keys": (key,), "message": "unknown key" + suggest(cls.normalize_key(str(key)), known)})
+        return data
+
+    def slots(self) -> int | None:
+        """Rank slots this configuration holds at once (a pilot's ntasks), if it says."""
+        return None
+
+
+def suggest(value: str, known: Sequence[str]) -> str:
+    """" (did you mean 'x'?)" for a near miss, else "; known: a, b, c"."""
+    import difflib
+
+    close = difflib.get_close_matches(value, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
+
+
+class Executor(ABC):
+    """One kind of place gangs run: a typed config, capabilities, and a factory of launchers.
+
+    Anything that lives as long as a run (a SLURM pilot allocation, warm rank processes, a
+    connection to a Ray cluster) is made in ``open_run`` and ends in ``close_run``; nothing is
+    process-global, so two runs in one process never end each other's allocations.  A new
+    backend is one module holding its ``Executor`` subclass and config model, one registry line
+    (``phalanx.executors``) or an entry point of the group ``phalanx.executors``.
+    """
+
+    name: ClassVar[str] = "abstract"
+    config_model: ClassVar[type[ExecutorConfig]] = ExecutorConfig
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __init__(self, config: "ExecutorConfig | Mapping[str, Any] | None" = None, *, site: str | None = None,
+                 cores: int | None = None, rank_memory: int | None = None):
+        """``config``: the site's section (validated here if a mapping); ``cores``: the site's
+        rank slots when it caps them; ``rank_memory``: bytes each rank may hold, enforced
+        where the executor can."""
+        self.config = config if isinstance(config, ExecutorConfig) else \
+            self.config_model.model_validate(dict(config or {}))
+        self.site = site or self.name
+        self.cores = cores
+        self.rank_memory = rank_memory
+        self.hook: AllocationHook | None = None  # the run's, set by open_run
+
+    # ---- run scope --------------------------------------------------------------------------
+    def open_run(self, hook: AllocationHook | None = None, demand: Callable[[], int] | None = None,
+                 warm: int = 0) -> None:
+        """A run (or a standalone gang) begins: ``hook`` hears of every allocation the run
+        holds; executors that can (``capabilities.warm_pool``) keep ``warm`` rank processes
+        started, never more than ``demand()``: the ranks stages not yet started will ask for."""
+        self.hook = hook
+
+    def close_run(self) -> None:
+        """The run ended: free what ``open_run`` or later gangs made for the whole run."""
+
+    def __enter__(self) -> "Executor":
+        self.open_run()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close_run()
+
+    # ---- gangs ------------------------------------------------------------------------------
+    def capacity(self) -> int | None:
+        """Rank slots the executor can give at once, if it knows: the site's ``cores``, else
+        what its config holds.  None: the resource manager decides (gangs queue there)."""
+        return self.cores or self.config.slots()
+
+    @staticmethod
+    def release(record: dict) -> str:
+        """Free an allocation this executor recorded (``held``) from any process — one a killed
+        driver left; a human line saying what was done."""
+        raise NotImplementedError(f"executor {record.get('executor')!r} records no allocations")
+
+    def stage_config(self, override: "ExecutorConfig | Mapping[str, Any] | None" = None) -> ExecutorConfig:
+        """The site's config with a stage's own section of the same name over it."""
+        if not override:
+            return self.config
+        over = override.model_dump(exclude_unset=True) if isinstance(override, ExecutorConfig) else dict(override)
+        return self.config_model.model_validate({**self.config.model_dump(exclude_unset=True), **over})
+
+    def check(self, ranks: int, config: ExecutorConfig) -> None:
+        """Raise what a gang of ``ranks`` with ``config`` would fail on at launch (a resources
+        list of the wrong length...), without starting anything: ``phalanx validate`` and the
+        scheduler call it before a stage starts."""
+
+    @abstractmethod
+    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
+                 echo: Echo = False) -> Launcher:
+        """A launcher for one gang of ``ranks`` on the scheduler's ``slots`` (indices below
+        ``capacity``), with ``config`` (default: the site's), telling ``self.hook``."""
 
 
 def shared_env(rank_env: list[dict[str, str]], per_rank: Sequence[str], launcher: str) -> dict[str, str]:

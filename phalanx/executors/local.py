@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Callable, Iterable, Sequence
 
-from ..private import makedirs, opener
-from .base import Launcher
+from pydantic import Field
+
+from ..procs import signal_group
+from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher
+from .logs import RankOutput, start_pump, whole_lines
 
 if TYPE_CHECKING:
     from .pool import WarmPool
@@ -21,8 +24,6 @@ WORKER_ARGV = (sys.executable, "-m", "phalanx.runtime.worker")  # what gangs sta
 _SAMPLE_S = 0.1  # how often the driver reads each rank's memory (≈30 µs a rank)
 _GIB = 1 << 30
 
-
-Echo = bool | Callable[[str], None]
 
 
 def usable_cpus() -> list[int]:
@@ -43,6 +44,51 @@ def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None)
             env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads:(r + 1) * threads]))
         out.append(env)
     return out
+
+
+class LocalConfig(ExecutorConfig):
+    """The ``local:`` section of a site file (all optional)."""
+
+    pin: bool = Field(True, strict=True, description="pin each rank to its own CPUs when the site's slots fit "
+                      "this machine's cores (gangs side by side get disjoint CPUs)")
+
+
+class LocalExecutor(Executor):
+    """Ranks are processes of this machine; the site's slots are its CPUs."""
+
+    name = "local"
+    config_model = LocalConfig
+    capabilities = Capabilities(reuse_gangs=True, pins_cpus=True, warm_pool=True, runs_commands=True)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._pool: "WarmPool | None" = None
+
+    def capacity(self) -> int:
+        return self.cores or len(usable_cpus())
+
+    def open_run(self, hook=None, demand=None, warm: int = 0) -> None:
+        super().open_run(hook, demand, warm)
+        if warm:
+            from .pool import WarmPool
+
+            self._pool = WarmPool(warm, demand=demand)
+
+    def close_run(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
+                 echo: Echo = False) -> "LocalLauncher":
+        cfg = config or self.config
+        cpus = usable_cpus()
+        # more slots than cores: oversubscribed, no pinning
+        pin = cfg.pin and self.capacity() <= len(cpus)
+        mine = [cpus[s] for s in slots] if pin and slots else None
+        launcher = LocalLauncher(echo=echo, pin=pin, cpus=mine, pool=self._pool, mem_limit_bytes=self.rank_memory)
+        launcher.allocation_hook = self.hook
+        return launcher
 
 
 class LocalLauncher(Launcher):
@@ -82,7 +128,7 @@ class LocalLauncher(Launcher):
                     start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
                 )
             self.procs.append(proc)
-            self._pumps.append(start_pump(proc.stdout, self._output, _whole_lines(rank),
+            self._pumps.append(start_pump(proc.stdout, self._output, whole_lines(rank),
                                           name=f"phalanx-log-rank{rank}"))
         self._watch = MemoryWatch(self.procs, self.mem_limit_bytes)
 
@@ -90,38 +136,33 @@ class LocalLauncher(Launcher):
         """What memory says about a rank killed by SIGKILL (see ``MemoryWatch.note``)."""
         return self._watch.note(rank) if self._watch else ""
 
+    def redirect(self, log_dir: Path) -> bool:
+        """Write the ranks' output to ``log_dir`` from now on (a gang reused by the next stage)."""
+        if self._output is None:
+            return False
+        self._output.move_to(log_dir)
+        return True
+
     def exitcodes(self) -> list[int | None]:
         return [p.poll() for p in self.procs]
-
-    def redirect(self, log_dir: Path) -> None:
-        """Write the ranks' output to ``log_dir`` from now on (a gang reused by the next stage)."""
-        if self._output is not None:
-            self._output.move_to(log_dir)
 
     def kill(self, grace_s: float = 2.0) -> None:
         if self._watch is not None:
             self._watch.stop()
         live = [p for p in self.procs if p.poll() is None]
         for p in live:
-            _signal_group(p, signal.SIGTERM)
+            signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in live:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                _signal_group(p, signal.SIGKILL)
+                signal_group(p.pid, signal.SIGKILL)
                 p.wait()
         for t in self._pumps:
             t.join(timeout=1.0)
         if self._output is not None and not any(t.is_alive() for t in self._pumps):
             self._output.close()  # else a pump still drains a pipe (a grandchild holds it)
-
-
-def _signal_group(p: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(p.pid, sig)  # the rank and anything it started
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 class MemoryWatch:
@@ -155,7 +196,7 @@ class MemoryWatch:
                 self.peak[rank] = max(self.peak[rank], mem.get("VmHWM", 0))
                 if self.limit and mem.get("RssAnon", 0) > self.limit:
                     self.over[rank] = mem["RssAnon"]
-                    _signal_group(p, signal.SIGKILL)
+                    signal_group(p.pid, signal.SIGKILL)
 
     def stop(self) -> None:
         self._stop.set()
@@ -234,77 +275,3 @@ def _counter(path: str, name: str) -> int | None:
 
 def _mem_total() -> int:
     return (_counter("/proc/meminfo", "MemTotal:") or 0) * 1024
-
-
-class RankOutput:
-    """Ranks' output lines to ``log_dir/rank-R.log`` and, prefixed ``[rank R]``, to the console.
-
-    Lines from no rank (rank None: the launcher's own notices, e.g. mpirun's abort message)
-    go to ``log_dir/launcher.log`` with the prefix ``[launcher]``.
-    """
-
-    def __init__(self, log_dir: Path, echo: Echo):
-        makedirs(log_dir)  # logs are the user's only: 0700 directories, 0600 files
-        self.log_dir = log_dir
-        self.echo = echo
-        self._files: dict[int | None, IO[bytes]] = {}
-        self._lock = threading.Lock()  # several pump threads may open files at once
-
-    def move_to(self, log_dir: Path) -> None:
-        makedirs(log_dir)
-        with self._lock:
-            for f in self._files.values():
-                f.close()
-            self._files.clear()
-            self.log_dir = log_dir
-
-    def write(self, rank: int | None, line: bytes) -> None:
-        log = self._files.get(rank)
-        if log is None:
-            with self._lock:
-                log = self._files.get(rank)
-                if log is None:
-                    name = f"rank-{rank}.log" if rank is not None else "launcher.log"
-                    # unbuffered: the gang reads a failed rank's log tail at once
-                    log = self._files[rank] = open(self.log_dir / name, "ab", buffering=0, opener=opener)
-        log.write(line)
-        if self.echo:
-            prefix = f"[rank {rank}] " if rank is not None else "[launcher] "
-            text = line.decode(errors="replace").rstrip("\n")
-            if not text.startswith(prefix):  # rank loggers already prefix their lines
-                text = prefix + text
-            if callable(self.echo):
-                self.echo(text)
-            else:
-                print(text, file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        with self._lock:
-            for f in self._files.values():
-                f.close()
-            self._files.clear()
-
-
-# Turns one raw output line (b"" at end of stream) into complete (rank, line) pairs.
-LineRouter = Callable[[bytes], Iterable[tuple[int | None, bytes]]]
-
-
-def start_pump(stream: IO[bytes], output: RankOutput, route: LineRouter, name: str) -> threading.Thread:
-    """A daemon thread copying ``stream`` line by line to ``output`` until end of stream."""
-
-    def pump() -> None:
-        for line in iter(stream.readline, b""):
-            for rank, text in route(line):
-                output.write(rank, text)
-        for rank, text in route(b""):  # what the router still held (an unterminated line)
-            output.write(rank, text)
-        stream.close()
-
-    thread = threading.Thread(target=pump, name=name, daemon=True)
-    thread.start()
-    return thread
-
-
-def _whole_lines(rank: int) -> LineRouter:
-    """One process, one rank: every line is that rank's."""
-    return lambda line: [(rank, line)] if line else []

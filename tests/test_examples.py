@@ -290,14 +290,13 @@ def same_results_as_local(etl, tmp: Path, site_name: str) -> tuple[RunDB, str]:
 
 @pytest.mark.slurm
 def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp_path):
-    def jobs() -> int:  # jobs SLURM knows (finished ones are kept for MinJobAge)
-        out = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True,
-                             env={**os.environ, "SLURM_CONF": slurm_cluster}, check=True).stdout
-        return len(out.split())
-
-    before = jobs()
     db, run_id = same_results_as_local(etl, tmp_path, "slurm-local")
-    assert jobs() - before >= 4  # one job per stage (generate, features, train, report)
+    # one job per stage (generate, features, train, report), named after its gang; SLURM keeps
+    # finished jobs for MinJobAge (counting all jobs before and after undercounts once old ones expire)
+    names = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%j"], capture_output=True, text=True,
+                           env={**os.environ, "SLURM_CONF": slurm_cluster}, check=True).stdout.split()
+    gangs = {a["gang_id"] for a in db.attempts(run_id) if a["gang_id"]}
+    assert len(gangs) >= 4 and all(any(n.endswith(g) for n in names) for g in gangs), (gangs, names)
     placed = [e for e in db.events(run_id) if e["kind"] == "placed"]  # what `phalanx status` shows
     assert placed and all(re.match(r"slurm: job \d+ RUNNING", e["message"]) for e in placed), placed
     status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run_id, "--state", str(db.state_dir)],

@@ -20,13 +20,14 @@ import tempfile
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Sequence
 
 from .errors import GangError, RankError, RankFailure
-from .executors import executors
-from .executors.base import Launcher, pid_alive
+from .executors import DEFAULT, DEFAULT_MPI, create as create_executor
+from .executors.base import Executor, Launcher
 from .executors.control import ControlServer
 from .executors.local import WORKER_ARGV
+from .procs import pid_alive
 from .runtime import protocol as P
 from .runtime.rendezvous import backend_for, new_gang_id
 from .runtime.tasks import check_app
@@ -36,7 +37,17 @@ log = logging.getLogger("phalanx.gang")
 
 _FAIL_GRACE_S = 1.0   # after a first failure, how long other ranks get to report theirs
 _POLL_S = 0.2
+_COMMAND_POLL_S = 0.05  # how often a command gang's exit codes are read
 _live_gangs: "weakref.WeakSet[Gang]" = weakref.WeakSet()
+
+# Turns ``site="name"`` into a site model; set by the orchestrator (which owns site files), so
+# this layer never imports it.
+_site_loader: Callable[[str], Any] | None = None
+
+
+def set_site_loader(loader: Callable[[str], Any]) -> None:
+    global _site_loader
+    _site_loader = loader
 
 
 class Gang:
@@ -50,7 +61,7 @@ class Gang:
         self,
         ranks: int,
         *,
-        executor: str | Launcher | None = None,
+        executor: "str | Executor | Launcher | None" = None,
         communicator: str | None = None,
         rendezvous: str | None = None,
         log_dir: str | Path | None = None,
@@ -61,31 +72,36 @@ class Gang:
         session: str = "default",
         control_host: str | None = None,
         site: "str | Path | Any | None" = None,
+        slots: Sequence[int] = (),
+        config: "Mapping[str, Any] | None" = None,
     ):
         """``site``: a site name, file or model (``px.Gang(4, site="ray-local")``): executor,
         communicator, rendezvous, store root, driver address and start timeout come from it;
-        arguments given here win."""
+        arguments given here win.  ``executor``: a registered name, an ``Executor`` (the
+        caller opens and closes its run scope) or a ``Launcher``; ``slots``: the executor's
+        slots this gang runs on (a scheduler's share); ``config``: keys over the executor's
+        site section for this gang (a stage's own ``slurm:`` section)."""
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
+        self._owned: Executor | None = None  # an executor this gang made: its run scope is the gang's
         if site is not None:
-            from .orchestrator.models import Site
-            from .orchestrator.scheduler import site_launcher
-            from .orchestrator.validate import load_site
-
-            s = site if isinstance(site, Site) else load_site(str(site))
+            s = site if hasattr(site, "create_executor") else _load_site(site)
             communicator = communicator or s.communicator
             rendezvous = rendezvous or s.rendezvous
             control_host = control_host or s.driver_host
             start_timeout = start_timeout or s.start_timeout
             store = store if store is not None else s.store.root
-            if executor is None and s.executor in ("slurm", "ray"):
-                executor = site_launcher(s, ranks)
-            elif executor is None and s.executor != "local":
-                executor = s.executor
+            if executor is None:
+                executor = self._owned = s.create_executor()
         communicator = communicator or "gloo"
         self.world_size = ranks
         # MPI ranks must be started by an MPI launcher; everything else runs as local processes.
-        self.executor = executor or ("mpirun" if communicator == "mpi" else "local")
+        executor = executor or (DEFAULT_MPI if communicator == "mpi" else DEFAULT)
+        if isinstance(executor, str):
+            executor = self._owned = create_executor(executor)
+        self.executor = executor
+        self.slots, self.config = list(slots), config
+        self._scope_open = False
         self.communicator = communicator
         self.rendezvous = rendezvous or "tcp"
         self.echo = echo
@@ -129,26 +145,13 @@ class Gang:
         if self.running:
             return self
         t0 = time.perf_counter()
-        self.gang_id = new_gang_id()
-        self.log_dir = self._log_dir_arg or default_log_root() / self.gang_id
-        self._launcher = self._make_launcher()
+        self._prepare()
         self._control = ControlServer(self.world_size, self.control_host)
-        rdzv = backend_for(self.rendezvous)
-        self._rdzv_url = rdzv.prepare(self.rendezvous, self.gang_id, self.log_dir)
-        base = {
-            **self._control.rank_env(),
-            P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
-            P.ENV_COMM: self.communicator, P.ENV_GANG_ID: self.gang_id,
-            P.ENV_TIMEOUT: str(self.comm_timeout), P.ENV_PDEATHSIG: "1",
-            # root, session, metadata URL, memory budget, spill directory
-            **self.store.rank_env(),
+        rank_env = self._rank_env({
+            **self._control.rank_env(), P.ENV_COMM: self.communicator, P.ENV_TIMEOUT: str(self.comm_timeout),
             # Functions are pickled by reference to their module: ranks must import what the
             # driver imports (the user's script directory, a test directory...).
-            "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]),
-        }
-        placement = self._launcher.placement(self.world_size)
-        rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(self.world_size)]
-        _live_gangs.add(self)
+            "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])})
         try:
             self._launcher.launch(WORKER_ARGV, rank_env, self.log_dir)
             self._await_ready()
@@ -159,11 +162,69 @@ class Gang:
         log.debug("gang %s ready in %.2fs", self.gang_id, self.ready_seconds)
         return self
 
+    def _prepare(self) -> None:
+        """A new gang id, log directory, launcher and rendezvous (torn down by ``_teardown``)."""
+        self.gang_id = new_gang_id()
+        self.log_dir = self._log_dir_arg or default_log_root() / self.gang_id
+        self._launcher = self._make_launcher()
+        _live_gangs.add(self)
+        try:
+            self._rdzv_url = backend_for(self.rendezvous).prepare(self.rendezvous, self.gang_id, self.log_dir)
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+
+    def _rank_env(self, extra: dict[str, str]) -> list[dict[str, str]]:
+        """Every rank's environment: world, rendezvous, gang id, the store's settings (root,
+        session, metadata URL, memory budget, spill directory), ``extra``, its rank and placement."""
+        base = {P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
+                P.ENV_GANG_ID: self.gang_id, P.ENV_PDEATHSIG: "1", **self.store.rank_env(), **extra}
+        placement = self._launcher.placement(self.world_size)
+        return [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(self.world_size)]
+
+    def run_command(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
+                    timeout: float | None = None) -> None:
+        """Run an external program as every rank (a command stage: an existing MPI or native
+        code): it gets PHALANX_RANK, PHALANX_WORLD_SIZE, a rendezvous URL and the store's
+        settings, plus ``env``.  Returns when every rank exited 0; else, as for apps, the
+        others are stopped at once and ``RankError`` names the failed ranks with their log
+        tails; ``GangError`` when it does not finish within ``timeout``."""
+        if self.running:
+            raise GangError(f"gang {self.gang_id} runs the rank worker: a command needs a gang of its own")
+        self._prepare()
+        ok = False
+        try:
+            self._launcher.launch(list(argv), self._rank_env(dict(env or {})), self.log_dir)
+            self._await_exit(timeout)
+            ok = True
+        finally:
+            self._teardown(graceful=ok)
+
+    def _await_exit(self, timeout: float | None) -> None:
+        deadline = time.monotonic() + timeout if timeout else None
+        while True:
+            codes = self._launcher.exitcodes()
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                failures = {r: self._failure_of(r, ("eof",)) for r in failed}
+                stopped = [r for r, c in enumerate(codes) if c is None]
+                raise RankError(list(failures.values()), stopped)
+            if all(c == 0 for c in codes):
+                return
+            if deadline is not None and time.monotonic() > deadline:
+                raise self._timed_out({r for r, c in enumerate(codes) if c is None}, "finished",
+                                      f"finish within the stage timeout (timeout={timeout:g}s)")
+            time.sleep(_COMMAND_POLL_S)
+
     def _make_launcher(self) -> Launcher:
         if isinstance(self.executor, Launcher):
             return self.executor
-        cls = executors.load(self.executor)
-        return cls(echo=self.echo)
+        if self._owned is not None and not self._scope_open:
+            self._owned.open_run()  # a standalone gang is its own run: its pilot lives as long as it
+            self._scope_open = True
+        ex = self.executor
+        config = ex.stage_config(self.config) if self.config else None
+        return ex.launcher(self.world_size, slots=self.slots, config=config, echo=self.echo)
 
     def _await_ready(self) -> None:
         ready: set[int] = set()
@@ -194,16 +255,25 @@ class Gang:
 
     def redirect_logs(self, log_dir: str | Path) -> bool:
         """Send the ranks' output to ``log_dir`` from now on; False if the executor cannot."""
-        redirect = getattr(self._launcher, "redirect", None)
-        if not self.running or redirect is None:
+        if not self.running or not self._launcher.redirect(Path(log_dir)):
             return False
         self.log_dir = Path(log_dir)
-        redirect(self.log_dir)
         return True
 
+    def status(self) -> str | None:
+        """The resource manager's view of the gang (``slurm: job 42 RUNNING on n[1-2]``), if any."""
+        return self._launcher.status() if self.running else None
+
     def close(self) -> None:
-        """Stop the ranks: ask them to leave, then make sure they did."""
+        """Stop the ranks: ask them to leave, then make sure they did; end the run scope of an
+        executor this gang made (a SLURM pilot it started)."""
         self._teardown(graceful=True)
+        self._close_scope()
+
+    def _close_scope(self) -> None:
+        if self._scope_open:
+            self._scope_open = False
+            self._owned.close_run()
 
     def _teardown(self, graceful: bool) -> None:
         if self._launcher is None:
@@ -325,9 +395,9 @@ class Gang:
         text = f"gang {self.gang_id}: {_ranks(late)} did not manage to {what}"
         if others:
             text += f"; {_ranks(others)} {done}"
-        status = getattr(self._launcher, "status", None)  # e.g. "slurm: job 42 PENDING (Resources)"
-        if callable(status):
-            text += f" ({status()})"
+        status = self._launcher.status()  # e.g. "slurm: job 42 PENDING (Resources)"
+        if status:
+            text += f" ({status})"
         return GangError(f"{text}; logs in {self.log_dir}")
 
     def _failure_of(self, rank: int, msg: tuple) -> RankFailure:
@@ -336,9 +406,8 @@ class Gang:
         code = self._wait_exitcode(rank)
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"
-            memory_note = getattr(self._launcher, "memory_note", None)  # over a limit, OOM killer...
-            if code == -signal.SIGKILL and callable(memory_note):
-                how += memory_note(rank)
+            if code == -signal.SIGKILL:  # over a memory limit, the OOM killer...
+                how += self._launcher.memory_note(rank)
         elif code is not None:
             how = f"exited with code {code}"
         else:
@@ -382,7 +451,14 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ("last lines of its log:\n" + "\n".join(text[-lines:])) if text else ""
 
 
+def _load_site(site: "str | Path") -> Any:
+    if _site_loader is None:  # set when phalanx.orchestrator.validate is imported (import phalanx does)
+        raise RuntimeError("px.Gang(site=NAME) needs phalanx.orchestrator: import phalanx first")
+    return _site_loader(str(site))
+
+
 @atexit.register
 def _stop_all_gangs() -> None:
     for gang in list(_live_gangs):
         gang._teardown(graceful=False)
+        gang._close_scope()

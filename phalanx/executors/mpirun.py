@@ -19,11 +19,14 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from pydantic import Field
+
 from ..errors import MissingDependencyError
+from ..procs import descendants, leads_group, pid_alive, signal_group, signal_pid
 from ..runtime import protocol as P
-from ..runtime.worker import descendants as _descendants
-from .base import Launcher, shared_env
-from .local import Echo, RankOutput, cpu_placement, start_pump
+from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher, shared_env
+from .local import WORKER_ARGV, cpu_placement, usable_cpus
+from .logs import RankOutput, start_pump
 
 ENV_CPUS_BY_RANK = P.ENV_CPUS_BY_RANK
 # Rank variables read before OMPI_COMM_WORLD_RANK (protocol._RANK_VARS): inherited from the
@@ -70,23 +73,65 @@ DEFAULT_MCA = {
 }
 
 
+# A command stage's program learns its rank as PHALANX_RANK, and leaves its exit code where the
+# driver reads it (mpirun reports one code for the whole job).
+_COMMAND_WRAPPER = ('d=$1; shift; PHALANX_RANK=$OMPI_COMM_WORLD_RANK; export PHALANX_RANK; "$@"; rc=$?; '
+                    'f="$d/rank-$PHALANX_RANK.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc')
+
+
+class MPIRunConfig(ExecutorConfig):
+    """The ``mpirun:`` section of a site file (all optional)."""
+
+    mpirun: str = Field("mpirun", description="the mpirun program (Open MPI)")
+    mca: dict[str, str] = Field(default_factory=dict, description="--mca KEY VALUE pairs over phalanx's defaults")
+    args: list[str] = Field(default_factory=list, description="further mpirun arguments, verbatim")
+    pin: bool = Field(True, strict=True, description="pin each rank to its own CPUs when the site's slots fit "
+                      "this machine's cores")
+
+
+class MPIRunExecutor(Executor):
+    """Every gang is one ``mpirun`` on this machine: its ranks are one MPI_COMM_WORLD."""
+
+    name = "mpirun"
+    config_model = MPIRunConfig
+    capabilities = Capabilities(pins_cpus=True, mpi_world=True, runs_commands=True)
+
+    def capacity(self) -> int:
+        return self.cores or len(usable_cpus())
+
+    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
+                 echo: Echo = False) -> "MPIRunLauncher":
+        cfg = config or self.config
+        cpus = usable_cpus()
+        pin = cfg.pin and self.capacity() <= len(cpus)
+        launcher = MPIRunLauncher(echo=echo, pin=pin, cpus=[cpus[s] for s in slots] if pin and slots else None,
+                                  mpirun=cfg.mpirun, mca=cfg.mca, extra_args=cfg.args)
+        launcher.allocation_hook = self.hook
+        return launcher
+
+
 class MPIRunLauncher(Launcher):
     name = "mpirun"
 
     def __init__(self, echo: Echo = True, pin: bool = True, mpirun: str = "mpirun",
-                 mca: dict[str, str] | None = None, extra_args: Sequence[str] = ()):
+                 mca: dict[str, str] | None = None, extra_args: Sequence[str] = (),
+                 cpus: Sequence[int] | None = None):
+        """``cpus``: the CPUs this gang may use (a scheduler's share); default all usable."""
         self.echo = echo
         self.pin = pin
+        self.cpus = cpus
         self.mpirun = mpirun
         self.mca = {**DEFAULT_MCA, **(mca or {})}
         self.extra_args = list(extra_args)
         self.world_size = 0
+        self.log_dir: Path | None = None
+        self.command_stage = False  # argv is a program of a command stage, not the rank worker
         self.proc: subprocess.Popen | None = None  # mpirun, or on Linux its shim
         self._pump: threading.Thread | None = None
         self._output: RankOutput | None = None
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
-        return [_common_env(cpu_placement(world_size, self.pin))] * world_size
+        return [_common_env(cpu_placement(world_size, self.pin, self.cpus))] * world_size
 
     def command(self, argv: Sequence[str], common: dict[str, str], world_size: int) -> list[str]:
         exe = shutil.which(self.mpirun)
@@ -106,7 +151,10 @@ class MPIRunLauncher(Launcher):
         return cmd
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
-        self.world_size = len(rank_env)
+        self.world_size, self.log_dir = len(rank_env), Path(log_dir)
+        self.command_stage = tuple(argv) != WORKER_ARGV
+        if self.command_stage:
+            argv = ["/bin/sh", "-c", _COMMAND_WRAPPER, "phalanx-rank", str(self.log_dir), *argv]
         common = _common_env(rank_env)
         common["PYTHONUNBUFFERED"] = "1"
         env = {**os.environ, **common}
@@ -123,7 +171,17 @@ class MPIRunLauncher(Launcher):
 
     def exitcodes(self) -> list[int | None]:
         code = self.proc.poll() if self.proc is not None else None
-        return [code] * self.world_size
+        codes: list[int | None] = [code] * self.world_size
+        if self.command_stage and self.log_dir is not None:  # each rank's own, where it wrote one
+            for r in range(self.world_size):
+                try:
+                    text = (self.log_dir / f"rank-{r}.exit").read_text().strip()
+                except OSError:
+                    continue
+                if text.lstrip("-").isdigit():
+                    rc = int(text)
+                    codes[r] = -(rc - 128) if 128 < rc < 128 + 65 else rc
+        return codes
 
     def kill(self, grace_s: float = 2.0) -> None:
         proc = self.proc
@@ -131,19 +189,19 @@ class MPIRunLauncher(Launcher):
             return
         # Open MPI puts each rank in its own process group, out of reach of killpg: remember
         # their PIDs in case mpirun dies before it can stop them.
-        below = _descendants(proc.pid)
+        below = descendants(proc.pid)
         if proc.poll() is None:
-            _signal(proc.pid, signal.SIGTERM)  # one SIGTERM: mpirun stops the ranks, cleans up
+            signal_pid(proc.pid, signal.SIGTERM)  # one SIGTERM: mpirun stops the ranks, cleans up
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                _signal(proc.pid, signal.SIGKILL, group=True)  # the shim and mpirun
+                signal_group(proc.pid, signal.SIGKILL)  # the shim and mpirun
                 proc.wait()
         deadline = time.monotonic() + 0.5  # PDEATHSIG normally ends the ranks with mpirun
-        while (below := [pid for pid in below if _alive(pid)]) and time.monotonic() < deadline:
+        while (below := [pid for pid in below if pid_alive(pid)]) and time.monotonic() < deadline:
             time.sleep(0.02)
-        for pid in below:
-            _signal(pid, signal.SIGKILL, group=_leads_group(pid))  # with what the rank started
+        for pid in below:  # with what the rank started
+            (signal_group if leads_group(pid) else signal_pid)(pid, signal.SIGKILL)
         if self._pump is not None:
             self._pump.join(timeout=1.0)
             if not self._pump.is_alive() and self._output is not None:
@@ -192,28 +250,3 @@ def _common_env(rank_env: list[dict[str, str]]) -> dict[str, str]:
     if any(P.ENV_CPUS in env for env in rank_env):
         common[ENV_CPUS_BY_RANK] = "|".join(env.get(P.ENV_CPUS, "") for env in rank_env)
     return common
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"  # a zombie is as good as dead
-    except OSError:
-        return False
-
-
-def _leads_group(pid: int) -> bool:
-    try:
-        return os.getpgid(pid) == pid
-    except OSError:
-        return False
-
-
-def _signal(pid: int, sig: int, group: bool = False) -> None:
-    try:
-        if group:
-            os.killpg(pid, sig)
-        else:
-            os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

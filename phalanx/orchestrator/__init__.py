@@ -1,0 +1,1 @@
+"""Workflows: models of workflow and site files, validation, the scheduler, the run DB."""

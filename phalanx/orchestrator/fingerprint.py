@@ -17,11 +17,12 @@ import importlib.util
 import json
 from typing import Any
 
+from ..executors import executors
 from ..store import Store
 from .models import Workflow
 
-# Settings that change how a stage runs, not what it produces.
-_NOT_OUTPUT = {"retries", "timeout", "slurm", "ray", "needs"}
+# Settings that change how a stage runs, not what it produces (executor sections: where it runs)
+_NOT_OUTPUT = {"retries", "timeout", "needs", *executors.names()}
 
 
 def _digest(obj: Any) -> str:

@@ -8,14 +8,14 @@ models is published in docs/ for editors.
 
 from __future__ import annotations
 
-import difflib
 import re
 from typing import Annotated, Any, Literal, Optional, Sequence
 from urllib.parse import urlparse
 
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationInfo,
-                      WithJsonSchema, field_validator, model_validator)
-from pydantic_core import PydanticCustomError
+                      WithJsonSchema, create_model, field_validator, model_validator)
+
+from ..executors.base import Executor, suggest
 
 from .yamlio import Located
 
@@ -25,7 +25,6 @@ MAX_SLOTS = 1_000_000    # ranks of a gang, slots of a site
 MAX_RETRIES = 100
 MAX_SECONDS = 366 * 86400  # a year: timeouts beyond that are typos (and overflow timers)
 MAX_MEMORY_GB = 1e9
-MPI_EXECUTORS = ("mpirun", "slurm")  # they start a gang as one MPI_COMM_WORLD (mpirun, srun)
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -64,70 +63,19 @@ Dataset = Annotated[str, AfterValidator(_check_dataset),
                     _schema(f"^({_NAME.pattern}/)?{_NAME.pattern}$", MAX_SESSION + 1 + MAX_NAME)]
 
 
-def _unknown(value: str, known: Sequence[str]) -> str:
-    """" (did you mean 'x'?)" for a near miss, else the known values."""
-    close = difflib.get_close_matches(value, known, n=1)
-    return f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
-
-
 def _one_of(kind: str, value: str, known: Sequence[str]) -> None:
     if value not in known:
-        raise ValueError(f"unknown {kind} {value!r}{_unknown(value, known)}")
+        raise ValueError(f"unknown {kind} {value!r}{suggest(value, known)}")
 
 
-# What executor-section values must be where a launcher uses them as they are (numbers it
-# converts are checked when validate builds each stage's launcher); a key not listed: anything.
-_TEXT, _LIST, _MAPPING = (str,), (list,), (dict,)
-_SECTION_TYPES: dict[str, tuple[type, ...]] = {
-    "address": _TEXT, "namespace": (str, type(None)), "strategy": _TEXT, "resources": (dict, list),
-    "runtime_env": _MAPPING, "init": _MAPPING,  # ray:
-    "allocation": _TEXT, "conf": _TEXT, "mpi": _TEXT, "job-name": _TEXT, "prologue": _LIST,
-    "sbatch-args": _LIST, "srun-args": _LIST, "pilot": _MAPPING, "ntasks": (int,)}  # slurm:
-_OPTION = (str, int, float, bool)  # an sbatch/srun option: --key=value (true: --key)
-_TYPE_NAMES = {_TEXT: "a string", _LIST: "a list", _MAPPING: "a mapping", (int,): "an integer",
-               (str, type(None)): "a string or null", (dict, list): "a mapping or a list"}
+def _executor_sections(what: str) -> dict[str, Any]:
+    """One optional field per registered executor, typed by its config model: a site's (or a
+    stage's) ``slurm:``, ``ray:``... section.  Built from the registry, so a plug-in's section
+    is validated — and in the JSON Schema — like a built-in's."""
+    from ..executors import config_model, executors
 
-
-def _section_error(keys: tuple, message: str) -> PydanticCustomError:
-    """A problem inside an executor section; ``keys`` (the path in the section) gives it its line."""
-    return PydanticCustomError("section", "{message}", {"keys": keys, "message": message})
-
-
-def _check_section(section: dict, known: Sequence[str], at: tuple = (), norm=str,
-                   options: Sequence[str] = ()) -> None:
-    """Unknown keys and values of the wrong type; ``options`` take one value each (sbatch's)."""
-    for key, value in section.items():
-        name = norm(key)
-        if name not in known:
-            raise _section_error(at + (key,), f"unknown key{_unknown(name, known)}")
-        want = _OPTION if name in options else _SECTION_TYPES.get(name, (object,))
-        if not isinstance(value, want):
-            what = (f"a string, number or true/false (sbatch --{name}=VALUE)" if want is _OPTION
-                    else _TYPE_NAMES[want])
-            raise _section_error(at + (key,), f"must be {what}")
-
-
-def _slurm_section(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """What ``SlurmLauncher.from_site`` accepts, ``pilot:`` (sbatch options) included."""
-    from ..executors.slurm.commands import _SITE_KEYS, OPTION_KEYS, _norm
-
-    known, norm = sorted(OPTION_KEYS | _SITE_KEYS), lambda key: _norm(str(key))
-    _check_section(section or {}, known, norm=norm, options=sorted(OPTION_KEYS))
-    if isinstance((section or {}).get("pilot"), dict):
-        _check_section(section["pilot"], known, ("pilot",), norm, sorted(OPTION_KEYS))
-    return section
-
-
-def _ray_section(section: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """What ``RayLauncher.from_site`` accepts (importing phalanx's module, not ray)."""
-    from ..executors.ray import SITE_KEYS
-
-    _check_section(section or {}, SITE_KEYS)
-    return section
-
-
-SlurmSection = Annotated[Optional[dict[str, Any]], AfterValidator(_slurm_section)]
-RaySection = Annotated[Optional[dict[str, Any]], AfterValidator(_ray_section)]
+    return {name: (Optional[config_model(name)], Field(None, description=f"{what} ({name} executor)"))
+            for name in executors.names()}
 
 
 class _Strict(BaseModel):
@@ -152,7 +100,7 @@ class InputSpec(_Strict):
         return self
 
 
-class Stage(_Strict):
+class _StageFields(_Strict):
     """One BSP application on a gang of its own size."""
 
     kind: Literal["bsp", "torch", "command"] = "bsp"
@@ -167,10 +115,6 @@ class Stage(_Strict):
     retries: Int = Field(0, ge=0, le=MAX_RETRIES, description=f"reruns on a fresh gang after a failure "
                          f"(at most {MAX_RETRIES})")
     timeout: Optional[Seconds] = Field(None, description="seconds before the stage is stopped")
-    slurm: SlurmSection = Field(
-        None, description="this stage's SLURM options over the site's slurm: section (time, partition...)")
-    ray: RaySection = Field(
-        None, description="this stage's Ray options over the site's ray: section (strategy, resources...)")
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -197,6 +141,14 @@ class Stage(_Strict):
                                  f"(PHALANX_PARAM_{key.upper()}): use letters, digits and '_'")
         return self
 
+    def executor_section(self, executor: str) -> Any:
+        """This stage's own section for ``executor`` (None: the site's applies as it is)."""
+        return getattr(self, executor, None)
+
+
+# A stage's executor sections override keys of the site's section of the same name for it
+Stage = create_model("Stage", __base__=_StageFields, __module__=__name__,
+                     **_executor_sections("this stage's keys over the site's section"))
 
 
 class Workflow(_Strict, Located):
@@ -240,14 +192,16 @@ class StoreConfig(_Strict):
         return value
 
 
-class Site(_Strict, Located):
+class _SiteFields(_Strict, Located):
     """Where gangs run.  Executor-specific settings live in their own section (slurm:, ray:...)
     so the orchestrator needs to know only ``executor`` and the capacity."""
 
     name: str
-    executor: str = Field("local", description="local | mpirun | slurm | ray (the executors registry)")
-    cores: Optional[Int] = Field(None, ge=1, le=MAX_SLOTS, description="slots for ranks; default: this "
-                                 "machine's cores")
+    executor: str = Field("local", description="local | mpirun | slurm | ray, or a plug-in's name (the "
+                          "executors registry)")
+    cores: Optional[Int] = Field(None, ge=1, le=MAX_SLOTS, description="slots for ranks; default: what the "
+                                 "executor holds (this machine's cores, a SLURM pilot's ntasks, a Ray "
+                                 "cluster's CPUs)")
     memory_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True)
     communicator: Literal["gloo", "mpi"] = "gloo"
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
@@ -258,14 +212,11 @@ class Site(_Strict, Located):
     start_timeout: Seconds = Field(
         300, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
     reuse_gangs: bool = Field(
-        True, description="local and ray executors: a succeeded stage's gang (processes + communicator) runs the "
-        "next stage of the same size; retries always get a fresh gang")
+        True, description="executors that can (local, ray): a succeeded stage's gang (processes + communicator) "
+        "runs the next stage of the same size; retries always get a fresh gang")
     warm_ranks: Optional[Int] = Field(
-        None, ge=0, le=MAX_SLOTS, description="local executor: rank processes kept started, imports done, so a stage's "
-        "gang starts in a fraction of a second; 0 turns it off; default: the site's slots")
-    slurm: SlurmSection = None
-    ray: RaySection = None
-    kubernetes: Optional[dict[str, Any]] = None
+        None, ge=0, le=MAX_SLOTS, description="executors that can (local): rank processes kept started, imports "
+        "done, so a stage's gang starts in a fraction of a second; 0 turns it off; default: the site's slots")
 
     @field_validator("store", mode="before")
     @classmethod
@@ -283,9 +234,12 @@ class Site(_Strict, Located):
     @field_validator("communicator")
     @classmethod
     def _mpi_needs_an_mpi_launcher(cls, value: str, info: ValidationInfo) -> str:
+        from ..executors import capabilities, executors
+
         executor = info.data.get("executor")  # absent when it was invalid itself
-        if value == "mpi" and executor and executor not in MPI_EXECUTORS:
-            raise ValueError(f"'mpi' needs executor {' or '.join(map(repr, MPI_EXECUTORS))} (MPI ranks must be "
+        if value == "mpi" and executor and not capabilities(executor).mpi_world:
+            mpi = [n for n in executors.names() if capabilities(n).mpi_world]
+            raise ValueError(f"'mpi' needs executor {' or '.join(map(repr, mpi))} (MPI ranks must be "
                              f"started by an MPI launcher), not {executor!r}")
         return value
 
@@ -302,10 +256,26 @@ class Site(_Strict, Located):
             raise ValueError(f"{value!r}: {exc}") from None
         return value
 
-    def capacity(self) -> int:
-        """Rank slots the site can ever give at once."""
-        if self.cores:
-            return self.cores
-        from ..executors.local import usable_cpus
+    def section(self) -> Any:
+        """The executor's own section of this site (None: its defaults)."""
+        return getattr(self, self.executor, None)
 
-        return len(usable_cpus())
+    def create_executor(self) -> Executor:
+        """The site's executor, configured by its section (not started: ``open_run``)."""
+        from ..executors import create
+
+        executor = create(self.executor, self.section(), site=self.name, cores=self.cores)
+        slots = executor.capacity()
+        if self.memory_gb and slots:  # shared over the slots like the cores, so side-by-side stages fit
+            executor.rank_memory = int(self.memory_gb * 2**30 / slots)
+        return executor
+
+    def capacity(self) -> int | None:
+        """Rank slots the site can ever give at once; None where the resource manager decides
+        (gangs queue there)."""
+        return self.create_executor().capacity()
+
+
+# The site's executor sections: slurm:, ray:..., one per registered executor
+Site = create_model("Site", __base__=_SiteFields, __module__=__name__,
+                    **_executor_sections("settings of the executor of this name"))

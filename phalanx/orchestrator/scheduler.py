@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..errors import GangError, RankError
-from ..executors.local import LocalLauncher, usable_cpus
 from ..gang import Gang
 from ..store import Store
 from .fingerprint import changes, fingerprints
@@ -25,6 +24,9 @@ from .validate import dependencies
 
 STAGE_APP = "phalanx.orchestrator.stage:run_stage"
 BACKOFF_S = (1.0, 4.0, 15.0)  # between attempts of a failed stage
+# Slots of a site whose executor cannot say (SLURM per-stage jobs): gangs up to this many ranks
+# in all are submitted at once and the resource manager queues them
+UNBOUNDED_SLOTS = 4096
 
 
 @dataclass
@@ -42,13 +44,13 @@ class Scheduler:
         self.wf, self.site, self.db, self.run_id = wf, site, db, run_id
         self.store = Store(site.store.root, session, metadata=site.store.metadata)
         self.on_event = on_event or (lambda stage, kind, msg: None)
-        self.capacity = site.capacity()
+        self.executor = site.create_executor()
+        self.caps = self.executor.capabilities
+        self.capacity = self.executor.capacity() or UNBOUNDED_SLOTS
         self._free = list(range(self.capacity))
-        self._gangs: dict[str, Gang] = {}
-        self._commands: dict[str, object] = {}  # stage → launcher of a running command stage
+        self._gangs: dict[str, Gang] = {}   # stage → its running gang (BSP or command)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
-        self._pool = None  # warm rank processes (local executor), made by run()
         self._pending: list[str] = []  # stages not started yet
         # Gangs of succeeded stages, kept for the next stage of the same size (slots → gang):
         # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
@@ -72,22 +74,18 @@ class Scheduler:
                 and self._reusable(s, prior[s])}
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
+        self._pending = pending
         warm = self.capacity if self.site.warm_ranks is None else self.site.warm_ranks
-        if self.site.executor == "local" and warm and any(self.wf.stages[s].kind != "command" for s in pending):
-            from ..executors.pool import WarmPool
-
-            self._pending = pending
-            self._pool = WarmPool(warm, demand=self._warm_demand)
+        if not any(self.wf.stages[s].kind != "command" for s in pending):
+            warm = 0
+        # what lives as long as the run (a pilot allocation, warm processes) ends with it
+        self.executor.open_run(hook=RunAllocations(self.db, self.run_id, None), demand=self._warm_demand,
+                               warm=warm if self.caps.warm_pool else 0)
         try:
             return self._run(pending, done, deps)
         finally:
             self._close_idle(list(self._idle))
-            if self._pool is not None:
-                self._pool.close()
-            if self.site.executor == "slurm":  # the run's pilot allocation, if it held one
-                from ..executors.slurm import SlurmPilot
-
-                SlurmPilot.close_shared()
+            self.executor.close_run()
 
     def _reusable(self, stage: str, prior: dict) -> bool:
         """A stage that succeeded in an earlier attempt of this run is not run again only when
@@ -154,7 +152,8 @@ class Scheduler:
                             continue
                         ranks = self.wf.stages[name].ranks
                         if deps[name] <= done and ranks <= len(self._free):
-                            reuse = self.site.reuse_gangs and self.wf.stages[name].kind != "command"
+                            reuse = (self.site.reuse_gangs and self.caps.reuse_gangs
+                                     and self.wf.stages[name].kind != "command")
                             slots, gang = self._place(name, ranks, reuse)
                             pending.remove(name)
                             running[pool.submit(self._run_stage, name, slots, gang)] = (name, slots)
@@ -188,27 +187,23 @@ class Scheduler:
         self._cancelled.set()
         with self._lock:
             gangs = list(self._gangs.values())
-            commands = list(self._commands.values())
         self._close_idle(list(self._idle))
         for g in gangs:
             g._teardown(graceful=False)
-        for launcher in commands:
-            launcher.kill(grace_s=0.5)
 
-    def _launcher(self, slots: list[int], stage: str | None = None):
-        if self.site.executor in ("slurm", "ray"):
-            launcher = site_launcher(self.site, len(slots), self.wf.stages[stage] if stage else None)
-        elif self.site.executor != "local":
-            return self.site.executor
-        else:
-            cpus = usable_cpus()
-            fits = self.capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
-            launcher = LocalLauncher(echo=False, pin=fits, cpus=[cpus[s] for s in slots] if fits else None,
-                                     pool=self._pool, mem_limit_bytes=rank_memory(self.site))
+    def _gang(self, stage: str, slots: list[int], log_dir) -> Gang:
+        """A gang for one attempt of ``stage`` on ``slots``: the site's executor with the stage's
+        own section over the site's."""
+        st = self.wf.stages[stage]
+        config = self.executor.stage_config(st.executor_section(self.site.executor))
+        self.executor.check(st.ranks, config)
+        launcher = self.executor.launcher(len(slots), slots=slots, config=config)
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
         # driver killed without a word leaves enough for the next status/cancel/resume to free it.
         launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
-        return launcher
+        return Gang(st.ranks, executor=launcher, communicator=self.site.communicator,
+                    rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
+                    start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
@@ -270,9 +265,7 @@ class Scheduler:
         gang = reused if reused is not None and reused.redirect_logs(log_dir) else None
         how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
         if gang is None:
-            gang = Gang(st.ranks, executor=self._launcher(slots, name), communicator=self.site.communicator,
-                        rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
-                        start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
+            gang = self._gang(name, slots, log_dir)
         self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
         keep = False
         try:
@@ -280,15 +273,15 @@ class Scheduler:
                 self._gangs[name] = gang
             gang.start()
             self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
-            where = getattr(gang._launcher, "status", None)  # the resource manager's view
-            if callable(where):
-                self._event(name, "placed", where())
+            where = gang.status()  # the resource manager's view
+            if where:
+                self._event(name, "placed", where)
             results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
                                params=st.params, timeout=st.timeout)
         except (RankError, GangError) as exc:
             return str(exc).splitlines()[0], str(exc), failed_ranks(gang, exc)
         else:  # a gang that just succeeded may serve the next stage of its size
-            keep = (self.site.reuse_gangs and self.site.executor in ("local", "ray") and gang.running
+            keep = (self.site.reuse_gangs and self.caps.reuse_gangs and gang.running
                     and not self._cancelled.is_set())
         finally:
             with self._lock:
@@ -302,54 +295,29 @@ class Scheduler:
         return None
 
     def _run_command(self, name: str, attempt: int, slots: list[int], log_dir) -> str | None:
-        """An external program on every rank (an existing MPI or native code as a stage): it
-        gets PHALANX_RANK, PHALANX_WORLD_SIZE, a rendezvous URL and the store's settings; the
-        stage fails fast when any rank exits non-zero."""
-        from ..executors.base import Launcher
-        from ..runtime import protocol as P
-        from ..runtime.rendezvous import backend_for, new_gang_id
-
+        """An external program on every rank (an existing MPI or native code as a stage), on a
+        gang like any stage's (``Gang.run_command``): params as PHALANX_PARAM_*; None on success,
+        else the error."""
         st = self.wf.stages[name]
         self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))
-        launcher = self._launcher(slots, name)
-        if not isinstance(launcher, Launcher):
-            return f"command stages need the local executor, not {launcher!r}"
-        gang_id = new_gang_id()
-        url = backend_for(self.site.rendezvous).prepare(self.site.rendezvous, gang_id, log_dir)
-        base = {P.ENV_WORLD_SIZE: str(st.ranks), P.ENV_RDZV: url, P.ENV_GANG_ID: gang_id,
-                P.ENV_PDEATHSIG: "1", **self.store.rank_env(),
-                **{f"PHALANX_PARAM_{k.upper()}": str(v) for k, v in st.params.items()}}
-        placement = launcher.placement(st.ranks)
-        rank_env = [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(st.ranks)]
-        self.db.set_attempt_gang(self.run_id, name, attempt, gang_id)
+        if not self.caps.runs_commands:
+            return f"executor {self.site.executor!r} cannot start programs: command stages cannot run on it"
+        gang = self._gang(name, slots, log_dir)
+        env = {f"PHALANX_PARAM_{k.upper()}": str(v) for k, v in st.params.items()}
         self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {st.command[0]!r} on slots {slots}")
         with self._lock:
-            self._commands[name] = launcher
-        deadline = time.monotonic() + st.timeout if st.timeout else None
+            self._gangs[name] = gang
         try:
-            launcher.launch(command_argv(st.command), rank_env, log_dir)
-            while True:
-                codes = launcher.exitcodes()
-                bad = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    return "; ".join(f"rank {r} exited with code {c}" for r, c in bad)
-                if all(c == 0 for c in codes):
-                    return None
-                if self._cancelled.is_set():
-                    return "cancelled"
-                if deadline is not None and time.monotonic() > deadline:
-                    late = [r for r, c in enumerate(codes) if c is None]
-                    return (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} did not finish "
-                            f"within the stage timeout of {st.timeout:g}s")
-                time.sleep(0.05)
+            gang.run_command(command_argv(st.command), env, timeout=st.timeout)
+            return None
         except OSError as exc:  # the program does not exist or is not executable
             return f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
-        except GangError as exc:  # the resource manager will never run it (bad partition...)
-            return str(exc).splitlines()[0]
+        except (RankError, GangError) as exc:  # a rank failed; the resource manager refused (bad partition...)
+            return "cancelled" if self._cancelled.is_set() else str(exc).splitlines()[0]
         finally:
-            launcher.kill(grace_s=1.0)
+            self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
             with self._lock:
-                self._commands.pop(name, None)
+                self._gangs.pop(name, None)
 
 
 class RunAllocations:
@@ -363,24 +331,6 @@ class RunAllocations:
 
     def released(self, record: dict) -> None:
         self.db.release_allocation(self.run_id, record)
-
-
-def site_launcher(site: Site, ranks: int, stage: Stage | None = None):
-    """The launcher of one gang on a batch or cloud site: the site's section of the site file,
-    with the stage's own section of the same name over it."""
-    if site.executor == "slurm":
-        from ..executors.slurm import SlurmLauncher
-
-        section = {**(site.slurm or {}), **((stage.slurm if stage else None) or {})}
-        share = rank_memory(site)
-        if share and not {"mem", "mem-per-cpu", "mem_per_cpu"} & set(section):  # SLURM enforces it
-            cpus = int(section.get("cpus-per-task", section.get("cpus_per_task", 1)))
-            section["mem-per-cpu"] = f"{max(1, share // cpus >> 20)}M"
-        return SlurmLauncher.from_site(section, ranks, site=site.name)
-    from ..executors.ray import RayLauncher
-
-    section = {**(site.ray or {}), **((stage.ray if stage else None) or {})}
-    return RayLauncher.from_site(section, ranks, site=site.name)
 
 
 def unverified(store: Store, outputs: list[str]) -> str | None:
@@ -398,12 +348,6 @@ def unverified(store: Store, outputs: list[str]) -> str | None:
         except StoreError as exc:
             return f"output {name!r} failed verification ({exc})"
     return None
-
-
-def rank_memory(site: Site) -> int | None:
-    """Bytes each rank may hold: the site's ``memory_gb`` shared over its slots, like its cores,
-    so stages running side by side stay within it together."""
-    return int(site.memory_gb * 2**30 / site.capacity()) if site.memory_gb else None
 
 
 def command_argv(command: list[str]) -> list[str]:

@@ -82,7 +82,11 @@ def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Nod
             if out in producers:
                 report(("stages", name, "outputs"), f"dataset {out!r} is also produced by stage {producers[out]!r}")
             producers.setdefault(out, name)
-    capacity = site.capacity()
+    try:
+        executor = site.create_executor()
+    except Exception as exc:  # what the executor refuses of the site as a whole (cores over a pilot's ntasks)
+        return problems + [f"{site.where((site.executor,))}: {exc}"]
+    capacity = executor.capacity()
     for name in names:
         st = wf.stages[name]
         for i, need in enumerate(st.needs):
@@ -100,17 +104,20 @@ def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Nod
                 report(("stages", name, "inputs", local),
                        f"dataset {spec.dataset!r} is produced by no stage and is not in the store "
                        "(another run's output: 'SESSION/NAME')")
-        if st.ranks > capacity:
+        if capacity and st.ranks > capacity:
             report(("stages", name, "ranks"),
                    f"{st.ranks} ranks, but site {site.name!r} can give at most {capacity}")
         if check_imports and st.app:
             problem = _import_problem(st.app)
             if problem:
                 report(("stages", name, "app"), problem)
-        if st.kind == "command" and site.executor not in COMMAND_EXECUTORS:
-            report(("stages", name, "kind"), f"command stages need the {', '.join(COMMAND_EXECUTORS[:-1])} or "
-                   f"{COMMAND_EXECUTORS[-1]} executor, not {site.executor!r}")
-    problems += _launcher_problems(wf, site, report)
+        if st.kind == "command" and not executor.capabilities.runs_commands:
+            from ..executors import capabilities, executors
+
+            runners = [n for n in executors.names() if capabilities(n).runs_commands]
+            report(("stages", name, "kind"), f"command stages need an executor that starts programs "
+                   f"({', '.join(runners)}), not {site.executor!r}")
+    problems += _executor_problems(wf, site, executor, report)
     problem = _listen_problem(site.driver_host)
     if problem:
         problems.append(f"{site.where(('driver_host',))}: {problem}")
@@ -120,23 +127,17 @@ def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Nod
     return problems
 
 
-COMMAND_EXECUTORS = ("local", "slurm", "ray")  # their launchers start any program (mpirun: only ranks)
-
-
-def _launcher_problems(wf: Workflow, site: Site, report) -> list[str]:
-    """What the batch or cloud executor refuses when a run builds each stage's launcher (a
-    strategy it does not know, a resources list that does not match the gang): reported at the
-    stage's own section, else at the site's (once)."""
-    if site.executor not in ("slurm", "ray"):
-        return []
-    from .scheduler import site_launcher
-
+def _executor_problems(wf: Workflow, site: Site, executor, report) -> list[str]:
+    """What the executor refuses of a stage's gang (a resources list that does not match it, a
+    gang bigger than a pilot), checked without starting anything: reported at the stage's own
+    section, else at the site's (once)."""
     at_site: dict[str, str] = {}
     for name, st in wf.stages.items():
+        section = st.executor_section(site.executor)
         try:
-            site_launcher(site, st.ranks, st)
-        except Exception as exc:  # whatever the launcher rejects (PhalanxError, ValueError, TypeError)
-            if getattr(st, site.executor):
+            executor.check(st.ranks, executor.stage_config(section))
+        except Exception as exc:  # whatever the executor rejects (PhalanxError, ValueError, ValidationError)
+            if section:
                 report(("stages", name, site.executor), str(exc))
             else:
                 at_site.setdefault(str(exc), f"{site.where((site.executor,))}: {exc}")
@@ -246,3 +247,12 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
             raise ConfigError([f"--set {dotted}: {field_path(keys[:i + 1])}: is not a mapping, so "
                                f"{keys[i + 1]!r} cannot be set in it"])
     node[keys[-1]] = parse_yaml(value, f"--set {dotted}", lines=False)[0] if isinstance(value, str) else value
+
+
+def _register_site_loader() -> None:
+    from ..gang import set_site_loader
+
+    set_site_loader(load_site)  # px.Gang(site="name") loads site files through this layer
+
+
+_register_site_loader()

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import phalanx as px
-from phalanx.executors.ray import RayLauncher
+from phalanx.executors.ray import RayExecutor, RayLauncher
 
 pytestmark = pytest.mark.ray
 ray = pytest.importorskip("ray")
@@ -90,8 +90,13 @@ def node_names(ray_cluster):
     return names
 
 
-def launcher(cluster, **kw) -> RayLauncher:
-    return RayLauncher(address=cluster.address, site=SITE, **kw)
+def executor(cluster, **kw) -> RayExecutor:
+    return RayExecutor({"address": cluster.address, **kw}, site=SITE)
+
+
+def launcher(cluster, ranks: int, echo=False, **kw) -> RayLauncher:
+    """What the scheduler does for a stage: the site's executor makes the gang's launcher."""
+    return executor(cluster, **kw).launcher(ranks, echo=echo)
 
 
 def live_groups(gang: px.Gang) -> list[str]:
@@ -124,7 +129,7 @@ def spread_gang(ray_cluster):
     """Three ranks, STRICT_SPREAD over the three raylets, kept for the tests of one class (it
     holds every CPU of the cluster: it must be gone before other tests place gangs)."""
     lines: list[str] = []
-    g = px.Gang(3, executor=launcher(ray_cluster, strategy="STRICT_SPREAD", echo=lines.append), echo=False)
+    g = px.Gang(3, executor=launcher(ray_cluster, 3, strategy="STRICT_SPREAD", echo=lines.append), echo=False)
     g.echoed = lines
     g.start()
     yield g
@@ -187,7 +192,7 @@ class TestPersistentSpreadGang:
      ["2×{CPU: 1, node_a: 1} PACK", "1 of them can hold a bundle", "the gang needs {CPU: 2, node_a: 2}"]),
 ], ids=["strict-spread-4-on-3-nodes", "two-ranks-need-node_a"])
 def test_unplaceable_gang_fails_within_its_timeout_and_leaves_no_group(ray_cluster, ranks, kw, reasons):
-    gang = px.Gang(ranks, executor=launcher(ray_cluster, ready_timeout_s=2, **kw), echo=False)
+    gang = px.Gang(ranks, executor=launcher(ray_cluster, ranks, ready_timeout_s=2, **kw), echo=False)
     t0 = time.monotonic()
     with pytest.raises(px.GangError) as info:
         gang.start()
@@ -204,7 +209,7 @@ def test_unplaceable_gang_fails_within_its_timeout_and_leaves_no_group(ray_clust
 
 def test_killed_actor_fails_the_gang_fast_and_the_next_run_starts_afresh(ray_cluster, node_names, tmp_path):
     # per-rank resources pin rank 0 to node_a and rank 1 to node_b
-    lch = launcher(ray_cluster, strategy="PACK", resources=[{"node_a": 1}, {"node_b": 1}])
+    lch = launcher(ray_cluster, 2, strategy="PACK", resources=[{"node_a": 1}, {"node_b": 1}])
     with px.Gang(2, executor=lch, echo=False) as gang:
         where = gang.run(app_where)
         assert [node_names[w["node_id"]] for w in where] == ["node_a", "node_b"]
@@ -245,7 +250,7 @@ def test_killed_actor_fails_the_gang_fast_and_the_next_run_starts_afresh(ray_clu
 
 def test_a_command_runs_as_a_child_of_each_rank_actor(ray_cluster, tmp_path):
     """A command stage's program (not the phalanx worker): one per rank, exit codes per rank."""
-    lch = launcher(ray_cluster, strategy="SPREAD")
+    lch = launcher(ray_cluster, 2, strategy="SPREAD")
     code = "import os, sys; print('rank', os.environ['PHALANX_RANK'], os.getcwd()); sys.exit(3 * int(os.environ['PHALANX_RANK']))"
     env = [{"PHALANX_RANK": str(r), "PHALANX_WORLD_SIZE": "2", "PHALANX_GANG_ID": f"cmd-{os.getpid()}"}
            for r in range(2)]
@@ -300,8 +305,9 @@ class Hook(list):
 def test_a_gangs_placement_group_is_announced_and_released_from_another_process(ray_cluster):
     """What ``phalanx status`` does for a lost run: a fresh process connects to the cluster,
     kills the recorded gang's actors and removes its placement group."""
-    lch = launcher(ray_cluster)
-    lch.allocation_hook = hook = Hook()
+    ex = executor(ray_cluster)
+    ex.open_run(hook=(hook := Hook()))
+    lch = ex.launcher(2)  # tells the run's hook
     with px.Gang(2, executor=lch, echo=False) as gang:
         record = {"executor": "ray", "kind": "placement_group", "id": f"phalanx-{gang.gang_id}",
                   "ranks": 2, "address": ray_cluster.address, "namespace": ray.get_runtime_context().namespace}
@@ -316,6 +322,7 @@ def test_a_gangs_placement_group_is_announced_and_released_from_another_process(
 
         assert release(record) == f"ray: placement group {record['id']} already gone"  # here: Ray's connection
     assert hook[-1] == ("released", record)
+    ex.close_run()
 
 
 def test_missing_ray_names_the_extra(monkeypatch):
@@ -326,27 +333,60 @@ def test_missing_ray_names_the_extra(monkeypatch):
         ray_executor.import_ray()
 
 
-def test_from_site_validates_the_ray_section():
-    lch = RayLauncher.from_site({"address": "ray://head:10001", "strategy": "strict_spread",
-                                 "cpus_per_rank": 2, "resources": {"GPU": 1}}, 3, site="gpu")
-    assert lch.strategy == "STRICT_SPREAD" and lch.bundles(3) == [{"CPU": 2.0, "GPU": 1.0}] * 3
+def test_the_executor_builds_launchers_from_the_site_section_and_a_stages():
+    """What a site's ``ray:`` section and a stage's own section over it give a gang."""
+    ex = RayExecutor({"address": "ray://head:10001", "strategy": "strict_spread", "cpus_per_rank": 2,
+                      "resources": {"GPU": 1}}, site="gpu")
+    lch = ex.launcher(3)
+    assert lch.site == "gpu" and lch.config.strategy == "STRICT_SPREAD" and lch.config.address == "ray://head:10001"
+    assert lch.bundles(3) == [{"CPU": 2.0, "GPU": 1.0}] * 3
     assert lch.placement(3) == [{"PHALANX_THREADS": "2"}] * 3
-    with pytest.raises(px.PhalanxError, match="unknown key.*stratgy"):
-        RayLauncher.from_site({"stratgy": "PACK"}, 2)
-    with pytest.raises(px.PhalanxError, match="unknown strategy 'TIGHT'"):
-        RayLauncher.from_site({"strategy": "TIGHT"}, 2)
-    with pytest.raises(px.PhalanxError, match="resources lists 1 bundles for a gang of 2"):
-        RayLauncher.from_site({"resources": [{"node_a": 1}]}, 2)
+    stage = ex.stage_config({"resources": [{"node_a": 1}, {"node_b": 1}]})
+    assert ex.launcher(2, config=stage).bundles(2) == [{"CPU": 2.0, "node_a": 1.0}, {"CPU": 2.0, "node_b": 1.0}]
+    with pytest.raises(px.PhalanxError, match=r"site 'gpu' \(ray\): resources lists 2 bundles for a gang of 3 ranks"):
+        ex.launcher(3, config=stage)  # refused before anything connects
+    with pytest.raises(px.PhalanxError, match=r"ray\.stratgy: unknown key \(did you mean 'strategy'\?\)"):
+        RayLauncher(stratgy="PACK")
+    with pytest.raises(px.PhalanxError, match=r"ray\.strategy: unknown strategy 'TIGHT'; known: STRICT_PACK"):
+        RayLauncher(strategy="TIGHT")
 
 
 @pytest.mark.parametrize("name", ["ray-local", "ray-example"])
 def test_site_files_are_valid(name):
+    from phalanx.executors import create
     from phalanx.orchestrator.validate import load_site
 
     site = load_site(str(Path(__file__).parents[1] / "site-configs" / f"{name}.yaml"))
     assert site.executor == "ray"
-    lch = RayLauncher.from_site(site.ray, 2, site=site.name)
-    assert lch.site == site.name
+    ex = create(site.executor, site.ray, site=site.name, cores=site.cores)
+    assert isinstance(ex, RayExecutor) and ex.capacity() == site.cores
+    ex.check(2, ex.config)
+    assert ex.launcher(2).site == site.name
+
+
+def test_capacity_is_the_sites_cores_else_the_clusters_cpus(ray_cluster):
+    assert executor(ray_cluster).capacity() == 3  # connected: head + 2 raylets, 1 CPU each
+    assert executor(ray_cluster, cpus_per_rank=0.5).capacity() == 6
+    assert executor(ray_cluster, cpus_per_rank=2).capacity() == 1
+    assert RayExecutor({"address": ray_cluster.address}, cores=2).capacity() == 2
+
+
+def test_closing_one_run_leaves_another_runs_gangs_alone(ray_cluster):
+    """Two runs in one process, each with its executor: the first's close ends the gang it
+    left open (its placement group), never the second's — nor the process's connection."""
+    first, second = executor(ray_cluster), executor(ray_cluster)
+    first.open_run()
+    second.open_run()
+    left_open = px.Gang(1, executor=first.launcher(1), echo=False).start()
+    with px.Gang(1, executor=second.launcher(1), echo=False) as other:
+        assert other.run(app_where)[0]["rank"] == 0
+        first.close_run()
+        assert wait_until(lambda: not live_groups(left_open), 10), live_groups(left_open)
+        assert ray.is_initialized() and live_groups(other) == ["CREATED"]
+        assert other.run(app_where)[0]["pid"] == other.pids[0]  # the same actor still serves
+        second.close_run()
+        assert wait_until(lambda: not live_groups(other), 10)
+    left_open.close()
 
 
 def test_a_gang_named_by_its_site_file_keeps_its_actors_across_runs(ray_cluster, monkeypatch):

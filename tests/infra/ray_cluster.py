@@ -8,7 +8,7 @@ From tests (in-process; stops exactly what it started)::
 
     from infra.ray_cluster import LocalRayCluster
     with LocalRayCluster(workers=2) as cluster:
-        ray.init(address=cluster.address)   # or RayLauncher(address=cluster.address)
+        ray.init(address=cluster.address)   # or RayExecutor({"address": cluster.address})
 
 By hand (a detached holder process keeps the cluster up until ``down``)::
 
@@ -40,17 +40,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from phalanx.executors.ray.connection import keep_ray_on_loopback  # imports no Ray
 from phalanx.orchestrator.rundb import pid_alive as _alive, wait_exit
 
-LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
-os.environ[LOOPBACK_ENV] = "0"  # before Ray's constants module reads it
-
-
-def _keep_ray_on_loopback() -> None:
-    os.environ[LOOPBACK_ENV] = "0"
-    consts = sys.modules.get("ray._private.ray_constants")
-    if consts is not None:  # ray was imported before us: its constant is already set
-        consts.ENABLE_RAY_CLUSTER = False
+keep_ray_on_loopback()  # before Ray's constants module reads it (or, if it did, over its constant)
 
 
 def state_file() -> Path:
@@ -75,7 +68,7 @@ class LocalRayCluster:
         return self.cluster.address
 
     def start(self) -> "LocalRayCluster":
-        _keep_ray_on_loopback()
+        keep_ray_on_loopback()
         from ray.cluster_utils import Cluster
 
         # short: Ray's unix socket paths live under it

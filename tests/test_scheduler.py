@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import re
 import sys
 import textwrap
 import time
@@ -272,13 +273,18 @@ def test_command_stage_runs_a_program_on_every_rank(db, tmp_path):
 
 
 def test_command_stage_fails_fast_when_a_rank_exits_non_zero(db, tmp_path):
-    code = "import os, sys, time; r = int(os.environ['PHALANX_RANK']); sys.exit(3) if r == 1 else time.sleep(600)"
+    code = ("import os, sys, time; r = int(os.environ['PHALANX_RANK']); print('rank', r, 'says bye', flush=True); "
+            "sys.exit(3) if r == 1 else time.sleep(600)")
     wf = Workflow(name="cmdfail", stages={
         "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2)})
     t0 = time.monotonic()
     result = run_workflow(wf, site(2), db=db)
     assert time.monotonic() - t0 < 30  # rank 0's sleep was cut short
-    assert result.failed == {"native": "rank 1 exited with code 3"}
+    # reported as a BSP stage's failed rank is: named, with its log tail; rank 0 stopped by fail-fast
+    assert result.failed == {"native": "1 rank(s) failed (ranks 1); first: rank 1: rank process exited with code 3"}
+    attempt = db.attempts(result.run_id, "native")[0]
+    assert "rank 1 says bye" in attempt["error"]
+    assert {r["rank"]: r["outcome"] for r in attempt["rank_info"]} == {0: "stopped", 1: "failed"}
 
 
 def test_command_stage_timeout_names_the_ranks_that_did_not_finish(db):
@@ -286,7 +292,8 @@ def test_command_stage_timeout_names_the_ranks_that_did_not_finish(db):
     wf = Workflow(name="cmdslow", stages={
         "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2, timeout=2)})
     result = run_workflow(wf, site(2), db=db)
-    assert result.failed == {"native": "rank 1 did not finish within the stage timeout of 2s"}
+    assert re.fullmatch(r"gang \S+: rank 1 did not manage to finish within the stage timeout \(timeout=2s\); "
+                        r"rank 0 finished; logs in .*", result.failed["native"]), result.failed
 
 
 def test_command_stage_with_a_missing_program(db):

@@ -219,17 +219,13 @@ class Scheduler:
             log_dir = self.db.log_dir(self.run_id, name, attempt)
             try:
                 if st.kind == "command":
-                    error = self._run_command(name, attempt, slots, log_dir)
-                    if error is None:
-                        self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
-                        return None
-                    detail, ranks = error, None
+                    failure = self._run_command(name, attempt, slots, log_dir)
                 else:
                     failure = self._gang_attempt(name, attempt, slots, log_dir, reused)
                     reused = None  # a kept gang serves only the first attempt
-                    if failure is None:
-                        return None
-                    error, detail, ranks = failure
+                if failure is None:
+                    return None
+                error, detail, ranks = failure
             except Exception as exc:  # a bad executor section, an unknown rendezvous...: this stage's
                 import traceback       # failure, never the run's (siblings keep running)
 
@@ -294,14 +290,16 @@ class Scheduler:
         self._succeeded(name, attempt, rows, results)
         return None
 
-    def _run_command(self, name: str, attempt: int, slots: list[int], log_dir) -> str | None:
+    def _run_command(self, name: str, attempt: int, slots: list[int],
+                     log_dir) -> tuple[str, str, list[dict] | None] | None:
         """An external program on every rank (an existing MPI or native code as a stage), on a
-        gang like any stage's (``Gang.run_command``): params as PHALANX_PARAM_*; None on success,
-        else the error."""
+        gang like any stage's (``Gang.run_command``): params as PHALANX_PARAM_*.  None on
+        success, else (summary, full error, per-rank records) as for BSP stages."""
         st = self.wf.stages[name]
         self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))
         if not self.caps.runs_commands:
-            return f"executor {self.site.executor!r} cannot start programs: command stages cannot run on it"
+            error = f"executor {self.site.executor!r} cannot start programs: command stages cannot run on it"
+            return error, error, None
         gang = self._gang(name, slots, log_dir)
         env = {f"PHALANX_PARAM_{k.upper()}": str(v) for k, v in st.params.items()}
         self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {st.command[0]!r} on slots {slots}")
@@ -309,15 +307,17 @@ class Scheduler:
             self._gangs[name] = gang
         try:
             gang.run_command(command_argv(st.command), env, timeout=st.timeout)
-            return None
         except OSError as exc:  # the program does not exist or is not executable
-            return f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
+            error = f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
+            return error, error, None
         except (RankError, GangError) as exc:  # a rank failed; the resource manager refused (bad partition...)
-            return "cancelled" if self._cancelled.is_set() else str(exc).splitlines()[0]
+            return str(exc).splitlines()[0], str(exc), failed_ranks(gang, exc)
         finally:
             self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
             with self._lock:
                 self._gangs.pop(name, None)
+        self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
+        return None
 
 
 class RunAllocations:

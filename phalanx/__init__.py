@@ -10,11 +10,12 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BSPEnv", "DataFrame", "DatasetInfo", "Store", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
-    "RankFailure", "Workflow", "run", "stage", "__version__",
+    "RankFailure", "RunHandle", "Workflow", "run", "stage", "submit", "__version__",
 ]
 
 
-_LAZY = {"Workflow": ".orchestrator.api", "run": ".orchestrator.api", "stage": ".orchestrator.api"}
+_LAZY = {"Workflow": ".orchestrator.api", "run": ".orchestrator.api", "stage": ".orchestrator.api",
+         "submit": ".orchestrator.api", "RunHandle": ".orchestrator.handle"}
 
 
 def __getattr__(name: str):

@@ -43,8 +43,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from .orchestrator.handle import RunHandle
     from .orchestrator.rundb import RunDB, RunLockedError
-    from .orchestrator.scheduler import run_workflow
     from .orchestrator.validate import load_workflow
     from .orchestrator.yamlio import ConfigError
 
@@ -54,46 +54,184 @@ def cmd_run(args: argparse.Namespace) -> int:
         if run is None:
             print(f"phalanx run: no run {args.resume!r} in {db.path}", file=sys.stderr)
             return 1
-    try:
+    try:  # every problem in the file, before anything starts (and before --detach leaves)
         wf, site = load_workflow(args.workflow, site=args.site, overrides=_overrides(args.set))
     except ConfigError as exc:
         print(exc, file=sys.stderr)
-        return 1
+        return 2
+    if args.detach:
+        return _detach(args, db)
     from .orchestrator.progress import RunProgress
 
     t0 = time.monotonic()
     progress = RunProgress(wf, live=None if not args.plain else False)
     # `phalanx cancel` sends SIGTERM: stop the gangs as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
+    handle = None
     try:
         with progress:
-            result = run_workflow(wf, site, file=str(args.workflow), db=db, resume=args.resume,
-                                  on_event=progress)
+            handle = RunHandle.start(wf, site, db=db, file=str(args.workflow), resume=args.resume,
+                                     on_event=progress)
+            if args.run_id_fd is not None:  # a detached driver: the run exists, tell `run --detach`
+                _announce(args.run_id_fd, handle.run_id)
+            result = handle.result()
     except RunLockedError as exc:  # a second driver of one run
         print(f"phalanx run: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        run_id = args.resume or progress.run_id or "?"
+        if handle is not None:
+            handle.cancel()
+        run_id = args.resume or (handle.run_id if handle else "") or progress.run_id or "?"
         print(f"\ncancelled: every gang was stopped; sealed outputs are kept.\n"
               f"resume with: phalanx run {args.workflow} --resume {run_id}", file=sys.stderr)
         return 130
     state = "succeeded" if result.ok else "FAILED"
     print(f"run {result.run_id} {state} in {time.monotonic() - t0:.1f}s (store session {result.session!r})")
+    _print_failures(db, result.run_id, result.failed, result.skipped, str(args.workflow))
+    return 0 if result.ok else 1
+
+
+def _print_failures(db, run_id: str, failed: dict[str, str], skipped: list[str], file: str | None) -> None:
+    """On stderr: each failed stage with its error, the failing rank's traceback tail and its
+    logs; the stages that never ran; how to resume."""
     from .redact import redact
 
-    for stage, error in result.failed.items():
-        attempts = db.attempts(result.run_id, stage)
+    for stage, error in failed.items():
+        attempts = db.attempts(run_id, stage)
         logs = attempts[-1]["log_dir"] if attempts else "-"
         print(f"  stage {stage!r} failed: {redact(error)}", file=sys.stderr)
         tail = _traceback_tail(attempts[-1]["error"] if attempts else "")
         if tail:
             print(tail, file=sys.stderr)
         print(f"    logs: {logs}", file=sys.stderr)
-    for stage in result.skipped:
+    for stage in skipped:
         print(f"  stage {stage!r} did not run: an upstream stage failed", file=sys.stderr)
-    if not result.ok:
-        print(f"resume with: phalanx run {args.workflow} --resume {result.run_id}", file=sys.stderr)
-    return 0 if result.ok else 1
+    if (failed or skipped) and file and file != "<python>":
+        print(f"resume with: phalanx run {file} --resume {run_id}", file=sys.stderr)
+
+
+# ---- detached runs: a driver of its own that outlives the terminal ------------------------------
+DETACH_START_S = 300.0  # how long `run --detach` waits for its driver to record the run
+
+
+def driver_log(db, run_id: str) -> Path:
+    """Where a detached driver of ``run_id`` writes (every driver of the run, appended)."""
+    return db.state_dir / "drivers" / f"{run_id}.log"
+
+
+def _announce(fd: int, run_id: str) -> None:
+    import os
+
+    try:
+        os.write(fd, f"{run_id}\n".encode())
+        os.close(fd)
+    except OSError:  # `run --detach` gave up waiting: the run goes on regardless
+        pass
+    print(f"run {run_id}: detached driver, pid {os.getpid()}", flush=True)
+
+
+def _detach(args: argparse.Namespace, db) -> int:
+    """Start the driver as a process of its own session (no terminal, stdin /dev/null, output
+    to a log only this user can read); print the run id once the run is in the run DB."""
+    import os
+    import select
+    import subprocess
+    import uuid
+
+    from .private import opener, private_dir
+
+    drivers = private_dir(db.state_dir / "drivers", "the logs of detached drivers",
+                          "set PHALANX_STATE to a directory of your own")
+    # a new run's id is the driver's to make: its log is renamed once the id is known
+    log = driver_log(db, args.resume) if args.resume else drivers / f".starting-{uuid.uuid4().hex}.log"
+    argv = [sys.executable, "-m", "phalanx.cli", "run", str(args.workflow), "--plain",
+            f"--state={db.state_dir.resolve()}", *(f"--set={s}" for s in args.set),
+            *([f"--site={args.site}"] if args.site else []), *([f"--resume={args.resume}"] if args.resume else [])]
+    read, write = os.pipe()
+    try:
+        with open(log, "ab", opener=opener) as out:
+            proc = subprocess.Popen([*argv, f"--run-id-fd={write}"], stdin=subprocess.DEVNULL, stdout=out,
+                                    stderr=subprocess.STDOUT, pass_fds=(write,), start_new_session=True,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    finally:
+        os.close(write)
+    run_id, deadline = b"", time.monotonic() + DETACH_START_S
+    with os.fdopen(read, "rb") as pipe:
+        while not run_id.endswith(b"\n") and time.monotonic() < deadline:
+            if select.select([pipe], [], [], 0.5)[0]:
+                chunk = os.read(pipe.fileno(), 256)
+                if not chunk:
+                    break  # the driver ended (or closed the pipe) without a run
+                run_id += chunk
+    run_id_s = run_id.decode().strip()
+    if not run_id_s:
+        if proc.poll() is None:  # no run after DETACH_START_S: nothing to leave running
+            proc.kill()
+        code = proc.wait()
+        print(f"phalanx run: the detached driver ended before its run started (exit code {code}); "
+              f"its output ({log}):\n{_tail_of(log)}", file=sys.stderr)
+        return 1
+    if not args.resume:
+        final = driver_log(db, run_id_s)
+        os.replace(log, final)  # the driver keeps writing to it (its open file follows)
+        log = final
+    db.event(run_id_s, "detached", f"driver process {proc.pid}, log {log}")
+    print(run_id_s)
+    print(f"run {run_id_s} goes on in the background (driver pid {proc.pid}); its log: {log}\n"
+          f"  phalanx status {run_id_s} · phalanx wait {run_id_s} · phalanx logs {run_id_s} --driver · "
+          f"phalanx cancel {run_id_s}", file=sys.stderr)
+    return 0
+
+
+def _tail_of(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    """Wait until a run (driven from anywhere: a detached driver, another terminal) finishes:
+    0 succeeded, 1 failed/cancelled/lost (a driver that died is noticed), 124 timed out."""
+    import socket
+
+    from .orchestrator.handle import run_status
+    from .orchestrator.rundb import RunDB
+
+    db = RunDB(args.state)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    status = run_status(db, args.run)  # a driver gone without a word makes the run "lost" here
+    if status is None:
+        print(f"phalanx wait: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
+    run = db.run(args.run)
+    if not status.finished and run["host"] != socket.gethostname():
+        print(f"phalanx wait: run {args.run} is driven from host {run['host']!r}: a driver that dies "
+              "there is not noticed from here", file=sys.stderr)
+    try:
+        while not status.finished:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                print(f"run {args.run} still {status.state} after {args.timeout:g}s")
+                return 124
+            time.sleep(0.5 if left is None else min(0.5, left))
+            status = run_status(db, args.run)
+    except KeyboardInterrupt:  # stops the waiting, not the run
+        return 130
+    run = db.run(args.run)
+    took = f" in {run['ended'] - run['started']:.1f}s" if run["ended"] and run["started"] else ""
+    print(f"run {args.run} {status.state}{took} (store session {status.session!r})")
+    if status.state == "lost":
+        gone = [e["message"] for e in db.events(args.run) if e["kind"] == "lost"]
+        print(f"  {gone[-1] if gone else 'its driver is gone'}: the run stopped where it was", file=sys.stderr)
+        if driver_log(db, args.run).exists():
+            print(f"    driver log: {driver_log(db, args.run)}", file=sys.stderr)
+    failed = {n: s.error or s.state for n, s in status.stages.items() if s.state == "failed"}
+    skipped = [n for n, s in status.stages.items() if s.state == "skipped"]
+    _print_failures(db, args.run, failed, skipped, None)
+    if status.state != "succeeded" and run["file"] and run["file"] != "<python>":
+        print(f"resume with: phalanx run {run['file']} --resume {args.run}", file=sys.stderr)
+    return 0 if status.state == "succeeded" else 1
 
 
 def _traceback_tail(error: str | None, lines: int = 6) -> str:
@@ -167,6 +305,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"phalanx status: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
     print(f"run {run['id']}: {run['workflow']} — {run['state']} (session {run['session']!r})")
+    if driver_log(db, run["id"]).exists():  # started with --detach
+        print(f"  driver pid {run['pid']}, log {driver_log(db, run['id'])}")
     # where the resource manager placed a stage: its latest attempt's, shown while it runs
     placed = {e["stage"]: e["message"] for e in db.events(args.run) if e["kind"] == "placed"}
     released: dict[str, list[str]] = {}
@@ -194,6 +334,14 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if db.run(args.run) is None:
         print(f"phalanx logs: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
+    if args.driver:
+        log = driver_log(db, args.run)
+        if not log.exists():
+            print(f"phalanx logs: run {args.run!r} has no driver log (it was not started with "
+                  "`phalanx run --detach`; its driver printed to its terminal)", file=sys.stderr)
+            return 1
+        sys.stdout.write(log.read_text(errors="replace"))
+        return 0
     attempts = db.attempts(args.run, args.stage)
     if not attempts:
         print(f"phalanx logs: run {args.run!r} has no attempts" + (f" of stage {args.stage!r}" if args.stage else ""),
@@ -310,9 +458,19 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     r.add_argument("--resume", metavar="RUN_ID", help="rerun only the stages that did not seal their outputs")
     r.add_argument("--state", help="state directory (default: $PHALANX_STATE or ~/.local/state/phalanx)")
+    r.add_argument("--plain", action="store_true", help="event lines instead of a live table")
+    r.add_argument("--detach", action="store_true",
+                   help="run in the background (a driver process that outlives the terminal, its "
+                        "output in STATE/drivers/RUN.log); prints the run id and returns")
+    r.add_argument("--run-id-fd", type=int, help=argparse.SUPPRESS)  # a detached driver's report
     r.set_defaults(fn=cmd_run)
 
-    r.add_argument("--plain", action="store_true", help="event lines instead of a live table")
+    w = sub.add_parser("wait", help="wait until a run finishes (exit 0 succeeded, 1 failed, cancelled "
+                                    "or lost, 124 timeout)")
+    w.add_argument("run")
+    w.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 124)")
+    w.add_argument("--state")
+    w.set_defaults(fn=cmd_wait)
 
     c = sub.add_parser("cancel", help="stop a running run (its gangs stop; sealed outputs stay)")
     c.add_argument("run")
@@ -336,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     lg.add_argument("stage", nargs="?")
     lg.add_argument("--rank", type=int)
     lg.add_argument("--attempt", type=int)
+    lg.add_argument("--driver", action="store_true", help="the driver's own output (a run started with --detach)")
     lg.add_argument("--state")
     lg.set_defaults(fn=cmd_logs)
 

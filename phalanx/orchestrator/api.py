@@ -13,16 +13,19 @@ or a script's ``__main__`` works (it travels to the ranks by value with cloudpic
               outputs=["totals"])
     def totals(env): ...
 
-    result = px.run(wf, site="local")
+    result = px.run(wf, site="local")          # or: h = px.submit(wf, site="local"), see handle.py
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from .models import Site, Stage, Workflow as WorkflowModel
 from .yamlio import ConfigError, parse
+
+if TYPE_CHECKING:
+    from .handle import RunHandle
 
 
 class StageFn:
@@ -97,18 +100,46 @@ class Workflow:
         return run(self, site=site, **options)
 
 
+def submit(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None" = None, *,
+           resume: str | None = None, state: str | Path | None = None, progress: bool = False,
+           existing: set[str] | None = None) -> "RunHandle":
+    """Start a workflow (a ``px.Workflow``, a model, or a YAML file) and return at once.
+
+    The ``RunHandle`` has ``run_id`` and ``session`` from the start, ``status()``, ``wait()``,
+    ``cancel()``, ``done()`` and ``result()``; the run is in the run database like one started
+    by ``phalanx run``.  Raises ``ConfigError`` listing every problem before anything starts.
+    """
+    from .handle import RunHandle
+    from .progress import RunProgress
+    from .rundb import RunDB
+
+    wf, site_model, file = _checked(workflow, site, existing)
+    on_event = RunProgress(wf, live=False) if progress else None
+    return RunHandle.start(wf, site_model, db=RunDB(state), file=file, resume=resume, on_event=on_event)
+
+
 def run(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None" = None, *,
         resume: str | None = None, state: str | Path | None = None, progress: bool = True,
         existing: set[str] | None = None):
-    """Run a workflow (a ``px.Workflow``, a model, or a YAML file) and wait for it.
+    """Run a workflow (a ``px.Workflow``, a model, or a YAML file) and wait for it:
+    ``submit(...).result()``.
 
     Returns a ``RunResult`` (``ok``, ``run_id``, ``session``, ``failed``, ``skipped``); the run
     is in the run database like one started by ``phalanx run`` (``phalanx status RUN``).
-    Raises ``ConfigError`` listing every problem before anything starts.
+    Raises ``ConfigError`` listing every problem before anything starts.  Ctrl-C stops every
+    gang (the run is "cancelled"; sealed outputs stay) and raises ``KeyboardInterrupt``.
     """
-    from .progress import RunProgress
-    from .rundb import RunDB
-    from .scheduler import run_workflow
+    handle = submit(workflow, site, resume=resume, state=state, progress=progress, existing=existing)
+    try:
+        return handle.result()
+    except KeyboardInterrupt:
+        handle.cancel()
+        raise
+
+
+def _checked(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None",
+             existing: set[str] | None) -> tuple[WorkflowModel, Site, str]:
+    """The workflow's model, its site and the file it came from, checked (``ConfigError``)."""
     from .validate import check, load_site, load_workflow
 
     file = "<python>"
@@ -125,5 +156,4 @@ def run(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | S
                          check_imports=False)
         if problems:
             raise ConfigError(problems)
-    on_event = RunProgress(wf, live=False) if progress else None
-    return run_workflow(wf, site_model, file=file, db=RunDB(state), resume=resume, on_event=on_event)
+    return wf, site_model, file

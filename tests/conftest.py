@@ -102,9 +102,9 @@ def slurm_cluster():
     if r.returncode:
         pytest.fail(f"tests/infra/slurm-up.sh failed ({r.returncode}):\n{r.stderr}\n{r.stdout}")
     yield SLURM_CONF
-    from phalanx.executors.slurm import SlurmPilot
+    from phalanx.executors.base import _release_all
 
-    SlurmPilot.close_shared()
+    _release_all()  # what a test left held (a pilot, a job) is freed while the cluster is up
     # a cluster a developer started by hand stays up; PHALANX_SLURM_KEEP=1 keeps ours
     if not was_up and not os.environ.get("PHALANX_SLURM_KEEP"):
         subprocess.run([str(_INFRA / "slurm-down.sh")], capture_output=True, timeout=120)

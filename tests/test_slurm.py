@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+import yaml
+
 import phalanx as px
 import apps
-from phalanx.executors.slurm import SlurmLauncher, SlurmPilot
-from phalanx.orchestrator.models import Site
-from phalanx.orchestrator.yamlio import load_model
+from phalanx.executors.slurm import SlurmExecutor, SlurmLauncher, SlurmPilot, SlurmStepLauncher
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
@@ -35,8 +35,20 @@ from conftest import SLURM_CONF as CONF  # noqa: E402
 
 def site_section(name: str) -> dict:
     """The slurm: section of a site file, pointed at this session's cluster."""
-    site = load_model(Site, REPO / "site-configs" / f"{name}.yaml")
-    return {**site.slurm, "conf": CONF}
+    site = yaml.safe_load((REPO / "site-configs" / f"{name}.yaml").read_text())
+    return {**site["slurm"], "conf": CONF}
+
+
+def executor(name: str, **keys) -> SlurmExecutor:
+    """The executor of site file ``name`` (``keys`` over its slurm: section)."""
+    return SlurmExecutor({**site_section(name), **keys}, site=name)
+
+
+def load_site(name: str):
+    from phalanx.orchestrator.models import Site
+    from phalanx.orchestrator.yamlio import load_model
+
+    return load_model(Site, REPO / "site-configs" / f"{name}.yaml")
 
 
 def slurm(*args: str, check: bool = True) -> str:
@@ -115,7 +127,7 @@ def check_spread_and_comm(gang: px.Gang, launcher: SlurmLauncher, ranks: int) ->
 # ---- per-stage: every gang is its own sbatch job ------------------------------------------
 @pytest.fixture(scope="class")
 def launcher():
-    return SlurmLauncher.from_site(site_section("slurm-local"), 3, site="slurm-local")
+    return executor("slurm-local").launcher(3)
 
 
 @pytest.fixture(scope="class")
@@ -182,7 +194,7 @@ def wait_codes(launcher: SlurmLauncher, within: float = 30.0) -> list[int]:
 
 def test_command_ranks_get_their_rank_log_and_exit_code(tmp_path):
     echoed: list[str] = []
-    launcher = SlurmLauncher.from_site(site_section("slurm-local"), 3, echo=echoed.append)
+    launcher = executor("slurm-local").launcher(3, echo=echoed.append)
     launcher.launch(["sh", "-c", 'echo "rank $PHALANX_RANK of $PHALANX_WORLD_SIZE on $SLURMD_NODENAME $GREETING"; '
                      'echo oops >&2; exit $PHALANX_RANK'], rank_env(3, GREETING="hi"), tmp_path)
     assert wait_codes(launcher) == [0, 1, 2]
@@ -204,7 +216,7 @@ def test_status_while_pending_and_kill_leaves_no_job(tmp_path):
     blocker = slurm("sbatch", "--parsable", "-N3", "-n6", "-o", "/dev/null", "--wrap", "sleep 120").strip()
     try:
         wait_until(lambda: "RUNNING" in slurm("squeue", "-h", "-j", blocker, "-o", "%T"), 20, "the blocker")
-        launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2)
+        launcher = executor("slurm-local").launcher(2)
         launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
         status = wait_until(lambda: re.fullmatch(r"slurm: job \d+ PENDING \((Resources|Priority)\)",
                                                  s := launcher.status()) and s, 20, "PENDING (Resources)")
@@ -221,8 +233,7 @@ def test_status_while_pending_and_kill_leaves_no_job(tmp_path):
 
 
 def test_a_bad_partition_is_a_clear_error():
-    launcher = SlurmLauncher.from_site({**site_section("slurm-local"), "partition": "gpu"}, 2,
-                                       site="slurm-local")
+    launcher = executor("slurm-local", partition="gpu").launcher(2)
     with pytest.raises(px.GangError) as info:
         px.Gang(2, executor=launcher, echo=False).start()
     msg = str(info.value)
@@ -237,7 +248,7 @@ def test_a_stages_own_slurm_options_override_the_sites(tmp_path):
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
 
-    site = load_model(Site, REPO / "site-configs" / "slurm-local.yaml")
+    site = load_site("slurm-local")
     site.store.root = str(tmp_path / "store")
     wf = Workflow(name="override", stages={
         "fine": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, outputs=["tx"]),
@@ -251,8 +262,8 @@ def test_a_stages_own_slurm_options_override_the_sites(tmp_path):
 
 def test_a_job_that_can_never_start_fails_with_slurms_reason():
     # partition "small" has MaxNodes=1: sbatch accepts a 2-node job, which then waits forever
-    launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2, site="slurm-local",
-                                       partition="small", nodes=2)
+    ex = executor("slurm-local")
+    launcher = ex.launcher(2, config=ex.stage_config({"partition": "small", "nodes": 2}))  # a stage's keys
     t0 = time.monotonic()
     with pytest.raises(px.GangError) as info:
         px.Gang(2, executor=launcher, echo=False).start()
@@ -272,7 +283,12 @@ def test_a_pilot_that_ended_is_replaced_and_a_gang_too_big_for_it_is_refused(tmp
         second = pilot.start(timeout=30).job_id
         assert second != first
         with pytest.raises(px.GangError, match="a gang of 2 ranks does not fit the pilot's 1 tasks"):
-            SlurmLauncher(allocation="pilot", pilot=pilot).launch(["true"], rank_env(2), tmp_path)
+            SlurmStepLauncher(pilot).launch(["true"], rank_env(2), tmp_path)
+        # the executor refuses it before anything starts (phalanx validate, the scheduler)
+        ex = SlurmExecutor({"allocation": "pilot", "conf": CONF, "pilot": {"nodes": 1, "ntasks": 1}})
+        with pytest.raises(px.GangError, match="a gang of 2 ranks does not fit the pilot's 1 tasks"):
+            ex.check(2, ex.config)
+        assert ex.capacity() == 1
     finally:
         pilot.close()
     assert active_jobs(second) == []
@@ -297,7 +313,7 @@ def release_elsewhere(record: dict) -> str:
 
 
 def test_a_job_is_announced_before_sbatch_and_released_by_name_from_another_process(tmp_path):
-    launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2)
+    launcher = executor("slurm-local").launcher(2)
     launcher.allocation_hook = hook = Hook()
     launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
     name = launcher.step_name
@@ -313,7 +329,7 @@ def test_a_job_is_announced_before_sbatch_and_released_by_name_from_another_proc
 
 def test_a_pilot_and_its_steps_are_announced_and_released_from_another_process(tmp_path):
     pilot = SlurmPilot({"nodes": 1, "ntasks": 2}, conf=CONF)
-    launcher = SlurmLauncher(allocation="pilot", pilot=pilot)
+    launcher = SlurmStepLauncher(pilot)  # no run hook: the pilot is told to the gang's
     launcher.allocation_hook = hook = Hook()
     try:
         launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
@@ -339,9 +355,8 @@ def test_a_driver_that_exits_holding_a_job_cancels_it_at_exit(tmp_path):
     code = textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(REPO / "tests")!r})
-        from test_slurm import rank_env, site_section
-        from phalanx.executors.slurm import SlurmLauncher
-        launcher = SlurmLauncher.from_site(site_section("slurm-local"), 2)
+        from test_slurm import executor, rank_env
+        launcher = executor("slurm-local").launcher(2)
         launcher.launch(["sleep", "300"], rank_env(2), {str(tmp_path)!r})
         print(launcher.job_id, flush=True)
     """)
@@ -354,22 +369,24 @@ def test_a_driver_that_exits_holding_a_job_cancels_it_at_exit(tmp_path):
 
 # ---- pilot: one held allocation, every gang a job step ----------------------------------
 @pytest.fixture(scope="class")
-def section():
-    return site_section("slurm-pilot-local")
-
-
-@pytest.fixture(scope="class")
-def pilot(section):
-    p = SlurmPilot.from_site(section, site="slurm-pilot-local").start(timeout=60)
-    yield p
-    job = p.job_id
-    p.close()
+def pilot_executor():
+    """The run scope of one executor: its pilot lives until close_run."""
+    ex = executor("slurm-pilot-local")
+    ex.open_run()
+    yield ex
+    job = ex.pilot().job_id
+    ex.close_run()
     assert active_jobs(job) == []
 
 
 @pytest.fixture(scope="class")
-def pilot_launcher(pilot, section):
-    return SlurmLauncher.from_site(section, 2, site="slurm-pilot-local", pilot=pilot)
+def pilot(pilot_executor):
+    return pilot_executor.pilot().start(timeout=60)
+
+
+@pytest.fixture(scope="class")
+def pilot_launcher(pilot_executor, pilot):
+    return pilot_executor.launcher(2)
 
 
 @pytest.fixture(scope="class")
@@ -397,11 +414,13 @@ class TestPilot:
         wait_until(lambda: slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split()
                    == [f"{pilot.job_id}.batch"], 10, "the step to go")
 
-    def test_steps_share_the_pilot_and_wait_for_a_free_share(self, pilot, tmp_path):
-        full = SlurmLauncher(allocation="pilot", pilot=pilot)
+    def test_steps_share_the_pilot_and_wait_for_a_free_share(self, pilot_executor, pilot, tmp_path):
+        assert pilot_executor.capacity() == 6  # the pilot's ntasks
+        full = pilot_executor.launcher(6)
+        assert full.pilot is pilot
         full.launch(["sleep", "300"], rank_env(6), tmp_path / "full")  # all 6 slots
         wait_until(lambda: "RUNNING" in full.status(), 20, "the first step")
-        late = SlurmLauncher(allocation="pilot", pilot=pilot)
+        late = pilot_executor.launcher(2)
         late.launch(["sh", "-c", "exit 0"], rank_env(2), tmp_path / "late")
         status = wait_until(lambda: "waiting for a share" in (s := late.status()) and s, 20,
                             "the second step to wait")
@@ -412,6 +431,50 @@ class TestPilot:
         assert wait_codes(late) == [0, 0]  # it got the freed share
         late.kill()
         assert slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split() == [f"{pilot.job_id}.batch"]
+
+
+def test_two_runs_in_one_process_keep_their_own_pilots(tmp_path):
+    """Two SlurmExecutors (two runs of the same site in one process, or a run and a px.Gang)
+    each hold a pilot of their own, and ending one run leaves the other's gang running.
+
+    Before issue 10 this failed twice over.  Pilots were process-global (``SlurmPilot.shared``,
+    keyed by site and section), so both runs' gangs were steps of ONE pilot job: with these
+    2-task pilots, b's gang waits for a share of a's pilot and fails its start timeout
+    (checked by sharing the pilot in ``SlurmExecutor.pilot``: "ranks 0, 1 did not manage to
+    start ... waiting for a share of pilot job J"); with a bigger pilot the job ids are equal.
+    And the end of either run called ``SlurmPilot.close_shared()``, which scancelled every
+    pilot of the process: b's gang would die with a's run (its step CANCELLED)."""
+    small = {"pilot": {"nodes": 1, "ntasks": 2, "time": "00:10:00"}}  # two pilots fit the 3 nodes
+    a, b = executor("slurm-pilot-local", **small), executor("slurm-pilot-local", **small)
+    heard_a, heard_b = Hook(), Hook()
+    a.open_run(hook=heard_a)
+    b.open_run(hook=heard_b)
+    gang_a = px.Gang(2, executor=a.launcher(2), echo=False, log_dir=tmp_path / "a", start_timeout=60)
+    gang_b = px.Gang(2, executor=b.launcher(2), echo=False, log_dir=tmp_path / "b", start_timeout=60)
+    try:
+        gang_a.start()
+        gang_b.start()
+        job_a, job_b = a.pilot().job_id, b.pilot().job_id
+        assert job_a != job_b
+        assert {i["job"] for i in gang_a.run(where)} == {job_a}
+        assert {i["job"] for i in gang_b.run(where)} == {job_b}
+        # each run's hook heard of its own pilot only (its record has the job once submitted)
+        pilots_a = [r for what, r in heard_a if r["kind"] == "pilot" and what == "held"]
+        assert [r["job"] for r in pilots_a] == [None, job_a]
+        assert [r["job"] for what, r in heard_b if r["kind"] == "pilot" and what == "held"] == [None, job_b]
+
+        a.close_run()  # run a ends: its pilot, and the gang on it, go
+        assert active_jobs(job_a) == []
+        assert ("released", pilots_a[-1]) in heard_a
+        assert active_jobs(job_b), "closing run a ended run b's pilot"
+        assert [i["rank"] for i in gang_b.run(where)] == [0, 1]  # b's gang runs on, on its pilot
+        assert b.pilot().job_id == job_b
+    finally:
+        gang_a.close()
+        gang_b.close()
+        a.close_run()
+        b.close_run()
+    assert active_jobs(job_b) == []
 
 
 def wait_for_node_failure_then_finish(env):
@@ -434,7 +497,7 @@ def test_a_node_failure_under_a_stage_retries_it_on_the_nodes_left(tmp_path):
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
 
-    site = load_model(Site, REPO / "site-configs" / "slurm-local.yaml")
+    site = load_site("slurm-local")
     site.store.root = str(tmp_path / "store")
     wf = Workflow(name="nodefail", stages={"s": Stage(
         app="test_slurm:wait_for_node_failure_then_finish", ranks=3, retries=1,

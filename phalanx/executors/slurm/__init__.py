@@ -9,9 +9,15 @@ Slurm a site runs.  Two ways to get the nodes, chosen by the site's ``slurm:`` s
     Simple and fair to other users; every stage queues once.
 ``allocation: pilot``
     One allocation (a ``SlurmPilot``: a holder job submitted with ``sbatch`` that sleeps) is
-    held for the whole workflow, and every gang is a job step ``srun --jobid=J --exact -n N`` on
+    held for the whole run, and every gang is a job step ``srun --jobid=J --exact -n N`` on
     a share of it: no queueing per stage (the RADICAL-Pilot / Parsl pattern).  Concurrent gangs
-    get disjoint CPUs (``--exact``); a gang that does not fit waits until a step ends.
+    get disjoint CPUs (``--exact``); a gang that does not fit waits until a step ends.  The
+    pilot belongs to the run's ``SlurmExecutor`` (made for its first gang, cancelled by
+    ``close_run``); the site's slots are its ntasks.
+
+``SlurmExecutor`` (``executor.py``) is the plug-in: its config model ``SlurmConfig``
+(``config.py``) types the section below; ``launcher()`` gives a ``SlurmJobLauncher`` or a
+``SlurmStepLauncher`` (``launcher.py``).
 
 Ranks learn their rank from ``SLURM_PROCID`` (a small shell wrapper also exports it as
 ``PHALANX_RANK`` for command stages); everything else in their environment is common to all
@@ -23,13 +29,15 @@ compute nodes and the driver share.  SLURM's own view — job state and reason �
 ``status()`` and ``reason()``; a job that can never start (e.g. PENDING (PartitionNodeLimit))
 or that sbatch rejects raises ``GangError`` naming the site and SLURM's reason.
 
-Site keys (the ``slurm:`` section of a site file; ``-`` and ``_`` are interchangeable)::
+Site keys (the ``slurm:`` section of a site file, or of a stage over the site's; ``-`` and
+``_`` are interchangeable; ``SlurmConfig`` holds the full list)::
 
     allocation: per-stage | pilot       # default per-stage
     conf: /path/to/slurm.conf           # SLURM_CONF for every command (a private cluster)
     partition, account, qos, time, nodes, mem, mem_per_cpu, constraint, reservation, gres,
     gpus_per_task, exclusive, nodelist, exclude, ...    # sbatch/srun options, as on the CLI
     ranks_per_node: 1                   # --ntasks-per-node; nodes = ceil(ranks / this)
+    mem_per_cpu: 4G                     # default: the site's memory_gb over its slots
     spread_job: true                    # --spread-job: a gang over as many nodes as possible
     cpus_per_task: 2                    # default: the stage's CPUs per rank
     mpi: pmix                           # srun --mpi=... (communicator: mpi)
@@ -40,13 +48,16 @@ Site keys (the ``slurm:`` section of a site file; ``-`` and ``_`` are interchang
     job_name: phalanx                   # prefix of job and step names
     pilot:                              # allocation: pilot — the held allocation
       nodes: 4
-      ntasks: 64                        # rank slots held (or ntasks_per_node)
+      ntasks: 64                        # rank slots held: the site's capacity (or nodes x ntasks_per_node)
       time: "12:00:00"                  # plus partition/account/qos/... (default: from above)
 """
 
-from .commands import ACTIVE, FAILED, HOPELESS, OPTION_KEYS, JobInfo, SlurmCommands, release
-from .launcher import Echo, SlurmLauncher
+from .commands import ACTIVE, FAILED, HOPELESS, JobInfo, SlurmCommands, release
+from .config import OPTION_KEYS, SlurmConfig, SlurmPilotConfig
+from .executor import SlurmExecutor
+from .launcher import SlurmJobLauncher, SlurmLauncher, SlurmStepLauncher
 from .pilot import SlurmPilot
 
-__all__ = ["ACTIVE", "FAILED", "HOPELESS", "OPTION_KEYS", "Echo", "JobInfo", "SlurmCommands",
-           "SlurmLauncher", "SlurmPilot", "release"]
+__all__ = ["ACTIVE", "FAILED", "HOPELESS", "OPTION_KEYS", "JobInfo", "SlurmCommands", "SlurmConfig",
+           "SlurmExecutor", "SlurmJobLauncher", "SlurmLauncher", "SlurmPilot", "SlurmPilotConfig",
+           "SlurmStepLauncher", "release"]

@@ -1,5 +1,5 @@
-"""Talking to SLURM: its commands (``squeue``, ``sacct``, ``sbatch``, ``scancel``...) and what they
-report (``JobInfo``), and the ``slurm:`` section of a site file split into sbatch/srun options."""
+"""Talking to SLURM: its commands (``squeue``, ``sacct``, ``sbatch``, ``scancel``...), what they
+report (``JobInfo``), and freeing a recorded allocation from any process (``release``)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,6 @@ from typing import Any, Mapping, Sequence
 
 from ...errors import GangError, MissingDependencyError
 from ...runtime import protocol as P
-
-# sbatch/srun options a site section may set (as "--key=value"; True: "--key")
-OPTION_KEYS = frozenset({
-    "nodes", "ntasks-per-node", "cpus-per-task", "time", "partition", "account", "qos",
-    "mem", "mem-per-cpu", "constraint", "reservation", "gres", "gpus", "gpus-per-task",
-    "gpus-per-node", "exclusive", "nodelist", "exclude", "licenses", "wckey", "comment",
-    "hint", "distribution", "network", "switches", "time-min", "begin", "deadline",
-    "spread-job",
-})
-_ALIASES = {"ranks-per-node": "ntasks-per-node"}
-# keys of the section that are not sbatch options
-_SITE_KEYS = frozenset({
-    "allocation", "conf", "mpi", "prologue", "sbatch-args", "srun-args", "poll-interval",
-    "pending-timeout", "job-name", "pilot", "ntasks",
-})
 
 ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
                     "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
@@ -210,11 +195,6 @@ def _site(site: str) -> str:
     return f" (site {site!r})" if site and site != "slurm" else ""
 
 
-def _norm(key: str) -> str:
-    key = key.replace("_", "-")
-    return _ALIASES.get(key, key)
-
-
 def _option_args(options: Mapping[str, Any]) -> list[str]:
     out = []
     for key, value in options.items():
@@ -224,19 +204,9 @@ def _option_args(options: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _split_section(section: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(sbatch/srun options, phalanx's own keys) of a site's slurm: section; unknown keys fail."""
-    options, own = {}, {}
-    for raw, value in (section or {}).items():
-        key = _norm(str(raw))
-        if key in OPTION_KEYS:
-            options[key] = value
-        elif key in _SITE_KEYS:
-            own[key] = value
-        else:
-            raise ValueError(f"unknown key {raw!r} in the site's slurm: section; known: "
-                             + ", ".join(sorted(OPTION_KEYS | _SITE_KEYS | {"ranks_per_node"})))
-    return options, own
+def _does_not_fit(ranks: int, ntasks: int, site: str) -> str:
+    return (f"slurm: a gang of {ranks} ranks does not fit the pilot's {ntasks} tasks{_site(site)}: "
+            "raise slurm.pilot.ntasks")
 
 
 def _hopeless(info: JobInfo, site: str, what: str = "") -> str:

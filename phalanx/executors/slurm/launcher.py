@@ -1,28 +1,29 @@
-"""``SlurmLauncher``: a gang's ranks as the tasks of one ``srun`` (a batch job of its own, or a job
-step of a pilot), their exit codes, SLURM's view of them, and the echo of their logs."""
+"""A gang's ranks as the tasks of one ``srun``: ``SlurmJobLauncher`` (a batch job of its own,
+``allocation: per-stage``) and ``SlurmStepLauncher`` (a job step of a pilot), on what they share
+(``SlurmLauncher``: the srun, exit codes, SLURM's view, the echo of the ranks' logs)."""
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shlex
 import signal
 import subprocess
-import sys
 import threading
 import time
+from abc import abstractmethod
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from ...errors import GangError
+from ...procs import signal_group
 from ...runtime import protocol as P
-from ..base import Launcher, held, released, shared_env
-from .commands import (FAILED, HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site,
-                       _split_section, _wait_inactive, allocation)
+from ..base import Echo, Launcher, held, released, shared_env
+from ..logs import FileFollower
+from .commands import (FAILED, HOPELESS, JobInfo, SlurmCommands, _does_not_fit, _hopeless, _option_args,
+                       _site, _wait_inactive, allocation)
+from .config import STEP_OPTIONS
 from .pilot import SlurmPilot
-
-Echo = bool | Callable[[str], None]
 
 # How a rank whose wrapper never wrote an exit code ended, by the job's final state.
 _STATE_SIGNAL = {"CANCELLED": signal.SIGTERM, "TIMEOUT": signal.SIGTERM, "PREEMPTED": signal.SIGTERM,
@@ -48,70 +49,50 @@ def _shell_code(rc: int) -> int:
 
 
 class SlurmLauncher(Launcher):
-    """Starts a gang's ranks as the tasks of one ``srun`` (see the package docstring)."""
+    """What the launchers of per-stage jobs and of pilot steps share: one ``srun`` of the
+    gang's ranks (log and exit-code files in ``log_dir``), reading exit codes, SLURM's word on
+    a failure, the echo of the ranks' logs.  ``SlurmExecutor.launcher`` picks the subclass.
+
+    Ranks write their logs through srun's ``--output``, fixed at launch: ``redirect`` stays
+    False (SLURM gangs are not reused).
+    """
 
     name = "slurm"
 
-    def __init__(self, echo: Echo = False, *, allocation: str = "per-stage",
-                 pilot: SlurmPilot | None = None, conf: str | None = None, site: str = "slurm",
-                 options: Mapping[str, Any] | None = None, cpus_per_rank: int | None = None,
-                 mpi: str | None = None, prologue: Sequence[str] = (),
-                 sbatch_args: Sequence[str] = (), srun_args: Sequence[str] = (),
-                 poll_interval: float = 0.5, pending_timeout: float | None = None,
-                 job_name: str = "phalanx"):
-        if allocation not in ("per-stage", "pilot"):
-            raise ValueError(f"slurm allocation must be 'per-stage' or 'pilot', got {allocation!r}")
+    def __init__(self, echo: Echo = False, *, slurm: SlurmCommands, site: str = "slurm",
+                 options: Mapping[str, Any] | None = None, cpus_per_rank: int = 1, mpi: str | None = None,
+                 srun_args: Sequence[str] = (), poll_interval: float = 0.5,
+                 pending_timeout: float | None = None, job_name: str = "phalanx"):
+        """``options``: sbatch/srun options (``{"time": "1:00:00", "spread-job": True}``, as
+        ``SlurmConfig.options``) for this gang."""
         self.echo = echo
-        self.allocation = allocation
+        self.slurm = slurm
         self.site = site
-        self.options, own = _split_section(options or {})
-        if own:
-            raise ValueError(f"not sbatch options: {sorted(own)} (use the keyword arguments)")
-        self.cpus_per_rank = int(cpus_per_rank or self.options.pop("cpus-per-task", None) or 1)
-        self.options.pop("cpus-per-task", None)
+        self.options = dict(options or {})
+        self.cpus_per_rank = int(cpus_per_rank)
         self.mpi = mpi
-        self.prologue = list(prologue)
-        self.sbatch_args = list(sbatch_args)
         self.srun_args = list(srun_args)
         self.poll_interval = poll_interval
         self.pending_timeout = pending_timeout
         self.job_name = job_name
-        if allocation == "pilot" and pilot is None:
-            pilot = SlurmPilot(conf=conf, site=site)
-        self.pilot = pilot
-        self.slurm = pilot.slurm if pilot is not None and conf is None else SlurmCommands(conf)
         self._lock = threading.RLock()
+        self._follower: FileFollower | None = None
         self._reset(None, 0)
 
     @classmethod
-    def from_site(cls, slurm_section: Mapping[str, Any] | None, ranks: int, cpus_per_rank: int = 1,
-                  *, site: str = "slurm", echo: Echo = False, pilot: SlurmPilot | None = None,
-                  **overrides: Any) -> "SlurmLauncher":
-        """The launcher for one gang of ``ranks`` on a site whose ``slurm:`` section is given.
+    def from_site(cls, slurm_section: Mapping[str, Any] | None, ranks: int, *, site: str = "slurm",
+                  echo: Echo = False, pilot: SlurmPilot | None = None, **overrides: Any) -> "SlurmLauncher":
+        """The launcher ``SlurmExecutor(slurm_section).launcher(ranks)`` makes, ``overrides``
+        (a stage's keys: ``time``, ``nodes``...) over the section.  Pilot mode needs ``pilot``:
+        a run's own pilot belongs to its ``SlurmExecutor``, which closes it."""
+        from .executor import SlurmExecutor
 
-        ``overrides`` are sbatch options for this call only (a stage's ``time``, ``nodes``...).
-        In pilot mode the gangs of one process share one pilot (``SlurmPilot.shared``) unless
-        ``pilot`` is given.
-        """
-        section = dict(slurm_section or {})
-        options, own = _split_section(section)
-        over, own_over = _split_section(overrides)
-        options.update(over)
-        own.update(own_over)
-        cpus = int(options.pop("cpus-per-task", None) or cpus_per_rank or 1)
-        per_node = options.get("ntasks-per-node")
-        if per_node and "nodes" not in options:
-            options["nodes"] = max(1, math.ceil(ranks / int(per_node)))
-        allocation = own.get("allocation", "per-stage")
-        if allocation == "pilot" and pilot is None:
-            pilot = SlurmPilot.shared(section, site)
-        return cls(echo=echo, allocation=allocation, pilot=pilot, conf=own.get("conf"), site=site,
-                   options=options, cpus_per_rank=cpus, mpi=own.get("mpi"),
-                   prologue=own.get("prologue") or (), sbatch_args=own.get("sbatch-args") or (),
-                   srun_args=own.get("srun-args") or (),
-                   poll_interval=float(own.get("poll-interval") or 0.5),
-                   pending_timeout=own.get("pending-timeout"),
-                   job_name=own.get("job-name") or "phalanx")
+        executor = SlurmExecutor(slurm_section, site=site, pilot=pilot)
+        config = executor.stage_config(overrides)
+        if config.allocation == "pilot" and pilot is None:
+            raise ValueError("SlurmLauncher.from_site in pilot mode needs pilot= (or use SlurmExecutor, "
+                             "whose run owns its pilot)")
+        return executor.launcher(ranks, config=config, echo=echo)
 
     # ---- state ----------------------------------------------------------------------------
     def _reset(self, log_dir: Path | None, world_size: int) -> None:
@@ -119,18 +100,13 @@ class SlurmLauncher(Launcher):
         self.world_size = world_size
         self.job_id: str | None = None     # per-stage: the gang's job; pilot: the pilot's job
         self.step_name = ""
-        self.step_id: str | None = None
         self.info: JobInfo | None = None
         self._codes: list[int | None] = [None] * world_size
-        self._srun: subprocess.Popen | None = None
-        self._srun_err: list[str] = []
-        self._step_note = ""
         self._last_poll = 0.0
         self._submitted = 0.0
         self._failed: str | None = None    # SLURM's reason once the job failed
         self._raised = False
         self._killing = False
-        self._follower: _Follower | None = None
         self._allocation: dict | None = None  # this gang's job or step (base.held)
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
@@ -151,12 +127,14 @@ class SlurmLauncher(Launcher):
             self.step_name = f"{self.job_name}-{gang}"
             env = self.slurm.env(common)
             self._submitted = time.monotonic()
-            if self.allocation == "pilot":
-                self._launch_step(argv, env)
-            else:
-                self._launch_job(argv, env)
+            self._start(argv, env)
             if self.echo:
-                self._follower = _Follower(self.log_dir, self.world_size, self.echo)
+                self._follower = FileFollower([self.log_dir / f"rank-{r}.log" for r in range(self.world_size)],
+                                              self.echo, name="phalanx-slurm-logs")
+
+    @abstractmethod
+    def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        """Submit the gang's srun (``self._lock`` held)."""
 
     def _srun_options(self) -> list[str]:
         out = [f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
@@ -169,27 +147,6 @@ class SlurmLauncher(Launcher):
     def _rank_command(self, argv: Sequence[str]) -> list[str]:
         return ["/bin/sh", "-c", _WRAPPER, "phalanx-rank", str(self.log_dir), *argv]
 
-    def _launch_job(self, argv: Sequence[str], env: dict[str, str]) -> None:
-        srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args,
-                *self._rank_command(argv)]
-        script = self.log_dir / "slurm-job.sh"
-        script.write_text("\n".join([
-            "#!/bin/sh",
-            f"# phalanx gang {self.step_name}: {self.world_size} ranks (phalanx.executors.slurm)",
-            *self.prologue,
-            "exec " + " ".join(shlex.quote(a) for a in srun), ""]))
-        args = [f"--job-name={self.step_name}", f"--output={_pct(self.log_dir)}/launcher.log",
-                "--open-mode=append", "--no-requeue",  # a lost node fails the stage: phalanx retries
-                "--export=ALL", f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
-                *_option_args(self.options), *self.sbatch_args, str(script)]
-        self._hold(allocation("job", self.step_name, self.slurm))  # before sbatch: see base.held
-        try:
-            self.job_id = self.slurm.submit(args, env, self.site)
-        except BaseException:
-            self._let_go()
-            raise
-        self._hold({**self._allocation, "job": self.job_id})
-
     def _hold(self, record: dict) -> None:
         self._allocation = record
         held(self.allocation_hook, record)
@@ -199,45 +156,6 @@ class SlurmLauncher(Launcher):
         if record is not None:
             released(self.allocation_hook, record)
 
-    def _launch_step(self, argv: Sequence[str], env: dict[str, str]) -> None:
-        pilot = self.pilot
-        assert pilot is not None
-        if pilot.ntasks and self.world_size > int(pilot.ntasks):
-            raise GangError(f"slurm: a gang of {self.world_size} ranks does not fit the pilot's "
-                            f"{pilot.ntasks} tasks{_site(self.site)}: raise slurm.pilot.ntasks")
-        pilot.start(hook=self.allocation_hook, driver=env.get(P.ENV_CONTROL))
-        self.job_id = pilot.job_id
-        self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
-        cmd = [self.slurm.exe("srun"), f"--jobid={pilot.job_id}", "--exact",
-               f"--job-name={self.step_name}", *_option_args(
-                   {k: v for k, v in self.options.items() if k in ("nodes", "ntasks-per-node",
-                                                                 "mem", "mem-per-cpu", "gres",
-                                                                 "gpus-per-task", "distribution",
-                                                                 "nodelist", "exclude", "hint",
-                                                                 "spread-job")}),
-               *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
-        launcher_log = open(self.log_dir / "launcher.log", "ab", buffering=0)
-        self._srun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log,
-                                      stderr=subprocess.PIPE, start_new_session=True)
-        launcher_log.close()
-        threading.Thread(target=self._read_srun_stderr, args=(self._srun,), daemon=True,
-                         name="phalanx-slurm-srun").start()
-
-    def _read_srun_stderr(self, proc: subprocess.Popen) -> None:
-        with open(self.log_dir / "launcher.log", "ab", buffering=0) as out:
-            for raw in iter(proc.stderr.readline, b""):
-                out.write(raw)
-                line = raw.decode(errors="replace").strip()
-                with self._lock:
-                    self._srun_err.append(line)
-                    if "temporarily disabled" in line:
-                        m = re.search(r"\((.*)\)", line)
-                        self._step_note = f"waiting for a share of pilot job {self.job_id}" + (
-                            f" ({m.group(1)})" if m else "")
-                    elif "Step created" in line:
-                        self._step_note = ""
-        proc.stderr.close()
-
     # ---- state and exit codes -------------------------------------------------------------
     def exitcodes(self) -> list[int | None]:
         with self._lock:
@@ -245,16 +163,19 @@ class SlurmLauncher(Launcher):
                 return []
             before = list(self._codes)
             self._read_exit_files()
-            killed = [r for r, c in enumerate(self._codes) if c is not None and c < 0 and before[r] is None]
-            if killed and self.allocation != "pilot":
-                self._why_killed()
+            if any(c is not None and c < 0 and before[r] is None for r, c in enumerate(self._codes)):
+                self._rank_killed()
             if all(c is not None for c in self._codes):
                 return list(self._codes)
-            if self.allocation == "pilot":
-                self._check_step()
-            else:
-                self._check_job()
+            self._check()
             return list(self._codes)
+
+    def _rank_killed(self) -> None:
+        """A rank died of a signal (its exit file says so)."""
+
+    @abstractmethod
+    def _check(self) -> None:
+        """Ranks without an exit code yet: settle them if their job or step ended."""
 
     def _read_exit_files(self) -> None:
         for r, code in enumerate(self._codes):
@@ -274,59 +195,6 @@ class SlurmLauncher(Launcher):
             self.info = self.slurm.job(self.job_id)
             self._last_poll = now
         return self.info
-
-    def _why_killed(self) -> None:
-        """A rank died of a signal: was it SLURM (scancel, time limit, node failure...)?"""
-        if self._failed is not None or self._killing:
-            return
-        info = self._poll(force=True)
-        if info is not None and info.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                               "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE"):
-            if info.active:  # ending: its final state comes within moments
-                self.info = info = _wait_inactive(self.slurm, self.job_id, 1.0)
-            if not info.active:
-                self._note_failure(info)
-
-    def _check_job(self) -> None:
-        info = self._poll()
-        if info is None:
-            return
-        if info.state == "PENDING" and not self._raised and not self._killing:
-            waited = time.monotonic() - self._submitted
-            if info.reason in HOPELESS:
-                self._raise(_hopeless(info, self.site))
-            if self.pending_timeout and waited > self.pending_timeout:
-                self._raise(f"slurm: {info.describe()} for more than {self.pending_timeout:.0f} s"
-                            f"{_site(self.site)}")
-        if info.active or info.state == "UNKNOWN":
-            return
-        # the job ended: ranks without an exit file never ran, or were killed with the job
-        self._settle(info, info.state, info.exit_status)
-
-    def _check_step(self) -> None:
-        proc = self._srun
-        if proc is None:
-            return
-        rc = proc.poll()
-        if rc is None:
-            return
-        self._read_exit_files()  # the last rank may have written its file just before srun ended
-        if all(c is not None for c in self._codes):
-            return
-        info = self._poll(force=True)  # was the pilot lost (TIMEOUT, NODE_FAIL...)?
-        errors = [l for l in self._srun_err if "error" in l.lower()]
-        # a step cancelled from outside (scancel) ran and was killed: not a start failure
-        killed = any(re.search(r"CANCELLED|: (Killed|Terminated)$", l.strip()) for l in errors)
-        if not any(c is not None for c in self._codes) and errors and not killed and not self._raised \
-                and not self._killing and (info is None or info.active):
-            self._settle(None, "FAILED", None, _shell_code(rc) if rc > 0 else (rc or 1))
-            self._raise(f"slurm: job step of pilot job {self.job_id} could not start"
-                        f"{_site(self.site)}: {'; '.join(errors[-3:])}")
-        if info is not None and not info.active:
-            self._settle(info, info.state, info.exit_status)
-        else:
-            code = -int(signal.SIGKILL) if killed else (_shell_code(rc) if rc > 0 else rc)
-            self._settle(None, "FAILED" if code else "COMPLETED", None, code or None)
 
     def _settle(self, info: JobInfo | None, state: str, status: int | None,
                 code: int | None = None) -> None:
@@ -361,39 +229,29 @@ class SlurmLauncher(Launcher):
     def _raise(self, message: str) -> None:
         self._raised = True
         self._failed = message
-        if self.job_id is not None and self.allocation != "pilot":
-            self.slurm.cancel(self.job_id)
         raise GangError(message)
 
     def status(self) -> str:
-        """SLURM's view of this gang, e.g. ``slurm: job 42 PENDING (Resources)``."""
+        """SLURM's view of this gang: ``slurm: job 42 PENDING (Resources)``, ``slurm: step
+        42.3 RUNNING (pilot job 42 on n[1-3])``..."""
         with self._lock:
             if self.job_id is None:
                 return "slurm: not launched"
-            info = self._poll(force=True)
-            if self.allocation != "pilot":
-                return f"slurm: {info.describe()}"
-            if info is not None and info.state != "RUNNING":
-                return f"slurm: pilot {info.describe()}"
-            if self._step_note:
-                return f"slurm: step {self.step_name} {self._step_note}"
-            step = self.step_id or next(iter(self.slurm.step_ids(self.job_id, self.step_name)), None)
-            if step:
-                self.step_id = step
-                state = "RUNNING" if self._srun is not None and self._srun.poll() is None else "ENDED"
-                return f"slurm: step {step} {state} (pilot job {self.job_id} on {info.nodes})"
-            if self._srun is None or self._srun.poll() is not None:
-                return f"slurm: step {self.step_name} of pilot job {self.job_id} ended"
-            # srun tells "step creation temporarily disabled" only once it got its share, and
-            # squeue does not list a step that waits: no step yet after a moment means waiting
-            if time.monotonic() - self._submitted < 1.0:
-                return f"slurm: step {self.step_name} of pilot job {self.job_id} starting"
-            return f"slurm: step {self.step_name} waiting for a share of pilot job {self.job_id}"
+            return self._status(self._poll(force=True))
+
+    @abstractmethod
+    def _status(self, info: JobInfo) -> str: ...
 
     def reason(self) -> str | None:
         """Why the gang failed, in SLURM's words (``slurm: job 42 TIMEOUT``), or None."""
         with self._lock:
             return self._failed
+
+    def memory_note(self, rank: int) -> str:
+        """SLURM ended the job for its memory (OUT_OF_MEMORY: over --mem or --mem-per-cpu)."""
+        with self._lock:
+            failed = self._failed or ""
+        return f" — out of memory ({failed})" if "OUT_OF_MEMORY" in failed else ""
 
     # ---- stopping -------------------------------------------------------------------------
     def kill(self, grace_s: float = 2.0) -> None:
@@ -401,13 +259,92 @@ class SlurmLauncher(Launcher):
             job = self.job_id
             self._killing = True  # what follows is our doing, not a SLURM failure to report
         if job is not None:
-            if self.allocation == "pilot":
-                self._kill_step(grace_s)
-            else:
-                self._kill_job(job, grace_s)
+            self._stop(job, grace_s)
         self._stop_follower()
 
-    def _kill_job(self, job: str, grace_s: float) -> None:
+    @abstractmethod
+    def _stop(self, job: str, grace_s: float) -> None:
+        """End the gang's job or step (SIGTERM, SIGKILL after ``grace_s``) and settle its ranks."""
+
+    def _stop_follower(self) -> None:
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            follower.stop()
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} job={self.job_id} site={self.site!r}>"
+
+
+class SlurmJobLauncher(SlurmLauncher):
+    """``allocation: per-stage``: the gang is a batch job of its own (``sbatch`` of a script whose
+    ``srun`` starts the ranks)."""
+
+    def __init__(self, echo: Echo = False, *, prologue: Sequence[str] = (), sbatch_args: Sequence[str] = (),
+                 **common: Any):
+        """``prologue``: shell lines before srun in the job's script; ``common``: see
+        ``SlurmLauncher``."""
+        super().__init__(echo, **common)
+        self.prologue = list(prologue)
+        self.sbatch_args = list(sbatch_args)
+
+    def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args,
+                *self._rank_command(argv)]
+        script = self.log_dir / "slurm-job.sh"
+        script.write_text("\n".join([
+            "#!/bin/sh",
+            f"# phalanx gang {self.step_name}: {self.world_size} ranks (phalanx.executors.slurm)",
+            *self.prologue,
+            "exec " + " ".join(shlex.quote(a) for a in srun), ""]))
+        args = [f"--job-name={self.step_name}", f"--output={_pct(self.log_dir)}/launcher.log",
+                "--open-mode=append", "--no-requeue",  # a lost node fails the stage: phalanx retries
+                "--export=ALL", f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
+                *_option_args(self.options), *self.sbatch_args, str(script)]
+        self._hold(allocation("job", self.step_name, self.slurm))  # before sbatch: see base.held
+        try:
+            self.job_id = self.slurm.submit(args, env, self.site)
+        except BaseException:
+            self._let_go()
+            raise
+        self._hold({**self._allocation, "job": self.job_id})
+
+    def _rank_killed(self) -> None:
+        """Was it SLURM (scancel, time limit, node failure...)?"""
+        if self._failed is not None or self._killing:
+            return
+        info = self._poll(force=True)
+        if info is not None and info.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                                               "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE"):
+            if info.active:  # ending: its final state comes within moments
+                self.info = info = _wait_inactive(self.slurm, self.job_id, 1.0)
+            if not info.active:
+                self._note_failure(info)
+
+    def _check(self) -> None:
+        info = self._poll()
+        if info is None:
+            return
+        if info.state == "PENDING" and not self._raised and not self._killing:
+            waited = time.monotonic() - self._submitted
+            if info.reason in HOPELESS:
+                self._raise(_hopeless(info, self.site))
+            if self.pending_timeout and waited > self.pending_timeout:
+                self._raise(f"slurm: {info.describe()} for more than {self.pending_timeout:.0f} s"
+                            f"{_site(self.site)}")
+        if info.active or info.state == "UNKNOWN":
+            return
+        # the job ended: ranks without an exit file never ran, or were killed with the job
+        self._settle(info, info.state, info.exit_status)
+
+    def _raise(self, message: str) -> None:
+        if self.job_id is not None:
+            self.slurm.cancel(self.job_id)
+        super()._raise(message)
+
+    def _status(self, info: JobInfo) -> str:
+        return f"slurm: {info.describe()}"
+
+    def _stop(self, job: str, grace_s: float) -> None:
         info = self.slurm.job(job)
         if info.active and all(c is not None for c in self.exitcodes()):
             info = _wait_inactive(self.slurm, job, grace_s)  # srun and the script are ending
@@ -423,38 +360,124 @@ class SlurmLauncher(Launcher):
                 self._settle(info, info.state, info.exit_status)
                 self._let_go()
 
-    def _kill_step(self, grace_s: float) -> None:
+
+class SlurmStepLauncher(SlurmLauncher):
+    """``allocation: pilot``: the gang is a job step ``srun --jobid=J --exact`` on a share of
+    ``pilot`` (started by the first gang that needs it); a gang that does not fit the free
+    share waits for one."""
+
+    def __init__(self, pilot: SlurmPilot, echo: Echo = False, **common: Any):
+        """``common``: see ``SlurmLauncher`` (SLURM's commands are the pilot's)."""
+        common.setdefault("site", pilot.site)
+        super().__init__(echo, slurm=pilot.slurm, **common)
+        self.pilot = pilot
+
+    def _reset(self, log_dir: Path | None, world_size: int) -> None:
+        super()._reset(log_dir, world_size)
+        self.step_id: str | None = None
+        self._srun: subprocess.Popen | None = None
+        self._srun_err: list[str] = []
+        self._step_note = ""
+
+    def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
+        pilot = self.pilot
+        if pilot.ntasks and self.world_size > int(pilot.ntasks):
+            raise GangError(_does_not_fit(self.world_size, pilot.ntasks, self.site))
+        pilot.start(hook=self.allocation_hook, driver=env.get(P.ENV_CONTROL))
+        self.job_id = pilot.job_id
+        self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
+        step_options = {k: v for k, v in self.options.items() if k in STEP_OPTIONS}
+        cmd = [self.slurm.exe("srun"), f"--jobid={pilot.job_id}", "--exact", f"--job-name={self.step_name}",
+               *_option_args(step_options), *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
+        launcher_log = open(self.log_dir / "launcher.log", "ab", buffering=0)
+        self._srun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log,
+                                      stderr=subprocess.PIPE, start_new_session=True)
+        launcher_log.close()
+        threading.Thread(target=self._read_srun_stderr, args=(self._srun,), daemon=True,
+                         name="phalanx-slurm-srun").start()
+
+    def _read_srun_stderr(self, proc: subprocess.Popen) -> None:
+        with open(self.log_dir / "launcher.log", "ab", buffering=0) as out:
+            for raw in iter(proc.stderr.readline, b""):
+                out.write(raw)
+                line = raw.decode(errors="replace").strip()
+                with self._lock:
+                    self._srun_err.append(line)
+                    if "temporarily disabled" in line:
+                        m = re.search(r"\((.*)\)", line)
+                        self._step_note = f"waiting for a share of pilot job {self.job_id}" + (
+                            f" ({m.group(1)})" if m else "")
+                    elif "Step created" in line:
+                        self._step_note = ""
+        proc.stderr.close()
+
+    def _check(self) -> None:
+        proc = self._srun
+        if proc is None:
+            return
+        rc = proc.poll()
+        if rc is None:
+            return
+        self._read_exit_files()  # the last rank may have written its file just before srun ended
+        if all(c is not None for c in self._codes):
+            return
+        info = self._poll(force=True)  # was the pilot lost (TIMEOUT, NODE_FAIL...)?
+        errors = [l for l in self._srun_err if "error" in l.lower()]
+        # a step cancelled from outside (scancel) ran and was killed: not a start failure
+        killed = any(re.search(r"CANCELLED|: (Killed|Terminated)$", l.strip()) for l in errors)
+        if not any(c is not None for c in self._codes) and errors and not killed and not self._raised \
+                and not self._killing and (info is None or info.active):
+            self._settle(None, "FAILED", None, _shell_code(rc) if rc > 0 else (rc or 1))
+            self._raise(f"slurm: job step of pilot job {self.job_id} could not start"
+                        f"{_site(self.site)}: {'; '.join(errors[-3:])}")
+        if info is not None and not info.active:
+            self._settle(info, info.state, info.exit_status)
+        else:
+            code = -int(signal.SIGKILL) if killed else (_shell_code(rc) if rc > 0 else rc)
+            self._settle(None, "FAILED" if code else "COMPLETED", None, code or None)
+
+    def _status(self, info: JobInfo) -> str:
+        if info is not None and info.state != "RUNNING":
+            return f"slurm: pilot {info.describe()}"
+        if self._step_note:
+            return f"slurm: step {self.step_name} {self._step_note}"
+        step = self.step_id or next(iter(self.slurm.step_ids(self.job_id, self.step_name)), None)
+        if step:
+            self.step_id = step
+            state = "RUNNING" if self._srun is not None and self._srun.poll() is None else "ENDED"
+            return f"slurm: step {step} {state} (pilot job {self.job_id} on {info.nodes})"
+        if self._srun is None or self._srun.poll() is not None:
+            return f"slurm: step {self.step_name} of pilot job {self.job_id} ended"
+        # srun tells "step creation temporarily disabled" only once it got its share, and
+        # squeue does not list a step that waits: no step yet after a moment means waiting
+        if time.monotonic() - self._submitted < 1.0:
+            return f"slurm: step {self.step_name} of pilot job {self.job_id} starting"
+        return f"slurm: step {self.step_name} waiting for a share of pilot job {self.job_id}"
+
+    def _stop(self, job: str, grace_s: float) -> None:
         proc = self._srun
         if proc is None:  # srun never started
             self._let_go()
             return
         if proc.poll() is None and any(c is None for c in self.exitcodes()):
-            steps = self.slurm.step_ids(self.job_id, self.step_name)
+            steps = self.slurm.step_ids(job, self.step_name)
             for step in steps:
                 self.slurm.cancel(step)
             if not steps:  # still waiting for its share: srun ends on SIGTERM
-                _signal(proc.pid, signal.SIGTERM)
+                signal_group(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            for step in self.slurm.step_ids(self.job_id, self.step_name):
+            for step in self.slurm.step_ids(job, self.step_name):
                 self.slurm.cancel(step, "KILL")
             try:
                 proc.wait(timeout=5.0)
             except subprocess.TimeoutExpired:
-                _signal(proc.pid, signal.SIGKILL)
+                signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         with self._lock:
-            self._check_step()
+            self._check()
             self._let_go()  # srun ended: so did its step
-
-    def _stop_follower(self) -> None:
-        follower, self._follower = getattr(self, "_follower", None), None
-        if follower is not None:
-            follower.stop()
-
-    def __repr__(self) -> str:
-        return f"<SlurmLauncher {self.allocation} job={self.job_id} site={self.site!r}>"
 
 
 def _pct(path: Path) -> str:
@@ -464,53 +487,3 @@ def _pct(path: Path) -> str:
 def _common_env(rank_env: list[dict[str, str]]) -> dict[str, str]:
     """The environment all ranks share; the rank itself comes from SLURM_PROCID."""
     return shared_env(rank_env, (P.ENV_RANK, P.ENV_CPUS, P.ENV_CPUS_BY_RANK), "srun")
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-class _Follower:
-    """Echoes new lines of ``rank-N.log`` files (written by srun on the nodes) to the console."""
-
-    def __init__(self, log_dir: Path, world_size: int, echo: Echo):
-        self.log_dir, self.world_size, self.echo = log_dir, world_size, echo
-        self.offsets = [0] * world_size
-        self.partial = [b""] * world_size
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True, name="phalanx-slurm-logs")
-        self.thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.2):
-            self._drain()
-        self._drain(final=True)
-
-    def _drain(self, final: bool = False) -> None:
-        for r in range(self.world_size):
-            try:
-                with open(self.log_dir / f"rank-{r}.log", "rb") as f:
-                    f.seek(self.offsets[r])
-                    data = f.read()
-            except OSError:
-                continue
-            self.offsets[r] += len(data)
-            *lines, self.partial[r] = (self.partial[r] + data).split(b"\n")
-            if final and self.partial[r]:
-                lines.append(self.partial[r])
-                self.partial[r] = b""
-            for line in lines:
-                text = line.decode(errors="replace")
-                prefix = f"[rank {r}] "
-                text = text if text.startswith(prefix) else prefix + text
-                if callable(self.echo):
-                    self.echo(text)
-                else:
-                    print(text, file=sys.stderr, flush=True)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.thread.join(timeout=2.0)

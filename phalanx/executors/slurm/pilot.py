@@ -1,5 +1,9 @@
 """The pilot allocation: one SLURM allocation held for many gangs (``allocation: pilot``).
 
+A run's pilot belongs to its ``SlurmExecutor``: made when the run's first gang needs it,
+shared by that executor's gangs only, cancelled by its ``close_run`` — never by another run
+in the same process.
+
 A pilot started for a driver's gangs ends with that driver: its batch script holds a TCP
 connection to a listener of the driver (``_Beacon``, on the address the ranks reach the
 driver at) and exits when it closes — the driver exited or was killed — so SLURM ends the
@@ -8,8 +12,6 @@ job and every step on it.  The run DB has its record too (``commands.allocation`
 
 from __future__ import annotations
 
-import atexit
-import json
 import shlex
 import socket
 import sys
@@ -20,9 +22,10 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from ...errors import GangError
+from ...paths import default_log_root
 from ..base import AllocationHook, held, released
-from .commands import (HOPELESS, JobInfo, SlurmCommands, _hopeless, _norm, _option_args, _site,
-                       _split_section, _wait_inactive, allocation)
+from .commands import HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site, _wait_inactive, allocation
+from .config import SlurmConfig, SlurmPilotConfig
 
 # The pilot's holder: connected to the driver's beacon, it ends when the driver does.
 _HOLDER = """import socket, sys, time
@@ -52,16 +55,22 @@ class SlurmPilot:
     use as job steps (``srun --jobid=J --exact``).
 
     >>> with SlurmPilot({"nodes": 2, "ntasks": 8, "time": "1:00:00"}) as pilot:
-    ...     gang = px.Gang(4, executor=SlurmLauncher(pilot=pilot, allocation="pilot"))
+    ...     gang = px.Gang(4, executor=SlurmStepLauncher(pilot))
+
+    A run's pilot is made by its ``SlurmExecutor`` (``from_config``), which also closes it.
     """
 
-    def __init__(self, options: Mapping[str, Any] | None = None, *, conf: str | None = None,
-                 site: str = "slurm", sbatch_args: Sequence[str] = (), prologue: Sequence[str] = (),
-                 job_name: str = "phalanx-pilot", poll_interval: float = 0.5,
-                 start_timeout: float | None = None):
-        opts, own = _split_section(options or {})
-        self.ntasks = own.get("ntasks")
-        self.options = opts
+    def __init__(self, options: "SlurmPilotConfig | Mapping[str, Any] | None" = None, *,
+                 conf: str | None = None, site: str = "slurm", sbatch_args: Sequence[str] = (),
+                 prologue: Sequence[str] = (), job_name: str = "phalanx-pilot", poll_interval: float = 0.5,
+                 start_timeout: float | None = None, hook: AllocationHook | None = None):
+        """``options``: the pilot's sbatch options and ``ntasks`` (a ``slurm.pilot`` section);
+        ``hook``: told when the pilot is submitted and gone (a run's; without one, the hook
+        of the gang that starts it)."""
+        config = options if isinstance(options, SlurmPilotConfig) else \
+            SlurmPilotConfig.model_validate(dict(options or {}))
+        self.ntasks = config.ntasks
+        self.options = config.options()
         self.slurm = SlurmCommands(conf)
         self.site = site
         self.sbatch_args = list(sbatch_args)
@@ -69,42 +78,29 @@ class SlurmPilot:
         self.job_name = job_name
         self.poll_interval = poll_interval
         self.start_timeout = start_timeout
+        self.hook = hook
         self.job_id: str | None = None
         self.info: JobInfo | None = None
         self.log_dir: Path | None = None
         self._lock = threading.Lock()
-        self._hook: AllocationHook | None = None   # told when the pilot is submitted and gone
+        self._closing = False  # close() waits for the lock: a start() waiting in the queue gives up
+        self._hook: AllocationHook | None = None   # the hook told of the current job
         self._record: dict | None = None
         self._beacon: _Beacon | None = None
 
     @classmethod
-    def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
-        """The pilot a site's ``slurm:`` section describes (its ``pilot:`` keys over the top-level
-        partition/account/qos/time...)."""
-        options, own = _split_section(slurm_section)
-        pilot = dict(own.get("pilot") or {})
-        for key in ("cpus-per-task", "nodes", "ntasks-per-node"):  # these are per gang up top
-            options.pop(key, None)
-        merged = {**options, **{_norm(k): v for k, v in pilot.items()}}
-        return cls(merged, conf=own.get("conf"), site=site,
-                   sbatch_args=own.get("sbatch-args") or (), prologue=own.get("prologue") or (),
-                   job_name=f"{own.get('job-name') or 'phalanx'}-pilot",
-                   poll_interval=float(own.get("poll-interval") or 0.5),
-                   start_timeout=own.get("pending-timeout"))
-
-    _shared: dict[str, "SlurmPilot"] = {}
-    _shared_lock = threading.Lock()
+    def from_config(cls, config: SlurmConfig, site: str = "slurm",
+                    hook: AllocationHook | None = None) -> "SlurmPilot":
+        """The pilot a ``slurm:`` section describes: its ``pilot:`` keys over the section's
+        partition/account/qos/time... (see ``SlurmConfig.pilot_config``)."""
+        return cls(config.pilot_config(), conf=config.conf, site=site, sbatch_args=config.sbatch_args,
+                   prologue=config.prologue, job_name=f"{config.job_name}-pilot",
+                   poll_interval=config.poll_interval, start_timeout=config.pending_timeout, hook=hook)
 
     @classmethod
-    def shared(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
-        """One pilot per distinct site section in this process (a workflow run), cancelled
-        when the process exits."""
-        key = json.dumps([site, slurm_section], sort_keys=True, default=str)
-        with cls._shared_lock:
-            pilot = cls._shared.get(key)
-            if pilot is None:
-                pilot = cls._shared[key] = cls.from_site(slurm_section, site)
-            return pilot
+    def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
+        """``from_config`` of a section given as a mapping."""
+        return cls.from_config(SlurmConfig.model_validate(dict(slurm_section)), site)
 
     @property
     def running(self) -> bool:
@@ -113,9 +109,10 @@ class SlurmPilot:
     def start(self, timeout: float | None = None, *, hook: AllocationHook | None = None,
               driver: str | None = None) -> "SlurmPilot":
         """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
-        limit, a node failure) is replaced by a fresh one.  ``hook``: told of the job (a run's
-        allocation hook); ``driver``: "host:port" the nodes reach this driver at (a gang's
-        control address) — the pilot then ends when this process does."""
+        limit, a node failure) is replaced by a fresh one.  ``hook``: told of the job unless
+        the pilot has its own (a gang's allocation hook); ``driver``: "host:port" the nodes
+        reach this driver at (a gang's control address) — the pilot then ends when this
+        process does.  ``close`` from another thread ends the wait (GangError)."""
         with self._lock:
             if self.job_id is not None:
                 self.info = self.slurm.job(self.job_id)
@@ -123,7 +120,7 @@ class SlurmPilot:
                     return self
             if self.job_id is None or not (self.info.active or self.info.state == "UNKNOWN"):
                 self._forget()
-                self._submit(hook, driver)
+                self._submit(self.hook if self.hook is not None else hook, driver)
             timeout = timeout if timeout is not None else self.start_timeout
             deadline = time.monotonic() + timeout if timeout else None
             wait = 0.05
@@ -137,6 +134,9 @@ class SlurmPilot:
                 if not self.info.active and self.info.state != "UNKNOWN":
                     raise GangError(f"slurm: pilot {self.info.describe()}{_site(self.site)}; "
                                     f"its log: {self.log_dir}/pilot-{self.job_id}.log")
+                if self._closing:  # the run ended while the pilot queued
+                    raise GangError(f"slurm: pilot {self.info.describe()} closed before it started"
+                                    f"{_site(self.site)}")
                 if deadline is not None and time.monotonic() > deadline:
                     self.slurm.cancel(self.job_id)
                     raise GangError(f"slurm: pilot {self.info.describe()} for more than "
@@ -145,8 +145,6 @@ class SlurmPilot:
                 wait = min(wait * 2, self.poll_interval)
 
     def _submit(self, hook: AllocationHook | None, driver: str | None) -> None:
-        from ...gang import default_log_root
-
         self.log_dir = default_log_root().parent / "slurm-pilots"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.job_name}-{uuid.uuid4().hex[:12]}"  # unique: released by name
@@ -191,8 +189,12 @@ class SlurmPilot:
 
     def close(self) -> None:
         """Cancel the allocation (every gang still on it ends) and wait until it is gone."""
-        with self._lock:
-            job, self.job_id = self.job_id, None
+        self._closing = True
+        try:
+            with self._lock:
+                job, self.job_id = self.job_id, None
+        finally:
+            self._closing = False
         if job is None:
             return
         self.slurm.cancel(job)
@@ -208,21 +210,6 @@ class SlurmPilot:
 
     def __repr__(self) -> str:
         return f"<SlurmPilot job={self.job_id} {self.info.state if self.info else '-'}>"
-
-    @classmethod
-    def close_shared(cls) -> None:
-        """Cancel the pilots ``shared`` made (at the end of a workflow run; also at exit)."""
-        with cls._shared_lock:
-            pilots = list(cls._shared.values())
-            cls._shared.clear()
-        for pilot in pilots:
-            try:
-                pilot.close()
-            except Exception:  # the controller may be gone already
-                pass
-
-
-atexit.register(SlurmPilot.close_shared)
 
 
 class _Beacon:

@@ -1,0 +1,149 @@
+"""``SlurmExecutor``: the ``slurm`` executor — gangs as the tasks of one ``srun`` each, in a
+batch job of their own or as job steps of the run's pilot (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from typing import Any, Mapping, Sequence
+
+from ...errors import GangError
+from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig
+from .commands import SlurmCommands, _does_not_fit, _site, release
+from .config import Option, SlurmConfig, SlurmPilotConfig
+from .launcher import SlurmJobLauncher, SlurmLauncher, SlurmStepLauncher
+from .pilot import SlurmPilot
+
+log = logging.getLogger("phalanx.executors.slurm")
+
+
+class SlurmExecutor(Executor):
+    """Gangs on a SLURM cluster, through its commands.  ``allocation: per-stage``: every gang is
+    a batch job; ``allocation: pilot``: every gang is a job step of the run's pilot.
+
+    The pilot is run-scoped: made when this executor's first pilot gang needs it (its first
+    gang starts it, so the pilot's holder can watch that driver), shared by this executor's
+    gangs only, cancelled by ``close_run``.  Two executors (two runs in one process) hold two
+    pilots and never close each other's.
+    """
+
+    name = "slurm"
+    config_model = SlurmConfig
+    capabilities = Capabilities(reuse_gangs=False, pins_cpus=False, warm_pool=False, runs_commands=True,
+                                mpi_world=True, remote_ranks=True)
+    release = staticmethod(release)
+    config: SlurmConfig
+
+    def __init__(self, config: "SlurmConfig | Mapping[str, Any] | None" = None, *, site: str | None = None,
+                 cores: int | None = None, rank_memory: int | None = None, pilot: SlurmPilot | None = None):
+        """``pilot``: a pilot the caller started and closes (default: the run's own, made on
+        first use).  Raises ValueError when the site's ``cores`` are more than the pilot holds."""
+        super().__init__(config, site=site, cores=cores, rank_memory=rank_memory)
+        self._pilot = pilot
+        self._owns_pilot = pilot is None
+        self._lock = threading.Lock()
+        held = self._held_slots()
+        if cores and held and cores > held:
+            raise ValueError(f"cores: {cores} is more than the {held} tasks the pilot holds (slurm.pilot.ntasks): "
+                             "gangs would wait for slots it does not have; leave cores out (the pilot's ntasks "
+                             "are the site's slots) or raise slurm.pilot.ntasks")
+
+    # ---- run scope --------------------------------------------------------------------------
+    def open_run(self, hook: AllocationHook | None = None, demand: Any = None, warm: int = 0) -> None:
+        super().open_run(hook, demand, warm)
+        with self._lock:
+            if self._pilot is not None and self._owns_pilot:
+                self._pilot.hook = hook
+
+    def pilot(self) -> SlurmPilot:
+        """The pilot this executor's gangs share: the run's own, made (not started) on first
+        use, or the one given to ``__init__``."""
+        with self._lock:
+            if self._pilot is None:
+                self._pilot = SlurmPilot.from_config(self.config, self.site, hook=self.hook)
+            return self._pilot
+
+    def close_run(self) -> None:
+        """Cancel the run's pilot, if it made one (gangs still on it end with it)."""
+        with self._lock:
+            pilot = self._pilot if self._owns_pilot else None
+            if self._owns_pilot:
+                self._pilot = None
+        if pilot is not None:
+            try:
+                pilot.close()
+            except Exception as exc:  # the controller is gone: the run DB and the exit handler hold it
+                log.warning("could not cancel the pilot %s%s: %s", pilot.job_id, _site(self.site), exc)
+
+    # ---- gangs ------------------------------------------------------------------------------
+    def _pilot_slots(self) -> int | None:
+        """Rank slots the pilot holds (its ntasks), if known."""
+        if not self._owns_pilot and self._pilot is not None:
+            return self._pilot.ntasks
+        return (self.config.pilot or SlurmPilotConfig()).slots()
+
+    def _held_slots(self) -> int | None:
+        """The pilot's slots in pilot mode; None per stage."""
+        return self._pilot_slots() if self.config.allocation == "pilot" else None
+
+    def capacity(self) -> int | None:
+        """The site's cores, else the pilot's ntasks; per stage, None: SLURM queues the jobs."""
+        return self.cores or self._held_slots()
+
+    def stage_config(self, override: "ExecutorConfig | Mapping[str, Any] | None" = None) -> SlurmConfig:
+        # a mapping is read as a section first: its keys in SLURM's spellings (ranks-per-node)
+        # then meet the site's by field name
+        if override and not isinstance(override, ExecutorConfig):
+            override = self.config_model.model_validate(dict(override))
+        return super().stage_config(override)  # type: ignore[return-value]
+
+    def check(self, ranks: int, config: ExecutorConfig | None = None) -> None:
+        cfg: SlurmConfig = config or self.config  # type: ignore[assignment]
+        if cfg.allocation == "pilot":
+            if cfg.pilot != self.config.pilot:
+                raise ValueError("slurm.pilot: the pilot is the run's (the site's slurm.pilot); a stage "
+                                 "cannot change it")
+            if cfg.conf != self.config.conf:
+                raise ValueError("slurm.conf: a pilot stage runs on the run's pilot, on the site's cluster")
+            slots = self._pilot_slots()
+            if slots and ranks > slots:
+                raise GangError(_does_not_fit(ranks, slots, self.site))
+        self._gang_options(ranks, cfg)
+
+    def _gang_options(self, ranks: int, cfg: SlurmConfig) -> tuple[dict[str, Option], int]:
+        """(sbatch/srun options, CPUs per rank) of one gang: nodes from ranks_per_node, and
+        the site's memory per rank as --mem-per-cpu unless the section sets mem or mem_per_cpu."""
+        options = cfg.options()
+        cpus = _whole(options.pop("cpus-per-task", None) or 1, "cpus_per_task")
+        per_node = options.get("ntasks-per-node")
+        if per_node and "nodes" not in options:
+            options["nodes"] = max(1, math.ceil(ranks / _whole(per_node, "ntasks_per_node")))
+        if self.rank_memory and not {"mem", "mem-per-cpu"} & set(options):  # SLURM enforces it
+            options["mem-per-cpu"] = f"{max(1, self.rank_memory // cpus >> 20)}M"
+        return options, cpus
+
+    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
+                 echo: Echo = False) -> SlurmLauncher:
+        """A per-stage job's launcher, or a pilot step's on ``pilot()``; ``slots`` are not used
+        (SLURM places the ranks)."""
+        cfg: SlurmConfig = config or self.config  # type: ignore[assignment]
+        options, cpus = self._gang_options(ranks, cfg)
+        common = dict(site=self.site, options=options, cpus_per_rank=cpus, mpi=cfg.mpi, srun_args=cfg.srun_args,
+                      poll_interval=cfg.poll_interval, pending_timeout=cfg.pending_timeout, job_name=cfg.job_name)
+        launcher: SlurmLauncher
+        if cfg.allocation == "pilot":
+            launcher = SlurmStepLauncher(self.pilot(), echo, **common)
+        else:
+            launcher = SlurmJobLauncher(echo, slurm=SlurmCommands(cfg.conf), prologue=cfg.prologue,
+                                        sbatch_args=cfg.sbatch_args, **common)
+        launcher.allocation_hook = self.hook
+        return launcher
+
+
+def _whole(value: Option, key: str) -> int:
+    """A count sbatch takes (``cpus_per_task: 2``) as an int; ValueError naming the key."""
+    text = str(value)
+    if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
+        raise ValueError(f"slurm.{key}: must be a whole number ≥ 1, not {value!r}")
+    return int(text)

@@ -12,9 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+from .. import paths
 from ..errors import PhalanxError
 from ..executors.base import pid_alive  # noqa: F401  (callers import it from here too)
-from ..private import create_private, private_dir
+from ..private import create_private
 from ..redact import redact_opt
 
 _SCHEMA = """
@@ -43,19 +44,9 @@ _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 
 
-def default_state_dir() -> Path:
-    env = os.environ.get("PHALANX_STATE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state")
-    return Path(base) / "phalanx"
-
-
 class RunDB:
     def __init__(self, state_dir: str | Path | None = None):
-        self.state_dir = Path(state_dir) if state_dir else default_state_dir()
-        private_dir(self.state_dir, "phalanx's run database and logs",
-                    "set PHALANX_STATE to a directory of your own")
+        self.state_dir = paths.state_dir(state_dir)  # PHALANX_STATE, else under XDG_STATE_HOME; private
         self.path = create_private(self.state_dir / "runs.sqlite")  # 0600, and so its -wal, -shm
         with self._con() as con:
             con.executescript(_SCHEMA)

@@ -5,9 +5,46 @@ from __future__ import annotations
 import os
 import socket
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..runtime.tasks import resolve_app
+
+
+@dataclass
+class StageContext:
+    """A stage's inputs and outputs on one rank: what ``env.input`` and ``env.output`` reach
+    while the stage's app runs (the env only forwards to it: ``BSPEnv.in_stage``)."""
+
+    env: Any                                   # the rank's BSPEnv
+    name: str
+    inputs: dict[str, dict[str, Any]]          # local name → get() spec (with its dataset)
+    outputs: list[str]
+    # What each input() read on this rank: dataset, rows, bytes and the repartition path taken.
+    input_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def input(self, name: str):
+        """The stage input ``name`` as a DataFrame, repartitioned as the workflow says."""
+        if name not in self.inputs:
+            raise KeyError(f"stage {self.name!r} has no input {name!r}; inputs: {sorted(self.inputs)}")
+        spec = dict(self.inputs[name])
+        dataset = spec.pop("dataset")
+        if spec.get("shuffle") == "global":  # a per-epoch order for the ML loader: read as stored
+            spec.pop("shuffle")
+            spec.pop("seed", None)
+        session, _, short = dataset.rpartition("/")  # "session/name": another run's dataset
+        store = self.env.store.for_session(session) if session else self.env.store
+        frame = store.get(short, **{k: v for k, v in spec.items() if v is not None})
+        table = frame.to_arrow()
+        self.input_stats[name] = {"dataset": dataset, "rows": table.num_rows, "bytes": table.nbytes,
+                                  "plan": store.last_plan}
+        return frame
+
+    def output(self, name: str, data: Any):
+        """Seal ``data`` as the stage output ``name`` (every rank passes its partition)."""
+        if name not in self.outputs:
+            raise KeyError(f"stage {self.name!r} declares no output {name!r}; outputs: {self.outputs}")
+        return self.env.store.put(name, data, replace=True, producer=self.name)
 
 
 def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outputs: list[str]) -> dict:
@@ -18,12 +55,13 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
     rank) rows and bytes of each sealed output.
     """
     started = time.time()
-    env.stage, env.inputs, env.outputs, env.input_stats = stage, inputs, list(outputs), {}
-    result = resolve_app(app)(env)
+    ctx = StageContext(env, stage, inputs, list(outputs))
+    with env.in_stage(ctx):
+        result = resolve_app(app)(env)
     if isinstance(result, dict):
         for name in outputs:  # the declared order: every rank puts in the same order
             if name in result:
-                env.output(name, result[name])
+                ctx.output(name, result[name])
         extra = sorted(set(result) - set(outputs))
         if extra:
             raise KeyError(f"stage {stage!r} returned undeclared outputs {extra}; declared: {outputs}")
@@ -33,5 +71,5 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
                            "(call env.output(name, df) or return {name: df})")
     sizes = {name: env.store.info(name) for name in outputs}
     return {"outputs": {name: (i.num_rows, i.nbytes) for name, i in sizes.items()},
-            "inputs": env.input_stats, "started": started, "ended": time.time(),
+            "inputs": ctx.input_stats, "started": started, "ended": time.time(),
             "host": socket.gethostname(), "pid": os.getpid()}

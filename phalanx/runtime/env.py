@@ -1,13 +1,42 @@
-"""BSPEnv: what a user's app receives on every rank."""
+"""BSPEnv: what a user's app receives on every rank.
+
+The runtime is the lowest layer that runs apps, so the env knows nothing of the layers above
+it; they plug in.  The store attaches how a rank opens ``env.store`` (``attach_store``, done by
+``phalanx.store`` when it is imported, which ``import phalanx`` does), and a workflow stage's
+runner (``phalanx.orchestrator.stage``) lends the env its inputs and outputs while the stage's
+app runs (``in_stage``), for ``env.input`` / ``env.output``.
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator, Protocol
 
 from .comm.base import Communicator
+
+
+class StageScope(Protocol):
+    """What a workflow stage lends its ranks' env (the stage runner's object)."""
+
+    name: str
+    inputs: dict[str, dict[str, Any]]   # local name → how the stage reads it (store.get spec)
+    outputs: list[str]
+
+    def input(self, name: str) -> Any: ...
+
+    def output(self, name: str, data: Any) -> Any: ...
+
+
+_store_opener: Callable[["BSPEnv"], Any] | None = None
+
+
+def attach_store(opener: Callable[["BSPEnv"], Any]) -> None:
+    """How a rank opens ``env.store``: ``opener(env)`` on first use (the store layer calls this)."""
+    global _store_opener
+    _store_opener = opener
 
 
 @dataclass
@@ -22,35 +51,7 @@ class BSPEnv:
     gang_id: str = ""
     log: logging.Logger = field(default=None, repr=False)  # type: ignore[assignment]
     _store: Any = field(default=None, repr=False)
-    # Set when the app runs as a workflow stage (see phalanx.orchestrator.stage).
-    stage: str = ""
-    inputs: dict[str, dict[str, Any]] = field(default_factory=dict)   # local name → get() spec
-    outputs: list[str] = field(default_factory=list)
-    # What each input() read on this rank: dataset, rows, bytes and the repartition path taken.
-    input_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-    def input(self, name: str):
-        """The stage input ``name`` as a DataFrame, repartitioned as the workflow says."""
-        if name not in self.inputs:
-            raise KeyError(f"stage {self.stage!r} has no input {name!r}; inputs: {sorted(self.inputs)}")
-        spec = dict(self.inputs[name])
-        dataset = spec.pop("dataset")
-        if spec.get("shuffle") == "global":  # a per-epoch order for the ML loader: read as stored
-            spec.pop("shuffle")
-            spec.pop("seed", None)
-        session, _, short = dataset.rpartition("/")  # "session/name": another run's dataset
-        store = self.store.for_session(session) if session else self.store
-        frame = store.get(short, **{k: v for k, v in spec.items() if v is not None})
-        table = frame.to_arrow()
-        self.input_stats[name] = {"dataset": dataset, "rows": table.num_rows, "bytes": table.nbytes,
-                                  "plan": store.last_plan}
-        return frame
-
-    def output(self, name: str, data: Any):
-        """Seal ``data`` as the stage output ``name`` (every rank passes its partition)."""
-        if name not in self.outputs:
-            raise KeyError(f"stage {self.stage!r} declares no output {name!r}; outputs: {self.outputs}")
-        return self.store.put(name, data, replace=True, producer=self.stage)
+    _stage: StageScope | None = field(default=None, repr=False)  # while a workflow stage's app runs
 
     def __post_init__(self) -> None:
         if self.log is None:
@@ -60,14 +61,53 @@ class BSPEnv:
     def store(self):
         """The intermediate store, for collective ``put``/``get`` (opened on first use)."""
         if self._store is None:
-            from ..store.rank import RankStore
-            from ..store.store import Store
-
-            self._store = RankStore(self, Store.from_env())  # the gang's PHALANX_STORE* settings
+            if _store_opener is None:
+                raise RuntimeError("env.store: no store is attached to the runtime (phalanx.store "
+                                   "attaches itself when imported: import phalanx)")
+            self._store = _store_opener(self)  # the gang's PHALANX_STORE* settings
         return self._store
 
     def barrier(self) -> None:
         self.comm.barrier()
+
+    # ---- a workflow stage's inputs and outputs (its runner's; empty outside a stage) ----------
+    @contextmanager
+    def in_stage(self, scope: StageScope) -> Iterator["BSPEnv"]:
+        """Lend this env ``scope`` (a stage's inputs and outputs) for as long as the block runs."""
+        before, self._stage = self._stage, scope
+        try:
+            yield self
+        finally:
+            self._stage = before
+
+    @property
+    def stage(self) -> str:
+        """The workflow stage this app runs as ("" outside one)."""
+        return self._stage.name if self._stage is not None else ""
+
+    @property
+    def inputs(self) -> dict[str, dict[str, Any]]:
+        """The stage's inputs: local name → dataset and how it is read."""
+        return self._stage.inputs if self._stage is not None else {}
+
+    @property
+    def outputs(self) -> list[str]:
+        """The datasets the stage seals."""
+        return list(self._stage.outputs) if self._stage is not None else []
+
+    def input(self, name: str):
+        """The stage input ``name`` as a DataFrame, repartitioned as the workflow says."""
+        return self._scope(f"env.input({name!r})").input(name)
+
+    def output(self, name: str, data: Any):
+        """Seal ``data`` as the stage output ``name`` (every rank passes its partition)."""
+        return self._scope(f"env.output({name!r}, ...)").output(name, data)
+
+    def _scope(self, call: str) -> StageScope:
+        if self._stage is None:
+            raise RuntimeError(f"{call} is for the app of a workflow stage (inputs and outputs come "
+                               "from the workflow); in a plain gang.run use env.store.get / put")
+        return self._stage
 
 
 def rank_logger(rank: int) -> logging.Logger:

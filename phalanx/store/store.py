@@ -25,20 +25,21 @@ from typing import Any, Iterator, NamedTuple, Sequence
 import pyarrow as pa
 
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
+from ..paths import ENV_SPILL, ENV_STORE, default_spill_root, default_store_root
 from ..private import makedirs
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
-from .tiers import (FileTier, Staged, Tier, checksum_buffer, default_root, default_spill_root, open_tier,
-                    part_file)
+from .tiers import FileTier, Staged, Tier, checksum_buffer, open_tier, part_file
 
 log = logging.getLogger("phalanx.store")
 
 DEFAULT_SESSION = "default"
 
-ENV_STORE = "PHALANX_STORE"              # root: a directory or s3://bucket/prefix?endpoint_override=…
+# What a gang's ranks read back (Store.env); the two paths, ENV_STORE (PHALANX_STORE: a directory
+# or s3://bucket/prefix?endpoint_override=…) and ENV_SPILL (PHALANX_STORE_SPILL: the disk
+# directory datasets over the budget spill to), are defined with their defaults in phalanx.paths.
 ENV_SESSION = "PHALANX_STORE_SESSION"    # session (namespace)
 ENV_METADATA = "PHALANX_STORE_METADATA"  # sqlite:///path/meta.sqlite | redis://host:port/db
 ENV_BUDGET = "PHALANX_STORE_BUDGET"      # memory budget of a file-tier root, bytes ("4GiB" works)
-ENV_SPILL = "PHALANX_STORE_SPILL"        # the disk directory datasets over the budget spill to
 
 
 def parse_bytes(text: str | int | None) -> int | None:
@@ -104,7 +105,7 @@ class Store:
                  metadata: MetadataBackend | str | None = None, *,
                  memory_budget: int | str | None = None, spill: str | Path | None = None):
         self.session = _check_session(session)
-        text = os.fspath(root) if root else (os.environ.get(ENV_STORE) or str(default_root()))
+        text = os.fspath(root) if root else (os.environ.get(ENV_STORE) or str(default_store_root()))
         self.tier: Tier = open_tier(text)
         self.root: Path | str = self.tier.root if isinstance(self.tier, FileTier) else self.tier.root_url
         budget = parse_bytes(memory_budget if memory_budget is not None else os.environ.get(ENV_BUDGET))

@@ -14,10 +14,8 @@ Every partition is one uncompressed Arrow IPC file named ``part-00000.arrow`` in
 
 from __future__ import annotations
 
-import getpass
 import os
 import shutil
-import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import NamedTuple
@@ -27,36 +25,10 @@ import pyarrow.ipc as ipc
 import xxhash
 
 from .._registry import Registry
-from ..private import create_private, makedirs, private_dir
+from ..paths import default_spill_root  # noqa: F401  (re-exported: tests/faults/test_security.py imports it here)
+from ..private import create_private, makedirs
 
 CHECKSUM = "xxh3_64"
-
-
-def default_root() -> Path:
-    """Shared memory when the machine has it (the fast tier on one host), else the temp dir:
-    ``<base>/phalanx-<user>/store``, refused if another user could write there (``private``).
-
-    ``PHALANX_STORE`` overrides it (``Store`` also accepts an ``s3://`` URL there)."""
-    env = os.environ.get("PHALANX_STORE")
-    if env:
-        return Path(env)
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return _own_dir(base, "the store root", "PHALANX_STORE") / "store"
-
-
-def default_spill_root() -> Path:
-    """Where datasets over the memory budget go: a disk directory (``PHALANX_STORE_SPILL``)."""
-    env = os.environ.get("PHALANX_STORE_SPILL")
-    if env:
-        return Path(env)
-    base = Path("/var/tmp") if Path("/var/tmp").is_dir() else Path(tempfile.gettempdir())
-    return _own_dir(base, "the store's spill directory", "PHALANX_STORE_SPILL") / "store"
-
-
-def _own_dir(base: Path, what: str, env: str) -> Path:
-    """``<base>/phalanx-<user>``, private to this user (refused if someone else made it)."""
-    return private_dir(base / f"phalanx-{getpass.getuser()}", f"holds {what}",
-                       f"set {env} to a directory of your own")
 
 
 def checksum_buffer(buf: pa.Buffer | bytes | memoryview) -> str:

@@ -9,14 +9,12 @@ the next ``run`` starts a fresh gang.
 from __future__ import annotations
 
 import atexit
-import getpass
 import os
 import logging
 import queue
 import signal
 import socket
 import sys
-import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -27,6 +25,7 @@ from .executors import DEFAULT, DEFAULT_MPI, create as create_executor
 from .executors.base import Executor, Launcher
 from .executors.control import ControlServer
 from .executors.local import WORKER_ARGV
+from .paths import default_log_root  # noqa: F401  (callers import it from here too)
 from .procs import pid_alive
 from .runtime import protocol as P
 from .runtime.rendezvous import backend_for, new_gang_id
@@ -423,18 +422,6 @@ class Gang:
                 return code
             time.sleep(0.01)
         return None
-
-
-def default_log_root() -> Path:
-    """Per-user directory for gang logs (PHALANX_LOG_DIR overrides): ``<tmp>/phalanx-<user>/gangs``,
-    refused if another user could write there."""
-    from .private import private_dir
-
-    root = os.environ.get("PHALANX_LOG_DIR")
-    if root:
-        return Path(root)
-    return private_dir(Path(tempfile.gettempdir()) / f"phalanx-{getpass.getuser()}", "holds gang logs",
-                       "set PHALANX_LOG_DIR to a directory of your own") / "gangs"
 
 
 def _ranks(ranks: "set[int] | list[int]") -> str:

@@ -79,11 +79,7 @@ PENDING: dict[tuple[str, str], str] = {}
 
 # Default paths are decided in phalanx/paths.py only: the variables that override them and the
 # places they default to appear nowhere else.  File → why it still does (the same rules as PENDING).
-PATHS_PENDING: dict[str, str] = {
-    "phalanx/gang.py":
-        "gang.default_log_root is still its own copy of paths.default_log_root: replace it with "
-        "`from .paths import default_log_root` (tests/faults/test_security.py imports it from gang)",
-}
+PATHS_PENDING: dict[str, str] = {}
 PATH_WORDS = {"PHALANX_LOG_DIR", "PHALANX_STATE", "PHALANX_STORE", "PHALANX_STORE_SPILL", "XDG_STATE_HOME",
               "~/.local/state", "/dev/shm", "/var/tmp"}
 

@@ -81,6 +81,9 @@ class Scheduler:
         # what lives as long as the run (a pilot allocation, warm processes) ends with it
         self.executor.open_run(hook=RunAllocations(self.db, self.run_id, None), demand=self._warm_demand,
                                warm=warm if self.caps.warm_pool else 0)
+        known = self.executor.capacity()  # some executors know only once connected (a Ray cluster's CPUs)
+        if known and known != self.capacity:
+            self.capacity, self._free = known, list(range(known))
         try:
             return self._run(pending, done, deps)
         finally:

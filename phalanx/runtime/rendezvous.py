@@ -126,7 +126,7 @@ class RedisRendezvous(Rendezvous):
         delete_prefix(url)
 
 
-rendezvous_backends = Registry("rendezvous")
+rendezvous_backends = Registry("rendezvous", group="phalanx.rendezvous")
 for _cls in (TCPRendezvous, FileRendezvous, RedisRendezvous):
     rendezvous_backends.register(_cls.scheme, f"{__name__}:{_cls.__name__}",
                                  extra="redis" if _cls is RedisRendezvous else None)

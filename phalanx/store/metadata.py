@@ -288,7 +288,7 @@ def open_metadata(url: "str | Path | MetadataBackend") -> MetadataBackend:
     return metadata_backends.load(scheme)(text)
 
 
-metadata_backends = Registry("store metadata backend")
+metadata_backends = Registry("store metadata backend", group="phalanx.metadata")
 metadata_backends.register("sqlite", "phalanx.store.metadata:SQLiteMetadata")
 metadata_backends.register("redis", "phalanx.store.redis_metadata:RedisMetadata", extra="redis")
 metadata_backends.register("rediss", "phalanx.store.redis_metadata:RedisMetadata", extra="redis")

@@ -192,7 +192,7 @@ def _new_partition(location: str, index: int) -> Path:
     return create_private(makedirs(location) / part_file(index), truncate=True)
 
 
-tiers = Registry("store tier")
+tiers = Registry("store tier", group="phalanx.tiers")
 tiers.register("file", "phalanx.store.tiers:FileTier")
 tiers.register("s3", "phalanx.store.objectstore:ObjectTier")
 

@@ -3,7 +3,7 @@
 from ..._registry import Registry
 from .base import Communicator
 
-communicators = Registry("communicator")
+communicators = Registry("communicator", group="phalanx.communicators")
 communicators.register("gloo", "phalanx.runtime.comm.gloo:GlooCommunicator")
 communicators.register("mpi", "phalanx.runtime.comm.mpi:MPICommunicator", extra="mpi")
 

@@ -50,7 +50,8 @@ class Registry:
 
     def load(self, name: str, what: str | None = None) -> Any:
         """The target of ``name`` (``what``: one of its further targets, e.g. "config")."""
-        self._plugins()
+        if name not in self._entries:  # built-ins need no scan of installed distributions (a rank's start)
+            self._plugins()
         try:
             target, extra = self._entries[name]
         except KeyError:

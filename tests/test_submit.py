@@ -139,17 +139,25 @@ def procs():
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_ctrl_c_in_px_run_cancels_the_run(tmp_path, procs):
+@pytest.mark.parametrize("how", ["ctrl-c in px.run", "exit with a run going"])
+def test_ctrl_c_in_px_run_or_leaving_the_interpreter_cancels_the_run(tmp_path, procs, how):
+    """px.run keeps its Ctrl-C (the run is cancelled, KeyboardInterrupt raised); a process that
+    exits while a handle's run goes on cancels it (gangs stopped at once, not "lost")."""
     script = tmp_path / "pipeline.py"
     script.write_text(textwrap.dedent(f"""
-        import sys
+        import os, sys, time
         sys.path.insert(0, {str(HERE)!r})
         import phalanx as px
         from phalanx.orchestrator.models import Site
         import submit_apps
 
-        wf = px.Workflow("ctrlc", [px.stage(submit_apps.gated_generate, name="generate", ranks=2,
-                                            params={{"dir": {str(tmp_path)!r}, "rows": 10}})])
+        wf = px.Workflow("script", [px.stage(submit_apps.gated_generate, name="generate", ranks=2,
+                                             params={{"dir": {str(tmp_path)!r}, "rows": 10}})])
+        if sys.argv[1] == "exit":
+            h = px.submit(wf, site=Site(name="t2", cores=2))
+            while not os.path.exists({str(tmp_path / "pid.1")!r}):
+                time.sleep(0.05)
+            sys.exit(0)
         try:
             px.run(wf, site=Site(name="t2", cores=2), progress=False)
         except KeyboardInterrupt:
@@ -157,13 +165,15 @@ def test_ctrl_c_in_px_run_cancels_the_run(tmp_path, procs):
             sys.exit(130)
     """))
     env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state")}
-    proc = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(script), how.split()[0]], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     procs.append(proc.pid)
     pids = rank_pids(tmp_path)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "interrupted" in out, err
+    if how.startswith("ctrl-c"):
+        proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)  # the app would wait 120 s for a go that never comes
+    assert proc.returncode == (130 if how.startswith("ctrl-c") else 0), err
+    assert "interrupted" in out or not how.startswith("ctrl-c")
     assert [p for p in pids if pid_alive(p)] == []
     db = RunDB(tmp_path / "state")
     run = db.runs()[0]

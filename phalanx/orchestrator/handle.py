@@ -195,9 +195,25 @@ class RunHandle:
         return f"<phalanx RunHandle {self.run_id} {state}>"
 
 
-@atexit.register
 def _cancel_live_runs() -> None:
     """The interpreter is exiting: runs it still drives end as cancelled, with their gangs,
     rather than be cut off and found "lost"."""
     for handle in list(_live):
-        handle.cancel(timeout=20.0)
+        try:
+            handle.cancel(timeout=20.0)
+        except Exception:  # exiting anyway: the run DB will call it lost
+            pass
+
+
+def _register_exit_hook() -> None:
+    # At exit Python first joins every ThreadPoolExecutor's threads (a hook of
+    # concurrent.futures), so a stage thread waiting on its ranks would hold the exit for as
+    # long as the stage runs; atexit handlers come only after.  Threading's own exit hooks run
+    # last-registered first: registered after concurrent.futures', ours stops the gangs first.
+    import concurrent.futures.thread  # noqa: F401  (registers its hook before ours)
+
+    register = getattr(threading, "_register_atexit", None)
+    (register or atexit.register)(_cancel_live_runs)
+
+
+_register_exit_hook()

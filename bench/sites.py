@@ -69,10 +69,7 @@ class Clusters:
             os.environ["RAY_ADDRESS"] = self.ray.address
             ray.init(address=self.ray.address, namespace="phalanx-bench", log_to_driver=False)
 
-    def stop(self) -> None:
-        from phalanx.executors.slurm import SlurmPilot
-
-        SlurmPilot.close_shared()
+    def stop(self) -> None:  # a run's pilot ends with its run (close_run)
         if self.ray is not None:
             import ray
 

@@ -202,7 +202,10 @@ class Gang:
     def _await_exit(self, timeout: float | None) -> None:
         deadline = time.monotonic() + timeout if timeout else None
         while True:
-            codes = self._launcher.exitcodes()
+            launcher = self._launcher
+            if launcher is None:  # torn down by another thread (a cancel)
+                raise GangError(f"gang {self.gang_id} was stopped")
+            codes = launcher.exitcodes()
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
                 failures = {r: self._failure_of(r, ("eof",)) for r in failed}
@@ -359,9 +362,10 @@ class Gang:
         """After a first failure, give the other ranks a moment to report theirs."""
         deadline = time.monotonic() + _FAIL_GRACE_S
         pending = set(pending) - set(failures)
-        while pending:
+        control = self._control
+        while pending and control is not None:
             try:
-                rank, msg = self._control.events.get(timeout=max(0.0, deadline - time.monotonic()))
+                rank, msg = control.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 return
             if rank not in pending:
@@ -376,15 +380,18 @@ class Gang:
     def _next_event(self, deadline: float | None) -> tuple[int, tuple] | None:
         """The next (rank, message) from the ranks; None once ``deadline`` has passed."""
         while True:
+            control, launcher = self._control, self._launcher
+            if control is None or launcher is None:  # torn down by another thread (a cancel)
+                raise GangError(f"gang {self.gang_id} was stopped")
             wait = _POLL_S if deadline is None else min(_POLL_S, max(0.0, deadline - time.monotonic()))
             try:
-                return self._control.events.get(timeout=wait)
+                return control.events.get(timeout=wait)
             except queue.Empty:
                 pass
             if deadline is not None and time.monotonic() >= deadline:
                 return None
-            for rank, code in enumerate(self._launcher.exitcodes()):
-                if code is not None and rank not in self._control.conns:
+            for rank, code in enumerate(launcher.exitcodes()):
+                if code is not None and rank not in control.conns:
                     return rank, ("eof",)  # died before it ever connected
 
     def _timed_out(self, late: set[int], done: str, what: str) -> GangError:
@@ -417,7 +424,10 @@ class Gang:
     def _wait_exitcode(self, rank: int, within_s: float = 1.0) -> int | None:
         deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
-            code = self._launcher.exitcodes()[rank]
+            launcher = self._launcher
+            if launcher is None:  # torn down by another thread (a cancel): its ranks were stopped
+                return None
+            code = launcher.exitcodes()[rank]
             if code is not None:
                 return code
             time.sleep(0.01)

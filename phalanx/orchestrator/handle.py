@@ -73,21 +73,6 @@ def run_status(db: RunDB, run_id: str) -> RunStatus | None:
     return RunStatus(run["id"], run["workflow"], run["state"], run["session"], stages)
 
 
-class _EndsCancelled:
-    """The run DB as the scheduler of a handle sees it.  Once the handle cancelled the run, the
-    scheduler ends it as "failed" (its stages return "cancelled"); it is recorded "cancelled",
-    as a Ctrl-C records it.  A run that succeeded before the cancel took hold stays succeeded."""
-
-    def __init__(self, db: RunDB, cancelled: threading.Event):
-        self._db, self._cancelled = db, cancelled
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._db, name)
-
-    def set_run(self, run_id: str, state: str) -> None:
-        self._db.set_run(run_id, "cancelled" if state == "failed" and self._cancelled.is_set() else state)
-
-
 class RunHandle:
     """A run driven by a thread of this process (made by ``px.submit`` or ``RunHandle.start``)."""
 
@@ -112,7 +97,7 @@ class RunHandle:
 
         db = db or RunDB()
         cancelled = threading.Event()
-        scheduler = prepare_run(wf, site, file=file, db=_EndsCancelled(db, cancelled), resume=resume,
+        scheduler = prepare_run(wf, site, file=file, db=db, resume=resume,
                                 on_event=on_event)
         return cls(scheduler, db, cancelled)
 

@@ -183,7 +183,8 @@ class Scheduler:
             self._event(s, "skipped", "an upstream stage failed")
         real = {s: e for s, e in failed.items() if e}
         ok = not real and not skipped
-        self.db.set_run(self.run_id, "succeeded" if ok else "failed")
+        # a cancel (Scheduler.cancel, a run handle's) ends the run "cancelled", as a Ctrl-C does
+        self.db.set_run(self.run_id, "succeeded" if ok else "cancelled" if self._cancelled.is_set() else "failed")
         return RunResult(self.run_id, self.store.session, ok, real, skipped)
 
     def cancel(self) -> None:

@@ -396,3 +396,15 @@ def test_a_site_names_where_the_store_catalogue_lives(db, tmp_path):
     assert not px.Store(session=result.session).exists("tx")  # not in the default catalogue
     with pytest.raises(ValueError, match="unknown store metadata backend 'mongo'"):
         StoreConfig(metadata="mongo://x")
+
+
+def test_a_stage_the_site_can_never_place_fails_at_once(db):
+    """Bypassing validation (run_workflow directly), a gang larger than the site fails with the
+    reason instead of the run returning ok with the stage never started."""
+    wf = Workflow(name="toobig", stages={
+        "big": Stage(app="apps:rank_info", ranks=5),
+        "after": Stage(app="apps:rank_info", ranks=1, needs=["big"])})
+    result = run_workflow(wf, site(2), db=db)
+    assert not result.ok and result.skipped == ["after"]
+    assert result.failed == {"big": "5 ranks, but site 'test2' (local) can give at most 2 at once"}
+    assert {s["stage"]: s["state"] for s in db.stages(result.run_id)} == {"big": "failed", "after": "skipped"}

@@ -145,6 +145,14 @@ class Scheduler:
     def _run(self, pending: list[str], done: set[str], deps: dict[str, set[str]]) -> RunResult:
         failed: dict[str, str] = {}
         running: dict[Future, tuple[str, list[int]]] = {}
+        for name in list(pending):  # a gang the site can never place fails now, not never
+            ranks = self.wf.stages[name].ranks
+            if ranks > self.capacity:
+                pending.remove(name)
+                failed[name] = (f"{ranks} ranks, but site {self.site.name!r} ({self.site.executor}) can give at "
+                                f"most {self.capacity} at once")
+                self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=failed[name])
+                self._event(name, "failed", failed[name])
         with ThreadPoolExecutor(max_workers=max(1, len(pending))) as pool:
             try:
                 while pending or running:

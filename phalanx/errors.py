@@ -36,6 +36,7 @@ class RankFailure:
     message: str
     traceback: str = ""
     exitcode: int | None = None
+    after_peer: bool = False  # it went away only after a peer had failed (mpirun ending every rank)
 
     def __post_init__(self) -> None:  # a rank's message travels to the terminal and the run DB
         self.message, self.traceback = redact(self.message), redact(self.traceback)
@@ -49,7 +50,7 @@ class RankFailure:
     def collateral(self) -> bool:
         """This rank failed only because a peer went away (Gloo and MPI raise that as the
         surviving rank's own error): not the cause worth showing first."""
-        return bool(self.exc_type) and any(s in self.message for s in _PEER_LOST)
+        return self.after_peer or (bool(self.exc_type) and any(s in self.message for s in _PEER_LOST))
 
 
 # How communication libraries word "the other side is gone".

@@ -372,6 +372,9 @@ class Gang:
                 continue
             if msg[0] in ("error", "eof"):
                 failures[rank] = self._failure_of(rank, msg)
+                # a rank that just vanished after a peer failed was ended with it (mpirun ends
+                # the whole job): the peer is the cause shown first
+                failures[rank].after_peer = msg[0] == "eof"
                 pending.discard(rank)
             elif msg[0] == "result" and results is not None:
                 results[rank] = msg[2]

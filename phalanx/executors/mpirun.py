@@ -172,16 +172,21 @@ class MPIRunLauncher(Launcher):
     def exitcodes(self) -> list[int | None]:
         code = self.proc.poll() if self.proc is not None else None
         codes: list[int | None] = [code] * self.world_size
-        if self.command_stage and self.log_dir is not None:  # each rank's own, where it wrote one
-            for r in range(self.world_size):
-                try:
-                    text = (self.log_dir / f"rank-{r}.exit").read_text().strip()
-                except OSError:
-                    continue
-                if text.lstrip("-").isdigit():
-                    rc = int(text)
-                    codes[r] = -(rc - 128) if 128 < rc < 128 + 65 else rc
-        return codes
+        if not self.command_stage or self.log_dir is None:
+            return codes
+        own: dict[int, int] = {}  # each rank's own code, where it wrote one
+        for r in range(self.world_size):
+            try:
+                text = (self.log_dir / f"rank-{r}.exit").read_text().strip()
+            except OSError:
+                continue
+            if text.lstrip("-").isdigit():
+                rc = int(text)
+                own[r] = -(rc - 128) if 128 < rc < 128 + 65 else rc
+        # A rank that failed makes mpirun end the others: those were stopped, not failed (None
+        # until the gang stops them), so the failed rank alone is named
+        failed = any(c != 0 for c in own.values())
+        return [own.get(r, None if failed else codes[r]) for r in range(self.world_size)]
 
     def kill(self, grace_s: float = 2.0) -> None:
         proc = self.proc

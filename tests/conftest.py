@@ -30,6 +30,14 @@ if _OWNER:
 _STORE_ROOT = os.environ["PHALANX_TEST_STORE"]
 
 
+def pytest_addoption(parser):
+    # the conformance suite (tests/conformance): the executor contract on these sites
+    parser.addoption(
+        "--site", action="append", default=[], metavar="NAME",
+        help="conformance suite: run the executor contract on these sites only (repeatable or "
+             "comma-separated: local, mpirun, slurm, slurm-pilot, ray; default: all of them)")
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _OWNER:
         shutil.rmtree(_STORE_ROOT, ignore_errors=True)

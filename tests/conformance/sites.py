@@ -1,0 +1,300 @@
+"""The sites the executor contract runs on, how they are built, and how the suite looks for
+what a gang leaves behind.
+
+A site of the suite is the shipped site file (site-configs/) pointed at this session's cluster,
+with a few test settings over it (``ContractSite.data``); tests get fresh ``Site`` models from
+it (``site.model(start_timeout=20)``), so what they check is what users run.  Only the public
+API is used: the ``Site`` model, ``px.Gang``, ``run_workflow``, the run DB, and each resource
+manager's own tools (the OS process table, ``squeue``, Ray's GCS tables).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray")
+MARKS = {"local": [], "mpirun": [pytest.mark.mpi], "slurm": [pytest.mark.slurm],
+         "slurm-pilot": [pytest.mark.slurm], "ray": [pytest.mark.ray]}
+SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
+N = 3  # ranks of the contract's gangs: uneven exchanges, a victim in the middle, spread over 3 nodes
+
+# What an executor declares it can do, for executors of today's code that do not declare it
+# yet (``phalanx.executors.capabilities`` raises for them): the behaviour at a457e08.
+_UNDECLARED = {"local": {"reuse_gangs": True}, "mpirun": {"reuse_gangs": False},
+               "slurm": {"reuse_gangs": False}, "ray": {"reuse_gangs": True}}
+
+
+def selected(config) -> list[str]:
+    """Sites named by ``--site`` (repeatable, comma-separated), default all."""
+    names = [n.strip() for opt in (config.getoption("--site", default=None) or []) for n in opt.split(",")]
+    names = [n for n in names if n] or list(SITE_NAMES)
+    unknown = [n for n in names if n not in SITE_NAMES]
+    if unknown:
+        raise pytest.UsageError(f"--site {', '.join(unknown)}: unknown; the conformance suite knows "
+                                f"{', '.join(SITE_NAMES)}")
+    return list(dict.fromkeys(names))
+
+
+# ---- probes: is anything of these gangs left? ------------------------------------------------
+def pid_alive(pid: int) -> bool:
+    """A process that exists and is no zombie (an unreaped rank is dead)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+def processes_of(gang_ids: set[str]) -> list[str]:
+    """Processes of this host whose environment names one of ``gang_ids`` (ranks, srun,
+    mpirun, a command's children...), other than this one."""
+    if not gang_ids:
+        return []
+    wanted = [f"PHALANX_GANG_ID={g}\0".encode() for g in gang_ids]
+    out = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                env = f.read() + b"\0"
+            if any(w in env for w in wanted) and pid_alive(int(entry.name)):
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                out.append(f"process {entry.name} ({cmd[:80]})")
+        except OSError:
+            continue
+    return out
+
+
+@dataclass
+class Seen:
+    """What the suite learned about one site's gangs: ids, rank facts."""
+
+    gang_ids: set[str] = field(default_factory=set)
+    facts: list[dict] = field(default_factory=list)
+
+    def add(self, gang_ids=(), facts=()) -> None:
+        self.gang_ids |= {g for g in gang_ids if g}
+        self.facts += [f for f in facts if f]
+
+
+@dataclass
+class ContractSite:
+    """One site of the suite."""
+
+    name: str
+    data: dict                            # the site file's mapping, with the suite's settings
+    backend: str                          # local | slurm | ray: which probes apply
+    slurm_conf: str | None = None
+    impossible: dict[str, dict] = field(default_factory=dict)  # what its resource manager refuses: id → request
+    side_by_side: dict = field(default_factory=dict)  # model keys under which 3 runs of 1 rank fit at once
+    seen: Seen = field(default_factory=Seen)   # everything the suite's gangs ever were: freed at teardown
+
+    def model(self, **update: Any):
+        """A fresh ``Site`` model of this site, ``update`` over its keys (``slurm={...}``
+        merges into the section)."""
+        from phalanx.orchestrator.models import Site
+        from phalanx.orchestrator.yamlio import parse
+
+        data = copy.deepcopy(self.data)
+        for key, value in update.items():
+            if isinstance(value, dict) and isinstance(data.get(key), dict):
+                data[key] = {**data[key], **value}
+            else:
+                data[key] = value
+        return parse(Site, data, source=f"conformance site {self.name!r}")
+
+    @property
+    def executor(self) -> str:
+        return self.data["executor"]
+
+    def capacity(self) -> int:
+        """Rank slots the site can ever give at once (the site model's answer)."""
+        return self.model().capacity()
+
+    def can(self, capability: str) -> bool:
+        """What the site's executor declares (``phalanx.executors.capabilities``)."""
+        try:
+            from phalanx.executors import capabilities
+
+            return bool(getattr(capabilities(self.executor), capability))
+        except Exception:  # an executor of today's code that declares nothing yet
+            return _UNDECLARED[self.executor][capability]
+
+    # -- leftovers ---------------------------------------------------------------------------
+    def leftovers(self, gang_ids=(), facts=(), allocations: bool = True) -> list[str]:
+        """What of these gangs (their ids, their ranks' facts) still exists: rank processes,
+        processes carrying a gang's id, SLURM jobs and steps, Ray actors and placement groups.
+        ``allocations=False``: not what outlives a gang by design while its run goes on (the
+        SLURM pilot job its ranks ran in) — after a rank failure, say."""
+        gang_ids = {g for g in gang_ids if g} | {f.get("PHALANX_GANG_ID") for f in facts if f.get("PHALANX_GANG_ID")}
+        self.seen.add(gang_ids, facts)
+        here = os.uname().nodename
+        left = [f"rank {f['rank']}'s process {f['pid']}" for f in facts
+                if f.get("host") in (here, None) and pid_alive(f["pid"])]
+        left += processes_of(gang_ids)
+        if self.backend == "slurm":
+            left += self._slurm_left(gang_ids, facts, allocations)
+        if self.backend == "ray":
+            left += self._ray_left(gang_ids, facts)
+        return left
+
+    def wait_nothing_left(self, gang_ids=(), facts=(), within: float = 15.0, allocations: bool = True) -> list[str]:
+        """``leftovers`` once it is empty, or what is still there after ``within`` seconds."""
+        deadline = time.monotonic() + within
+        while True:
+            left = self.leftovers(gang_ids, facts, allocations)
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.2)
+
+    def slurm(self, *args: str) -> str:
+        r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": self.slurm_conf},
+                           capture_output=True, text=True, timeout=60)
+        if r.returncode:
+            raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+        return r.stdout
+
+    def _slurm_left(self, gang_ids: set[str], facts, allocations: bool = True) -> list[str]:
+        """Jobs and steps squeue still lists that a rank ran in, or named after a gang."""
+        jobs = {f["SLURM_JOB_ID"] for f in facts if f.get("SLURM_JOB_ID")} if allocations else set()
+        steps = {f"{f['SLURM_JOB_ID']}.{f['SLURM_STEP_ID']}" for f in facts
+                 if f.get("SLURM_JOB_ID") and f.get("SLURM_STEP_ID")}
+        left = []
+        for what, flags, ids in (("job", [], jobs), ("step", ["-s"], steps)):
+            for line in self.slurm("squeue", "-h", *flags, "-o", "%i %j").splitlines():
+                ident, _, name = line.strip().partition(" ")
+                if ident in ids or any(g in name for g in gang_ids):
+                    left.append(f"slurm {what} {ident} ({name})")
+        return left
+
+    def _ray_left(self, gang_ids: set[str], facts) -> list[str]:
+        import ray
+        from ray.util.placement_group import placement_group_table
+
+        left = [f"ray placement group {t['name']} {t['state']}" for t in placement_group_table().values()
+                if any(g in (t.get("name") or "") for g in gang_ids) and t["state"] != "REMOVED"]
+        names = {f.get("ray_actor_name") for f in facts if f.get("ray_actor_name")}
+        left += [f"ray actor {a['name']} (namespace {a['namespace']})"
+                 for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"] in names or any(g in a["name"] for g in gang_ids)]
+        return left
+
+    def free_everything_seen(self) -> list[str]:
+        """At the end of the site's tests: free whatever the suite's gangs left (a broken
+        executor's leftovers must not starve the tests that follow); what was freed."""
+        left = self.leftovers(self.seen.gang_ids, self.seen.facts)
+        for f in self.seen.facts:
+            if f.get("host") in (os.uname().nodename, None) and pid_alive(f["pid"]):
+                try:
+                    os.kill(f["pid"], signal.SIGKILL)
+                except OSError:
+                    pass
+        if self.backend == "slurm":
+            jobs = {f["SLURM_JOB_ID"] for f in self.seen.facts if f.get("SLURM_JOB_ID")}
+            for line in self.slurm("squeue", "-h", "-o", "%i %j").splitlines():
+                ident, _, name = line.strip().partition(" ")
+                if ident in jobs or any(g in name for g in self.seen.gang_ids):
+                    subprocess.run(["scancel", ident], env={**os.environ, "SLURM_CONF": self.slurm_conf},
+                                   capture_output=True, timeout=60)
+        if self.backend == "ray":
+            import ray
+            from ray.util.placement_group import PlacementGroup, placement_group_table
+
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if any(g in a["name"] for g in self.seen.gang_ids):
+                    try:
+                        ray.kill(ray.get_actor(a["name"], namespace=a["namespace"]))
+                    except Exception:
+                        pass
+            for pg_id, t in placement_group_table().items():
+                if any(g in (t.get("name") or "") for g in self.seen.gang_ids) and t["state"] != "REMOVED":
+                    try:
+                        ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                    except Exception:
+                        pass
+        return left
+
+
+# ---- building the sites -----------------------------------------------------------------------
+def _site_file(name: str) -> dict:
+    import yaml
+
+    data = yaml.safe_load((SITE_FILES / f"{name}.yaml").read_text())
+    data["store"] = data.get("store") or {}
+    return data
+
+
+# every site: a broken start fails in two minutes, not the files' five (the cluster is this host)
+_SUITE = {"start_timeout": 120}
+
+
+def build(name: str, request) -> ContractSite:
+    """Bring the site's backend up (the session's fixtures) and describe the site; skips when
+    this machine cannot run it."""
+    if name == "local":
+        # 4 slots on any machine, oversubscribed on a small one: the suite's gangs of 3 fit
+        return ContractSite(name, {**_site_file("local"), **_SUITE, "cores": 4}, "local")
+    if name == "mpirun":
+        import importlib.util
+
+        if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
+            pytest.skip("site 'mpirun' needs mpirun (apt-get install openmpi-bin) and mpi4py")
+        # no shipped file: this machine's cores through one mpirun, ranks in MPI_COMM_WORLD
+        data = {"name": "mpirun-local", "executor": "mpirun", "communicator": "mpi", "rendezvous": "tcp",
+                "cores": 4, "store": {}, **_SUITE}
+        return ContractSite(name, data, "local")
+    if name in ("slurm", "slurm-pilot"):
+        conf = request.getfixturevalue("slurm_cluster")
+        data = _site_file("slurm-local" if name == "slurm" else "slurm-pilot-local")
+        data.update(_SUITE)
+        data["slurm"]["conf"] = conf
+        if name == "slurm-pilot":
+            # half the cluster (3 of 6 CPUs, one a node): two runs' pilots fit side by side
+            data["cores"] = N
+            data["slurm"]["pilot"] = {**data["slurm"]["pilot"], "nodes": 3, "ntasks": N}
+            impossible = {
+                "more-ranks-than-it-has": {"ranks": N + 1, "reason": r"slurm: .*pilot"},
+                # partition 'small' has MaxNodes=1: a pilot of 3 nodes there never starts
+                "an-impossible-request": {
+                    "ranks": 2, "site": {"slurm": {"partition": "small", "pilot": {"nodes": 3, "ntasks": N}}},
+                    "reason": r"PartitionNodeLimit|PartitionConfig"},
+            }
+        else:
+            impossible = {
+                "more-ranks-than-it-has": {
+                    "ranks": 7, "reason": r"slurm: .*(node configuration is not available|PartitionConfig)"},
+                # partition 'small' has MaxNodes=1: a job of 2 nodes there never starts
+                "an-impossible-request": {
+                    "ranks": 2, "site": {"slurm": {"partition": "small", "nodes": 2}},
+                    "reason": r"PartitionNodeLimit|PartitionConfig"},
+            }
+        # each run holds its own pilot: three pilots of one node (2 tasks) fill the 3 nodes
+        side_by_side = {"cores": 2, "slurm": {"pilot": {**data["slurm"]["pilot"], "nodes": 1, "ntasks": 2}}} \
+            if name == "slurm-pilot" else {}
+        return ContractSite(name, data, "slurm", slurm_conf=conf, impossible=impossible, side_by_side=side_by_side)
+    if name == "ray":
+        cluster = request.getfixturevalue("ray_cluster")
+        data = _site_file("ray-local")
+        data.update(_SUITE)
+        data["ray"] = {**data["ray"], "address": cluster.address}
+        impossible = {
+            "more-ranks-than-it-has": {"ranks": N + 1, "site": {"ray": {"ready_timeout_s": 3}},
+                                            "reason": r"not placeable within 3 s: .*Ray says"},
+            "an-impossible-request": {"ranks": 1, "site": {"ray": {"ready_timeout_s": 3, "resources": {"GPU": 1}}},
+                                       "reason": r"Ray says .*INFEASIBLE"},
+        }
+        return ContractSite(name, data, "ray", impossible=impossible)
+    raise ValueError(name)
+

@@ -1,0 +1,188 @@
+"""The executor contract for workflow runs (``run_workflow`` and the run DB), on every site.
+
+Command stages behave like BSP stages; a reused gang keeps its processes; a stage the site can
+never place fails; cancelling a run leaves nothing; two runs in one process never end each
+other's allocations.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import phalanx as px
+from phalanx.orchestrator.models import Stage, Workflow
+from phalanx.orchestrator.rundb import RunDB
+from phalanx.orchestrator.scheduler import prepare_run, run_workflow
+
+from . import ranks as R
+from .sites import N
+
+FAIL_WITHIN_S = 10.0
+WHERE = "conformance.ranks:stage_where"
+WAIT = "conformance.ranks:stage_where_then_wait"
+
+
+def workflow(name: str, **stages: dict) -> Workflow:
+    return Workflow(name=name, stages={k: Stage(**v) for k, v in stages.items()})
+
+
+def command(stage: str, ranks: int, d: Path, **params) -> dict:
+    return {"kind": "command", "command": ["python", "-c", R.COMMAND], "ranks": ranks,
+            "params": {"dir": str(d), "stage": stage, **params}}
+
+
+def facts_of(d: Path, stage: str, ranks: int) -> list[dict]:
+    return [json.loads((d / f"{stage}-rank-{r}.json").read_text()) for r in range(ranks)]
+
+
+def wait_for_files(d: Path, stage: str, ranks: int, within: float, alive=lambda: True) -> None:
+    deadline = time.monotonic() + within
+    while len(list(d.glob(f"{stage}-rank-*.json"))) < ranks:
+        assert time.monotonic() < deadline and alive(), f"the ranks of {stage!r} did not start within {within:g} s"
+        time.sleep(0.05)
+
+
+def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def target():
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except BaseException as exc:  # noqa: B036 - reported by the test
+            out["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    return t, out
+
+
+def gang_ids(db: RunDB, run_id: str) -> list[str]:
+    return [a["gang_id"] for a in db.attempts(run_id) if a["gang_id"]]
+
+
+# ---- command stages behave like BSP stages -------------------------------------------------
+def test_command_stages_report_exit_codes_fail_fast_and_log_to_the_attempt(site, tmp_path):
+    """Side by side: "ok" (1 rank, exits 0) and "bad" (2 ranks: rank 1 exits 3 at once, rank 0
+    would sleep 120 s): "ok" succeeds, "bad" fails within 10 s naming rank 1 and its code, rank 0
+    is stopped, every rank's output is in its attempt's log directory."""
+    db = RunDB(tmp_path / "state")
+    wf = workflow("contract-command", ok=command("ok", 1, tmp_path), bad=command("bad", 2, tmp_path, fail_rank=1))
+    result = run_workflow(wf, site.model(), db=db)
+    stages = {s["stage"]: s for s in db.stages(result.run_id)}
+    assert stages["ok"]["state"] == "succeeded", (stages["ok"], result.failed)
+    assert not result.ok and list(result.failed) == ["bad"], result.failed
+    error = result.failed["bad"]
+    assert re.search(r"\brank 1\b", error) and re.search(r"\bcode 3\b", error), error
+    [attempt] = db.attempts(result.run_id, "bad")
+    bad = facts_of(tmp_path, "bad", 2)
+    exited = (tmp_path / "bad-rank-1.json").stat().st_mtime  # rank 1 exits right after all ranks wrote theirs
+    exited = max(exited, (tmp_path / "bad-rank-0.json").stat().st_mtime)
+    assert attempt["state"] == "failed" and attempt["ended"] - exited < FAIL_WITHIN_S, \
+        f"the stage failed {attempt['ended'] - exited:.1f} s after rank 1 exited"
+    ids = gang_ids(db, result.run_id)
+    assert site.wait_nothing_left(ids, facts_of(tmp_path, "ok", 1) + bad, within=10) == []
+    for stage, ranks in (("ok", 1), ("bad", 2)):
+        [attempt] = db.attempts(result.run_id, stage)
+        log_dir = Path(attempt["log_dir"])
+        for r in range(ranks):
+            log = log_dir / f"rank-{r}.log"
+            assert log.exists(), f"{stage}: no {log.name} in the attempt's log dir {log_dir}: " \
+                                 f"{sorted(p.name for p in log_dir.iterdir()) if log_dir.exists() else 'missing'}"
+            assert f"contract stage {stage} rank {r} of {ranks} says hello" in log.read_text(), log.read_text()
+
+
+# ---- a reused gang keeps its processes --------------------------------------------------------
+def test_a_reused_gang_keeps_its_processes_across_stages(site, tmp_path):
+    if not site.can("reuse_gangs"):
+        pytest.skip(f"site {site.name!r}: executor {site.executor!r} does not declare reuse_gangs "
+                    "(every stage gets a gang of its own)")
+    db = RunDB(tmp_path / "state")
+    params = {"dir": str(tmp_path)}
+    wf = workflow("contract-reuse", first={"app": WHERE, "ranks": 2, "params": params},
+                  second={"app": WHERE, "ranks": 2, "params": params, "needs": ["first"]})
+    result = run_workflow(wf, site.model(reuse_gangs=True), db=db)
+    assert result.ok, result.failed
+    first, second = facts_of(tmp_path, "first", 2), facts_of(tmp_path, "second", 2)
+    assert [f["pid"] for f in second] == [f["pid"] for f in first]  # the same processes
+    assert len(set(gang_ids(db, result.run_id))) == 1  # one gang served both stages
+    # each stage's output went to its own attempt's log directory
+    for stage, other in (("first", "second"), ("second", "first")):
+        [attempt] = db.attempts(result.run_id, stage)
+        log = (Path(attempt["log_dir"]) / "rank-1.log").read_text()
+        assert f"contract stage {stage} rank 1 of 2 says hello" in log and f"stage {other} " not in log, log
+    assert site.wait_nothing_left(gang_ids(db, result.run_id), first) == []  # freed when the run ended
+
+
+# ---- a stage the site can never place fails in time, with the reason --------------------------
+def test_a_stage_bigger_than_the_site_fails_in_time_with_the_reason(site, tmp_path):
+    capacity = site.capacity()
+    model = site.model(start_timeout=20)
+    db = RunDB(tmp_path / "state")
+    wf = workflow("contract-too-big", big={"app": WHERE, "ranks": capacity + 1, "params": {"dir": str(tmp_path)}})
+    t0 = time.monotonic()
+    result = run_workflow(wf, model, db=db)
+    took = time.monotonic() - t0
+    [row] = db.stages(result.run_id)
+    assert row["state"] == "failed" and not result.ok and "big" in result.failed, (row, result)
+    assert took < model.start_timeout + 5
+    assert str(capacity + 1) in result.failed["big"], result.failed["big"]  # names what could not be given
+
+
+# ---- cancel leaves no process, job, step, actor or placement group -----------------------------
+def test_cancelling_a_run_leaves_nothing_behind(site, tmp_path):
+    db = RunDB(tmp_path / "state")
+    wf = workflow("contract-cancel", wait={"app": WAIT, "ranks": N,
+                                           "params": {"dir": str(tmp_path), "go": str(tmp_path / "never")}})
+    scheduler = prepare_run(wf, site.model(), db=db)
+    runner, out = in_thread(scheduler.run)
+    wait_for_files(tmp_path, "wait", N, within=60, alive=runner.is_alive)
+    t0 = time.monotonic()
+    scheduler.cancel()
+    runner.join(30)
+    assert not runner.is_alive(), "the run did not end within 30 s of cancel()"
+    took = time.monotonic() - t0
+    [row] = db.stages(scheduler.run_id)
+    assert row["state"] == "cancelled", (row, out)
+    assert db.allocations(scheduler.run_id) == []  # the run DB holds no live allocation
+    assert site.wait_nothing_left(gang_ids(db, scheduler.run_id), facts_of(tmp_path, "wait", N)) == []
+    assert took < FAIL_WITHIN_S + 15
+
+
+# ---- two runs in one process never close each other's allocations -------------------------------
+def test_two_runs_in_one_process_never_close_each_others_allocations(site, tmp_path):
+    """Three runs of one process on one site, side by side: G, a standalone px.Gang (its own
+    run); A, a workflow run (a Scheduler in another thread) whose stage waits; B, a workflow run
+    that starts and ends meanwhile.  When B ends it frees what it held — and nothing of G's or
+    A's: G keeps its processes, A's stage finishes in its first attempt; A's end leaves G alone."""
+    model = site.model(**site.side_by_side)
+    db = RunDB(tmp_path / "state")
+    go = tmp_path / "go"
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    a = workflow("contract-run-a", s={"app": WAIT, "ranks": 1, "params": {"dir": str(tmp_path / "a"), "go": str(go)}})
+    b = workflow("contract-run-b", s={"app": WHERE, "ranks": 1, "params": {"dir": str(tmp_path / "b")}})
+    with px.Gang(1, site=model, echo=False) as gang:
+        before = [f["pid"] for f in gang.run(R.where)]
+        runner, out = in_thread(run_workflow, a, model, db=db)
+        try:
+            wait_for_files(tmp_path / "a", "s", 1, within=60, alive=runner.is_alive)
+            result_b = run_workflow(b, model, db=db)
+            assert result_b.ok, result_b.failed
+            assert gang.health() is None, f"run B's end broke the gang: {gang.health()}"
+            assert [f["pid"] for f in gang.run(R.where)] == before
+            assert runner.is_alive(), f"run A ended with run B: {out}"
+        finally:
+            go.touch()
+            runner.join(60)
+        assert "error" not in out, out
+        result_a = out["result"]
+        assert result_a.ok, f"run A failed after run B ended: {result_a.failed}"
+        assert [x["state"] for x in db.attempts(result_a.run_id, "s")] == ["succeeded"]
+        assert gang.health() is None, f"run A's end broke the gang: {gang.health()}"
+        assert [f["pid"] for f in gang.run(R.where)] == before

@@ -1,0 +1,243 @@
+"""The communicator contract, once: every backend and world size passes the same tests.
+
+``tests/test_comm.py`` runs it on Gloo (1–4 ranks) and MPI (1–3); a new communicator (a
+plug-in's too) subclasses ``CommContract`` and provides a ``comm_gang`` fixture.  Payloads are
+generated deterministically from (source, destination), so every receiving rank checks what it
+got byte for byte against what the source generated.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import cloudpickle
+import numpy as np
+import pytest
+
+# The apps below go to the ranks by value: the ranks need not import this module.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BIG = 64 << 20  # one 64 MB message per exchange in the large test
+ALLGATHER_KEY, BCAST_KEY = 10_000, 10_001  # payload "destinations" of the non-exchange tests
+
+
+# ---- deterministic payloads ---------------------------------------------------------------
+def payload(src: int, dst: int, nbytes: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng([src, dst]).bytes(nbytes), dtype=np.uint8)
+
+
+def small_size(src: int, dst: int) -> int:
+    """Uneven sizes with plenty of zeros (every third pair, and rank 1 sends nothing at all)."""
+    if src == 1 or (src + 2 * dst) % 3 == 0:
+        return 0
+    return 1 + (src * 7919 + dst * 104729) % 5000
+
+
+def big_size(src: int, dst: int, world_size: int) -> int:
+    """Rank 0 sends 64 MB to the last rank; the rest is small or empty."""
+    return BIG if (src, dst) == (0, world_size - 1) else small_size(src, dst)
+
+
+def _check_received(rank: int, views, expected_size) -> list[str]:
+    """What differs between the bytes from each source and what that source generated."""
+    problems = []
+    for src, view in enumerate(views):
+        got = np.frombuffer(view, dtype=np.uint8)
+        want = payload(src, rank, expected_size(src, rank))
+        if got.size != want.size:
+            problems.append(f"rank {rank} from {src}: {got.size} bytes, expected {want.size}")
+        elif not np.array_equal(got, want):
+            first = int(np.flatnonzero(got != want)[0])
+            problems.append(f"rank {rank} from {src}: bytes differ from offset {first}")
+    return problems
+
+
+# ---- apps (module level: cloudpickled to the ranks) ----------------------------------------
+def app_identity(env):
+    return (env.rank, env.world_size, env.comm.rank, env.comm.world_size, env.comm.name,
+            sorted(os.sched_getaffinity(0)), os.environ.get("OMPI_COMM_WORLD_RANK"))
+
+
+def app_exchange(env, sizes: str):
+    n = env.world_size
+    if sizes == "small":
+        size = small_size
+    elif sizes == "empty":
+        def size(src, dst):
+            return 0
+    else:
+        def size(src, dst):
+            return big_size(src, dst, n)
+    out = env.comm.exchange([payload(env.rank, d, size(env.rank, d)) for d in range(n)])
+    return _check_received(env.rank, out, size)
+
+
+def app_alltoallv_large(env):
+    n = env.world_size
+    counts = [big_size(env.rank, d, n) for d in range(n)]
+    send = np.concatenate([payload(env.rank, d, c) for d, c in enumerate(counts)])
+    recv, recv_counts = env.comm.alltoallv(send, counts)
+    offsets = np.concatenate([[0], np.cumsum(recv_counts)])
+    views = [recv[offsets[s]:offsets[s + 1]] for s in range(n)]
+    return (recv.dtype.str, [int(c) for c in recv_counts],
+            _check_received(env.rank, views, lambda s, d: big_size(s, d, n)))
+
+
+def app_exchange_wrong_length(env):
+    try:
+        env.comm.exchange([b""] * (env.world_size + 1))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def app_allgather_bytes(env, empty: bool):
+    mine = b"" if empty else bytes(payload(env.rank, ALLGATHER_KEY, 100 * env.rank))  # rank 0: empty
+    got = env.comm.allgather_bytes(np.frombuffer(mine, dtype=np.uint8))
+    return [bytes(g) for g in got]
+
+
+def app_broadcast_bytes(env, root: int, nbytes: int):
+    data = payload(root, BCAST_KEY, nbytes) if env.rank == root else None
+    return bytes(env.comm.broadcast_bytes(data, root=root))
+
+
+def rank_array(rank: int, dtype: str, op: str) -> np.ndarray:
+    rng = np.random.default_rng([rank, 99])
+    if dtype == "float64":
+        a = rng.standard_normal((50, 20))
+    else:
+        a = rng.integers(-10**12, 10**12, size=(50, 20), dtype=np.int64)
+        if op != "sum":  # extremes a float64 round trip would not survive
+            info = np.iinfo(np.int64)
+            a[0, 0] = info.max - rank
+            a[0, 1] = info.min + rank
+    return a
+
+
+def app_allreduce(env, dtype: str, op: str):
+    return env.comm.allreduce(rank_array(env.rank, dtype, op), op)
+
+
+def app_barrier(env):
+    time.sleep(0.05 * env.rank)  # the last rank arrives last
+    entered = time.time()
+    env.comm.barrier()
+    return entered, time.time()
+
+
+def app_objects(env):
+    c = env.comm
+    gathered = c.allgather_obj({"rank": env.rank, "items": list(range(env.rank))} if env.rank % 2 == 0 else None)
+    root = env.world_size - 1
+    bcast = c.broadcast_obj({"from": root, "blob": b"x" * 100_000} if env.rank == root else None, root=root)
+    return (gathered, bcast, c.allreduce_scalar(env.rank + 1), c.allreduce_scalar(0.5 * env.rank, "max"),
+            c.allreduce_scalar(-env.rank, "min"))
+
+
+def app_every_collective_warnings_caught(env):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # deprecations too, and every repeat
+        app_exchange(env, "small")
+        app_allgather_bytes(env, False)
+        app_broadcast_bytes(env, 0, 10)
+        app_allreduce(env, "int64", "max")
+        app_objects(env)
+        env.comm.barrier()
+    return [f"{w.category.__name__}: {w.message}" for w in caught]
+
+
+def app_print(env, text: str):
+    print(text)
+
+
+def app_fail_on_rank_1(env):
+    if env.rank == 1:
+        raise ValueError("rank 1 fails on purpose")
+    env.comm.allreduce(np.ones(4))  # rank 0 waits here for a rank that never comes
+    return "unreachable"
+
+
+class CommContract:
+    """A communicator's contract; a subclass provides the module- or class-scoped ``comm_gang``
+    fixture (a started ``px.Gang`` on the communicator under test)."""
+
+    def test_identity(self, comm_gang):
+        n = comm_gang.world_size
+        results = comm_gang.run(app_identity)
+        assert [r[:4] for r in results] == [(r, n, r, n) for r in range(n)]
+        assert {r[4] for r in results} == {comm_gang.communicator}
+        if comm_gang.communicator == "mpi":
+            assert [r[6] for r in results] == [str(r) for r in range(n)]
+        cpus = sorted(os.sched_getaffinity(0))
+        if n <= len(cpus):  # pinned: disjoint, non-empty CPU sets (PHALANX_CPUS / _CPUS_BY_RANK)
+            sets = [set(r[5]) for r in results]
+            assert all(sets) and sum(map(len, sets)) == len(set().union(*sets))
+
+
+    @pytest.mark.parametrize("sizes", ["small", "empty"])
+    def test_exchange_uneven(self, comm_gang, sizes):
+        assert comm_gang.run(app_exchange, sizes) == [[]] * comm_gang.world_size
+
+
+    def test_exchange_large(self, comm_gang):
+        assert comm_gang.run(app_exchange, "big") == [[]] * comm_gang.world_size
+
+
+    def test_alltoallv_large(self, comm_gang):
+        n = comm_gang.world_size
+        for rank, (dtype, counts, problems) in enumerate(comm_gang.run(app_alltoallv_large)):
+            assert dtype == "|u1"
+            assert counts == [big_size(s, rank, n) for s in range(n)]
+            assert problems == []
+
+
+    def test_exchange_wrong_length(self, comm_gang):
+        msgs = comm_gang.run(app_exchange_wrong_length)
+        assert all(m and "exchange needs" in m for m in msgs)
+
+
+    @pytest.mark.parametrize("empty", [False, True])
+    def test_allgather_bytes(self, comm_gang, empty):
+        n = comm_gang.world_size
+        want = [b"" if empty else bytes(payload(r, ALLGATHER_KEY, 100 * r)) for r in range(n)]
+        assert comm_gang.run(app_allgather_bytes, empty) == [want] * n
+
+
+    @pytest.mark.parametrize("nbytes", [0, 1, 3_000_001])
+    def test_broadcast_bytes_from_last_rank(self, comm_gang, nbytes):
+        root = comm_gang.world_size - 1  # non-zero whenever there is more than one rank
+        want = bytes(payload(root, BCAST_KEY, nbytes))
+        assert comm_gang.run(app_broadcast_bytes, root, nbytes) == [want] * comm_gang.world_size
+
+
+    @pytest.mark.parametrize("dtype", ["int64", "float64"])
+    @pytest.mark.parametrize("op", ["sum", "min", "max"])
+    def test_allreduce(self, comm_gang, dtype, op):
+        stacked = np.stack([rank_array(r, dtype, op) for r in range(comm_gang.world_size)])
+        want = {"sum": np.sum, "min": np.min, "max": np.max}[op](stacked, axis=0)
+        results = comm_gang.run(app_allreduce, dtype, op)
+        for got in results:
+            assert got.dtype == np.dtype(dtype) and got.shape == want.shape
+            if dtype == "float64" and op == "sum":  # summation order may differ from numpy's
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+            else:
+                np.testing.assert_array_equal(got, want)
+
+
+    def test_barrier(self, comm_gang):
+        times = comm_gang.run(app_barrier)
+        last_in = max(entered for entered, _ in times)
+        assert all(left >= last_in for _, left in times)  # nobody left before the last arrived
+
+
+    def test_object_helpers(self, comm_gang):
+        n = comm_gang.world_size
+        gathered = [{"rank": r, "items": list(range(r))} if r % 2 == 0 else None for r in range(n)]
+        bcast = {"from": n - 1, "blob": b"x" * 100_000}
+        want = (gathered, bcast, n * (n + 1) // 2, 0.5 * (n - 1), -(n - 1))
+        assert comm_gang.run(app_objects) == [want] * n

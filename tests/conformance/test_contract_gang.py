@@ -12,7 +12,6 @@ import re
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pandas as pd
 import pyarrow as pa
@@ -35,9 +34,7 @@ def gang(site):
 
 def started(gang: px.Gang) -> list[dict]:
     """The gang's ranks' facts (starting it if it is not running)."""
-    facts = gang.run(R.where)
-    gang.last_facts = facts
-    return facts
+    return gang.run(R.where)
 
 
 # ---- a gang of N starts all or nothing and reports where each rank runs ---------------------
@@ -159,3 +156,39 @@ def test_a_gang_that_cannot_be_placed_fails_in_time_with_the_resource_managers_r
     assert re.search(ask["reason"], msg, re.S), msg
     assert not gang.running
     assert site.wait_nothing_left([gang.gang_id]) == []
+
+
+def test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout(site, gang):
+    """Every slot is taken (by a job or placement group of the test's): a gang's wait in the
+    queue counts in its start timeout, and the error says what the resource manager says."""
+    if site.waiting is None:
+        pytest.skip(f"site {site.name!r} (executor {site.executor!r}) has no resource manager to queue on: "
+                    "its gangs never wait for slots")
+    gang.close()  # the module's gang and what it held (a pilot) give their slots back first
+    model = site.model(start_timeout=3)
+    waiting = px.Gang(1, site=model, echo=False)
+    outcome: dict = {}
+    with site.occupied():
+        t0 = time.monotonic()
+        starter = threading.Thread(target=_start_into, args=(waiting, outcome), daemon=True)
+        starter.start()
+        starter.join(model.start_timeout + 5)
+        took = time.monotonic() - t0
+    starter.join(120)  # the slots are free again: a gang still waiting starts now, and is closed
+    waiting.close()
+    assert "error" in outcome or "started" in outcome, f"still starting {took:.0f} s after the slots were freed"
+    assert "error" in outcome, (f"the gang was still waiting {took:.0f} s into a start_timeout of "
+                                f"{model.start_timeout:g} s (it started once the slots were freed)")
+    msg = str(outcome["error"])
+    assert isinstance(outcome["error"], px.GangError), msg
+    assert outcome["failed"] - t0 < model.start_timeout + 5, f"failed after {outcome['failed'] - t0:.1f} s: {msg}"
+    assert re.search(site.waiting, msg), msg
+    assert site.wait_nothing_left([waiting.gang_id]) == []
+
+
+def _start_into(gang: px.Gang, outcome: dict) -> None:
+    try:
+        gang.start()
+        outcome["started"] = time.monotonic()
+    except Exception as exc:
+        outcome.update(error=exc, failed=time.monotonic())

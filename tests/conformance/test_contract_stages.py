@@ -18,7 +18,7 @@ import pytest
 import phalanx as px
 from phalanx.orchestrator.models import Stage, Workflow
 from phalanx.orchestrator.rundb import RunDB
-from phalanx.orchestrator.scheduler import prepare_run, run_workflow
+from phalanx.orchestrator.scheduler import run_workflow
 
 from . import ranks as R
 from .sites import N
@@ -46,20 +46,6 @@ def wait_for_files(d: Path, stage: str, ranks: int, within: float, alive=lambda:
     while len(list(d.glob(f"{stage}-rank-*.json"))) < ranks:
         assert time.monotonic() < deadline and alive(), f"the ranks of {stage!r} did not start within {within:g} s"
         time.sleep(0.05)
-
-
-def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
-    out: dict = {}
-
-    def target():
-        try:
-            out["result"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: B036 - reported by the test
-            out["error"] = exc
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    return t, out
 
 
 def gang_ids(db: RunDB, run_id: str) -> list[str]:
@@ -124,7 +110,7 @@ def test_a_stage_bigger_than_the_site_fails_in_time_with_the_reason(site, tmp_pa
     capacity = site.capacity()
     model = site.model(start_timeout=20)
     db = RunDB(tmp_path / "state")
-    wf = workflow("contract-too-big", big={"app": WHERE, "ranks": capacity + 1, "params": {"dir": str(tmp_path)}})
+    wf = workflow("contract-too-big", big=command("big", capacity + 1, tmp_path))
     t0 = time.monotonic()
     result = run_workflow(wf, model, db=db)
     took = time.monotonic() - t0
@@ -136,53 +122,92 @@ def test_a_stage_bigger_than_the_site_fails_in_time_with_the_reason(site, tmp_pa
 
 # ---- cancel leaves no process, job, step, actor or placement group -----------------------------
 def test_cancelling_a_run_leaves_nothing_behind(site, tmp_path):
+    """``px.submit(...).cancel()`` while the stage's ranks run: the run ends "cancelled" and
+    nothing of it is left — rank process, job, step, pilot, actor, placement group, or a live
+    allocation in the run DB."""
     db = RunDB(tmp_path / "state")
     wf = workflow("contract-cancel", wait={"app": WAIT, "ranks": N,
                                            "params": {"dir": str(tmp_path), "go": str(tmp_path / "never")}})
-    scheduler = prepare_run(wf, site.model(), db=db)
-    runner, out = in_thread(scheduler.run)
-    wait_for_files(tmp_path, "wait", N, within=60, alive=runner.is_alive)
-    t0 = time.monotonic()
-    scheduler.cancel()
-    runner.join(30)
-    assert not runner.is_alive(), "the run did not end within 30 s of cancel()"
+    handle = px.submit(wf, site=site.model(), state=tmp_path / "state")
+    try:
+        wait_for_files(tmp_path, "wait", N, within=60, alive=lambda: not handle.done())
+    finally:
+        t0 = time.monotonic()
+        stopped = handle.cancel(timeout=30)
     took = time.monotonic() - t0
-    [row] = db.stages(scheduler.run_id)
-    assert row["state"] == "cancelled", (row, out)
-    assert db.allocations(scheduler.run_id) == []  # the run DB holds no live allocation
-    assert site.wait_nothing_left(gang_ids(db, scheduler.run_id), facts_of(tmp_path, "wait", N)) == []
-    assert took < FAIL_WITHIN_S + 15
+    assert stopped and handle.done(), f"the run had not ended {took:.0f} s after cancel()"
+    assert db.run(handle.run_id)["state"] == "cancelled"
+    [row] = db.stages(handle.run_id)
+    assert row["state"] == "cancelled", row
+    assert db.allocations(handle.run_id) == []  # the run DB holds no live allocation
+    assert site.wait_nothing_left(gang_ids(db, handle.run_id), facts_of(tmp_path, "wait", N)) == []
+    assert took < FAIL_WITHIN_S + 10, f"cancel() took {took:.1f} s"
+
+
+def test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once(site, tmp_path):
+    """Every slot is taken: the run's gang waits in the resource manager's queue; cancel() must
+    end that wait (and the run) at once, not when the queue moves."""
+    if site.waiting is None:
+        pytest.skip(f"site {site.name!r} (executor {site.executor!r}) has no resource manager to queue on: "
+                    "its gangs never wait for slots")
+    db = RunDB(tmp_path / "state")
+    wf = workflow("contract-cancel-queued", s={"app": WHERE, "ranks": 1, "params": {"dir": str(tmp_path)}})
+    outcome: dict = {}
+    with site.occupied():
+        handle = px.submit(wf, site=site.model(), state=tmp_path / "state")
+        deadline = time.monotonic() + 30  # until its gang is in the queue
+        while not db.attempts(handle.run_id) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        canceller = threading.Thread(target=lambda: outcome.update(stopped=handle.cancel(timeout=8),
+                                                                   took=time.monotonic() - t0), daemon=True)
+        canceller.start()
+        canceller.join(12)  # cancel(timeout=8) itself must return by then
+    canceller.join(120)  # the slots are free: a wait that cancel() did not end ends now
+    handle.wait(120)
+    assert outcome.get("stopped") and outcome["took"] < 8, \
+        f"cancel(timeout=8) returned {outcome.get('stopped')} after {outcome.get('took', 0):.0f} s: its gang was still queued"
+    assert db.run(handle.run_id)["state"] == "cancelled"
+    assert db.allocations(handle.run_id) == []
+    assert site.wait_nothing_left(gang_ids(db, handle.run_id)) == []
 
 
 # ---- two runs in one process never close each other's allocations -------------------------------
 def test_two_runs_in_one_process_never_close_each_others_allocations(site, tmp_path):
     """Three runs of one process on one site, side by side: G, a standalone px.Gang (its own
-    run); A, a workflow run (a Scheduler in another thread) whose stage waits; B, a workflow run
-    that starts and ends meanwhile.  When B ends it frees what it held — and nothing of G's or
-    A's: G keeps its processes, A's stage finishes in its first attempt; A's end leaves G alone."""
+    run); A and B, workflow runs (px.submit: a Scheduler each, in threads of their own).  A's
+    stage waits; B's ends once A's runs.  When B ends it frees what it held — and nothing of G's
+    or A's: G keeps its processes, A's stage finishes in its first attempt; A's end leaves G
+    alone.  (All three start at once: B's stage waits for A's.)"""
     model = site.model(**site.side_by_side)
     db = RunDB(tmp_path / "state")
     go = tmp_path / "go"
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
     a = workflow("contract-run-a", s={"app": WAIT, "ranks": 1, "params": {"dir": str(tmp_path / "a"), "go": str(go)}})
-    b = workflow("contract-run-b", s={"app": WHERE, "ranks": 1, "params": {"dir": str(tmp_path / "b")}})
-    with px.Gang(1, site=model, echo=False) as gang:
-        before = [f["pid"] for f in gang.run(R.where)]
-        runner, out = in_thread(run_workflow, a, model, db=db)
-        try:
-            wait_for_files(tmp_path / "a", "s", 1, within=60, alive=runner.is_alive)
-            result_b = run_workflow(b, model, db=db)
+    b = workflow("contract-run-b", s={"app": WAIT, "ranks": 1, "params": {"dir": str(tmp_path / "b"),
+                                                                         "go": str(tmp_path / "a" / "s-rank-0.json")}})
+    run_a = px.submit(a, site=model, state=tmp_path / "state")
+    run_b = px.submit(b, site=model, state=tmp_path / "state")
+    try:
+        with px.Gang(1, site=model, echo=False) as gang:  # starts while A's and B's stages do
+            before = [f["pid"] for f in gang.run(R.where)]
+            result_b = run_b.result(timeout=model.start_timeout + 60)
             assert result_b.ok, result_b.failed
+            assert (tmp_path / "a" / "s-rank-0.json").exists() and not run_a.done(), \
+                f"run A is not running while run B ends: {run_a.status()}"
             assert gang.health() is None, f"run B's end broke the gang: {gang.health()}"
             assert [f["pid"] for f in gang.run(R.where)] == before
-            assert runner.is_alive(), f"run A ended with run B: {out}"
-        finally:
+            assert not run_a.done(), f"run A ended with run B: {run_a.status()}"
             go.touch()
-            runner.join(60)
-        assert "error" not in out, out
-        result_a = out["result"]
-        assert result_a.ok, f"run A failed after run B ended: {result_a.failed}"
-        assert [x["state"] for x in db.attempts(result_a.run_id, "s")] == ["succeeded"]
-        assert gang.health() is None, f"run A's end broke the gang: {gang.health()}"
-        assert [f["pid"] for f in gang.run(R.where)] == before
+            result_a = run_a.result(timeout=60)
+            assert result_a.ok, f"run A failed after run B ended: {result_a.failed}"
+            assert [x["state"] for x in db.attempts(result_a.run_id, "s")] == ["succeeded"]
+            assert gang.health() is None, f"run A's end broke the gang: {gang.health()}"
+            assert [f["pid"] for f in gang.run(R.where)] == before
+    finally:
+        go.touch()
+        for run in (run_a, run_b):
+            if not run.wait(30):
+                run.cancel(timeout=30)

@@ -39,8 +39,8 @@ _POLL_S = 0.2
 _COMMAND_POLL_S = 0.05  # how often a command gang's exit codes are read
 _live_gangs: "weakref.WeakSet[Gang]" = weakref.WeakSet()
 
-# Turns ``site="name"`` into a site model; set by the orchestrator (which owns site files), so
-# this layer never imports it.
+# Turns ``site="name"`` into a site model; set by ``phalanx/__init__`` (site files are the
+# orchestrator's), so this layer never imports it.
 _site_loader: Callable[[str], Any] | None = None
 
 
@@ -166,6 +166,7 @@ class Gang:
         self.gang_id = new_gang_id()
         self.log_dir = self._log_dir_arg or default_log_root() / self.gang_id
         self._launcher = self._make_launcher()
+        self._launcher.start_timeout = self.start_timeout
         _live_gangs.add(self)
         try:
             self._rdzv_url = backend_for(self.rendezvous).prepare(self.rendezvous, self.gang_id, self.log_dir)
@@ -372,9 +373,10 @@ class Gang:
                 continue
             if msg[0] in ("error", "eof"):
                 failures[rank] = self._failure_of(rank, msg)
-                # a rank that just vanished after a peer failed was ended with it (mpirun ends
-                # the whole job): the peer is the cause shown first
-                failures[rank].after_peer = msg[0] == "eof"
+                # a rank that vanished after a peer had failed of its own accord (not of a lost
+                # peer) was ended with it (mpirun ends the whole job): that peer is the cause
+                failures[rank].after_peer = msg[0] == "eof" and any(
+                    not f.collateral for r, f in failures.items() if r != rank)
                 pending.discard(rank)
             elif msg[0] == "result" and results is not None:
                 results[rank] = msg[2]
@@ -452,8 +454,8 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 def _load_site(site: "str | Path") -> Any:
-    if _site_loader is None:  # set when phalanx.orchestrator.validate is imported (import phalanx does)
-        raise RuntimeError("px.Gang(site=NAME) needs phalanx.orchestrator: import phalanx first")
+    if _site_loader is None:  # set by ``import phalanx``
+        raise RuntimeError("px.Gang(site=NAME) needs the site loader that `import phalanx` registers")
     return _site_loader(str(site))
 
 

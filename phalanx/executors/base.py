@@ -85,6 +85,7 @@ class Launcher(ABC):
 
     name = "abstract"
     allocation_hook: AllocationHook | None = None  # told of every allocation (see above)
+    start_timeout: float | None = None  # the gang's: how long launch may wait for an allocation
 
     @abstractmethod
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None: ...

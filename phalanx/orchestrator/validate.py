@@ -248,11 +248,3 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
                                f"{keys[i + 1]!r} cannot be set in it"])
     node[keys[-1]] = parse_yaml(value, f"--set {dotted}", lines=False)[0] if isinstance(value, str) else value
 
-
-def _register_site_loader() -> None:
-    from ..gang import set_site_loader
-
-    set_site_loader(load_site)  # px.Gang(site="name") loads site files through this layer
-
-
-_register_site_loader()

@@ -383,7 +383,9 @@ class SlurmStepLauncher(SlurmLauncher):
         pilot = self.pilot
         if pilot.ntasks and self.world_size > int(pilot.ntasks):
             raise GangError(_does_not_fit(self.world_size, pilot.ntasks, self.site))
-        pilot.start(hook=self.allocation_hook, driver=env.get(P.ENV_CONTROL))
+        # a pilot queued behind other jobs fails the gang within its start timeout, not never
+        pilot.start(pilot.start_timeout or self.start_timeout, hook=self.allocation_hook,
+                    driver=env.get(P.ENV_CONTROL))
         self.job_id = pilot.job_id
         self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
         step_options = {k: v for k, v in self.options.items() if k in STEP_OPTIONS}

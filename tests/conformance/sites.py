@@ -29,11 +29,6 @@ MARKS = {"local": [], "mpirun": [pytest.mark.mpi], "slurm": [pytest.mark.slurm],
 SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
 N = 3  # ranks of the contract's gangs: uneven exchanges, a victim in the middle, spread over 3 nodes
 
-# What an executor declares it can do, for executors of today's code that do not declare it
-# yet (``phalanx.executors.capabilities`` raises for them): the behaviour at a457e08.
-_UNDECLARED = {"local": {"reuse_gangs": True}, "mpirun": {"reuse_gangs": False},
-               "slurm": {"reuse_gangs": False}, "ray": {"reuse_gangs": True}}
-
 
 def selected(config) -> list[str]:
     """Sites named by ``--site`` (repeatable, comma-separated), default all."""
@@ -127,12 +122,9 @@ class ContractSite:
 
     def can(self, capability: str) -> bool:
         """What the site's executor declares (``phalanx.executors.capabilities``)."""
-        try:
-            from phalanx.executors import capabilities
+        from phalanx.executors import capabilities
 
-            return bool(getattr(capabilities(self.executor), capability))
-        except Exception:  # an executor of today's code that declares nothing yet
-            return _UNDECLARED[self.executor][capability]
+        return bool(getattr(capabilities(self.executor), capability))
 
     # -- leftovers ---------------------------------------------------------------------------
     def leftovers(self, gang_ids=(), facts=(), allocations: bool = True) -> list[str]:

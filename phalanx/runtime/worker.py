@@ -22,6 +22,8 @@ import sys
 import threading
 import time
 
+from ..procs import descendants, die_with_parent
+
 
 def _pin_and_limit_threads() -> int:
     """Apply CPU affinity and thread limits before numeric libraries start their pools."""
@@ -45,14 +47,8 @@ def _pin_and_limit_threads() -> int:
 
 
 def _die_with_parent() -> None:
-    if os.environ.get("PHALANX_PDEATHSIG") != "1" or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+    if os.environ.get("PHALANX_PDEATHSIG") == "1" and not die_with_parent(signal.SIGKILL):
+        os._exit(1)  # the parent died before the kernel could be told
 
 
 def main() -> int:
@@ -135,22 +131,6 @@ def end_process_tree() -> None:
             pass
     if os.getpgrp() == os.getpid():
         os.killpg(os.getpid(), signal.SIGKILL)
-
-
-def descendants(pid: int) -> list[int]:
-    """Children, grandchildren... of ``pid`` (Linux /proc; empty elsewhere)."""
-    found, todo = [], [pid]
-    while todo:
-        kids = []
-        try:  # every thread's children: a subprocess started from any thread counts
-            for task in os.listdir(f"/proc/{todo[0]}/task"):
-                with open(f"/proc/{todo[0]}/task/{task}/children") as f:
-                    kids += [int(c) for c in f.read().split()]
-        except OSError:  # gone already, or not Linux
-            pass
-        found += kids
-        todo = todo[1:] + kids
-    return found
 
 
 def _build_env(rank: int, world_size: int, threads: int):

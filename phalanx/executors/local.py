@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from pydantic import Field
 
@@ -44,6 +44,14 @@ def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None)
             env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads:(r + 1) * threads]))
         out.append(env)
     return out
+
+
+def slot_cpus(capacity: int, pin: bool, slots: Sequence[int]) -> tuple[bool, list[int] | None]:
+    """Whether to pin, and the CPUs of a gang's ``slots`` (a scheduler's share; None: all usable):
+    slots are this machine's CPUs only when the site has no more of them than it has cores."""
+    cpus = usable_cpus()
+    pin = pin and capacity <= len(cpus)  # more slots than cores: oversubscribed, no pinning
+    return pin, ([cpus[s] for s in slots] if pin and slots else None)
 
 
 class LocalConfig(ExecutorConfig):
@@ -81,11 +89,7 @@ class LocalExecutor(Executor):
 
     def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
                  echo: Echo = False) -> "LocalLauncher":
-        cfg = config or self.config
-        cpus = usable_cpus()
-        # more slots than cores: oversubscribed, no pinning
-        pin = cfg.pin and self.capacity() <= len(cpus)
-        mine = [cpus[s] for s in slots] if pin and slots else None
+        pin, mine = slot_cpus(self.capacity(), (config or self.config).pin, slots)
         launcher = LocalLauncher(echo=echo, pin=pin, cpus=mine, pool=self._pool, mem_limit_bytes=self.rank_memory)
         launcher.allocation_hook = self.hook
         return launcher

@@ -25,7 +25,7 @@ from ..errors import MissingDependencyError
 from ..procs import descendants, leads_group, pid_alive, signal_group, signal_pid
 from ..runtime import protocol as P
 from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher, shared_env
-from .local import WORKER_ARGV, cpu_placement, usable_cpus
+from .local import WORKER_ARGV, cpu_placement, slot_cpus, usable_cpus
 from .logs import RankOutput, start_pump
 
 ENV_CPUS_BY_RANK = P.ENV_CPUS_BY_RANK
@@ -102,10 +102,9 @@ class MPIRunExecutor(Executor):
     def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
                  echo: Echo = False) -> "MPIRunLauncher":
         cfg = config or self.config
-        cpus = usable_cpus()
-        pin = cfg.pin and self.capacity() <= len(cpus)
-        launcher = MPIRunLauncher(echo=echo, pin=pin, cpus=[cpus[s] for s in slots] if pin and slots else None,
-                                  mpirun=cfg.mpirun, mca=cfg.mca, extra_args=cfg.args)
+        pin, cpus = slot_cpus(self.capacity(), cfg.pin, slots)
+        launcher = MPIRunLauncher(echo=echo, pin=pin, cpus=cpus, mpirun=cfg.mpirun, mca=cfg.mca,
+                                  extra_args=cfg.args)
         launcher.allocation_hook = self.hook
         return launcher
 

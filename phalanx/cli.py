@@ -38,8 +38,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 1
     ranks = max(st.ranks for st in wf.stages.values())
     print(f"{args.workflow}: ok — workflow {wf.name!r}, {len(wf.stages)} stages, "
-          f"largest gang {ranks} ranks, site {site.name!r} ({site.executor}, {site.capacity()} slots)")
+          f"largest gang {ranks} ranks, site {site.name!r} ({site.executor}, {_slots(site.capacity())})")
     return 0
+
+
+def _slots(capacity: int | None) -> str:
+    return f"{capacity} slots" if capacity else "slots as its resource manager gives them"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything phalanx and its tests need, from scratch, into ./.venv:
-#   system: redis-server (Redis rendezvous tests), Open MPI (MPI communicator), Slurm + munge
+#   system: redis-server (Redis rendezvous tests), Open MPI (MPI communicator), Slurm + munge,
+#           containerd + runc and Kubernetes built from the Go module proxy (scripts/setup-k8s.sh)
 #   python: phalanx with the test and benchmark extras (torch is large: ~3 GB download,
 #           reused from pip's cache on later runs)
 set -euo pipefail
@@ -19,9 +20,10 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 bash scripts/setup-slurm.sh   # Debian's Slurm + munge for the SLURM executor's tests
+bash scripts/setup-k8s.sh     # a Kubernetes control plane + real nodes for the kubernetes executor's tests
 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,bench,ray]"
+.venv/bin/python -m pip install -q -e ".[test,bench,ray,kubernetes]"
 .venv/bin/python -c "import phalanx, torch, pyarrow, polars, duckdb; print('phalanx', phalanx.__version__, 'ready')"

@@ -118,6 +118,30 @@ def slurm_cluster():
         subprocess.run([str(_INFRA / "slurm-down.sh")], capture_output=True, timeout=120)
 
 
+# ---- a real Kubernetes cluster on loopback (tests marked kubernetes) -------------------------
+@pytest.fixture(scope="session")
+def k8s_cluster():
+    """A real control plane and two real nodes (127.0.0.1, 127.0.0.2) whose pods run this host's
+    Python (tests/infra/k8s/up.sh); stopped at the end unless it was up before or
+    PHALANX_K8S_KEEP=1.  Skips where it cannot run (no binaries: tests/infra/k8s/build.sh)."""
+    pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install "
+                        "'phalanx[kubernetes]')")
+    from infra import k8s_cluster as k8s
+
+    reason = k8s.available()
+    if reason:
+        pytest.skip(f"no Kubernetes test cluster: {reason}")
+    try:
+        cluster = k8s.ensure_cluster(real_nodes=2)
+    except k8s.ClusterError as exc:
+        pytest.fail(str(exc))
+    yield cluster
+    from phalanx.executors.base import _release_all
+
+    _release_all()  # what a test left held (a Job) is deleted while the API server is up
+    k8s.teardown()
+
+
 # ---- a multi-node Ray cluster on loopback (tests marked ray) ---------------------------------
 @pytest.fixture(scope="session")
 def ray_cluster():

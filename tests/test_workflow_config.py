@@ -212,8 +212,8 @@ def site_problems(tmp_path: Path, text: str) -> list[str]:
 @pytest.mark.parametrize("text,expected", [
     ("name: s\nexecutor: lcoal\n",
      "site.yaml:2: executor: unknown executor 'lcoal' (did you mean 'local'?)"),
-    ("name: s\nexecutor: kubernetes\n",
-     "site.yaml:2: executor: unknown executor 'kubernetes'; known: local, mpirun, ray, slurm"),
+    ("name: s\nexecutor: nomad\n",
+     "site.yaml:2: executor: unknown executor 'nomad'; known: kubernetes, local, mpirun, ray, slurm"),
     ("name: s\nrendezvous: bogus://x\n",
      "site.yaml:2: rendezvous: unknown rendezvous 'bogus'; known: file, redis, tcp"),
     ("name: s\nrendezvous: tcp://127.0.0.1:99999\n",

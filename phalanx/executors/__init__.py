@@ -23,6 +23,8 @@ executors.register("slurm", "phalanx.executors.slurm:SlurmExecutor",
                    config="phalanx.executors.slurm.config:SlurmConfig")
 executors.register("ray", "phalanx.executors.ray:RayExecutor", extra="ray",
                    config="phalanx.executors.ray.config:RayConfig")
+executors.register("kubernetes", "phalanx.executors.kubernetes:KubernetesExecutor", extra="kubernetes",
+                   config="phalanx.executors.kubernetes.config:KubernetesConfig")
 
 DEFAULT = "local"        # a gang or site that names no executor
 DEFAULT_MPI = "mpirun"   # ... with communicator mpi: MPI ranks must be started by an MPI launcher

@@ -87,7 +87,8 @@ class Scheduler:
         try:
             return self._run(pending, done, deps)
         finally:
-            self._close_idle(list(self._idle))
+            for closing in self._close_idle(list(self._idle)):
+                closing.join(timeout=30)  # the run ends with its gangs gone (a Job deleted...)
             self.executor.close_run()
 
     def _reusable(self, stage: str, prior: dict) -> bool:
@@ -136,11 +137,14 @@ class Scheduler:
         self._close_idle(stale)
         return slots, gang
 
-    def _close_idle(self, keys: list[tuple[int, ...]]) -> None:
+    def _close_idle(self, keys: list[tuple[int, ...]]) -> list[threading.Thread]:
+        """Close these idle gangs, each in a thread of its own (the threads)."""
         with self._lock:
             gangs = [self._idle.pop(k) for k in keys if k in self._idle]
-        for g in gangs:
-            threading.Thread(target=g.close, name="phalanx-close-gang", daemon=True).start()
+        threads = [threading.Thread(target=g.close, name="phalanx-close-gang", daemon=True) for g in gangs]
+        for t in threads:
+            t.start()
+        return threads
 
     def _run(self, pending: list[str], done: set[str], deps: dict[str, set[str]]) -> RunResult:
         failed: dict[str, str] = {}
@@ -377,13 +381,14 @@ def rank_records(results: list[dict]) -> list[dict]:
 
 
 def failed_ranks(gang: Gang, exc: Exception) -> list[dict]:
-    """Per rank of a failed attempt: pid, and how it ended — failed (its error and exit code,
+    """Per rank of a failed attempt: pid and host, and how it ended — failed (its error and exit code,
     None while it still reported), or stopped by fail-fast."""
     failures = {f.rank: f for f in getattr(exc, "failures", [])}
     stopped = set(getattr(exc, "stopped", []))
     out = []
     for r in range(gang.world_size):
-        rec: dict = {"rank": r, "pid": gang.pids[r] if r < len(gang.pids) else None}
+        rec: dict = {"rank": r, "pid": gang.pids[r] if r < len(gang.pids) else None,
+                     "host": gang.hosts[r] if r < len(gang.hosts) else None}  # whose pid it is
         if r in failures:
             rec.update(outcome="failed", error=failures[r].summary(), exit=failures[r].exitcode)
         elif r in stopped:

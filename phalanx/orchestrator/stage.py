@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime.protocol import rank_host
 from ..runtime.tasks import resolve_app
 
 
@@ -72,4 +72,4 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
     sizes = {name: env.store.info(name) for name in outputs}
     return {"outputs": {name: (i.num_rows, i.nbytes) for name, i in sizes.items()},
             "inputs": ctx.input_stats, "started": started, "ended": time.time(),
-            "host": socket.gethostname(), "pid": os.getpid()}
+            "host": rank_host(), "pid": os.getpid()}

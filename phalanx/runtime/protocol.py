@@ -32,6 +32,7 @@ ENV_THREADS = "PHALANX_THREADS"        # threads for this rank's local kernels
 ENV_TIMEOUT = "PHALANX_TIMEOUT"        # seconds for rendezvous and collectives
 ENV_PDEATHSIG = "PHALANX_PDEATHSIG"    # "1": die with the launching process
 ENV_DRIVER_TIMEOUT = "PHALANX_DRIVER_TIMEOUT"  # seconds of silence after which the driver is gone
+ENV_HOST = "PHALANX_HOST"              # where the rank runs, as its executor names it (node/pod)
 
 HEARTBEAT = b""            # the driver's "still here"
 HEARTBEAT_S = 1.0          # how often the driver sends it, at most
@@ -52,6 +53,14 @@ def _first(names: tuple[str, ...]) -> int:
         if name in os.environ:
             return int(os.environ[name])
     raise RuntimeError(f"not started as a phalanx rank: none of {', '.join(names)} is set")
+
+
+def rank_host() -> str:
+    """Where this rank runs, for the driver's records: its executor's name for the place
+    (``node/pod`` on Kubernetes, where the hostname and pid are a container's), else the host."""
+    import socket
+
+    return os.environ.get(ENV_HOST) or socket.gethostname()
 
 
 def rank_from_environ() -> tuple[int, int]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import queue
 import signal
-import socket
 import sys
 import threading
 import time
@@ -64,7 +63,7 @@ def main() -> int:
     rank, world_size = P.rank_from_environ()
     host, _, port = os.environ[P.ENV_CONTROL].rpartition(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[P.ENV_AUTHKEY]))
-    P.send(conn, "hello", rank, os.getpid(), socket.gethostname())
+    P.send(conn, "hello", rank, os.getpid(), P.rank_host())
     watch = DriverWatch(conn, rank, float(os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S))
     watch.start()
 

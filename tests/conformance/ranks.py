@@ -25,7 +25,9 @@ RM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURMD_NODENAME", "
 
 def facts(rank: int | None = None) -> dict:
     """Where this process runs, as the OS and its resource manager see it."""
-    out = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
+    # a rank's host as the driver records it (PHALANX_HOST: node/pod in a container)
+    out = {"rank": rank, "pid": os.getpid(), "host": os.environ.get("PHALANX_HOST") or socket.gethostname(),
+           "time": time.time(),
            **{k: os.environ.get(k) for k in RM_VARS}}
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
@@ -141,7 +143,8 @@ fail = int(os.environ.get("PHALANX_PARAM_FAIL_RANK", "-1"))
 print(f"contract stage {stage} rank {rank} of {size} says hello", flush=True)
 keys = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURMD_NODENAME", "OMPI_COMM_WORLD_RANK",
         "PHALANX_GANG_ID", "PHALANX_RANK")
-facts = {"rank": rank, "pid": os.getpid(), "host": socket.gethostname(), "time": time.time(),
+facts = {"rank": rank, "pid": os.getpid(), "host": os.environ.get("PHALANX_HOST") or socket.gethostname(),
+         "time": time.time(),
          **{k: os.environ.get(k) for k in keys}}
 with open(os.path.join(d, f"{stage}-rank-{rank}.json.tmp"), "w") as f:
     json.dump(facts, f)

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
-SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray")
+SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local")
 MARKS = {"local": [], "mpirun": [pytest.mark.mpi], "slurm": [pytest.mark.slurm],
-         "slurm-pilot": [pytest.mark.slurm], "ray": [pytest.mark.ray]}
+         "slurm-pilot": [pytest.mark.slurm], "ray": [pytest.mark.ray], "k8s-local": [pytest.mark.kubernetes]}
 SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
 N = 3  # ranks of the contract's gangs: uneven exchanges, a victim in the middle, spread over 3 nodes
 
@@ -142,6 +142,8 @@ class ContractSite:
             left += self._slurm_left(gang_ids, facts, allocations)
         if self.backend == "ray":
             left += self._ray_left(gang_ids, facts)
+        if self.backend == "kubernetes":
+            left += [f"kubernetes {what}" for what in self._k8s_objects(gang_ids)]
         return left
 
     def wait_nothing_left(self, gang_ids=(), facts=(), within: float = 15.0, allocations: bool = True) -> list[str]:
@@ -180,8 +182,87 @@ class ContractSite:
                 yield f"ray placement group of {cpus} CPUs"
             finally:
                 remove_placement_group(pg)
+        elif self.backend == "kubernetes":
+            with self._k8s_blockers() as what:
+                yield what
         else:
             yield None
+
+    def host_pid(self, gang_id: str, rank: int, pid: int) -> int:
+        """The pid of a gang's rank as this host sees it: a rank in a container (Kubernetes)
+        reports its container's pid; its process is found by the gang id and rank in its
+        environment."""
+        if self.backend != "kubernetes":
+            return pid
+        want = [f"PHALANX_GANG_ID={gang_id}\0".encode(), f"PHALANX_RANK={rank}\0".encode()]
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/environ", "rb") as f:
+                    env = f.read() + b"\0"
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    cmd = f.read()
+            except OSError:
+                continue
+            if all(w in env for w in want) and b"phalanx.runtime.worker" in cmd:
+                return int(entry.name)
+        raise AssertionError(f"no process of rank {rank} of gang {gang_id} on this host")
+
+    # -- kubernetes --------------------------------------------------------------------------
+    def _kube(self):
+        from phalanx.executors.kubernetes.client import connect
+
+        return connect(self.data["kubernetes"]["kubeconfig"])
+
+    def _k8s_objects(self, gang_ids: set[str]) -> list[str]:
+        """Jobs, pods, Secrets, Services and PodGroups phalanx made for one of these gangs."""
+        if not gang_ids:
+            return []
+        kube, ns = self._kube(), self.data["kubernetes"].get("namespace", "default")
+        selector = "app.kubernetes.io/managed-by=phalanx"
+        found = [("job", j.metadata.name) for j in kube.batch.list_namespaced_job(ns, label_selector=selector).items]
+        found += [("pod", p.metadata.name) for p in kube.core.list_namespaced_pod(ns, label_selector=selector).items]
+        found += [("secret", x.metadata.name) for x in kube.core.list_namespaced_secret(ns, label_selector=selector).items]
+        found += [("service", x.metadata.name) for x in kube.core.list_namespaced_service(ns, label_selector=selector).items]
+        api = kube.pod_group_api("scheduling.k8s.io")
+        if api:
+            group, version = api.split("/")
+            found += [("podgroup", x["metadata"]["name"]) for x in kube.custom.list_namespaced_custom_object(
+                group, version, ns, "podgroups", label_selector=selector)["items"]]
+        return [f"{kind} {name}" for kind, name in found if any(g.lower() in name for g in gang_ids)]
+
+    @contextlib.contextmanager
+    def _k8s_blockers(self):
+        """A pod on every real node requesting all of its CPUs, running (sleep) until the block ends."""
+        from kubernetes import client
+
+        kube, ns = self._kube(), self.data["kubernetes"].get("namespace", "default")
+        nodes = kube.core.list_node(label_selector="phalanx.dev/node=real").items
+        names = []
+        try:
+            for node in nodes:
+                name = f"contract-blocker-{os.getpid()}-{node.metadata.name.replace('.', '-')}"
+                kube.core.create_namespaced_pod(ns, {
+                    "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
+                    "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
+                             "automountServiceAccountToken": False,
+                             "nodeSelector": {"kubernetes.io/hostname": node.metadata.name},
+                             "containers": [{"name": "sleep", "image": self.data["kubernetes"]["image"],
+                                             "imagePullPolicy": "Never", "command": ["/usr/bin/busybox", "sleep", "600"],
+                                             "resources": {"requests": {"cpu": node.status.allocatable["cpu"]}}}]}})
+                names.append(name)
+            deadline = time.monotonic() + 60
+            while any(kube.core.read_namespaced_pod(n, ns).status.phase != "Running" for n in names):
+                assert time.monotonic() < deadline, "the blocker pods did not start within 60 s"
+                time.sleep(0.2)
+            yield f"kubernetes pods {', '.join(names)} holding every real node's CPUs"
+        finally:
+            for name in names:
+                try:
+                    kube.core.delete_namespaced_pod(name, ns, body=client.V1DeleteOptions(grace_period_seconds=0))
+                except Exception:
+                    pass
 
     def slurm(self, *args: str) -> str:
         r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": self.slurm_conf},
@@ -232,6 +313,13 @@ class ContractSite:
                 if ident in jobs or any(g in name for g in self.seen.gang_ids):
                     subprocess.run(["scancel", ident], env={**os.environ, "SLURM_CONF": self.slurm_conf},
                                    capture_output=True, timeout=60)
+        if self.backend == "kubernetes":
+            from phalanx.executors.kubernetes.launcher import delete_gang
+
+            for what in self._k8s_objects(self.seen.gang_ids):
+                kind, name = what.split(" ", 1)
+                if kind == "job":
+                    delete_gang(self._kube(), self.data["kubernetes"].get("namespace", "default"), name)
         if self.backend == "ray":
             import ray
             from ray.util.placement_group import PlacementGroup, placement_group_table
@@ -323,5 +411,23 @@ def build(name: str, request) -> ContractSite:
                                        "reason": r"Ray says .*INFEASIBLE"},
         }
         return ContractSite(name, data, "ray", impossible=impossible, waiting=r"not placeable|Ray says")
+    if name == "k8s-local":
+        cluster = request.getfixturevalue("k8s_cluster")
+        data = _site_file("k8s-local")
+        data.update(_SUITE)
+        # the tests' own files (markers, facts) are written by the ranks: pytest's temporary
+        # directory is shared with the pods like the store
+        temp = str(request.getfixturevalue("tmp_path_factory").getbasetemp())
+        data["kubernetes"] = {**data["kubernetes"], "kubeconfig": str(cluster.kubeconfig),
+                              "host_paths": [*data["kubernetes"]["host_paths"], temp]}
+        impossible = {
+            # 1.5 CPUs a rank: one fits on each of the 2 real nodes, the gang of 4 never does
+            "more-ranks-than-it-has": {"ranks": N + 1, "site": {"kubernetes": {"cpu": "1500m"}},
+                                       "reason": r"kubernetes: .*Unschedulable.*Insufficient cpu"},
+            "an-impossible-request": {"ranks": 1, "site": {"kubernetes": {"node_selector": {"phalanx.dev/node": "none"}}},
+                                      "reason": r"kubernetes: .*Unschedulable.*node affinity/selector"},
+        }
+        return ContractSite(name, data, "kubernetes", impossible=impossible,
+                            waiting=r"kubernetes: .*Unschedulable.*Insufficient cpu")
     raise ValueError(name)
 

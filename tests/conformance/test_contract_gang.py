@@ -122,7 +122,8 @@ def test_a_rank_killed_by_sigkill_fails_the_gang_fast_and_is_named(site, gang, t
         while len(list(tmp_path.glob("rank-*.json"))) < N and time.monotonic() < deadline:
             time.sleep(0.02)
         killed.append(time.monotonic())
-        os.kill(gang.pids[victim], signal.SIGKILL)  # as the OOM killer or an operator would
+        # as the OOM killer or an operator would (a container's rank: found by its gang and rank)
+        os.kill(site.host_pid(gang.gang_id, victim, gang.pids[victim]), signal.SIGKILL)
 
     threading.Thread(target=kill_when_running, daemon=True).start()
     with pytest.raises(px.RankError) as info:

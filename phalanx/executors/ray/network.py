@@ -9,24 +9,13 @@ free port of rank 0's node.
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 from typing import Any, Callable, Sequence
 from urllib.parse import urlparse
 
 from ...errors import GangError
 from ...runtime import protocol as P
-
-
-def is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+from ..network import is_loopback
 
 
 def reachable_env(rank_env: list[dict[str, str]], nodes: Sequence[dict[str, Any]], *,

@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Gang start and per-stage overhead on every site, next to the local site, in one run.
 
-Brings up what it needs on loopback — the private SLURM cluster (tests/infra/slurm-up.sh) and a
-3-raylet Ray cluster (tests/infra/ray_cluster.py) — unless they are already up, measures, and
-stops what it started.  Per site (2 ranks):
+Brings up what it needs on loopback — the private SLURM cluster (tests/infra/slurm-up.sh), a
+3-raylet Ray cluster (tests/infra/ray_cluster.py) and the Kubernetes test cluster with two real
+nodes (tests/infra/k8s/up.sh; its binaries: tests/infra/k8s/build.sh) — unless they are already
+up, measures, and stops what it started.  Per site (2 ranks):
 
   gang start   px.Gang(2, site=...).start(), median of --repeat (ranks launched, connected,
                rendezvoused, communicator built); the SLURM pilot's own allocation is made
@@ -33,7 +34,7 @@ import phalanx as px  # noqa: E402
 from phalanx.orchestrator.validate import load_site  # noqa: E402
 from orchestrator import chain  # noqa: E402  (bench/orchestrator.py)
 
-SITES = ["local", "slurm-local", "slurm-pilot-local", "ray-local"]
+SITES = ["local", "slurm-local", "slurm-pilot-local", "ray-local", "k8s-local"]
 
 
 def gang_start(site, repeat: int) -> float:
@@ -53,6 +54,7 @@ class Clusters:
     def __init__(self, sites: list[str]):
         self.slurm_started = False
         self.ray = None
+        self.k8s = None
         if any(s.startswith("slurm") for s in sites):
             if shutil.which("slurmctld") is None:
                 raise SystemExit("slurm sites need Slurm: bash scripts/setup-slurm.sh")
@@ -68,6 +70,14 @@ class Clusters:
             self.ray = LocalRayCluster(workers=2, cpus_per_node=1).start()
             os.environ["RAY_ADDRESS"] = self.ray.address
             ray.init(address=self.ray.address, namespace="phalanx-bench", log_to_driver=False)
+        if "k8s-local" in sites:
+            from infra import k8s_cluster
+
+            reason = k8s_cluster.available()
+            if reason:
+                raise SystemExit(f"k8s-local needs the Kubernetes test cluster: {reason}")
+            self.k8s = k8s_cluster
+            k8s_cluster.ensure_cluster(real_nodes=2)
 
     def stop(self) -> None:  # a run's pilot ends with its run (close_run)
         if self.ray is not None:
@@ -75,6 +85,8 @@ class Clusters:
 
             ray.shutdown()
             self.ray.stop()
+        if self.k8s is not None:
+            self.k8s.teardown()  # only if this process brought it up (PHALANX_K8S_KEEP=1 keeps it)
         if self.slurm_started:
             subprocess.run([str(REPO / "tests" / "infra" / "slurm-down.sh")], capture_output=True)
 
@@ -91,7 +103,7 @@ def main() -> None:
     try:
         for name in names:
             site = load_site(name)
-            if site.executor == "slurm" and site.slurm.get("allocation") == "pilot":
+            if site.executor == "slurm" and site.slurm.allocation == "pilot":
                 px.Gang(1, site=site, echo=False).start().close()  # the pilot: held from here on
             start = gang_start(site, args.repeat)
             total, _ = chain(args.stages, 2, site)
@@ -105,7 +117,7 @@ def main() -> None:
         print(f"{name:20} {executor:9} {start:10.2f}s {start / base_start:8.2f}x {stage:9.2f}s "
               f"{stage / base_stage:8.2f}x")
     print(f"(2 ranks; gang start median of {args.repeat}; per stage = chain of {args.stages} trivial "
-          "stages / stages, with each site's defaults: reuse on local and ray)")
+          "stages / stages, with each site's defaults: reuse on local, ray and kubernetes)")
     print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())
 
 

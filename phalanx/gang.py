@@ -414,7 +414,7 @@ class Gang:
     def _failure_of(self, rank: int, msg: tuple) -> RankFailure:
         if msg[0] == "error":
             return msg[2]
-        code = self._wait_exitcode(rank)
+        code = self._wait_exitcode(rank, getattr(self._launcher, "exit_latency", 1.0))
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"
             if code == -signal.SIGKILL:  # over a memory limit, the OOM killer...

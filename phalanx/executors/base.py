@@ -86,6 +86,9 @@ class Launcher(ABC):
     name = "abstract"
     allocation_hook: AllocationHook | None = None  # told of every allocation (see above)
     start_timeout: float | None = None  # the gang's: how long launch may wait for an allocation
+    # how long after a rank's connection drops its exit code may take to be known (a resource
+    # manager's API reports it later than a local waitpid): the gang waits this long for it
+    exit_latency: float = 1.0
 
     @abstractmethod
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None: ...

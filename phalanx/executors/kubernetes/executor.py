@@ -111,7 +111,10 @@ def host_mounts(paths: list[tuple[str, bool]], env: Mapping[str, str]) -> list[t
         if path != "auto":
             mounts[os.path.realpath(path)] = ro
             continue
-        for p in (sys.prefix, sys.base_prefix, os.getcwd(), *sys.path):
+        # the interpreter, where phalanx itself is imported from (an editable install's source
+        # tree is on no sys.path entry), the driver's sys.path and working directory
+        source = str(Path(__file__).resolve().parents[3])
+        for p in (sys.prefix, sys.base_prefix, source, os.getcwd(), *sys.path):
             if p and os.path.isdir(p):
                 mounts.setdefault(os.path.realpath(p), True)
         for written in _written_dirs(env):

@@ -42,6 +42,8 @@ class KubernetesLauncher(Launcher):
     pods through a watch, streams their logs, and deletes everything on ``kill``."""
 
     name = "kubernetes"
+    # kubelet → API server → watch takes 0.5–1.1 s (measured), then the rank's log is let in
+    exit_latency = _LOG_WAIT_S + 3.0
 
     def __init__(self, connect: Callable[[], Kube], config: KubernetesConfig, *, site: str = "kubernetes",
                  echo: Echo = False, gang_api: Callable[[Kube], str | None] = lambda kube: None,
@@ -336,13 +338,11 @@ class KubernetesLauncher(Launcher):
         with self._lock:
             pods = dict(self._pods)
         phases: dict[str, int] = {}
-        why = ""
         for rank in range(self.ranks):
             pod = pods.get(rank)
             phase = pod.status.phase if pod is not None else "not created"
             phases[phase] = phases.get(phase, 0) + 1
-            if not why and pod is not None:
-                why = _waiting_reason(pod)
+        why = _waiting_reason(list(pods.values()))
         counts = ", ".join(f"{n} {phase}" for phase, n in phases.items())
         gang = f"; gang scheduled as PodGroup {self.job}" if self._gang_api_used() else ""
         return f"kubernetes: job {self.config.namespace}/{self.job}: pods {counts}" + \
@@ -404,16 +404,23 @@ def _root_cause(exc: BaseException) -> str:
     return str(reason or exc)
 
 
-def _waiting_reason(pod: Any) -> str:
-    status = pod.status
-    for cond in status.conditions or []:
-        if cond.type == "PodScheduled" and cond.status == "False":
-            return f"{cond.reason}: {cond.message}" if cond.message else str(cond.reason)
-    for c in status.container_statuses or []:
-        if c.state is not None and c.state.waiting is not None and c.state.waiting.reason not in (None, "ContainerCreating"):
-            w = c.state.waiting
-            return f"{w.reason}: {w.message}" if w.message else str(w.reason)
+def _waiting_reason(pods: Sequence[Any]) -> str:
+    """Why the gang's pods wait: the scheduler's own message where a pod has one (with gang
+    scheduling the pods that would fit only say they wait for the group: the one that does
+    not fit says why), else a container's waiting reason."""
+    scheduled = [c for pod in pods for c in pod.status.conditions or []
+                 if c.type == "PodScheduled" and c.status == "False"]
+    for cond in sorted(scheduled, key=lambda c: (c.message or "").startswith(_GROUP_WAIT)):
+        return f"{cond.reason}: {cond.message}" if cond.message else str(cond.reason)
+    for pod in pods:
+        for c in pod.status.container_statuses or []:
+            w = c.state.waiting if c.state is not None else None
+            if w is not None and w.reason not in (None, "ContainerCreating"):
+                return f"{w.reason}: {w.message}" if w.message else str(w.reason)
     return ""
+
+
+_GROUP_WAIT = "pod group is unschedulable"  # native gang scheduling's word for "waiting for the others"
 
 
 def delete_gang(kube: Kube, namespace: str, name: str, grace_s: int = 0) -> list[str]:

@@ -280,18 +280,22 @@ def test_a_gang_waits_whole_until_it_fits_then_is_bound_at_once_and_kill_deletes
         k8s.delete_job(job)
 
 
-def test_a_gang_that_can_never_fit_fails_at_its_start_timeout_with_the_schedulers_reason(k8s, fake_nodes):
-    fake_nodes.add(3)
-    model = k8s.model(start_timeout=5, kubernetes=fake_nodes.section)
-    gang = px.Gang(4, site=model, start_timeout=5, echo=False)
+def failed_start(gang: px.Gang) -> tuple[float, str]:
+    """(seconds, message) of a gang start that must fail with GangError; the gang is closed."""
     t0 = time.monotonic()
     try:
         with pytest.raises(px.GangError) as info:
             gang.start()
     finally:
         gang.close()
-    took = time.monotonic() - t0
-    msg = str(info.value)
+    return time.monotonic() - t0, str(info.value)
+
+
+def test_a_gang_that_can_never_fit_fails_at_its_start_timeout_with_the_schedulers_reason(k8s, fake_nodes):
+    fake_nodes.add(3)
+    model = k8s.model(start_timeout=5, kubernetes=fake_nodes.section)
+    gang = px.Gang(4, site=model, start_timeout=5, echo=False)
+    took, msg = failed_start(gang)
     assert took < 5 + 5, f"failed after {took:.1f} s: {msg}"
     assert "did not manage to start within the start timeout (start_timeout=5s)" in msg, msg
     assert "pods 4 Pending (Unschedulable" in msg, msg
@@ -481,14 +485,7 @@ def test_a_failed_rank_fails_the_gang_and_the_retry_runs_on_a_fresh_job(k8s, tmp
 def test_a_rank_whose_image_never_starts_fails_the_gang_at_once(k8s):
     model = k8s.model(start_timeout=60, kubernetes={"image": "docker.io/local/nope:1", "image_pull_policy": "Never"})
     gang = px.Gang(2, site=model, echo=False)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(px.GangError) as info:
-            gang.start()
-    finally:
-        gang.close()
-    took = time.monotonic() - t0
-    msg = str(info.value)
+    took, msg = failed_start(gang)
     assert took < 30, f"failed after {took:.1f} s (start_timeout 60): {msg}"
     assert "ErrImageNeverPull" in msg and "docker.io/local/nope:1" in msg, msg
     assert "never started" in msg, msg

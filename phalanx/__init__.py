@@ -1,7 +1,9 @@
 """phalanx: gang-scheduled BSP dataframe stages over Arrow, Gloo and MPI."""
 
+import sys
+
 from .errors import GangError, MissingDependencyError, PhalanxError, RankError, RankFailure
-from .gang import Gang, set_site_loader
+from .gang import Gang, set_notebook, set_site_loader
 from .operators import DataFrame, GroupBy, read_csv, read_parquet
 from .runtime.env import BSPEnv
 from .store import DatasetInfo, Store
@@ -17,6 +19,45 @@ def _load_site(name: str):
 
 
 set_site_loader(_load_site)
+
+
+class _Notebook:
+    """What px.Gang and run handles ask of Jupyter (``_repr_html_``, live views of runs, rank
+    output grouped by rank): phalanx.integrations.jupyter's ``hooks``, imported on first use.
+    The live ones do nothing outside a Jupyter kernel, without importing anything: ``import
+    phalanx`` (every rank does) never imports IPython or ipywidgets."""
+
+    _KERNEL_ONLY = {"echo", "run_view", "handle_view", "live_runs"}
+
+    def __getattr__(self, name: str):
+        if name in self._KERNEL_ONLY and "ipykernel" not in sys.modules:
+            return _nothing
+        from .integrations.jupyter import hooks
+
+        return getattr(hooks, name)
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+_NOTEBOOK = _Notebook()
+set_notebook(_NOTEBOOK)  # run handles get it with the workflow API (``__getattr__`` below)
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext phalanx``: the ``%%px`` and ``%px_gang`` magics (phalanx.integrations.jupyter,
+    imported only now)."""
+    from .integrations.jupyter import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from .integrations.jupyter import unload_ipython_extension as unload
+
+    unload(ipython)
+
 
 __all__ = [
     "BSPEnv", "DataFrame", "DatasetInfo", "Store", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
@@ -36,5 +77,8 @@ def __getattr__(name: str):
     if name == "ml":
         return importlib.import_module(".ml", __name__)
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+        module = importlib.import_module(_LAZY[name], __name__)
+        # run handles render in notebooks too (the workflow API makes them)
+        importlib.import_module(".orchestrator.handle", __name__).set_notebook(_NOTEBOOK)
+        return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,6 +49,17 @@ def set_site_loader(loader: Callable[[str], Any]) -> None:
     _site_loader = loader
 
 
+# How a gang shows in Jupyter — ``_repr_html_``, a live per-rank view of ``run``, rank output
+# grouped by rank: phalanx.integrations.jupyter's hooks, injected by ``phalanx/__init__`` so that
+# this layer imports neither the integration nor IPython.
+_notebook: Any = None
+
+
+def set_notebook(hooks: Any) -> None:
+    global _notebook
+    _notebook = hooks
+
+
 class Gang:
     """``ranks`` processes that run BSP apps together.
 
@@ -104,6 +115,8 @@ class Gang:
         self.communicator = communicator
         self.rendezvous = rendezvous or "tcp"
         self.echo = echo
+        if echo is True and _notebook is not None:  # in a Jupyter kernel: rank lines under the cell that runs
+            self.echo = _notebook.echo(self) or True
         self.start_timeout = start_timeout or 120.0
         self.comm_timeout = comm_timeout
         self.control_host = control_host or "127.0.0.1"  # where ranks reach the driver ("auto": this host's address)
@@ -314,6 +327,12 @@ class Gang:
         state = "running" if self.running else "stopped"
         return f"<Gang {self.gang_id or '-'} ranks={self.world_size} {self.communicator} {state}>"
 
+    def _repr_html_(self) -> str | None:  # a notebook's view: executor, ranks, memory, logs (integrations.jupyter)
+        return _notebook.gang_html(self) if _notebook is not None else None
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text view of the same
+        p.text(_notebook.gang_text(self) if _notebook is not None else repr(self))
+
     # ---- running apps -------------------------------------------------------------------
     def run(self, app: Callable[..., Any] | str, *args: Any, params: dict | None = None,
             timeout: float | None = None, **kwargs: Any) -> list[Any]:
@@ -323,6 +342,15 @@ class Gang:
         ``env.params``.  If a rank fails, the others are stopped and ``RankError`` is raised.
         """
         check_app(app)
+        # in a Jupyter kernel: a live per-rank view of this run (integrations.jupyter), whose
+        # wrapped app marks the end of each rank's output
+        view = _notebook.run_view(self, app) if _notebook is not None else None
+        if view is None:
+            return self._run(app, args, kwargs, params, timeout)
+        with view:
+            return self._run(view.app, args, kwargs, params, timeout)
+
+    def _run(self, app: Any, args: tuple, kwargs: dict, params: dict | None, timeout: float | None) -> list[Any]:
         if not self.running:
             self.start()
         assert self._control is not None

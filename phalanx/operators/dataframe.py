@@ -93,8 +93,13 @@ class DataFrame:
         """This rank's partition as pandas."""
         return self._table.to_pandas()
 
-    def collect(self, root: int | None = None) -> pa.Table | None:
-        """The whole frame in rank order: on every rank, or only on ``root`` (None elsewhere)."""
+    def collect(self, root: int | None = None, limit: int | None = None) -> pa.Table | None:
+        """The whole frame in rank order: on every rank, or only on ``root`` (None elsewhere).
+        ``limit``: only its first rows (a preview: no more than those travel)."""
+        if limit is not None:  # a look at a big frame, e.g. from a notebook
+            if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+                raise ValueError(f"collect: limit must be an integer ≥ 0, got {limit!r}")
+            return self.head(limit).collect(root)
         comm = self.env.comm
         if root is None:
             return concat(allgather_tables(comm, self._table), self.schema)

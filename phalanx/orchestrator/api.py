@@ -99,6 +99,13 @@ class Workflow:
     def run(self, site: "str | Path | Site | None" = None, **options: Any):
         return run(self, site=site, **options)
 
+    def as_parsl_app(self, site: "str | Path | Site | None" = None, **options: Any) -> Any:
+        """This workflow as one node of a Parsl DAG: a join app (``phalanx[parsl]``; see
+        ``phalanx.integrations.parsl.workflow_app``)."""
+        from ..integrations.parsl import workflow_app  # Parsl only when asked for
+
+        return workflow_app(self, site=site, **options)
+
 
 def submit(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None" = None, *,
            resume: str | None = None, state: str | Path | None = None, progress: bool = False,

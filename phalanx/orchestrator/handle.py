@@ -35,6 +35,15 @@ if TYPE_CHECKING:
 CANCEL_TIMEOUT_S = 60.0
 _SLICE_S = 0.2
 _live: "weakref.WeakSet[RunHandle]" = weakref.WeakSet()
+# How a run shows in Jupyter — ``_repr_html_``, a stage table updating while it runs, its timeline
+# at the end: phalanx.integrations.jupyter's hooks, injected by ``phalanx/__init__`` so that this
+# layer imports neither the integration nor IPython.
+_notebook: Any = None
+
+
+def set_notebook(hooks: Any) -> None:
+    global _notebook
+    _notebook = hooks
 
 
 @dataclass
@@ -87,6 +96,7 @@ class RunHandle:
         self._thread = threading.Thread(target=self._drive, name=f"phalanx-run-{self.run_id}", daemon=True)
         _live.add(self)
         self._thread.start()
+        self._view = _notebook.handle_view(self) if _notebook is not None else None  # live in a notebook
 
     @classmethod
     def start(cls, wf: "Workflow", site: "Site", *, db: RunDB | None = None, file: str = "<python>",
@@ -96,6 +106,11 @@ class RunHandle:
         from .scheduler import prepare_run
 
         db = db or RunDB()
+        if _notebook is not None and _notebook.live_runs():
+            from .progress import RunProgress
+
+            if isinstance(on_event, RunProgress):  # in a notebook the live stage table replaces its lines
+                on_event = None
         cancelled = threading.Event()
         scheduler = prepare_run(wf, site, file=file, db=db, resume=resume,
                                 on_event=on_event)
@@ -138,6 +153,8 @@ class RunHandle:
             # in slices: a Ctrl-C taken by another thread runs its handler here only once this
             # thread is back in Python (a lock wait with no timeout would never come back)
             self._finished.wait(_SLICE_S if left is None else min(_SLICE_S, left))
+        if self._view is not None:  # a notebook's final table and timeline are out before we return
+            self._view.join(timeout=10.0)
         return True
 
     def result(self, timeout: float | None = None) -> "RunResult":
@@ -178,6 +195,12 @@ class RunHandle:
     def __repr__(self) -> str:
         state = "finished" if self.done() else "running"
         return f"<phalanx RunHandle {self.run_id} {state}>"
+
+    def _repr_html_(self) -> str | None:  # a notebook's view: stages, ranks, timeline (integrations.jupyter)
+        return _notebook.handle_html(self) if _notebook is not None else None
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text view of the same
+        p.text(_notebook.handle_text(self) if _notebook is not None else repr(self))
 
 
 def _cancel_live_runs() -> None:

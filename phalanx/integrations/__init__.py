@@ -1,0 +1,1 @@
+"""Entry points into phalanx from other tools (Airflow, Jupyter); each is an optional extra."""

@@ -56,7 +56,6 @@ def workflow_app(workflow: Any, site: Any = None, *, state: str | Path | None = 
 
 
 def _model(workflow: Any, site: Any) -> tuple[Any, Any]:
-    from ...orchestrator.api import Workflow as PyWorkflow
     from ...orchestrator.validate import load_site, load_workflow
 
     if isinstance(workflow, (str, Path)):
@@ -64,7 +63,8 @@ def _model(workflow: Any, site: Any) -> tuple[Any, Any]:
         if site is not None and hasattr(site, "create_executor"):
             site_model = site
         return wf, site_model
-    wf = workflow.model() if isinstance(workflow, PyWorkflow) else workflow.model_copy(deep=True)
+    # a px.Workflow (its model() is the DAG; this package builds on the layers below the Python API)
+    wf = workflow.model() if callable(getattr(workflow, "model", None)) else workflow.model_copy(deep=True)
     if site is None or not hasattr(site, "create_executor"):
         site = load_site(str(site or wf.site))
     return wf, site
@@ -98,12 +98,18 @@ def _bind(wf: Any, site: Any, bindings: dict[str, Any]) -> None:
 
 
 def _start(workflow: Any, site: Any, state: Any, resume: str | None, bindings: dict[str, Any]) -> Future:
-    from ...orchestrator.api import submit
+    from ...orchestrator.handle import RunHandle
+    from ...orchestrator.rundb import RunDB
+    from ...orchestrator.validate import check
+    from ...orchestrator.yamlio import ConfigError
     from ...store import Store
 
     wf, site_model = _model(workflow, site)
     _bind(wf, site_model, bindings)
-    handle = submit(wf, site_model, state=state, resume=resume, progress=False)
+    problems = check(wf, site_model, source=f"workflow {wf.name!r}", check_imports=False)
+    if problems:  # as px.submit does, before anything starts
+        raise ConfigError(problems)
+    handle = RunHandle.start(wf, site_model, db=RunDB(state), file="<parsl>", resume=resume)
     done = RunFuture(wf.name, handle.run_id)
 
     def wait() -> None:

@@ -1,0 +1,289 @@
+"""What the Airflow operators do with phalanx runs, without importing Airflow.
+
+Detached drivers (``_driver``: as ``phalanx run --detach``'s, for a workflow already loaded and
+checked in the worker, so one interpreter starts instead of two), cancelling a run from another
+process, the ranks' log lines of a run as they are written, the small manifest that goes to
+XCom, and where a task keeps its run id between tries.  Everything here reads the run database
+the way ``phalanx status`` does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ...orchestrator.rundb import FINAL, RunDB
+
+RUN_ID_KEY = "phalanx_run_id"     # the task-state key (Airflow >= 3.3) that keeps a task's run id
+DETACH_START_S = 300.0            # as `phalanx run --detach`: how long a driver may take to record its run
+_RANK_LINE = re.compile(r"^\[rank \d+\] ")
+
+
+class SubmitError(RuntimeError):
+    """The run did not start: a problem in the workflow, or its driver ended first (the message says)."""
+
+
+# ---- starting a run whose driver outlives the task (deferrable mode) ------------------------------
+def child_env() -> dict[str, str]:
+    """The environment of a driver started from a worker: what the worker can import (DAG
+    folder, plugins, its sys.path) the driver and its ranks can import too."""
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    old = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def pickle_functions_by_value(functions: Iterable[Any]) -> None:
+    """Functions of modules another process cannot import by name (a DAG file, which Airflow
+    loads as ``unusual_prefix_...``) travel by value, as functions of ``__main__`` do."""
+    import cloudpickle
+
+    for fn in functions:
+        module = getattr(fn, "__module__", None)
+        if not module or module == "__main__" or module not in sys.modules:
+            continue
+        top = module.partition(".")[0]
+        if top in sys.builtin_module_names or importlib.machinery.PathFinder.find_spec(top) is not None:
+            continue
+        cloudpickle.register_pickle_by_value(sys.modules[module])
+
+
+def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resume: str | None = None) -> str:
+    """Start a driver process for a checked workflow model (a ``px.Workflow``'s, functions by
+    value) the way ``phalanx run --detach`` starts one for a file; returns the run id once the
+    run is in the run database.  Its output goes to ``STATE/drivers/RUN.log``."""
+    import cloudpickle
+
+    from ...cli import driver_log
+    from ...private import create_private, opener, private_dir
+
+    pickle_functions_by_value(wf.apps.values())
+    specs = private_dir(db.state_dir / "airflow" / "specs", "workflows handed to detached drivers",
+                        "set PHALANX_STATE to a directory of your own")
+    spec = specs / f"{uuid.uuid4().hex}.pkl"
+    create_private(spec).write_bytes(cloudpickle.dumps(
+        {"workflow": wf, "site": site, "file": file, "resume": resume, "state": str(db.state_dir)}))
+    drivers = private_dir(db.state_dir / "drivers", "the logs of detached drivers",
+                          "set PHALANX_STATE to a directory of your own")
+    log = driver_log(db, resume) if resume else drivers / f".starting-{uuid.uuid4().hex}.log"
+    read, write = os.pipe()
+    try:
+        with open(log, "ab", opener=opener) as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "phalanx.integrations.airflow._driver", str(spec), str(write)],
+                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,),
+                start_new_session=True, env=child_env())
+    finally:
+        os.close(write)
+    run_id = _read_run_id(read, proc)
+    if not run_id:
+        spec.unlink(missing_ok=True)
+        raise SubmitError(f"the detached driver ended before its run started (exit code {proc.poll()}); "
+                          f"its output ({log}):\n{_tail(log)}")
+    if not resume:
+        os.replace(log, driver_log(db, run_id))
+        log = driver_log(db, run_id)
+    db.event(run_id, "detached", f"driver process {proc.pid}, log {log}")
+    return run_id
+
+
+def _read_run_id(fd: int, proc: subprocess.Popen) -> str:
+    data, deadline = b"", time.monotonic() + DETACH_START_S
+    with os.fdopen(fd, "rb") as pipe:
+        while not data.endswith(b"\n") and time.monotonic() < deadline:
+            if select.select([pipe], [], [], 0.5)[0]:
+                chunk = os.read(pipe.fileno(), 256)
+                if not chunk:
+                    break
+                data += chunk
+    if not data.endswith(b"\n") and proc.poll() is None:  # no run after DETACH_START_S: stop it
+        proc.kill()
+        proc.wait()
+    return data.decode().strip()
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+# ---- stopping a run from another process ---------------------------------------------------------
+def cancel_run(run_id: str, state: str | Path | None, wait: float = 30.0) -> str:
+    """Stop a run driven by another process of this host (``phalanx cancel``: its driver stops
+    every gang and waits until no rank process is left); returns the run's state after."""
+    import signal
+
+    from ...orchestrator.rundb import wait_exit
+
+    db = RunDB(state)
+    run = db.run(run_id)  # a driver that died unannounced makes the run "lost" here
+    if run is None or run["state"] in FINAL:
+        return run["state"] if run else "unknown"
+    pid = run["pid"]
+    if pid == os.getpid():
+        raise RuntimeError(f"run {run_id} is driven by this process: cancel its handle instead")
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    if not wait_exit(pid, wait):  # ranks leave a dead driver on their own (heartbeat, parent-death signal)
+        os.kill(pid, signal.SIGKILL)
+        wait_exit(pid, 10)
+    return (db.run(run_id) or {}).get("state", "unknown")
+
+
+# ---- the ranks' output ---------------------------------------------------------------------------
+class RankLogs:
+    """The lines ranks of a run write to their log files (``phalanx logs RUN``), as they come:
+    each ``poll()`` returns the complete lines written since the last, prefixed
+    ``[rank N] stage:`` (``stage#2`` from the second attempt on).  Attempts that started
+    before ``since`` (an earlier try's) are left out."""
+
+    def __init__(self, db: RunDB, run_id: str, since: float = 0.0):
+        self.db, self.run_id, self.since = db, run_id, since
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self, final: bool = False) -> list[str]:
+        lines: list[str] = []
+        for a in self.db.attempts(self.run_id):
+            if not a["log_dir"] or (a["started"] or 0) < self.since - 1:
+                continue
+            stage = a["stage"] if a["attempt"] == 1 else f"{a['stage']}#{a['attempt']}"
+            for f in sorted(Path(a["log_dir"]).glob("*.log"), key=_rank_order):
+                lines += self._read(f, stage, final)
+        return lines
+
+    def _read(self, path: Path, stage: str, final: bool) -> list[str]:
+        start = self._offsets.get(path, 0)
+        try:
+            with open(path, "rb") as f:
+                f.seek(start)
+                data = f.read()
+        except OSError:
+            return []
+        end = len(data) if final else data.rfind(b"\n") + 1  # a line still being written waits
+        if end <= 0:
+            return []
+        self._offsets[path] = start + end
+        rank = path.stem.split("-", 1)[1] if path.stem.startswith("rank-") else None
+        prefix = f"[rank {rank}] " if rank is not None else "[launcher] "
+        out = []
+        for raw in data[:end].decode(errors="replace").splitlines():
+            text = _RANK_LINE.sub("", raw, count=1)
+            out.append(f"{prefix}{stage}: {text}")
+        return out
+
+
+def _rank_order(path: Path) -> tuple[int, str]:
+    stem = path.stem
+    return (int(stem.split("-")[1]), stem) if stem.startswith("rank-") and stem[5:].isdigit() else (1 << 30, stem)
+
+
+# ---- what a run produced -------------------------------------------------------------------------
+def manifest(db: RunDB, run_id: str, store: Any) -> dict[str, Any]:
+    """The run's small manifest for XCom: run id, state, store session and each output dataset
+    with rows, bytes and partitioning (no data).  ``store``: a ``px.Store`` of the run's site."""
+    run = db.run(run_id) or {}
+    session = run.get("session", "")
+    sess = store.for_session(session) if session else store
+    outputs: dict[str, Any] = {}
+    for s in db.stages(run_id):
+        for name in s["outputs"]:
+            entry: dict[str, Any] = {"dataset": f"{session}/{name}", "stage": s["stage"]}
+            try:
+                info = sess.info(name)
+                entry.update(rows=info.num_rows, bytes=info.nbytes, partitions=info.num_partitions,
+                              partitioning=json.loads(json.dumps(info.partitioning, default=str)))
+            except Exception as exc:  # deleted since (phalanx store rm): say so, do not fail the task
+                rows, nbytes = s["outputs"][name]
+                entry.update(rows=rows, bytes=nbytes, missing=f"{type(exc).__name__}: {exc}")
+            outputs[name] = entry
+    return {"run_id": run_id, "workflow": run.get("workflow"), "state": run.get("state"), "session": session,
+            "store_root": str(store.root), "outputs": outputs, "status": f"phalanx status {run_id}"}
+
+
+def failure_report(db: RunDB, run_id: str) -> tuple[str, str]:
+    """(one line, the full text) of why a run did not succeed: each failed stage with its last
+    attempt's error (the failing rank's traceback included) and its log directory."""
+    run = db.run(run_id) or {"state": "unknown"}
+    stages = db.stages(run_id)
+    failed = [s for s in stages if s["state"] in ("failed", "lost", "cancelled")]
+    if not failed:
+        line = f"phalanx run {run_id} {run['state']}"
+        events = [e["message"] for e in db.events(run_id) if e["kind"] in ("failed", "lost")]
+        return line, line + (f": {events[-1]}" if events else "")
+    parts, first = [], None
+    for s in failed:
+        attempts = db.attempts(run_id, s["stage"])
+        last = attempts[-1] if attempts else {}
+        summary = (s["error"] or s["state"]).splitlines()[0]
+        first = first or f"stage {s['stage']!r} {s['state']}: {summary}"
+        parts.append(f"stage {s['stage']!r} {s['state']} after {s['attempts']} attempt(s): {s['error'] or ''}\n"
+                     f"{last.get('error') or ''}\n    logs: {last.get('log_dir', '-')}")
+    skipped = [s["stage"] for s in stages if s["state"] == "skipped"]
+    if skipped:
+        parts.append(f"did not run (an upstream stage failed): {', '.join(skipped)}")
+    line = f"phalanx run {run_id} {run['state']}: {first}"
+    return line, "\n".join([line, *parts])
+
+
+# ---- the run id a task keeps across its tries --------------------------------------------------------
+class TaskRunId:
+    """Where an Airflow task keeps the id of its phalanx run from one try to the next.
+
+    Airflow >= 3.3: the task instance's own state store (``context["task_state_store"]``, kept
+    across tries, scoped to dag run, task and map index).  Older 3.x have no such store (XCom is
+    cleared when a try starts): a small file in phalanx's state directory named by a digest of
+    (dag id, run id, task id, map index) keeps it instead.
+    """
+
+    def __init__(self, context: Any, db: RunDB):
+        self.store = context.get("task_state_store") if hasattr(context, "get") else None
+        ti = context["ti"]
+        key = json.dumps([ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1)])
+        self.key = key
+        self.path = db.state_dir / "airflow" / "runs" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".json")
+
+    def get(self) -> str | None:
+        if self.store is not None:
+            value = self.store.get(RUN_ID_KEY)
+            return str(value) if value else None
+        try:
+            return json.loads(self.path.read_text())["run_id"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    def set(self, run_id: str) -> None:
+        if self.store is not None:
+            self.store.set(RUN_ID_KEY, run_id)
+            return
+        from ...private import create_private, private_dir
+
+        private_dir(self.path.parent, "the phalanx runs of Airflow tasks", "set PHALANX_STATE to a directory of your own")
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        create_private(tmp).write_text(json.dumps({"run_id": run_id, "task": json.loads(self.key)}))
+        os.replace(tmp, self.path)
+
+
+def wait_polling(db: RunDB, run_id: str, interval: float, on_poll: Callable[[], None]) -> str:
+    """Poll the run DB until the run is finished (a dead driver's run reads "lost"); its state."""
+    from ...orchestrator.handle import run_status
+
+    while True:
+        on_poll()
+        status = run_status(db, run_id)
+        if status is None or status.finished:
+            return status.state if status else "unknown"
+        time.sleep(interval)

@@ -1,0 +1,464 @@
+"""The Airflow provider against a real Airflow 3 (marker ``airflow``).
+
+One temporary AIRFLOW_HOME for the session (SQLite, ``airflow db migrate`` once, no examples);
+its DAGs folder holds workflows/airflow/etl_dag.py and tests/airflow_dags/phalanx_test_dags.py.
+DAGs run through ``dag.test()`` in this process (tasks, triggers and the execution API in
+process, as Airflow's own DAG tests do) and once through ``airflow dags test``.  phalanx state
+(run database, logs) goes to a directory of the session; the store to conftest's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.airflow
+if importlib.util.find_spec("airflow") is None:  # never import it here: AIRFLOW_HOME first
+    pytest.skip("apache-airflow 3 is not installed (pip install 'phalanx[airflow]', or "
+                "bash scripts/setup-airflow.sh)", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+ETL_DAG = ROOT / "workflows" / "airflow" / "etl_dag.py"
+TEST_DAGS = TESTS / "airflow_dags" / "phalanx_test_dags.py"
+ETL_CONF = {"rows": 20_000, "epochs": 1}
+
+
+# ---- the session's Airflow ---------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def af():
+    """A migrated Airflow home (SQLite) for the session; this process is configured for it."""
+    if "airflow" in sys.modules and not os.environ.get("AIRFLOW_HOME", "").startswith(tempfile.gettempdir()):
+        pytest.fail("airflow was imported before the test's AIRFLOW_HOME was set")
+    home = Path(tempfile.mkdtemp(prefix="phalanx-airflow-"))
+    dags = home / "dags"
+    dags.mkdir()
+    for f in (ETL_DAG, TEST_DAGS):
+        (dags / f.name).symlink_to(f)
+    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+           "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "PHALANX_STATE": str(home / "phalanx-state"),
+           "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    r = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert r.returncode == 0, f"airflow db migrate failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    sys.path.insert(0, str(dags))
+    try:
+        yield SimpleNamespace(home=home, dags=dags, state=Path(env["PHALANX_STATE"]), modules={})
+    finally:
+        sys.path.remove(str(dags))
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def _module(af, path: Path):
+    if path.stem not in af.modules:
+        spec = importlib.util.spec_from_file_location(path.stem, af.dags / path.name)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        af.modules[path.stem] = mod
+    return af.modules[path.stem]
+
+
+def run_dag(af, capfd, module: Path, dag_id: str, conf: dict | None = None):
+    """``dag.test()`` of one DAG: (task id → final state, task id → XCom return value, the
+    output: every task's log lines)."""
+    from airflow.models.xcom import XComModel
+    from airflow.utils.session import create_session
+
+    dag = getattr(_module(af, module), "__dict__")
+    dag = next(d for d in dag.values() if getattr(d, "dag_id", None) == dag_id and hasattr(d, "test"))
+    import logging
+
+    records: list[str] = []
+
+    class Keep(logging.Handler):  # lines that go through stdlib logging rather than the task's stdout
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    keep = Keep(level=logging.INFO)
+    logging.getLogger().addHandler(keep)
+    capfd.readouterr()
+    try:
+        dr = dag.test(run_conf=conf)
+    finally:
+        logging.getLogger().removeHandler(keep)
+    out, err = capfd.readouterr()
+    err += "\n" + "\n".join(records)
+    with create_session() as session:
+        states = {ti.task_id: ti.state for ti in dr.get_task_instances(session=session)}
+        rows = session.scalars(XComModel.get_many(run_id=dr.run_id, dag_ids=dag_id)).all()
+        xcoms = {}
+        for row in rows:
+            xcoms.setdefault(row.task_id, {})[row.key] = XComModel.deserialize_value(row)
+    sys.stdout.write(out[-20000:])  # shown by pytest when the test fails
+    return states, xcoms, out + err
+
+
+def rundb():
+    from phalanx.orchestrator.rundb import RunDB
+
+    return RunDB()
+
+
+def our_processes(af) -> list[int]:
+    """Processes (drivers, ranks) of this session's phalanx state, besides this one: their
+    environment names its PHALANX_STATE (other sessions' test processes do not)."""
+    marker = f"PHALANX_STATE={af.state}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if marker in (entry / "environ").read_bytes().split(b"\0"):
+                status = (entry / "status").read_text()
+                if "\nState:\tZ" not in status:  # a zombie is gone, only not yet reaped
+                    found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def alive(pid: int) -> bool:
+    from phalanx.executors.base import pid_alive
+
+    return pid_alive(pid)
+
+
+def checksums(session: str, name: str) -> list[tuple[int, int, str]]:
+    import phalanx as px
+
+    info = px.Store(session=session).info(name)
+    return [(p.rows, p.bytes, p.checksum) for p in info.partitions]
+
+
+def same_outputs(reference: str, session: str) -> None:
+    """The ETL outputs of store session ``session`` are those of ``reference``."""
+    import phalanx as px
+
+    for name in ("transactions", "users"):  # seeded per rank: the same bytes
+        assert checksums(session, name) == checksums(reference, name), name
+    ref, got = px.Store(session=reference), px.Store(session=session)
+    a, b = ref.info("features"), got.info("features")
+    assert (a.schema, a.partitioning, [p.rows for p in a.partitions]) == \
+        (b.schema, b.partitioning, [p.rows for p in b.partitions])
+    for i in range(a.num_partitions):
+        key = [("user_id", "ascending")]
+        assert ref.partition(a, i).sort_by(key).equals(got.partition(b, i).sort_by(key)), f"features partition {i}"
+    m_ref, m_got = ref.read("train_metrics").to_pylist(), got.read("train_metrics").to_pylist()
+    assert [(m["epoch"], m["rows_seen"]) for m in m_ref] == [(m["epoch"], m["rows_seen"]) for m in m_got]
+    assert all(abs(x["loss"] - y["loss"]) < 1e-3 for x, y in zip(m_ref, m_got))
+
+
+# ---- the provider as Airflow sees it -------------------------------------------------------------
+def test_provider_is_registered_and_phalanx_does_not_import_airflow(af):
+    from airflow.providers_manager import ProvidersManager
+    from airflow.sdk import task
+
+    pm = ProvidersManager()
+    assert "phalanx" in pm.providers
+    assert callable(task.phalanx)
+    r = subprocess.run([sys.executable, "-c", "import sys, phalanx, phalanx.integrations.airflow as a; "
+                        "a.get_provider_info(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'airflow'))"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_default_deferrable_comes_from_airflow_config(af, monkeypatch):
+    from phalanx.integrations.airflow import PhalanxStageOperator
+
+    monkeypatch.setenv("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE", "True")
+    assert PhalanxStageOperator(task_id="a", app="m:f").deferrable is True
+    assert PhalanxStageOperator(task_id="b", app="m:f", deferrable=False).deferrable is False
+    monkeypatch.setenv("AIRFLOW__OPERATORS__DEFAULT_DEFERRABLE", "False")
+    assert PhalanxStageOperator(task_id="c", app="m:f").deferrable is False
+
+
+def test_run_id_kept_in_state_dir_where_airflow_has_no_task_state_store(af):
+    from phalanx.integrations.airflow._runs import TaskRunId
+
+    db = rundb()
+    ti = SimpleNamespace(dag_id="d", run_id="manual__x", task_id="t", map_index=-1)
+    keep = TaskRunId({"ti": ti}, db)  # Airflow < 3.3: no context["task_state_store"]
+    assert keep.get() is None
+    keep.set("20250101-000000-abcdef")
+    assert TaskRunId({"ti": ti}, db).get() == "20250101-000000-abcdef"  # the next try finds it
+    other = SimpleNamespace(dag_id="d", run_id="manual__x", task_id="t", map_index=3)
+    assert TaskRunId({"ti": other}, db).get() is None
+
+
+# ---- the trigger -----------------------------------------------------------------------------
+def test_trigger_serialises_polls_without_blocking_the_loop_and_is_idempotent(af, monkeypatch):
+    import phalanx.orchestrator.handle as handle
+
+    try:
+        from airflow.sdk._shared.module_loading import import_string
+    except ImportError:  # Airflow < 3.2
+        from airflow.utils.module_loading import import_string
+
+    from phalanx.integrations.airflow import PhalanxRunTrigger
+
+    db = rundb()
+    run_id, _ = db.new_run("trigger-test", "<python>", "local", None, {"s": 1})
+    path, kwargs = PhalanxRunTrigger(run_id, state=str(db.state_dir), poll_interval=0.01).serialize()
+    assert json.loads(json.dumps(kwargs)) == kwargs  # what the triggerer stores
+    trigger = import_string(path)(**kwargs)  # importable from the installed package
+
+    real = handle.run_status
+    reads = []
+    released = threading.Event()
+
+    def status_in_a_thread(db_, rid):
+        # Blocks until a coroutine of the same loop releases it: were the read done on the loop's
+        # thread, that coroutine could never run and this would time out.
+        assert threading.current_thread() is not threading.main_thread()
+        assert released.wait(20), "the trigger blocked the event loop"
+        reads.append(rid)
+        if len(reads) == 3:
+            db.set_run(run_id, "succeeded")
+        return real(db_, rid)
+
+    monkeypatch.setattr(handle, "run_status", status_in_a_thread)
+
+    async def main():
+        async def release():
+            await asyncio.sleep(0.05)
+            released.set()
+
+        async def first_event():
+            async for event in trigger.run():
+                return event.payload
+
+        _, event = await asyncio.gather(release(), first_event())
+        return event
+
+    event = asyncio.run(main())
+    assert event == {"run_id": run_id, "state": "succeeded", "polls": 3, "timed_out": False, "since": 0.0}
+    again = asyncio.run(main())  # run twice (a triggerer restarted): the same answer
+    assert again["state"] == "succeeded" and again["run_id"] == run_id
+
+
+def test_trigger_on_kill_cancels_a_detached_run_and_leaves_no_rank(af, tmp_path):
+    from phalanx.integrations.airflow import PhalanxRunTrigger
+
+    db = rundb()
+    r = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(TESTS / "airflow_dags" / "sleeper.yaml"),
+                        "--detach", f"--set=stages.sleep.params.dir={tmp_path}"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    assert r.returncode == 0, r.stderr
+    run_id = r.stdout.split()[0]
+    pids = _wait_for_pids(tmp_path, 2, db, run_id)
+    trigger = PhalanxRunTrigger(run_id, state=str(db.state_dir))
+    asyncio.run(trigger.on_kill())  # Airflow >= 3.3 calls it when a deferred task is marked failed or cleared
+    assert db.run(run_id)["state"] == "cancelled"
+    assert not [p for p in pids if alive(p)]
+    assert our_processes(af) == []
+
+
+def _wait_for_pids(d: Path, n: int, db, run_id: str, timeout: float = 120) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while len([p for p in d.glob("pid.*") if p.read_text().strip()]) < n:
+        run = db.run(run_id)
+        assert run["state"] == "running", f"run {run_id} is {run['state']} before its ranks started"
+        assert time.monotonic() < deadline, "the ranks never started"
+        time.sleep(0.05)
+    return [int(p.read_text()) for p in d.glob("pid.*")]
+
+
+# ---- the example DAG, both modes, against `phalanx run` ---------------------------------------------
+@pytest.fixture(scope="session")
+def reference_run(af):
+    """`phalanx run workflows/etl_to_training.yaml` with the DAG-run conf's sizes: its store session."""
+    r = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(ROOT / "workflows" / "etl_to_training.yaml"),
+                        "--plain", f"--set=stages.generate.params.rows={ETL_CONF['rows']}",
+                        f"--set=stages.train.params.epochs={ETL_CONF['epochs']}"],
+                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout.split("(store session '")[1].split("'")[0]
+
+
+ETL_OUTPUTS = ("transactions", "users", "features", "train_metrics")
+STAGE_TASKS = ("generate", "features", "train", "report")
+
+
+@pytest.mark.parametrize("dag_id", ["phalanx_etl", "phalanx_etl_deferrable"])
+def test_example_dag_matches_phalanx_run_byte_for_byte(af, capfd, reference_run, dag_id):
+    states, xcoms, log = run_dag(af, capfd, ETL_DAG, dag_id, ETL_CONF)
+    assert states == dict.fromkeys((*STAGE_TASKS, "etl_to_training"), "success"), states
+    deferred = dag_id.endswith("deferrable")
+    # every task ran its own phalanx run; each manifest is small and names its run and outputs
+    whole = xcoms["etl_to_training"]["return_value"]
+    assert whole["state"] == "succeeded" and set(whole["outputs"]) == set(ETL_OUTPUTS)
+    assert len(json.dumps(whole)) < 4000
+    for name in ETL_OUTPUTS:
+        entry = whole["outputs"][name]
+        assert entry["dataset"] == f"{whole['session']}/{name}"
+        assert entry["rows"] > 0 and entry["bytes"] > 0 and "kind" in entry["partitioning"]
+    runs = {t: xcoms[t]["return_value"]["run_id"] for t in (*STAGE_TASKS, "etl_to_training")}
+    assert len(set(runs.values())) == 5
+    db = rundb()
+    for task, run_id in runs.items():
+        assert db.run(run_id)["state"] == "succeeded"
+        assert f"phalanx status {run_id}" in log  # the task log names the run
+    # the stage tasks shared one store session (the DAG run's); downstream read upstream outputs
+    sessions = {xcoms[t]["return_value"]["session"] for t in STAGE_TASKS}
+    assert len(sessions) == 1
+    stage_outputs = {**xcoms["generate"]["return_value"]["outputs"], **xcoms["features"]["return_value"]["outputs"],
+                     **xcoms["train"]["return_value"]["outputs"]}
+    assert xcoms["generate"]["transactions"] == stage_outputs["transactions"]  # one XCom key per output
+    # the same outputs as `phalanx run` of the file: the generated data byte for byte (partition
+    # checksums); features as the same rows in each partition (phalanx's groupby/join emit rows in
+    # no fixed order, so two `phalanx run`s differ in order too); train_metrics the same epochs
+    for session in (whole["session"], stage_outputs["transactions"]["dataset"].split("/")[0]):
+        same_outputs(reference_run, session)
+    # the ranks' lines are in the task log, with their [rank N] prefix
+    assert "[rank 0] generate:" in log and "[rank 1] features:" in log and "[rank 0] train:" in log
+    assert "[rank 0] report: done" in log
+    if deferred:  # each task deferred to the trigger, which polled the run database
+        assert log.count("Pausing task as DEFERRED") == 5
+        assert "[DAG TEST] running trigger in line" in log
+        assert log.count("polls of the run database)") >= 5  # the trigger's own line (stdout or logging)
+        assert log.count("(the trigger polled the run database") == 5
+    else:
+        assert "Pausing task as DEFERRED" not in log
+
+
+# ---- failures, kills, timeouts, retries -----------------------------------------------------------
+def test_failing_rank_fails_the_task_with_its_traceback_in_the_log(af, capfd):
+    states, xcoms, log = run_dag(af, capfd, TEST_DAGS, "px_fail", {})
+    assert states == {"boom": "failed", "boom_deferred": "failed"}
+    # both tasks' logs carry rank 1's traceback (streamed, or fetched after the trigger fired)
+    assert log.count("ValueError: rank 1 refuses on purpose: tracebackword") >= 2
+    assert log.count("--- traceback of rank 1 ---") >= 2
+    assert log.count("in fail_on_rank") >= 2  # the frame of the app that raised
+    assert "[rank 1] boom: " in log and "[rank 1] boom_deferred: " in log  # the rank's own lines
+    assert "about to fail" in log
+    assert "return_value" not in xcoms.get("boom", {})
+    db = rundb()
+    failed = [r for r in db.runs(50) if r["workflow"] in ("px_fail.boom", "px_fail.boom_deferred")]
+    assert sorted(r["workflow"] for r in failed[:2]) == ["px_fail.boom", "px_fail.boom_deferred"]
+    assert all(r["state"] == "failed" for r in failed[:2])
+    assert our_processes(af) == []
+
+
+def test_execution_timeout_cancels_the_run_and_leaves_no_rank(af, capfd, tmp_path):
+    for name in ("sleep_inline", "sleep_deferred"):
+        (tmp_path / name).mkdir()
+    states, _, log = run_dag(af, capfd, TEST_DAGS, "px_timeout", {"dir": str(tmp_path)})
+    assert states == {"sleep_inline": "failed", "sleep_deferred": "failed"}
+    assert "AirflowTaskTimeout" in log
+    assert "execution_timeout (0:00:12) passed while deferred; the run was cancelled" in log
+    db = rundb()
+    runs = [r for r in db.runs(50) if r["workflow"] == "px-sleeper"][:2]
+    assert [r["state"] for r in runs] == ["cancelled", "cancelled"]
+    started = [int(p.read_text()) for p in tmp_path.glob("*/pid.*") if p.read_text().strip()]
+    assert not [p for p in started if alive(p)]
+    assert our_processes(af) == []
+
+
+def test_airflow_retry_resumes_the_run_and_reuses_sealed_outputs(af, capfd, tmp_path):
+    for name in ("retry_inline", "retry_deferred"):
+        (tmp_path / name).mkdir()
+    states, xcoms, log = run_dag(af, capfd, TEST_DAGS, "px_retry", {"dir": str(tmp_path)})
+    assert states == {"retry_inline": "success", "retry_deferred": "success"}
+    db = rundb()
+    for name in ("retry_inline", "retry_deferred"):
+        manifest = xcoms[name]["return_value"]
+        run_id = manifest["run_id"]
+        # one phalanx run over both tries: the first try's `seal` attempt is its only one
+        seal, flaky = db.attempts(run_id, "seal"), db.attempts(run_id, "flaky")
+        assert [(a["attempt"], a["state"]) for a in seal] == [(1, "succeeded")]
+        assert [(a["attempt"], a["state"]) for a in flaky] == [(1, "failed"), (2, "succeeded")]
+        assert any(e["kind"] == "reused" and e["stage"] == "seal" for e in db.events(run_id))
+        assert len((tmp_path / name / "seal.runs").read_text().splitlines()) == 1  # the app ran once
+        import phalanx as px
+
+        assert px.Store(session=manifest["session"]).read("second").column("total").to_pylist() == [6]
+        assert f"phalanx run {run_id} resumed" in log
+    assert log.count("not run again (outputs sealed by an earlier attempt): seal") == 2
+
+
+def test_deferred_task_holds_no_worker_slot_while_its_run_goes_on(af, capfd, tmp_path, monkeypatch):
+    """At the moment the worker hands the task to the triggerer, the phalanx run is still going
+    (its rank waits for the test), the task instance is DEFERRED with a PhalanxRunTrigger row,
+    and no task occupies a slot of any pool; then the trigger fires and the task completes."""
+    import airflow.sdk.execution_time.supervisor as supervisor
+    from airflow.models.pool import Pool
+    from airflow.models.taskinstance import TaskInstance
+    from airflow.models.trigger import Trigger
+    from airflow.utils.session import create_session
+
+    seen = {}
+    real = supervisor.run_task_in_process
+
+    def worker(ti, task):
+        result = real(ti=ti, task=task)
+        if result.ti.state == "deferred":  # the worker is done with the task: look before dag.test goes on
+            with create_session() as session:
+                row = session.query(TaskInstance).filter_by(dag_id=ti.dag_id, run_id=ti.run_id,
+                                                            task_id=ti.task_id, map_index=ti.map_index).one()
+                trigger = session.get(Trigger, row.trigger_id)
+                seen.update(state=row.state, trigger=trigger.classpath, kwargs=trigger.kwargs,
+                            occupied={p.pool: p.occupied_slots(session=session) for p in session.query(Pool)},
+                            pids=[int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text().strip()])
+            run_id = seen["kwargs"]["run_id"]
+            seen["run_state"] = rundb().run(run_id)["state"]
+            (tmp_path / "go").write_text("go")  # now the rank may finish
+        return result
+
+    monkeypatch.setattr(supervisor, "run_task_in_process", worker)
+    states, xcoms, log = run_dag(af, capfd, TEST_DAGS, "px_gated", {"dir": str(tmp_path)})
+    assert states == {"gated": "success"}
+    assert seen["state"] == "deferred"
+    assert seen["trigger"] == "phalanx.integrations.airflow.triggers.PhalanxRunTrigger"
+    assert seen["run_state"] == "running"  # the run went on while the task was deferred
+    assert seen["occupied"] and all(n == 0 for n in seen["occupied"].values()), seen["occupied"]
+    assert xcoms["gated"]["return_value"]["outputs"]["gated"]["rows"] == 1
+    assert "polls of the run database)" in log  # the trigger's own line
+
+
+# ---- Python workflows, the decorator, the CLI ----------------------------------------------------------
+def test_task_decorator_and_python_workflow_objects(af, capfd):
+    import phalanx as px
+
+    states, xcoms, log = run_dag(af, capfd, TEST_DAGS, "px_python", {})
+    assert states == dict.fromkeys(("numbers", "total", "object", "object_inline"), "success"), states
+    total = xcoms["total"]["return_value"]
+    assert total["outputs"]["total"]["rows"] == 1
+    assert px.Store(session=total["session"]).read("total").column("total").to_pylist() == [sum(range(100)) + 1]
+    assert xcoms["numbers"]["return_value"]["session"] == total["session"]  # the DAG run's session
+    assert "[rank 1] numbers: " in log and "numbers 50..99" in log and "[rank 0] total: " in log
+    for task in ("object", "object_inline"):
+        squares = xcoms[task]["return_value"]
+        got = px.Store(session=squares["session"]).read("squares").column("sq").to_pylist()
+        assert sorted(got) == [i * i for i in range(10)]
+
+
+def test_airflow_dags_test_cli(af):
+    r = subprocess.run([sys.executable, "-m", "airflow", "dags", "test", "px_cli"], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    assert "DagRun Finished: dag_id=px_cli" in out and "state=success" in out
+    assert "[rank 0] numbers: " in out
+    run_id = out.split("phalanx run ")[1].split()[0]
+    assert rundb().run(run_id)["state"] == "succeeded"

@@ -384,3 +384,16 @@ def test_import_phalanx_does_not_import_torch():
     code = ("import sys, phalanx as px; assert 'torch' not in sys.modules; "
             "assert callable(px.ml.loader) and callable(px.ml.ddp); assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- another run's dataset by its SESSION/NAME (as a stage's inputs name it) -----------------
+def app_ids_by_reference(env):
+    """The same batches from ``SESSION/ids`` as from ``ids`` with ``session=``."""
+    a = px.ml.loader(env, f"{SESSION}/ids", ["a", "b"], label="id", shuffle=None, batch_size=B)
+    b = px.ml.loader(env, "ids", ["a", "b"], label="id", shuffle=None, batch_size=B, session=SESSION)
+    return [y.numpy().tolist() for _, y in a], [y.numpy().tolist() for _, y in b]
+
+
+def test_a_dataset_of_another_session_is_named_session_slash_name(gang, store):
+    for by_ref, by_arg in gang.run(app_ids_by_reference):
+        assert by_ref == by_arg and sum(map(len, by_ref)) > 0

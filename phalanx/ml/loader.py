@@ -64,8 +64,11 @@ def loader(env: "BSPEnv", dataset: str, features: str | Sequence[str], label: st
     prefetch: chunks built ahead by a background thread (the next epoch's too, assuming
     ``set_epoch(epoch + 1)``); 0 builds in the consuming thread.  session: a store session
     other than the gang's.  verify: check every partition's checksum first (each partition by
-    one rank; a corrupted one fails the loader on every rank, naming it).
+    one rank; a corrupted one fails the loader on every rank, naming it).  ``dataset`` may be
+    ``SESSION/NAME`` (another run's output), as a stage's inputs may.
     """
+    if session is None and "/" in dataset:
+        session, _, dataset = dataset.rpartition("/")
     return Loader(env, dataset, features, label, batch_size=batch_size, shuffle=shuffle, seed=seed,
                   drop_last=drop_last, dtype=dtype, label_dtype=label_dtype, prefetch=prefetch,
                   session=session, verify=verify, chunk_bytes=chunk_bytes)

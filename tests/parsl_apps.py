@@ -66,3 +66,8 @@ def failing_stage(env):
 
 def trivial(env):
     return env.rank
+
+
+def totals_stage(env):
+    """A workflow stage reading a Parsl app's output (bound as its input tx): amount per user."""
+    return {"totals": env.input("tx").groupby("user").agg({"amount": "sum"})}

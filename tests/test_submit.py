@@ -155,7 +155,7 @@ def test_ctrl_c_in_px_run_or_leaving_the_interpreter_cancels_the_run(tmp_path, p
                                              params={{"dir": {str(tmp_path)!r}, "rows": 10}})])
         if sys.argv[1] == "exit":
             h = px.submit(wf, site=Site(name="t2", cores=2))
-            while not os.path.exists({str(tmp_path / "pid.1")!r}):
+            while not all(os.path.exists(os.path.join({str(tmp_path)!r}, f"pid.{{r}}")) for r in (0, 1)):
                 time.sleep(0.05)
             sys.exit(0)
         try:

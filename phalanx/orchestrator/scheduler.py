@@ -291,7 +291,7 @@ class Scheduler:
             results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
                                params=st.params, timeout=st.timeout)
         except (RankError, GangError) as exc:
-            return str(exc).splitlines()[0], str(exc), failed_ranks(gang, exc)
+            return error_summary(exc), str(exc), failed_ranks(gang, exc)
         else:  # a gang that just succeeded may serve the next stage of its size
             keep = (self.site.reuse_gangs and self.caps.reuse_gangs and gang.running
                     and not self._cancelled.is_set())
@@ -327,13 +327,22 @@ class Scheduler:
             error = f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
             return error, error, None
         except (RankError, GangError) as exc:  # a rank failed; the resource manager refused (bad partition...)
-            return str(exc).splitlines()[0], str(exc), failed_ranks(gang, exc)
+            return error_summary(exc), str(exc), failed_ranks(gang, exc)
         finally:
             self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
             with self._lock:
                 self._gangs.pop(name, None)
         self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
         return None
+
+
+def error_summary(exc: BaseException) -> str:
+    """A failure's one-line summary: its first line, with the line after it when the first only
+    introduces it ("gang of 2 could not start (...):" says nothing without its reason)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return f"{lines[0]} {lines[1]}" if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 class RunAllocations:

@@ -53,14 +53,43 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(host: str) -> socket.socket | None:
+    """A socket bound (not listening) to a free port of ``host``, with SO_REUSEADDR: while it
+    stays open the kernel gives that port to no other ``bind(0)`` nor outgoing connection (a
+    concurrent gang's Gloo listeners took a port between ``free_port`` and rank 0's bind), yet
+    rank 0 may still bind it with SO_REUSEADDR and listen.  None where ``host`` is not local."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 class TCPRendezvous(Rendezvous):
     scheme = "tcp"
+    _reserved: dict[str, socket.socket] = {}  # url -> the port's reservation, closed by cleanup
 
     @classmethod
     def prepare(cls, spec: str, gang_id: str, workdir: Path) -> str:
         u = urlparse(spec if "://" in spec else "tcp://")
         host = u.hostname or "127.0.0.1"
-        return f"tcp://{host}:{u.port or free_port(host)}"
+        if u.port:
+            return f"tcp://{host}:{u.port}"
+        sock = reserve_port(host)
+        if sock is None:  # not an address of this machine: free_port says why
+            return f"tcp://{host}:{free_port(host)}"
+        url = f"tcp://{host}:{sock.getsockname()[1]}"
+        cls._reserved[url] = sock
+        return url
+
+    @classmethod
+    def cleanup(cls, url: str) -> None:
+        sock = cls._reserved.pop(url, None)
+        if sock is not None:
+            sock.close()
 
     @classmethod
     def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):

@@ -13,11 +13,16 @@ from typing import Sequence
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 HASH_SEED = 0x5EED  # fixed: equal keys must land on the same rank on every rank and run
-# Names the hash function in stored partitioning: polars' row hash is stable only within one
-# polars version, so a dataset is reused as hash-partitioned only by the same function.
-HASH_ID = f"polars-{pl.__version__}-hash_rows-seed{HASH_SEED}-int64keys"
+# Integer keys (every key column an integer type, nulls counted as 0) hash with a numpy
+# multiplicative (Fibonacci) hash: deterministic across library versions and ~2x cheaper than
+# polars' row hash on one thread.  Other keys use polars' row hash, stable only within one
+# polars version.  The id names both, so a stored dataset is reused as hash-partitioned only
+# by the same functions.
+_FIB = np.uint64(0x9E3779B97F4A7C15)
+HASH_ID = f"px-fib64-int-keys|polars-{pl.__version__}-hash_rows-seed{HASH_SEED}"
 
 
 def to_polars(table: pa.Table) -> pl.DataFrame:
@@ -61,10 +66,88 @@ def normalize_keys(table: pa.Table, keys: Sequence[str]) -> pa.Table:
     return table
 
 
+def _int_key_arrays(table: pa.Table, keys: Sequence[str]) -> list[np.ndarray] | None:
+    """The key columns as int64 numpy arrays (nulls as 0), or None unless all are integers."""
+    out = []
+    for k in keys:
+        col = table.column(k)
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        if not pa.types.is_integer(col.type):
+            return None
+        if col.null_count:
+            col = pc.fill_null(col, 0)
+        if col.type != pa.int64():
+            col = col.cast(pa.int64())
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+        out.append(arr.to_numpy(zero_copy_only=False))
+    return out
+
+
+def _id_dtype(nparts: int) -> type:
+    return np.uint8 if nparts <= 1 << 8 else np.uint16 if nparts <= 1 << 16 else np.uint32
+
+
+_BLOCK = 1 << 16  # rows per block of the hash pass: its temporaries stay in cache
+
+
 def partition_ids(table: pa.Table, keys: Sequence[str], nparts: int) -> np.ndarray:
-    """The hash partition (0..nparts-1) of every row, from the key columns only."""
-    hashed = to_polars(normalize_keys(table.select(list(keys)), keys)).hash_rows(seed=HASH_SEED)
-    return (hashed % nparts).cast(pl.UInt32).to_numpy()
+    """The hash partition (0..nparts-1) of every row, from the key columns only (uint8 when
+    nparts <= 256, uint16 / uint32 above)."""
+    return partition_ids_counts(table, keys, nparts)[0]
+
+
+def partition_ids_counts(table: pa.Table, keys: Sequence[str], nparts: int) -> tuple[np.ndarray, np.ndarray]:
+    """``partition_ids`` and the number of rows per partition, in one pass."""
+    ints = _int_key_arrays(table, keys)
+    dtype = _id_dtype(nparts)
+    if ints is None:
+        hashed = to_polars(normalize_keys(table.select(list(keys)), keys)).hash_rows(seed=HASH_SEED)
+        ids = (hashed % nparts).cast(pl.UInt32).to_numpy().astype(dtype, copy=False)
+        return ids, np.bincount(ids, minlength=nparts)
+    n = table.num_rows
+    ids = np.empty(n, dtype=dtype)
+    counts = np.zeros(nparts, dtype=np.int64)
+    buf = np.empty(min(n, _BLOCK), dtype=np.uint64)
+    views = [a.view(np.uint64) for a in ints]
+    shift, scale = np.uint64(32), np.uint64(nparts)
+    for start in range(0, n, _BLOCK):
+        stop = min(n, start + _BLOCK)
+        h = buf[: stop - start]
+        np.multiply(views[0][start:stop], _FIB, out=h)
+        for more in views[1:]:
+            h ^= h >> np.uint64(29)
+            h ^= more[start:stop]
+            h *= _FIB
+        # the top 32 bits of the product scaled to [0, nparts): no modulo bias, no division
+        h >>= shift
+        h *= scale
+        h >>= shift
+        out = ids[start:stop]
+        out[...] = h
+        counts += np.bincount(out, minlength=nparts)
+    return ids, counts
+
+
+def split_by_ids(table: pa.Table, ids: np.ndarray, nparts: int,
+                 counts: np.ndarray | None = None) -> list[pa.Table]:
+    """Rows with id i (``ids`` as from ``partition_ids``) into table i, row order kept.
+
+    One counting pass (Arrow's stable sort of small integers is a counting sort), one gather
+    of every column into a single destination table, zero-copy slices per partition.  When
+    all rows share one id (a skewed key) nothing is copied.
+    """
+    if counts is None:
+        counts = np.bincount(ids, minlength=nparts)
+    empty = table.schema.empty_table()
+    full = np.flatnonzero(counts)
+    if len(full) <= 1:
+        return [table if i in full else empty for i in range(nparts)]
+    order = pc.array_sort_indices(pa.array(ids))
+    taken = table.take(order)
+    starts = np.concatenate([[0], np.cumsum(counts)])
+    return [taken.slice(int(starts[i]), int(counts[i])) if counts[i] else empty
+            for i in range(nparts)]
 
 
 def hash_partition(table: pa.Table, keys: Sequence[str], nparts: int) -> list[pa.Table]:
@@ -73,13 +156,8 @@ def hash_partition(table: pa.Table, keys: Sequence[str], nparts: int) -> list[pa
         return [table]
     if table.num_rows == 0:
         return [table] * nparts
-    pid = "__px_pid"
-    df = to_polars(table).with_columns(pl.Series(pid, partition_ids(table, keys, nparts)))
-    groups = df.partition_by(
-        pid, as_dict=True, include_key=False, maintain_order=True)
-    empty = table.schema.empty_table()
-    return [from_polars(groups[(i,)], table.schema) if (i,) in groups else empty
-            for i in range(nparts)]
+    ids, counts = partition_ids_counts(table, keys, nparts)
+    return split_by_ids(table, ids, nparts, counts)
 
 
 def sort(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.Table:

@@ -1,5 +1,13 @@
 """Global sort by sample sort with weighted, tie-broken splitters.
 
+One numeric sort column (ints, floats, dates, timestamps, durations; the common case) takes
+the range-partition-first plan: every rank samples its unsorted rows, all ranks agree on
+splitters, each row's destination comes from a vectorised binary search of an order-
+preserving uint64 code of its key, rows move in one counting pass + exchange, and every rank
+sorts only what it received, once.  Ties are broken by the global row position (rank, index),
+exactly the order a stable sort keeps, so a heavily repeated key still spreads over ranks.
+
+Other sorts (several columns, strings):
 1. Sort locally (stable, nulls last).  2. Every rank sends evenly spaced samples of its sort
 keys, each tagged with (rank, index) and weighted by how many rows it stands for.  3. All
 ranks pick the same splitters at the weighted quantiles.  4. Binary search places each
@@ -18,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import kernels
 from .common import check_columns
@@ -39,9 +48,12 @@ def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
         raise ValueError(f"sort_values: {len(by)} columns but {len(asc)} ascending flags")
     desc = [not a for a in asc]
     comm = df.env.comm
-    local = kernels.sort(df.to_arrow(), by, desc)
+    table = df.to_arrow()
     if comm.world_size == 1:
-        return local
+        return kernels.sort(table, by, desc)
+    if len(by) == 1 and _codable(table.schema.field(by[0]).type):
+        return _range_sort(comm, table, by[0], desc[0])
+    local = kernels.sort(table, by, desc)
     splitters = _splitters(comm, local, by, desc)
     if not splitters:  # no rank has a row
         return local
@@ -49,6 +61,103 @@ def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
     parts = [local.slice(cuts[i], cuts[i + 1] - cuts[i]) for i in range(comm.world_size)]
     received = concat(exchange_tables(comm, parts, local.schema), local.schema)
     return kernels.sort(received, by, desc)  # stable: ties keep source-rank order
+
+
+# ---- one numeric column: range-partition first, sort once --------------------------------------
+_SIGN = np.uint64(1 << 63)
+_NAN_CODE = np.uint64(0xFFF8000000000000)  # above +inf's code: NaN sorts after numbers
+MIN_SAMPLE = 1024  # samples per rank at least: balanced ranks even for unsorted input
+_TAG_SHIFT = 40  # rank << 40 | row index: a global position that orders rows like the frame
+
+
+def _codable(t: pa.DataType) -> bool:
+    return (pa.types.is_integer(t) or pa.types.is_temporal(t)
+            or pa.types.is_float32(t) or pa.types.is_float64(t))
+
+
+def _sort_codes(arr: pa.Array, descending: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """uint64 codes whose unsigned order is the sort order of the non-null values (ties equal;
+    NaN after numbers ascending, first descending, as polars), and the null mask (or None)."""
+    t = arr.type
+    nulls = None
+    if arr.null_count:
+        nulls = arr.is_null().to_numpy(zero_copy_only=False)
+        arr = pc.fill_null(arr, pa.scalar(0.0 if pa.types.is_floating(t) else 0, t))
+    if pa.types.is_floating(t):
+        f = arr.cast(pa.float64()).to_numpy() + 0.0  # -0.0 + 0.0 == +0.0: equal values, equal codes
+        bits = f.view(np.uint64)
+        code = np.where(bits & _SIGN, ~bits, bits | _SIGN)
+        nan = np.isnan(f)
+        if nan.any():
+            code[nan] = _NAN_CODE
+    elif pa.types.is_unsigned_integer(t):
+        code = arr.cast(pa.uint64()).to_numpy().copy()
+    else:  # signed ints; temporal types are integers underneath
+        if not pa.types.is_integer(t):
+            arr = arr.view(pa.int32() if t.bit_width == 32 else pa.int64())
+        code = arr.cast(pa.int64()).to_numpy().view(np.uint64) ^ _SIGN
+    if descending:
+        np.invert(code, out=code)
+    return code, nulls
+
+
+def _range_sort(comm, table: pa.Table, column: str, descending: bool) -> pa.Table:
+    col = table.column(column)
+    code, nulls = _sort_codes(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks(),
+                              descending)
+    n = len(code)
+    rank = comm.rank
+    # a sample of this rank's rows: (null?, code, global position), each standing for n/k rows
+    k = min(n, max(OVERSAMPLE * comm.world_size, MIN_SAMPLE))
+    idx = np.unique(np.random.default_rng([rank, n]).integers(0, n, k)) if k else np.zeros(0, np.int64)
+    sample = pa.table({
+        "null": pa.array(nulls[idx] if nulls is not None else np.zeros(len(idx), dtype=bool)),
+        "code": pa.array(code[idx]),
+        "tag": pa.array((np.int64(rank) << _TAG_SHIFT) + idx.astype(np.int64)),
+        "w": pa.array(np.full(len(idx), n / len(idx) if len(idx) else 0.0)),
+    })
+    every = concat(allgather_tables(comm, sample), sample.schema)
+    if every.num_rows == 0:  # no rank has a row
+        return table
+    s_null = every["null"].to_numpy(zero_copy_only=False)
+    s_code = every["code"].to_numpy()
+    s_tag = every["tag"].to_numpy()
+    order = np.lexsort((s_tag, s_code, s_null))
+    weights = np.cumsum(every["w"].to_numpy()[order])
+    total = weights[-1]
+    picks = [order[min(int(np.searchsorted(weights, total * i / comm.world_size)), len(order) - 1)]
+             for i in range(1, comm.world_size)]
+    ids = _range_ids(code, nulls, rank, s_null[picks], s_code[picks], s_tag[picks], comm.world_size)
+    parts = kernels.split_by_ids(table, ids, comm.world_size)
+    received = concat(exchange_tables(comm, parts, table.schema), table.schema)
+    # pieces arrive in source-rank order, each in its original order: a stable sort of what
+    # arrived is the global stable order
+    return kernels.sort(received, [column], [descending])
+
+
+def _range_ids(code: np.ndarray, nulls: np.ndarray | None, rank: int, sp_null: np.ndarray,
+               sp_code: np.ndarray, sp_tag: np.ndarray, nparts: int) -> np.ndarray:
+    """Destination of every row: the number of splitters that sort before it, comparing
+    (null?, code, global position) lexicographically.  Splitters are sorted that way."""
+    dtype = kernels._id_dtype(nparts)
+    nn = int((~sp_null).sum())  # non-null splitters come first
+    nn_code, nn_tag = sp_code[:nn], sp_tag[:nn]
+    lo = np.searchsorted(nn_code, code, side="left")
+    hi = np.searchsorted(nn_code, code, side="right")
+    ids = lo.astype(dtype)
+    tie = np.flatnonzero(hi > lo)  # rows whose key equals a splitter's: order by position
+    if len(tie):
+        pos = (np.int64(rank) << _TAG_SHIFT) + tie.astype(np.int64)
+        tlo, thi = lo[tie], hi[tie]
+        for start in np.unique(tlo):
+            m = tlo == start
+            stop = int(thi[m][0])
+            ids[tie[m]] += np.searchsorted(nn_tag[start:stop], pos[m], side="left").astype(dtype)
+    if nulls is not None and nulls.any():
+        rows = np.flatnonzero(nulls)
+        pos = (np.int64(rank) << _TAG_SHIFT) + rows.astype(np.int64)
+        ids[rows] = (nn + np.searchsorted(sp_tag[nn:], pos, side="left")).astype(dtype)
+    return ids
 
 
 def _splitters(comm, local: pa.Table, by: list[str], desc: list[bool]) -> list[tuple]:

@@ -185,11 +185,19 @@ def test_cli_run_reproduces_the_same_data(etl, tmp_path):
     assert {s["stage"]: s["state"] for s in db.stages(run["id"])} == dict.fromkeys(
         ["generate", "features", "train", "report"], "succeeded")
     again = px.Store(tmp_path / "store", run["session"])
-    for name in ("transactions", "users"):                        # seeded by (seed, rank)
-        assert again.read(name).equals(first.read(name)), name
-    pd.testing.assert_frame_equal(sorted_frame(again.read("features"), "user_id"),
-                                  sorted_frame(first.read("features"), "user_id"))
-    assert again.read("train_metrics").num_rows == EPOCHS
+    # Every dataset is the same bytes: generate is seeded by (seed, rank), features sorts each
+    # partition by user_id, train is seeded and its metrics hold no wall-clock time.
+    assert sorted(again.list()) == sorted(first.list()) == ["features", "train_metrics", "transactions", "users"]
+    for name in first.list():
+        a, b = first.info(name), again.info(name)
+        assert (b.schema, b.partitioning) == (a.schema, a.partitioning), name
+        assert [(p.rows, p.bytes, p.checksum) for p in b.partitions] == \
+            [(p.rows, p.bytes, p.checksum) for p in a.partitions], name
+        assert again.read(name).equals(first.read(name)), name      # and the tables, independently
+    for i in range(first.info("features").num_partitions):          # each partition sorted by user_id
+        ids = first.partition(first.info("features"), i)["user_id"].to_numpy()
+        assert (np.diff(ids) > 0).all()
+    assert again.read("train_metrics").column_names == ["epoch", "loss", "accuracy", "rows_seen"]
     status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run["id"]], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=60).stdout
     assert run["id"] in status and f"train_metrics {EPOCHS} rows" in status, status

@@ -5,7 +5,9 @@
     .venv/bin/python bench/store.py --quick    # up to 256 MB; 1M rows
 
 Put: one partition of S bytes written by ``Store.put`` (Arrow IPC to the store's directory,
-xxh3 checksum, atomic seal), next to ``np.copyto`` of S bytes (memcpy) on this machine.
+xxh3 checksum computed while writing, atomic seal), next to ``np.copyto`` of S bytes into
+memory already touched (memcpy) and ``os.write`` of S bytes into a new file of the store's
+directory (the kernel's cost of new tmpfs pages: what any put of new data pays at least).
 Get: ``Store.info`` + ``Store.partition`` (metadata lookup + memory-map), and how many bytes
 Arrow allocated while doing it (0 means zero-copy).  N→M: producer partitions written from the
 driver, consumer gang of M ranks calling ``env.store.get`` in each mode; it prints which path
@@ -16,6 +18,7 @@ pandas (bench/ml_loader.py, also runnable on its own).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -42,6 +45,25 @@ def memcpy_gbs(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
+def new_file_write_gbs(directory: Path, nbytes: int) -> float:
+    """``os.write`` of ``nbytes`` into a new file in ``directory`` (min of 3)."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    path = directory / f".bench-write-{time.time_ns()}"
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o600)
+        try:
+            view = memoryview(src)
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        times.append(time.perf_counter() - t)
+        path.unlink()
+    return nbytes / min(times) / 1e9
+
+
 def _timed(fn) -> float:
     t = time.perf_counter()
     fn()
@@ -51,29 +73,35 @@ def _timed(fn) -> float:
 def bench_put_get(store: px.Store, sizes_mb: list[int], reps: int) -> None:
     print("\n## put bandwidth and get latency (one partition; memory tier: %s)" % store.root)
     print(f"{'size':>8} {'put s':>8} {'put GB/s':>9} {'memcpy GB/s':>12} {'put/memcpy':>11} "
+          f"{'new-file write GB/s':>20} {'put/write':>10} "
           f"{'get ms (min/median)':>20} {'Arrow bytes allocated by get':>29}")
     for mb in sizes_mb:
         table = table_of_bytes(mb << 20)
         nbytes = table.nbytes
         puts = []
-        for r in range(reps):
-            puts.append(_timed(lambda: store.put("bench", table, replace=True)))
+        for r in range(reps):  # a session per rep, wiped at once (a replaced version would stay 300 s)
+            if r:
+                put_store.delete_session()
+            put_store = store.for_session(f"{store.session}-put{r}")
+            puts.append(_timed(lambda: put_store.put("bench", table)))
         put_s = min(puts)
         gets, allocated = [], 0
         for _ in range(max(reps, 5)):
             before = pa.total_allocated_bytes()
             t = time.perf_counter()
-            info = store.info("bench")
-            got = store.partition(info, 0)
+            info = put_store.info("bench")
+            got = put_store.partition(info, 0)
             gets.append(time.perf_counter() - t)
             allocated = max(allocated, pa.total_allocated_bytes() - before)
             assert got.num_rows == table.num_rows
             del got
         mc = memcpy_gbs(nbytes)
+        wr = new_file_write_gbs(Path(store.root), nbytes)
         put_gbs = nbytes / put_s / 1e9
         print(f"{mb:>6}MB {put_s:>8.3f} {put_gbs:>9.2f} {mc:>12.2f} {put_gbs / mc:>10.0%} "
+              f"{wr:>20.2f} {put_gbs / wr:>9.0%} "
               f"{min(gets) * 1e3:>9.2f} / {statistics.median(gets) * 1e3:>7.2f} {allocated:>29,}")
-    store.delete("bench")
+        put_store.delete_session()
 
 
 def app_get(env, session: str, name: str, mode: str, verify: bool = True):

@@ -78,6 +78,57 @@ def test_round_trip_of_every_type_with_info(store):
     assert summary["rows"] == 500 and len(summary["checksums"]) == 2
 
 
+def test_put_checksum_is_the_files_own_xxh3_and_the_file_is_arrows_ipc(store):
+    """The checksum a put computes while writing equals xxh3-64 of the file's bytes read back
+    independently, and the file is what Arrow's own IPC writer makes: many small buffers
+    (gathered writes), a column larger than one hashed piece, strings, dictionaries, nulls,
+    several record batches, an empty partition."""
+    import xxhash
+
+    from phalanx.store.tiers import HashingSink
+
+    big = pa.array(np.arange(3 * HashingSink.PIECE // 8 + 123, dtype=np.int64))  # > PIECE bytes
+    wide = pa.table({f"c{i}": pa.array([i, None, i + 1], pa.int32()) for i in range(200)})
+    batches = pa.concat_tables([every_type_table(300), every_type_table(200)])  # two batches
+    tables = [pa.table({"big": big}), wide, batches, every_type_table(0), every_type_table()]
+    for k, t in enumerate(tables):
+        info = store.put(f"p{k}", t)
+        part = info.partitions[0]
+        data = (Path(info.location) / "part-00000.arrow").read_bytes()
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, t.schema) as w:
+            w.write_table(t)
+        assert data == sink.getvalue().to_pybytes(), k          # Arrow's bytes, exactly
+        assert part.checksum == xxhash.xxh3_64_hexdigest(data) and part.bytes == len(data), k
+        back = store.read(f"p{k}")                               # its checksum verified on read
+        assert back.schema == t.schema and back.num_rows == t.num_rows, k
+
+
+def test_a_put_failing_inside_the_ipc_writer_leaves_nothing(store, monkeypatch):
+    """ENOSPC from a write in the middle of a partition (after some bytes were written and
+    hashed) fails the put with the OS error, and nothing is sealed or staged."""
+    import errno
+
+    from phalanx.errors import StoreError
+    from phalanx.store import tiers
+
+    real = tiers._write_all
+    written = []
+
+    def full(fd, view):
+        if sum(written) > 100_000:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(len(view))
+        real(fd, view)
+
+    monkeypatch.setattr(tiers, "_write_all", full)
+    with pytest.raises(StoreError, match=r"put 'f' partition 0: writing .*part-00000.arrow failed: "
+                                         r"\[Errno 28\] No space left on device"):
+        store.put("f", pa.table({"a": np.arange(1_000_000)}))
+    assert written and not store.exists("f")
+    assert [u for u in store.unsealed() if u.session == store.session] == []
+
+
 def test_datasets_are_immutable_unless_replaced(store):
     store.put("x", pa.table({"a": [1]}))
     old_location = store.info("x").location

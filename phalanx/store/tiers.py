@@ -41,6 +41,75 @@ def checksum_file(path: Path) -> str:
     return checksum_buffer(buf)
 
 
+class HashingSink:
+    """A write-only file for ``pa.PythonFile`` that writes to ``fd`` and computes the xxh3-64
+    of everything written on the way (the same digest as ``checksum_buffer`` of the file).
+
+    A large write (a column's buffer, handed over by the IPC writer without a copy) is hashed
+    and written ``PIECE`` bytes at a time, so each piece is read from memory once and is still
+    in cache when the kernel copies it into the file; small writes (IPC metadata, padding) are
+    gathered and written together.  Errors (ENOSPC) propagate out of the IPC writer."""
+
+    PIECE = 1 << 20        # hash a piece, then write it while it is in cache (chosen by measurement)
+    SMALL = 64 << 10       # writes below this are gathered
+
+    closed = False
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.size = 0
+        self._hash = xxhash.xxh3_64()
+        self._small = bytearray()
+
+    def write(self, data) -> int:
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        n = view.nbytes
+        if n < self.SMALL:
+            self._small += view
+            if len(self._small) >= self.SMALL:
+                self._flush_small()
+        else:
+            self._flush_small()
+            self._out(view)
+        self.size += n
+        return n
+
+    def _out(self, view: memoryview) -> None:
+        fd, update, piece = self.fd, self._hash.update, self.PIECE
+        for off in range(0, len(view), piece):
+            chunk = view[off:off + piece]
+            update(chunk)
+            _write_all(fd, chunk)
+
+    def _flush_small(self) -> None:
+        if self._small:
+            small, self._small = self._small, bytearray()
+            self._out(memoryview(small))
+
+    def flush(self) -> None:
+        self._flush_small()
+
+    def tell(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        # The owner flushes and closes the descriptor (write_partition); a close from the
+        # PythonFile wrapper later (garbage collection) must write nothing.
+        self.closed = True
+
+    def hexdigest(self) -> str:
+        if self._small:
+            raise RuntimeError("HashingSink: flush() before hexdigest()")
+        return self._hash.hexdigest()
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def part_file(index: int) -> str:
     return f"part-{index:05d}.arrow"
 
@@ -157,15 +226,26 @@ class FileTier(Tier):
         return str(self.root / session / ".staging" / tag)
 
     def write_partition(self, location: str, index: int, table: pa.Table) -> tuple[int, str]:
-        path = _new_partition(location, index)
-        with pa.OSFile(str(path), "wb") as sink:
-            with ipc.new_file(sink, table.schema) as writer:
+        # One pass over the rows: the IPC writer hands each buffer of the table (no copy) to a
+        # HashingSink, which hashes it and writes it to the file a cache-sized piece at a time
+        # (docs/store.md, "Put").  The file is never read back.
+        fd = os.open(_new_partition(location, index), os.O_WRONLY)
+        sink = HashingSink(fd)
+        try:
+            with ipc.new_file(pa.PythonFile(sink, mode="w"), table.schema) as writer:
                 writer.write_table(table)
-        return path.stat().st_size, checksum_file(path)
+            sink.flush()
+        finally:
+            sink.fd = -1  # nothing can write through a descriptor number that is reused later
+            os.close(fd)
+        return sink.size, sink.hexdigest()
 
     def write_buffer(self, location: str, index: int, buf: pa.Buffer) -> None:
-        with pa.OSFile(str(_new_partition(location, index)), "wb") as sink:
-            sink.write(buf)
+        fd = os.open(_new_partition(location, index), os.O_WRONLY)
+        try:
+            _write_all(fd, memoryview(buf))
+        finally:
+            os.close(fd)
 
     def read_buffer(self, location: str, index: int) -> pa.Buffer:
         # The buffer keeps the mapping alive; unlinking the file later does not invalidate it.

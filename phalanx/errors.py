@@ -55,7 +55,8 @@ class RankFailure:
 
 # How communication libraries word "the other side is gone".
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "connection closed", "MPI_ERR_PROC_FAILED")
+              "connection closed", "MPI_ERR_PROC_FAILED",
+              "Connection reset by remote peer")  # UCX (ucxx's UCXXConnectionResetError)
 
 
 class RankError(PhalanxError):

@@ -80,3 +80,14 @@ def _own_dir(base: Path, what: str, env: str) -> Path:
     """``<base>/phalanx-<user>``, private to this user (refused if someone else made it)."""
     return private_dir(base / f"phalanx-{getpass.getuser()}", f"holds {what}",
                        f"set {env} to a directory of your own")
+
+
+def default_shm_root() -> Path | None:
+    """Shared memory for the ranks' exchange segments (``runtime.comm.shm``) when the store root
+    is not on it: ``/dev/shm/phalanx-<user>``, refused if another user could write there; None
+    where the machine has no ``/dev/shm``.  ``PHALANX_SHM_DIR`` overrides it (read by the
+    communicator)."""
+    base = Path("/dev/shm")
+    if not base.is_dir():
+        return None
+    return _own_dir(base, "shared-memory exchange segments", "PHALANX_SHM_DIR")

@@ -25,6 +25,6 @@ bash scripts/setup-k8s.sh     # a Kubernetes control plane + real nodes for the 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,bench,ray,kubernetes,jupyter,parsl]"
+.venv/bin/python -m pip install -q -e ".[test,bench,ray,kubernetes,jupyter,parsl,ucx]"
 bash scripts/setup-airflow.sh  # Airflow 3 beside it (the airflow extra) and the provider entry point
 .venv/bin/python -c "import phalanx, torch, pyarrow, polars, duckdb; print('phalanx', phalanx.__version__, 'ready')"

@@ -1,5 +1,6 @@
-"""Communicator conformance: the contract (tests/conformance/comm_contract.py) on Gloo and MPI
-at every world size, plus library noise and mpirun fail-fast.
+"""Communicator conformance: the contract (tests/conformance/comm_contract.py) on Gloo (its
+shared-memory data path, the default on one host, and plain TCP with PHALANX_SHM=0), shm and
+MPI at every world size, plus library noise and mpirun fail-fast.
 
 One gang per (communicator, world size) lives for the whole module (starting one costs ~2 s).
 """
@@ -28,9 +29,14 @@ def _mpi_missing() -> str | None:
     return None
 
 
+UCX_SKIP = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
+                              reason="ucxx not installed (pip install 'phalanx[ucx]')")
 MPI_SKIP = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 CASES = [pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(("mpi", n), id=f"mpi-{n}", marks=[pytest.mark.mpi, MPI_SKIP]) for n in (1, 2, 3)
+    pytest.param(("gloo-tcp", n), id=f"gloo-tcp-{n}") for n in (2, 3)] + [
+    pytest.param(("shm", n), id=f"shm-{n}") for n in (1, 2, 3, 4)] + [
+    pytest.param(("mpi", n), id=f"mpi-{n}", marks=[pytest.mark.mpi, MPI_SKIP]) for n in (1, 2, 3)] + [
+    pytest.param(("ucx", n), id=f"ucx-{n}", marks=[pytest.mark.ucx, UCX_SKIP]) for n in (1, 2, 3)
 ]
 
 
@@ -38,14 +44,21 @@ CASES = [pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)] + [
 def comm_gang(request):
     communicator, ranks = request.param
     executor = "mpirun" if communicator == "mpi" else "local"
+    mp = pytest.MonkeyPatch()
+    if communicator == "gloo-tcp":  # Gloo's own data path: the shared-memory one turned off
+        communicator = "gloo"
+        mp.setenv("PHALANX_SHM", "0")
     g = px.Gang(ranks=ranks, executor=executor, communicator=communicator, echo=False)
-    g.start()
+    try:
+        g.start()
+    finally:
+        mp.undo()  # the ranks have their environment: later gangs get the default
     yield g
     g.close()
 
 
 class TestCommConformance(CommContract):
-    """Gloo and MPI at every world size (the ``comm_gang`` fixture above)."""
+    """Gloo, shm and MPI at every world size (the ``comm_gang`` fixture above)."""
 
 
 def test_no_library_noise_in_rank_output(tmp_path):
@@ -87,5 +100,34 @@ def test_mpirun_rank_failure_is_fast_and_leaves_no_process():
         assert launched.poll() is not None
         assert [pid for pid in below if _running(pid)] == []
         assert not gang.running
+    finally:
+        gang.close()
+
+
+# ---- ucx: a rank that dies mid-collective ----------------------------------------------------
+def app_rank_1_dies_in_alltoallv(env):
+    import os
+
+    import numpy as np
+
+    if env.rank == 1:
+        os._exit(3)
+    counts = [1 << 20] * env.world_size  # the survivors wait for rank 1's piece
+    env.comm.alltoallv(np.zeros(sum(counts), dtype=np.uint8), counts)
+
+
+@pytest.mark.ucx
+@UCX_SKIP
+def test_ucx_rank_death_fails_the_gang_fast_names_it_and_stops_the_others():
+    gang = px.Gang(ranks=3, communicator="ucx", echo=False)
+    try:
+        gang.start()
+        pids = list(gang.pids)
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match="exited with code 3") as info:
+            gang.run(app_rank_1_dies_in_alltoallv)
+        assert time.monotonic() - t0 < 30.0  # not the collective's 1800 s timeout
+        assert info.value.ranks[0] == 1
+        assert [pid for pid in pids if _running(pid)] == []
     finally:
         gang.close()

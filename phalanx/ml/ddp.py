@@ -25,7 +25,7 @@ def ddp(env: "BSPEnv", model: torch.nn.Module, **kwargs: Any) -> DistributedData
             f"px.ml.ddp needs the env of a gang rank (the first argument of an app run by "
             f"gang.run), got {type(env).__name__}: DDP runs inside a px.Gang, not in the driver")
     comm_name = getattr(env.comm, "name", type(env.comm).__name__)
-    if comm_name != "gloo":
+    if comm_name not in ("gloo", "shm"):  # shm's control plane is Gloo's process group
         raise RuntimeError(
             f"px.ml.ddp needs a gang with the gloo communicator (it reuses its torch.distributed "
             f"process group); this gang uses {comm_name!r}: start it with "

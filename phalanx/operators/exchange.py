@@ -1,9 +1,10 @@
-"""Moving Arrow tables between ranks: IPC streams over the communicator's alltoallv.
+"""Moving Arrow tables between ranks: IPC streams, through the communicator.
 
-Every destination's piece is written as its own IPC stream into one growing buffer, so the
-send side is a single contiguous buffer with no extra copy; the receive side reads each
-source's stream straight out of the receive buffer (zero-copy).  The piece a rank keeps for
-itself never leaves the process.
+Every destination's piece is written as its own IPC stream — into one send buffer for the
+communicator's alltoallv (the default, ``Communicator.exchange_tables``), or straight into a
+shared-memory segment the receivers map (``gloo`` on one host, ``shm``) — and the receive side
+reads each source's stream in place (zero-copy).  The piece a rank keeps for itself never
+leaves the process.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from ..runtime.comm.base import Communicator
+from ..runtime.comm.base import Communicator, read_ipc_stream
 
 
 def serialize(table: pa.Table) -> np.ndarray:
@@ -23,35 +24,18 @@ def serialize(table: pa.Table) -> np.ndarray:
 
 
 def deserialize(view) -> pa.Table:
-    return ipc.open_stream(pa.BufferReader(pa.py_buffer(view))).read_all()
+    return read_ipc_stream(view)
 
 
 def exchange_tables(comm: Communicator, parts: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
-    """alltoallv of tables: ``parts[i]`` goes to rank i; returns what each rank sent here."""
-    me = comm.rank
+    """alltoallv of tables: ``parts[i]`` goes to rank i; returns what each rank sent here.
+
+    The communicator moves them (``Communicator.exchange_tables``): IPC streams over its
+    alltoallv by default; through shared memory, written once and mapped by the receivers,
+    between co-located ranks of ``gloo`` and ``shm`` (``runtime/comm/shm.py``)."""
     if comm.world_size == 1:
         return [parts[0]]
-    sink = pa.BufferOutputStream()
-    counts = []
-    for dest, part in enumerate(parts):
-        if dest == me or part.num_rows == 0:
-            counts.append(0)
-            continue
-        start = sink.tell()
-        with ipc.new_stream(sink, schema) as writer:
-            writer.write_table(part)
-        counts.append(sink.tell() - start)
-    send = np.frombuffer(sink.getvalue(), dtype=np.uint8)
-    views = comm.exchange_contiguous(send, counts)
-    out = []
-    for src, view in enumerate(views):
-        if src == me:
-            out.append(parts[me])
-        elif view.nbytes == 0:
-            out.append(schema.empty_table())
-        else:
-            out.append(deserialize(view))
-    return out
+    return comm.exchange_tables(parts, schema)
 
 
 def allgather_tables(comm: Communicator, table: pa.Table) -> list[pa.Table]:

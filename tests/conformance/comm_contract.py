@@ -85,6 +85,43 @@ def app_alltoallv_large(env):
             _check_received(env.rank, views, lambda s, d: big_size(s, d, n)))
 
 
+def app_exchange_results_kept(env, rounds: int):
+    """Results of earlier exchanges stay intact while later ones run (a backend that reuses its
+    buffers — the shared-memory segments — must not overwrite what a caller still holds)."""
+    n = env.world_size
+    kept = []
+    for k in range(rounds):
+        def size(src, dst, k=k):
+            return 0 if src == dst else 1000 + 37 * k + 11 * src + dst
+        got = env.comm.exchange([payload(env.rank, d + 100 * k, size(env.rank, d)) for d in range(n)])
+        if k % 2 == 0:
+            kept.append((k, got))  # held across the next exchanges; the odd rounds' go at once
+    problems = []
+    for k, got in kept:
+        for src, view in enumerate(got):
+            want = payload(src, env.rank + 100 * k, 0 if src == env.rank else 1000 + 37 * k + 11 * src + env.rank)
+            if src != env.rank and not np.array_equal(np.frombuffer(view, dtype=np.uint8), want):
+                problems.append(f"rank {env.rank}: round {k} from {src} changed")
+    return problems
+
+
+def app_alltoallv_slices_kept(env, rounds: int):
+    """A slice of an alltoallv result, kept after the result itself was dropped, stays intact
+    while later alltoallvs run (a backend may reuse its receive buffers, never one in use)."""
+    n, me = env.world_size, env.rank
+    kept = []
+    for k in range(rounds):
+        counts = [5000 + 13 * k + d for d in range(n)]
+        send = np.concatenate([payload(me, d + 100 * k, c) for d, c in enumerate(counts)])
+        recv, recv_counts = env.comm.alltoallv(send, counts)
+        offs = np.concatenate([[0], np.cumsum(recv_counts)])
+        src = (me + 1) % n
+        kept.append((k, src, recv[offs[src]:offs[src + 1]]))  # only the slice survives
+        del recv
+    return [f"rank {me}: round {k} from {src} changed" for k, src, got in kept
+            if not np.array_equal(got, payload(src, me + 100 * k, 5000 + 13 * k + me))]
+
+
 def app_exchange_wrong_length(env):
     try:
         env.comm.exchange([b""] * (env.world_size + 1))
@@ -194,6 +231,14 @@ class CommContract:
             assert dtype == "|u1"
             assert counts == [big_size(s, rank, n) for s in range(n)]
             assert problems == []
+
+
+    def test_exchange_results_outlive_later_exchanges(self, comm_gang):
+        assert comm_gang.run(app_exchange_results_kept, 8) == [[]] * comm_gang.world_size
+
+
+    def test_alltoallv_results_outlive_later_alltoallvs(self, comm_gang):
+        assert comm_gang.run(app_alltoallv_slices_kept, 6) == [[]] * comm_gang.world_size
 
 
     def test_exchange_wrong_length(self, comm_gang):

@@ -275,8 +275,12 @@ class BSPApp:
         if placement == "mpi" and site is not None:
             raise ValueError("site= places the ranks with phalanx's executor for that site (placement='site'); "
                              "placement='mpi' starts them with the MPIExecutor's $PARSL_MPI_PREFIX")
-        if communicator not in (None, "gloo", "mpi"):
-            raise ValueError(f"communicator must be 'gloo' or 'mpi', got {communicator!r}")
+        if communicator is not None:
+            from ...runtime.comm import communicators
+
+            if communicator not in communicators.names():
+                raise ValueError(f"communicator must be one of {', '.join(communicators.names())}, "
+                                 f"got {communicator!r}")
         for out in outputs:
             from ...orchestrator.models import check_name
 

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pickle
 from abc import ABC, abstractmethod
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 ReduceOp = str  # "sum" | "min" | "max"
 
@@ -72,6 +75,36 @@ class Communicator(ABC):
         mv = memoryview(recv)
         return [mv[int(offsets[i]):int(offsets[i + 1])] for i in range(self.world_size)]
 
+    def exchange_tables(self, parts: "list[pa.Table]", schema: "pa.Schema") -> "list[pa.Table]":
+        """alltoallv of Arrow tables: ``parts[i]`` goes to rank i; returns what each rank sent
+        here, in rank order (``parts[rank]`` itself for this rank: it never leaves the process).
+
+        This default writes every destination's piece as its own IPC stream into one send
+        buffer, moves it with ``exchange_contiguous`` and opens each received stream in place
+        (zero-copy); a backend with a faster table path (shared memory) overrides it."""
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        if len(parts) != self.world_size:
+            raise ValueError(f"exchange_tables needs {self.world_size} tables, got {len(parts)}")
+        me = self.rank
+        if self.world_size == 1:
+            return [parts[0]]
+        sink = pa.BufferOutputStream()
+        counts = []
+        for dest, part in enumerate(parts):
+            if dest == me or part.num_rows == 0:
+                counts.append(0)
+                continue
+            start = sink.tell()
+            with ipc.new_stream(sink, schema) as writer:
+                writer.write_table(part)
+            counts.append(sink.tell() - start)
+        send = np.frombuffer(sink.getvalue(), dtype=np.uint8)
+        views = self.exchange_contiguous(send, counts)
+        return [parts[me] if src == me else (read_ipc_stream(view) if view.nbytes else schema.empty_table())
+                for src, view in enumerate(views)]
+
     def allgather_obj(self, obj: Any) -> list[Any]:
         payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
         return [pickle.loads(memoryview(b)) for b in self.allgather_bytes(payload)]
@@ -127,3 +160,35 @@ class Communicator(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
+
+
+# ---- Arrow IPC streams in caller-provided memory (used by exchange_tables) --------------------
+def ipc_stream_size(table: "pa.Table", schema: "pa.Schema") -> int:
+    """The bytes ``write_ipc_stream`` will write for ``table``: metadata only, no data copied."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    sink = pa.MockOutputStream()
+    with ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table)
+    return sink.size()
+
+
+def write_ipc_stream(table: "pa.Table", schema: "pa.Schema", out: np.ndarray) -> None:
+    """``table`` as one IPC stream into the uint8 array ``out`` (exactly ``ipc_stream_size`` long)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    sink = pa.FixedSizeBufferWriter(pa.py_buffer(out))
+    with ipc.new_stream(sink, schema) as writer:
+        writer.write_table(table)
+    if sink.tell() != out.size:
+        raise RuntimeError(f"IPC stream of {sink.tell()} bytes, {out.size} were planned")
+
+
+def read_ipc_stream(view: Any) -> "pa.Table":
+    """The table in one IPC stream, read in place: its buffers point into ``view`` (and keep it alive)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    return ipc.open_stream(pa.BufferReader(pa.py_buffer(view))).read_all()

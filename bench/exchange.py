@@ -18,7 +18,8 @@ communicator, in the same rank processes:
 - ``tables``: ``exchange_tables`` of int64 tables of S bytes (IPC written once, read in place).
 
 Communicators: ``gloo-tcp`` (Gloo's TCP pairs: PHALANX_SHM=0), ``shm`` (the shared-memory path;
-``gloo`` on one host uses the same), ``mpi`` where mpirun and mpi4py are installed.
+``gloo`` on one host uses the same), ``mpi`` where mpirun and mpi4py are installed, ``ucx``
+where ucxx is (tcp/lo on this machine: for RDMA clusters, not one host).
 Machine load (/proc/loadavg, /proc/pressure/cpu) is printed before and after: on a shared
 machine the numbers move with it.
 """
@@ -123,6 +124,7 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     default = "gloo-tcp,shm" + (",mpi" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "")
+    default += ",ucx" if importlib.util.find_spec("ucxx") else ""
     ap.add_argument("--comms", default=default)
     ap.add_argument("--json", help="also write the numbers here")
     args = ap.parse_args()

@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+command -v gcc >/dev/null || need+=(gcc)   # radical.pilot's dependencies build C extensions from sdists
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
@@ -25,6 +26,6 @@ bash scripts/setup-k8s.sh     # a Kubernetes control plane + real nodes for the 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,bench,ray,kubernetes,jupyter,parsl,ucx]"
+.venv/bin/python -m pip install -q -e ".[test,bench,ray,kubernetes,jupyter,parsl,ucx,radical]"
 bash scripts/setup-airflow.sh  # Airflow 3 beside it (the airflow extra) and the provider entry point
 .venv/bin/python -c "import phalanx, torch, pyarrow, polars, duckdb; print('phalanx', phalanx.__version__, 'ready')"

@@ -35,7 +35,7 @@ def pytest_addoption(parser):
     parser.addoption(
         "--site", action="append", default=[], metavar="NAME",
         help="conformance suite: run the executor contract on these sites only (repeatable or "
-             "comma-separated: local, mpirun, slurm, slurm-pilot, ray, k8s-local; default: all of them)")
+             "comma-separated: local, mpirun, slurm, slurm-pilot, ray, k8s-local, radical-local; default: all of them)")
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -25,6 +25,8 @@ executors.register("ray", "phalanx.executors.ray:RayExecutor", extra="ray",
                    config="phalanx.executors.ray.config:RayConfig")
 executors.register("kubernetes", "phalanx.executors.kubernetes:KubernetesExecutor", extra="kubernetes",
                    config="phalanx.executors.kubernetes.config:KubernetesConfig")
+executors.register("radical", "phalanx.executors.radical:RadicalExecutor", extra="radical",
+                   config="phalanx.executors.radical.config:RadicalConfig")
 
 DEFAULT = "local"        # a gang or site that names no executor
 DEFAULT_MPI = "mpirun"   # ... with communicator mpi: MPI ranks must be started by an MPI launcher

@@ -203,7 +203,8 @@ class _SiteFields(_Strict, Located):
                                  "executor holds (this machine's cores, a SLURM pilot's ntasks, a Ray "
                                  "cluster's CPUs)")
     memory_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True)
-    communicator: Literal["gloo", "mpi"] = "gloo"
+    communicator: str = Field("gloo", description="gloo | shm | mpi | ucx, or a plug-in's name (the "
+                              "communicators registry)")
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
     driver_host: str = Field(
@@ -235,7 +236,9 @@ class _SiteFields(_Strict, Located):
     @classmethod
     def _mpi_needs_an_mpi_launcher(cls, value: str, info: ValidationInfo) -> str:
         from ..executors import capabilities, executors
+        from ..runtime.comm import communicators
 
+        _one_of("communicator", value, communicators.names())
         executor = info.data.get("executor")  # absent when it was invalid itself
         if value == "mpi" and executor and not capabilities(executor).mpi_world:
             mpi = [n for n in executors.names() if capabilities(n).mpi_world]

@@ -23,9 +23,10 @@ from typing import Any
 
 import pytest
 
-SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local")
+SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local", "radical-local")
 MARKS = {"local": [], "mpirun": [pytest.mark.mpi], "slurm": [pytest.mark.slurm],
-         "slurm-pilot": [pytest.mark.slurm], "ray": [pytest.mark.ray], "k8s-local": [pytest.mark.kubernetes]}
+         "slurm-pilot": [pytest.mark.slurm], "ray": [pytest.mark.ray], "k8s-local": [pytest.mark.kubernetes],
+         "radical-local": [pytest.mark.radical]}
 SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
 N = 3  # ranks of the contract's gangs: uneven exchanges, a victim in the middle, spread over 3 nodes
 
@@ -144,6 +145,8 @@ class ContractSite:
             left += self._ray_left(gang_ids, facts)
         if self.backend == "kubernetes":
             left += [f"kubernetes {what}" for what in self._k8s_objects(gang_ids)]
+        if self.backend == "radical":
+            left += self._radical_left(gang_ids, allocations)
         return left
 
     def wait_nothing_left(self, gang_ids=(), facts=(), within: float = 15.0, allocations: bool = True) -> list[str]:
@@ -264,6 +267,36 @@ class ContractSite:
                 except Exception:
                     pass
 
+    # -- radical ----------------------------------------------------------------------------
+    def _radical_sandboxes(self, gang_ids: set[str]) -> list[tuple[Path, Path]]:
+        """(task sandbox, pilot sandbox) of these gangs' RP tasks: RP names a task's directory
+        after its uid (phalanx-<gang id>), in its pilot's under the site's radical.sandbox."""
+        root = Path(self.data["radical"]["sandbox"]) / "radical.pilot.sandbox"
+        found = []
+        for gang in gang_ids:
+            for task in root.glob(f"*/*/*{gang}*"):
+                if task.is_dir():
+                    found.append((task, task.parent))
+        return found
+
+    def _radical_left(self, gang_ids: set[str], allocations: bool = True) -> list[str]:
+        """Processes working in these gangs' task sandboxes (mpiexec, the ranks' wrappers) and,
+        with ``allocations``, in their pilots' (RP's agent and its components)."""
+        from phalanx.executors.radical.pilot import processes_in
+
+        left = []
+        for task, pilot in self._radical_sandboxes(gang_ids):
+            for where, kind in ((task, "task"), (pilot, "pilot")) if allocations else ((task, "task"),):
+                for pid in processes_in(where):
+                    if pid_alive(pid):
+                        try:
+                            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                        except OSError:
+                            cmd = "?"
+                        left.append(f"radical {kind} {where.name}: process {pid} ({cmd[:60]})")
+        return list(dict.fromkeys(left))
+
     def slurm(self, *args: str) -> str:
         r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": self.slurm_conf},
                            capture_output=True, text=True, timeout=60)
@@ -320,6 +353,11 @@ class ContractSite:
                 kind, name = what.split(" ", 1)
                 if kind == "job":
                     delete_gang(self._kube(), self.data["kubernetes"].get("namespace", "default"), name)
+        if self.backend == "radical":
+            from phalanx.executors.radical.pilot import sweep
+
+            for _task, pilot in self._radical_sandboxes(self.seen.gang_ids):
+                sweep(pilot, grace_s=1.0)
         if self.backend == "ray":
             import ray
             from ray.util.placement_group import PlacementGroup, placement_group_table
@@ -429,5 +467,28 @@ def build(name: str, request) -> ContractSite:
         }
         return ContractSite(name, data, "kubernetes", impossible=impossible,
                             waiting=r"kubernetes: .*Unschedulable.*Insufficient cpu")
+    if name == "radical-local":
+        from infra.radical import available, site_data
+
+        reason = available()
+        if reason:
+            pytest.skip(f"site 'radical-local': {reason}")
+
+        # RP's files (the session, the pilots' sandboxes) in pytest's temporary directory;
+        # 4 cores: the pilot is 2 "nodes" of this machine's cores (oversubscribed on a small
+        # one, like the local site), so the suite's gangs of 3 fit and a gang of 5 never does
+        base = request.getfixturevalue("tmp_path_factory").getbasetemp() / "radical-local"  # one RP session for all
+        base.mkdir(exist_ok=True)
+        data = site_data(str(base), cores=4)
+        data.update(_SUITE)
+        # the pilot's size is known before it runs: the gang fails at once, as a SLURM pilot's
+        # step does (RP's own "task can never be scheduled" once the pilot is up: test_radical.py)
+        impossible = {
+            "more-ranks-than-it-has": {"ranks": 5, "reason": r"radical: a gang of 5 ranks .*does not fit the "
+                                                             r"pilot's 4 cores"},
+            "an-impossible-request": {"ranks": 1, "site": {"radical": {"gpus_per_rank": 1}},
+                                      "reason": r"radical: a gang of 1 ranks x 1 GPUs does not fit the pilot's 0 GPUs"},
+        }
+        return ContractSite(name, data, "radical", impossible=impossible)
     raise ValueError(name)
 

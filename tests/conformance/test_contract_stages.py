@@ -130,7 +130,8 @@ def test_cancelling_a_run_leaves_nothing_behind(site, tmp_path):
                                            "params": {"dir": str(tmp_path), "go": str(tmp_path / "never")}})
     handle = px.submit(wf, site=site.model(), state=tmp_path / "state")
     try:
-        wait_for_files(tmp_path, "wait", N, within=60, alive=lambda: not handle.done())
+        # the run's own allocation (a SLURM pilot, a RADICAL-Pilot pilot) starts within its gang's start timeout
+        wait_for_files(tmp_path, "wait", N, within=site.model().start_timeout, alive=lambda: not handle.done())
     finally:
         t0 = time.monotonic()
         stopped = handle.cancel(timeout=30)

@@ -5,7 +5,7 @@ shared by that executor's gangs only, cancelled by its ``close_run`` — never b
 in the same process.
 
 A pilot started for a driver's gangs ends with that driver: its batch script holds a TCP
-connection to a listener of the driver (``_Beacon``, on the address the ranks reach the
+connection to a listener of the driver (``network.Beacon``, on the address the ranks reach the
 driver at) and exits when it closes — the driver exited or was killed — so SLURM ends the
 job and every step on it.  The run DB has its record too (``commands.allocation``).
 """
@@ -13,7 +13,6 @@ job and every step on it.  The run DB has its record too (``commands.allocation`
 from __future__ import annotations
 
 import shlex
-import socket
 import sys
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any, Mapping, Sequence
 from ...errors import GangError
 from ...paths import default_log_root
 from ..base import AllocationHook, held, released
+from ..network import Beacon
 from .commands import HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site, _wait_inactive, allocation
 from .config import SlurmConfig, SlurmPilotConfig
 
@@ -86,7 +86,7 @@ class SlurmPilot:
         self._closing = False  # close() waits for the lock: a start() waiting in the queue gives up
         self._hook: AllocationHook | None = None   # the hook told of the current job
         self._record: dict | None = None
-        self._beacon: _Beacon | None = None
+        self._beacon: Beacon | None = None
 
     @classmethod
     def from_config(cls, config: SlurmConfig, site: str = "slurm",
@@ -156,8 +156,8 @@ class SlurmPilot:
             args.append("--exclusive")  # no size given: whole nodes
         hold = "exec sleep infinity"
         if driver:
-            self._beacon = _Beacon(driver.rpartition(":")[0])
-            hold = "exec " + shlex.join([sys.executable, "-c", _HOLDER, *self._beacon.address])
+            self._beacon = Beacon(driver.rpartition(":")[0])
+            hold = "exec " + shlex.join([sys.executable, "-c", _HOLDER, *map(str, self._beacon.address)])
         body = "\n".join(["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps",
                           *self.prologue, hold, ""])
         self._hook, self._record = hook, allocation("pilot", name, self.slurm)
@@ -210,29 +210,3 @@ class SlurmPilot:
 
     def __repr__(self) -> str:
         return f"<SlurmPilot job={self.job_id} {self.info.state if self.info else '-'}>"
-
-
-class _Beacon:
-    """A listener whose connections this process holds open until it ends: a pilot's holder
-    connects and exits on end of file (the driver is gone)."""
-
-    def __init__(self, host: str):
-        self.sock = socket.create_server((host, 0))
-        self.conns: list[socket.socket] = []
-        threading.Thread(target=self._accept, name="phalanx-pilot-beacon", daemon=True).start()
-
-    @property
-    def address(self) -> tuple[str, str]:
-        host, port = self.sock.getsockname()[:2]
-        return host, str(port)
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                self.conns.append(self.sock.accept()[0])
-            except OSError:  # closed
-                return
-
-    def close(self) -> None:
-        for s in [self.sock, *self.conns]:
-            s.close()

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 import phalanx as px
 from phalanx.procs import pid_alive
@@ -247,6 +248,34 @@ class TestMPIExecutorHere:
         with pytest.raises(ValueError, match="persistent"):
             bsp_app(ranks=2, persistent=True)(parsl_apps.trivial)()
         assert dfk_for.task_count == before  # nothing reached Parsl
+
+
+@pytest.mark.slurm
+@pytest.mark.mpi
+class TestSlurmProviderMPI:
+    """The MPI communicator on a SlurmProvider block: the site's ``slurm.mpi: pmix`` becomes the
+    block's SLURM_MPI_TYPE, so Parsl's srun prefix starts one MPI world.  One fake node: PMIx
+    cannot span this machine's fake nodes (they share /tmp, where it keeps per-step files)."""
+
+    @staticmethod
+    def site_args(request):
+        request.getfixturevalue("slurm_cluster")
+        pytest.importorskip("mpi4py", reason="mpi4py is not installed (pip install 'phalanx[mpi]')")
+        site = yaml.safe_load((ROOT / "site-configs" / "slurm-local.yaml").read_text())
+        site["slurm"]["mpi"] = "pmix"
+        path = request.getfixturevalue("tmp_path_factory").mktemp("site") / "slurm-mpi.yaml"
+        path.write_text(yaml.safe_dump(site))
+        return str(path), {"mode": "mpi", "nodes_per_block": 1, "ranks_per_node": 2}
+
+    def test_chain_in_one_mpi_world_matches_duckdb(self, dfk_for):
+        from phalanx.integrations.parsl import bsp_app, output
+
+        gen = bsp_app(ranks=2, ranks_per_node=2, communicator="mpi", outputs=["tx", "users"])(parsl_apps.generate)
+        mg = bsp_app(ranks=2, ranks_per_node=2, communicator="mpi", launcher="srun",
+                     outputs=["by_region"])(parsl_apps.merge_groupby)
+        a = gen(ROWS, SEED)
+        b = mg(output(a, "tx"), output(a, "users"))
+        _assert_chain(a, b, "mpi")
 
 
 @pytest.mark.slurm

@@ -205,6 +205,8 @@ def _slurm_mpi(site: Any, label: str, address: str, workers: int, nodes_per_bloc
         if opts.get(key) not in (None, False):
             scheduler.append(f"#SBATCH --{key}" + ("" if opts[key] is True else f"={opts[key]}"))
     lines = init + list(cfg.prologue if cfg is not None else []) + [worker_init]
+    if cfg is not None and cfg.mpi:  # srun's --mpi for the ranks' steps (communicator: mpi), as the executor's
+        lines.insert(0, f"export SLURM_MPI_TYPE={shlex.quote(cfg.mpi)}")
     provider = slurm_provider(
         conf=cfg.conf if cfg is not None else None,
         partition=_str(opts.get("partition")), account=_str(opts.get("account")), qos=_str(opts.get("qos")),

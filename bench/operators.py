@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Operator benchmark: phalanx against pandas, Polars, DuckDB and Dask on identical data.
+"""Operator benchmark: phalanx against pandas, Polars, DuckDB, Dask, Spark, Daft and Ray Data
+on identical data.
 
     .venv/bin/python bench/operators.py                 # 1M and 10M rows, 1 and 2 ranks, 3 reps
     .venv/bin/python bench/operators.py --quick         # 1M rows, 1 rep
     .venv/bin/python bench/operators.py --rows 1000000 --ranks 2 --reps 5
+    .venv/bin/python bench/operators.py --peers duckdb,polars,spark,spark-cluster,daft,ray,dask
 
 Workloads (tables A and B, int64 columns ``key`` and ``value``, N rows each, key ~ U[0, N/f)
 with f = --key-frac, 0.21 by default: ~90% distinct keys, as in the CylonFlow paper):
@@ -19,13 +21,37 @@ R-rank gang generates its own C/R consecutive chunks (at R = C that is "seeded b
 inside the app: nothing is shipped from the driver.  Every peer builds the same chunks and
 concatenates them, so all engines and all rank counts see the same rows.
 
-Timing.  phalanx: one ``px.Gang`` per rank count, alive for the whole run; the operator runs
-between two ``env.comm.barrier()`` calls, its result fully materialised (an Arrow partition on
-every rank); per repetition the max over ranks, then the min over repetitions.  Peers run in
-subprocesses of this script (``--peer ENGINE``) so thread settings cannot leak: pandas (one
-thread), Polars and DuckDB with as many threads as ranks, Dask on a LocalCluster with one
-single-threaded worker process per rank (best of shuffle methods "tasks" and "p2p": both in
-the first repetition, the winner after that).  The minimum over repetitions is reported.
+Peers (--peers, comma-separated; "all" for every one), each given R cores for R ranks:
+    pandas         one thread (run once, at R = 1)
+    polars, duckdb one process, R threads
+    dask           LocalCluster, R single-threaded worker processes (best of shuffle methods
+                   "tasks" and "p2p": both in the first repetition, the winner after that)
+    spark          Apache Spark local[R] (one JVM, R task slots), driver heap 4g
+    spark-cluster  Spark standalone: a master and a worker on 127.0.0.1 started by this script
+                   (ended by PID), R executors of one core and 2g each; driver 2g
+    daft           Daft's native (multi-threaded, single-process) runner with R threads
+    ray            Ray Data on a local Ray of R CPUs (join, groupby, sort all exist in Ray 2.60);
+                   not in the default set: on this 2-core VM every shuffle stage starts new
+                   worker processes and a 100k-row join takes over a minute
+Spark shuffles into R partitions (spark.sql.shuffle.partitions = R; AQE on, the default);
+Spark and Ray read the tables from a Parquet file written once per peer process and cache
+them before timing; Daft, Dask, pandas, Polars and DuckDB take them from memory.  Results are
+materialised, not collected: Spark writes to its ``noop`` sink, Daft ``collect()``s, Ray
+``materialize()``s, Dask ``persist()``s on its workers.
+
+Checks.  Every result is reduced to a checksum (row count and the sum of every column),
+outside the timed region; every engine's checksum must equal phalanx's and DuckDB's.
+
+Timing.  phalanx: one ``px.Gang`` per rank count; the operator runs between two
+``env.comm.barrier()`` calls, its result fully materialised (an Arrow partition on every
+rank); per repetition the max over ranks, then the min over repetitions.  Peers run in
+subprocesses of this script (``--peer ENGINE``) so thread settings cannot leak; the minimum
+over repetitions is reported.
+
+Memory.  Peak RSS per workload: each process's high-water mark (VmHWM) is reset through
+/proc/PID/clear_refs before a repetition and read after it.  phalanx: the largest rank's peak
+(its input partitions included); peers: the largest process of the engine's process tree
+(driver, workers, executors, JVMs) and the sum over them.
 
 Also measured: alltoallv bandwidth of phalanx's communicator at 2 ranks, loopback TCP and
 memcpy bandwidth of this machine, and the gang start-up time.  Results go to stdout and to
@@ -37,21 +63,34 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
+import importlib.util
 import json
 import math
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _peers  # noqa: E402
+
 WORKLOADS = ("join", "groupby", "sort", "pipeline")
-PEERS = ("pandas", "polars", "duckdb", "dask")
+PEERS = ("pandas", "polars", "duckdb", "dask", "spark", "spark-cluster", "daft", "ray")
+# peer -> (the module it needs, what installs it); daft is an extra of its own (it wants pyarrow<26)
+PEER_MODULES = {"pandas": ("pandas", "phalanx[bench]"), "polars": ("polars", "phalanx"),
+                "duckdb": ("duckdb", "phalanx"), "dask": ("distributed", "phalanx[bench]"),
+                "spark": ("pyspark", "phalanx[bench]"), "spark-cluster": ("pyspark", "phalanx[bench]"),
+                "daft": ("daft", "phalanx[bench-daft]"), "ray": ("ray", "phalanx[bench]")}
+DEFAULT_PEERS = ("pandas", "polars", "duckdb", "dask", "spark", "spark-cluster", "daft")  # ray: --peers all
+DISTRIBUTED = ("dask", "spark", "spark-cluster", "ray")
 DASK_METHODS = ("tasks", "p2p")
 VALUE_HI = 1_000_000
 A2A_MIB = (64, 256)
@@ -92,6 +131,20 @@ def gen_range(n: int, chunks: int, lo: int, hi: int, key_frac: float) -> tuple[n
     return tuple(np.concatenate([p[i] for p in parts]) for i in range(4))
 
 
+def arrow_checksum(table) -> list[int]:
+    """[rows, sum of each column...] of an Arrow table (integer columns)."""
+    import pyarrow.compute as pc
+
+    return [int(table.num_rows)] + [int(pc.sum(table.column(i)).as_py() or 0) for i in range(table.num_columns)]
+
+
+def canon(checksum) -> list[int] | None:
+    """Row count, then the column sums sorted: engines name and order columns differently."""
+    if not checksum:
+        return None
+    return [int(checksum[0])] + sorted(int(x) for x in checksum[1:])
+
+
 # ---- phalanx: apps that run on every rank ---------------------------------------------------
 def px_ops():
     def join(a, b):
@@ -113,11 +166,17 @@ def px_ops():
 
 def px_operator_app(env, n, chunks, key_frac, workloads, reps, warmup, max_rep_s):
     """Generate this rank's partition, then time every workload ``reps`` times."""
+    import sys
     import time
 
+    import numpy as np
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     import phalanx as px
+
+    sys.path.insert(0, str(HERE))
+    import _peers
 
     r, R = env.rank, env.world_size
     lo, hi = r * chunks // R, (r + 1) * chunks // R
@@ -134,21 +193,29 @@ def px_operator_app(env, n, chunks, key_frac, workloads, reps, warmup, max_rep_s
             res = ops[w](a, b)
             del res
     for w in workloads:
-        times, rows = [], None
-        for _ in range(reps):
+        times, rows, peaks, checksum = [], None, [], None
+        for i in range(reps):
             env.comm.barrier()
+            _peers.own_peak_reset()
+            base = _peers.own_peak()
             t = time.perf_counter()
             res = ops[w](a, b)
             env.comm.barrier()
             times.append(time.perf_counter() - t)
+            peaks.append(_peers.own_peak())
             rows = res.num_rows
+            last = i == reps - 1 or env.comm.allreduce_scalar(times[-1], "max") > max_rep_s
+            if last:  # untimed: the checksum of the result over all ranks
+                local = res.to_arrow()
+                sums = np.array([local.num_rows] + [int(pc.sum(local.column(c)).as_py() or 0)
+                                                    for c in range(local.num_columns)], dtype=np.int64)
+                checksum = [int(x) for x in env.comm.allreduce(sums)]
             del res
-            if env.comm.allreduce_scalar(times[-1], "max") > max_rep_s:  # same verdict on every rank
+            if last:
                 break
-        out[w] = {"times": times, "rows": rows}
+        out[w] = {"times": times, "rows": rows, "rss_peak": max(peaks), "rss_base": base,
+                  "checksum": checksum}
     return out
-
-
 def px_alltoallv_app(env, mibs, reps):
     """alltoallv of a uint8 buffer of ``mib`` MiB per rank, split evenly over the ranks."""
     import time
@@ -178,119 +245,163 @@ def px_alltoallv_app(env, mibs, reps):
 
 
 # ---- peers: each runs in its own subprocess (--peer ENGINE) --------------------------------
-def peer_main(args) -> None:
-    global MAX_REP_S
-    MAX_REP_S = args.max_rep_s
-    n, chunks, threads = args.peer_rows, args.chunks, args.threads
-    workloads = args.workloads.split(",")
-    if args.peer == "tcp-recv":
-        return tcp_receiver(args.reps)
-    ak, av, bk, bv = gen_range(n, chunks, 0, chunks, args.key_frac)
-    fn = {"pandas": run_pandas, "polars": run_polars, "duckdb": run_duckdb, "dask": run_dask}[args.peer]
-    result = fn(ak, av, bk, bv, threads, workloads, args.reps)
-    print(RESULT_TAG + json.dumps(result), flush=True)
-
-
 MAX_REP_S = 10.0  # set from --max-rep-s in peer processes
 
 
-def _time_reps(fn, reps: int, count) -> dict:
-    times, rows = [], None
-    for _ in range(reps):
-        gc.collect()
-        t = time.perf_counter()
-        res = fn()
-        times.append(time.perf_counter() - t)
-        rows = count(res)
-        del res
-        if times[-1] > MAX_REP_S:
-            break
-    return {"times": times, "rows": rows}
+def _time_reps(fn, reps: int, checksum, roots=()) -> dict:
+    """Time ``fn`` up to ``reps`` times; peak RSS of the process tree per repetition; the
+    checksum of the last result (untimed)."""
+    times, top, res = _peers.time_reps(fn, reps, roots, MAX_REP_S)
+    sums = checksum(res)
+    del res
+    return {"times": times, "rows": sums[0] if sums else None, "checksum": sums, "rss": top}
 
 
-def run_pandas(ak, av, bk, bv, threads, workloads, reps):
-    import pandas as pd
+class Peer:
+    """One engine with ``threads`` cores: start, load the tables, the workloads, stop."""
 
-    a = pd.DataFrame({"key": ak, "value": av})
-    b = pd.DataFrame({"key": bk, "value": bv})
-    ops = {
-        "join": lambda: a.merge(b, on="key", how="inner"),
-        "groupby": lambda: a.groupby("key", sort=False).agg({"value": "sum"}),
-        "sort": lambda: a.sort_values("key"),
-        "pipeline": lambda: (a.merge(b, on="key", how="inner")
-                             .groupby("key", sort=False).agg({"value_x": "sum", "value_y": "sum"})
-                             .reset_index().sort_values("key") + 1),
-    }
-    return {w: _time_reps(ops[w], reps, len) for w in workloads}
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.settings: dict = {}
 
+    def start(self) -> None:
+        pass
 
-def run_polars(ak, av, bk, bv, threads, workloads, reps):
-    import polars as pl
+    def roots(self) -> list[int]:
+        return []
 
-    assert os.environ.get("POLARS_MAX_THREADS") == str(threads)
-    a = pl.DataFrame({"key": ak, "value": av})
-    b = pl.DataFrame({"key": bk, "value": bv})
-    ops = {
-        "join": lambda: a.join(b, on="key", how="inner"),
-        "groupby": lambda: a.group_by("key").agg(pl.col("value").sum()),
-        "sort": lambda: a.sort("key"),
-        "pipeline": lambda: (a.lazy().join(b.lazy(), on="key", how="inner")
-                             .group_by("key").agg(pl.col("value").sum(), pl.col("value_right").sum())
-                             .sort("key").select(pl.all() + 1).collect()),
-    }
-    out = {w: _time_reps(ops[w], reps, len) for w in workloads}
-    out["_threads"] = pl.thread_pool_size()
-    return out
+    def run(self, ak, av, bk, bv, workloads, reps) -> dict:
+        ops, checksum = self.load(ak, av, bk, bv)
+        try:
+            if reps == 1:  # as phalanx: one untimed pass first (JIT, imports, first touch)
+                for w in workloads:
+                    ops[w]()
+            return {w: _time_reps(ops[w], reps, checksum, self.roots()) for w in workloads}
+        finally:
+            self.unload()
+
+    def load(self, ak, av, bk, bv):
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
 
 
-def run_duckdb(ak, av, bk, bv, threads, workloads, reps):
-    import duckdb
-    import pyarrow as pa
+class PandasPeer(Peer):
+    def start(self):
+        import pandas as pd
 
-    con = duckdb.connect()
-    con.execute(f"SET threads = {int(threads)}")
-    con.register("a", pa.table({"key": ak, "value": av}))
-    con.register("b", pa.table({"key": bk, "value": bv}))
-    queries = {
-        "join": "SELECT a.key, a.value AS value_x, b.value AS value_y FROM a JOIN b USING (key)",
-        "groupby": "SELECT key, sum(value)::BIGINT AS value FROM a GROUP BY key",
-        "sort": "SELECT * FROM a ORDER BY key",
-        "pipeline": "SELECT key + 1 AS key, value_x + 1 AS value_x, value_y + 1 AS value_y FROM ("
-                    " SELECT a.key, sum(a.value)::BIGINT AS value_x, sum(b.value)::BIGINT AS value_y"
-                    " FROM a JOIN b USING (key) GROUP BY a.key) ORDER BY key",
-    }
+        self.settings = {"version": pd.__version__, "threads": 1}
 
-    def fetch(q):
-        rel = con.sql(q)
-        return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.fetch_arrow_table()
+    def load(self, ak, av, bk, bv):
+        import pandas as pd
+        import pyarrow as pa
 
-    out = {w: _time_reps(lambda q=queries[w]: fetch(q), reps, lambda t: t.num_rows) for w in workloads}
-    out["_threads"] = con.execute("SELECT current_setting('threads')").fetchone()[0]
-    return out
+        a = pd.DataFrame({"key": ak, "value": av})
+        b = pd.DataFrame({"key": bk, "value": bv})
+        ops = {
+            "join": lambda: a.merge(b, on="key", how="inner"),
+            "groupby": lambda: a.groupby("key", sort=False).agg({"value": "sum"}),
+            "sort": lambda: a.sort_values("key"),
+            "pipeline": lambda: (a.merge(b, on="key", how="inner")
+                                 .groupby("key", sort=False).agg({"value_x": "sum", "value_y": "sum"})
+                                 .reset_index().sort_values("key") + 1),
+        }
+        return ops, lambda r: arrow_checksum(pa.Table.from_pandas(r.reset_index() if r.index.name else r,
+                                                                  preserve_index=False))
+
+
+class PolarsPeer(Peer):
+    def start(self):
+        import polars as pl
+
+        assert os.environ.get("POLARS_MAX_THREADS") == str(self.threads)
+        self.settings = {"version": pl.__version__, "thread_pool_size": pl.thread_pool_size()}
+
+    def load(self, ak, av, bk, bv):
+        import polars as pl
+
+        a = pl.DataFrame({"key": ak, "value": av})
+        b = pl.DataFrame({"key": bk, "value": bv})
+        ops = {
+            "join": lambda: a.join(b, on="key", how="inner"),
+            "groupby": lambda: a.group_by("key").agg(pl.col("value").sum()),
+            "sort": lambda: a.sort("key"),
+            "pipeline": lambda: (a.lazy().join(b.lazy(), on="key", how="inner")
+                                 .group_by("key").agg(pl.col("value").sum(), pl.col("value_right").sum())
+                                 .sort("key").select(pl.all() + 1).collect()),
+        }
+        return ops, lambda r: arrow_checksum(r.to_arrow())
+
+
+class DuckDBPeer(Peer):
+    def start(self):
+        import duckdb
+
+        self.con = duckdb.connect()
+        self.con.execute(f"SET threads = {int(self.threads)}")
+        self.settings = {"version": duckdb.__version__,
+                         "threads": self.con.execute("SELECT current_setting('threads')").fetchall()[0][0]}
+
+    def load(self, ak, av, bk, bv):
+        import pyarrow as pa
+
+        con = self.con
+        con.register("a", pa.table({"key": ak, "value": av}))
+        con.register("b", pa.table({"key": bk, "value": bv}))
+        queries = {
+            "join": "SELECT a.key, a.value AS value_x, b.value AS value_y FROM a JOIN b USING (key)",
+            "groupby": "SELECT key, sum(value)::BIGINT AS value FROM a GROUP BY key",
+            "sort": "SELECT * FROM a ORDER BY key",
+            "pipeline": "SELECT key + 1 AS key, value_x + 1 AS value_x, value_y + 1 AS value_y FROM ("
+                        " SELECT a.key, sum(a.value)::BIGINT AS value_x, sum(b.value)::BIGINT AS value_y"
+                        " FROM a JOIN b USING (key) GROUP BY a.key) ORDER BY key",
+        }
+
+        def fetch(q):
+            rel = con.sql(q)
+            return rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.fetch_arrow_table()
+
+        return {w: (lambda q=q: fetch(q)) for w, q in queries.items()}, arrow_checksum
+
+    def unload(self):
+        self.con.unregister("a")
+        self.con.unregister("b")
 
 
 def _scheduler_tasks(dask_scheduler=None) -> int:
     return len(dask_scheduler.tasks)
 
 
-def run_dask(ak, av, bk, bv, threads, workloads, reps):
-    import logging
-    import warnings
+class DaskPeer(Peer):
+    def start(self):
+        import logging
+        import warnings
 
-    import dask
-    import dask.dataframe as dd
-    import pandas as pd
-    from distributed import Client, LocalCluster, wait
+        import dask
+        from distributed import Client, LocalCluster
 
-    warnings.filterwarnings("ignore")
-    logging.getLogger("distributed").setLevel(logging.ERROR)
-    R = threads
-    methods = DASK_METHODS if R > 1 else ("tasks",)  # one partition: nothing to shuffle
-    t = time.perf_counter()
-    with LocalCluster(n_workers=R, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR) as cluster, \
-            Client(cluster) as client:
-        start_s = time.perf_counter() - t
+        warnings.filterwarnings("ignore")
+        logging.getLogger("distributed").setLevel(logging.ERROR)
+        t = time.perf_counter()
+        self.cluster = LocalCluster(n_workers=self.threads, threads_per_worker=1, processes=True,
+                                    host="127.0.0.1", dashboard_address="127.0.0.1:0",
+                                    silence_logs=logging.ERROR)
+        self.client = Client(self.cluster)
+        self.methods = DASK_METHODS if self.threads > 1 else ("tasks",)  # one partition: no shuffle
+        self.settings = {"version": dask.__version__, "workers": self.threads, "threads_per_worker": 1,
+                         "processes": True, "shuffle_methods": list(self.methods),
+                         "start_s": round(time.perf_counter() - t, 1)}
+
+    def run(self, ak, av, bk, bv, workloads, reps):
+        import dask.dataframe as dd
+        import pandas as pd
+        from distributed import wait
+
+        client, R, methods = self.client, self.threads, self.methods
         a = dd.from_pandas(pd.DataFrame({"key": ak, "value": av}), npartitions=R).persist()
         b = dd.from_pandas(pd.DataFrame({"key": bk, "value": bv}), npartitions=R).persist()
         wait([a, b])
@@ -299,7 +410,8 @@ def run_dask(ak, av, bk, bv, threads, workloads, reps):
         def ops(m):
             return {
                 "join": lambda: a.merge(b, on="key", how="inner", shuffle_method=m),
-                "groupby": lambda: a.groupby("key").agg({"value": "sum"}, split_out=R, shuffle_method=m),
+                "groupby": lambda: a.groupby("key").agg({"value": "sum"}, split_out=R, shuffle_method=m)
+                                    .reset_index(),
                 "sort": lambda: a.sort_values("key", shuffle_method=m),
                 "pipeline": lambda: (a.merge(b, on="key", how="inner", shuffle_method=m)
                                      .groupby("key").agg({"value_x": "sum", "value_y": "sum"},
@@ -307,35 +419,211 @@ def run_dask(ak, av, bk, bv, threads, workloads, reps):
                                      .reset_index().sort_values("key", shuffle_method=m) + 1),
             }
 
-        def once(w, m):
+        def once(w, m, check):
             gc.collect()
-            t0 = time.perf_counter()
-            res = ops(m)[w]().persist()
-            wait(res)
-            dt = time.perf_counter() - t0
-            rows = int(len(res))
+            with _peers.PeakRSS() as mem:
+                t0 = time.perf_counter()
+                res = ops(m)[w]().persist()
+                wait(res)
+                dt = time.perf_counter() - t0
+            sums = None
+            if check:
+                s = res.sum().compute()
+                sums = [int(len(res))] + [int(x) for x in s.tolist()]
             del res
             deadline = time.monotonic() + 30  # recompute next time: let the scheduler forget it
             while client.run_on_scheduler(_scheduler_tasks) > base and time.monotonic() < deadline:
                 time.sleep(0.05)
-            return dt, rows
+            return dt, sums, mem.result()
 
-        out = {"_start_s": start_s, "_methods": list(methods)}
+        out = {}
         for w in workloads:
             by_method = {m: [] for m in methods}
-            rows = {}
+            sums, rss = {}, []
             for m in methods:  # first repetition: every method
-                dt, rows[m] = once(w, m)
+                dt, sums[m], r = once(w, m, True)
                 by_method[m].append(dt)
+                rss.append(r)
             best = min(methods, key=lambda m: by_method[m][0])
             for _ in range(reps - 1):
                 if min(by_method[best]) > MAX_REP_S:
                     break
-                dt, rows[best] = once(w, best)
+                dt, _, r = once(w, best, False)
                 by_method[best].append(dt)
-            out[w] = {"times": by_method[best], "rows": rows[best], "method": best,
-                      "by_method": by_method, "rows_by_method": rows}
+                rss.append(r)
+            out[w] = {"times": by_method[best], "rows": sums[best][0], "checksum": sums[best],
+                      "method": best, "by_method": by_method,
+                      "checksum_by_method": sums, "rows_by_method": {m: s[0] for m, s in sums.items()},
+                      "rss": max(rss, key=lambda p: p["max_bytes"] or 0)}
         return out
+
+    def stop(self):
+        self.client.close()
+        self.cluster.close()
+
+
+def _write_parquet(ak, av, bk, bv) -> str:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    d = tempfile.mkdtemp(prefix="px-bench-data-")
+    pq.write_table(pa.table({"key": ak, "value": av}), os.path.join(d, "a.parquet"), compression="none")
+    pq.write_table(pa.table({"key": bk, "value": bv}), os.path.join(d, "b.parquet"), compression="none")
+    return d
+
+
+class SparkPeer(Peer):
+    mode = "local"
+
+    def start(self):
+        self.spark = _peers.Spark(self.mode, self.threads)
+        self.spark.start()
+        self.settings = dict(self.spark.settings)
+
+    def roots(self):
+        return self.spark.pids()
+
+    def load(self, ak, av, bk, bv):
+        from pyspark.sql import functions as F
+
+        s, R = self.spark.session, self.threads
+        self.dir = _write_parquet(ak, av, bk, bv)
+        A = s.read.parquet(os.path.join(self.dir, "a.parquet")).repartition(R).cache()
+        B = s.read.parquet(os.path.join(self.dir, "b.parquet")).repartition(R).cache()
+        A.count(), B.count()
+        self.cached = (A, B)
+        a = A.withColumnRenamed("value", "value_x")
+        b = B.withColumnRenamed("value", "value_y")
+
+        def pipeline():
+            g = (a.join(b, "key").groupBy("key")
+                 .agg(F.sum("value_x").alias("value_x"), F.sum("value_y").alias("value_y")).orderBy("key"))
+            return g.select(*[(F.col(c) + 1).alias(c) for c in ("key", "value_x", "value_y")])
+
+        queries = {
+            "join": lambda: a.join(b, "key"),
+            "groupby": lambda: A.groupBy("key").agg(F.sum("value").alias("value")),
+            "sort": lambda: A.orderBy("key"),
+            "pipeline": pipeline,
+        }
+
+        def timed(q):
+            df = q()
+            _peers.spark_noop(df)
+            return df
+
+        def checksum(df):
+            row = df.agg(F.count(F.lit(1)), *[F.sum(c) for c in df.columns]).collect()[0]
+            return [int(x or 0) for x in row]
+
+        return {w: (lambda q=q: timed(q)) for w, q in queries.items()}, checksum
+
+    def unload(self):
+        for df in self.cached:
+            df.unpersist()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stop(self):
+        self.spark.stop()
+
+
+class SparkClusterPeer(SparkPeer):
+    mode = "cluster"
+
+
+class DaftPeer(Peer):
+    def start(self):
+        self.settings = _peers.daft_start(self.threads)
+
+    def load(self, ak, av, bk, bv):
+        import daft
+        import pyarrow as pa
+        from daft import col
+
+        a = daft.from_arrow(pa.table({"key": ak, "value": av})).collect()
+        b = daft.from_arrow(pa.table({"key": bk, "value": bv})).collect()
+        ops = {
+            "join": lambda: a.join(b, on="key", suffix="_y").collect(),
+            "groupby": lambda: a.groupby("key").agg(col("value").sum()).collect(),
+            "sort": lambda: a.sort("key").collect(),
+            "pipeline": lambda: (a.join(b, on="key", suffix="_y").groupby("key")
+                                 .agg(col("value").sum(), col("value_y").sum()).sort("key")
+                                 .select(col("key") + 1, col("value") + 1, col("value_y") + 1).collect()),
+        }
+        return ops, lambda r: arrow_checksum(r.to_arrow())
+
+
+class RayPeer(Peer):
+    def start(self):
+        self.settings = _peers.ray_start(self.threads)
+
+    def load(self, ak, av, bk, bv):
+        import pyarrow as pa
+        import ray
+        import ray.data
+        from ray.data.aggregate import Sum
+
+        R = self.threads
+        self.dir = _write_parquet(ak, av, bk, bv)
+        a = ray.data.read_parquet(os.path.join(self.dir, "a.parquet")).repartition(R).materialize()
+        b = ray.data.read_parquet(os.path.join(self.dir, "b.parquet")).repartition(R).materialize()
+
+        def plus1(t):
+            return pa.table({c: pa.compute.add(t[c], 1) for c in t.column_names})
+
+        def join():
+            return a.join(b, join_type="inner", num_partitions=R, on=("key",),
+                          left_suffix="_x", right_suffix="_y")
+
+        ops = {
+            "join": lambda: join().materialize(),
+            "groupby": lambda: a.groupby("key").sum("value").materialize(),
+            "sort": lambda: a.sort("key").materialize(),
+            "pipeline": lambda: (join().groupby("key").aggregate(Sum("value_x"), Sum("value_y"))
+                                 .sort("key").map_batches(plus1, batch_format="pyarrow").materialize()),
+        }
+
+        def checksum(ds):
+            return arrow_checksum(pa.concat_tables(ray.get(ds.to_arrow_refs())))
+
+        return ops, checksum
+
+    def unload(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def stop(self):
+        import ray
+
+        ray.shutdown()
+        shutil.rmtree(self.settings.get("temp_dir", ""), ignore_errors=True)
+
+
+PEER_CLASSES = {"pandas": PandasPeer, "polars": PolarsPeer, "duckdb": DuckDBPeer, "dask": DaskPeer,
+                "spark": SparkPeer, "spark-cluster": SparkClusterPeer, "daft": DaftPeer, "ray": RayPeer}
+
+
+def peer_main(args) -> None:
+    global MAX_REP_S
+    MAX_REP_S = args.max_rep_s
+    if args.peer == "tcp-recv":
+        return tcp_receiver(args.reps)
+    threads, chunks = args.threads, args.chunks
+    workloads = args.workloads.split(",")
+    peer = PEER_CLASSES[args.peer](threads)
+    out = {"by_rows": {}}
+    try:
+        peer.start()
+        out["settings"] = peer.settings
+        for n in [int(x) for x in args.peer_rows.split(",")]:
+            ak, av, bk, bv = gen_range(n, chunks, 0, chunks, args.key_frac)
+            t = time.perf_counter()
+            out["by_rows"][str(n)] = peer.run(ak, av, bk, bv, workloads, args.reps)
+            out["by_rows"][str(n)]["_wall_s"] = time.perf_counter() - t
+            del ak, av, bk, bv
+            print(RESULT_TAG + json.dumps(out), flush=True)  # partial results survive a later failure
+    finally:
+        peer.stop()
+    print(RESULT_TAG + json.dumps(out), flush=True)
 
 
 # ---- machine: loopback TCP and memcpy -----------------------------------------------------
@@ -450,26 +738,33 @@ def one_thread_launcher():
     return OneThreadPerRank(echo=False)
 
 
-def run_peer(engine: str, n: int, threads: int, args, chunks: int, log) -> dict | None:
-    cmd = [sys.executable, __file__, "--peer", engine, "--peer-rows", str(n), "--threads", str(threads),
-           "--chunks", str(chunks), "--key-frac", repr(args.key_frac), "--reps", str(args.reps),
-           "--workloads", ",".join(args.workloads), "--max-rep-s", repr(args.max_rep_s)]
+def run_peer(engine: str, rows: list[int], threads: int, args, chunks: int, log) -> dict | None:
+    """One subprocess per (engine, threads) for every row count: one engine start (a JVM,
+    a Ray or a Dask cluster) serves all sizes.  The last result line it printed wins."""
+    cmd = [sys.executable, __file__, "--peer", engine, "--peer-rows", ",".join(map(str, rows)),
+           "--threads", str(threads), "--chunks", str(chunks), "--key-frac", repr(args.key_frac),
+           "--reps", str(args.reps), "--workloads", ",".join(args.workloads),
+           "--max-rep-s", repr(args.max_rep_s)]
     env = {**os.environ, "POLARS_MAX_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
     t = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
-    except subprocess.TimeoutExpired:  # subprocess.run kills its child on timeout
-        log(f"WARNING: peer {engine} (rows={n}, threads={threads}) timed out after {args.peer_timeout}s")
-        return None
-    for line in p.stdout.splitlines():
+        stdout, stderr, rc = p.stdout, p.stderr, p.returncode
+    except subprocess.TimeoutExpired as exc:  # subprocess.run kills its child on timeout
+        log(f"WARNING: peer {engine} (threads={threads}) timed out after {args.peer_timeout}s")
+        stdout = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        stderr, rc = "", None
+    res = None
+    for line in stdout.splitlines():
         if line.startswith(RESULT_TAG):
             res = json.loads(line[len(RESULT_TAG):])
-            res["_wall_s"] = time.perf_counter() - t
-            return res
-    log(f"WARNING: peer {engine} (rows={n}, threads={threads}) failed, rc={p.returncode}:\n"
-        + "\n".join((p.stdout + p.stderr).splitlines()[-25:]))
-    return None
+    if res is not None:
+        res["_wall_s"] = time.perf_counter() - t
+    if rc != 0:
+        log(f"WARNING: peer {engine} (threads={threads}) failed, rc={rc}:\n"
+            + "\n".join((stdout + stderr).splitlines()[-25:]))
+    return res
 
 
 def best(entry: dict | None) -> float | None:
@@ -501,7 +796,9 @@ def parse_args(argv=None):
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the minimum is reported")
     ap.add_argument("--quick", action="store_true", help="1M rows, 1 repetition")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--engines", default=",".join(PEERS), help="peers to run (phalanx always runs)")
+    ap.add_argument("--peers", "--engines", dest="engines", default=",".join(DEFAULT_PEERS),
+                    help=f"peers to run (phalanx always runs), comma-separated, or 'all', or 'none'; "
+                         f"from {','.join(PEERS)}")
     ap.add_argument("--key-frac", type=float, default=0.21,
                     help="key ~ U[0, N/key_frac); 0.21 gives ~90%% distinct keys (the CylonFlow workload)")
     ap.add_argument("--warm-gib", type=float, default=None,
@@ -512,11 +809,11 @@ def parse_args(argv=None):
                          "or auto (the gang's default, cpus // ranks: a 1-rank gang gets 2 threads)")
     ap.add_argument("--max-rep-s", type=float, default=10.0,
                     help="no further repetitions of a workload after a run slower than this")
-    ap.add_argument("--peer-timeout", type=float, default=1200.0)
+    ap.add_argument("--peer-timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=str(HERE / "out"))
     # internal: peer subprocesses
     ap.add_argument("--peer", help=argparse.SUPPRESS)
-    ap.add_argument("--peer-rows", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--peer-rows", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--chunks", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -531,10 +828,20 @@ def parse_args(argv=None):
         return args
     args.rows = [int(float(x)) for x in args.rows.split(",") if x]
     args.ranks = [int(x) for x in args.ranks.split(",") if x]
-    args.engines = [e for e in args.engines.split(",") if e]
+    chosen = args.engines not in (",".join(DEFAULT_PEERS), "all")  # named peers must be installed
+    if args.engines == "all":
+        args.engines = ",".join(PEERS)
+    args.engines = [e for e in args.engines.split(",") if e and e != "none"]
     for e in args.engines:
         if e not in PEERS:
-            ap.error(f"unknown engine {e!r}; choose from {PEERS}")
+            ap.error(f"unknown peer {e!r}; choose from {PEERS}")
+    missing = [e for e in args.engines if importlib.util.find_spec(PEER_MODULES[e][0]) is None]
+    for e in missing:
+        message = f"peer {e!r} is not installed (pip install {PEER_MODULES[e][1]!r})"
+        if chosen:
+            ap.error(message)
+        print(f"skipping {message}", file=sys.stderr)
+    args.engines = [e for e in args.engines if e not in missing]
     if args.warm_gib is None:
         args.warm_gib = 2.0 if args.quick else 6.0
     return args
@@ -550,19 +857,13 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    lines: list[str] = []
-
-    def log(s: str = "") -> None:
-        print(s, flush=True)
-        lines.append(s)
+    log = _peers.Tee()
 
     chunks = lcm(args.ranks)
     versions = {}
-    for mod in ("phalanx", "numpy", "pyarrow", "polars", "duckdb", "pandas", "dask", "distributed", "torch"):
-        try:
-            versions[mod] = __import__(mod).__version__
-        except Exception:
-            versions[mod] = None
+    for mod in ("phalanx", "numpy", "pyarrow", "polars", "duckdb", "pandas", "dask", "distributed",
+                "pyspark", "daft", "ray", "torch"):
+        versions[mod] = _peers.version(mod)
     psi_start, load_start = cpu_pressure(), loadavg()
     log(f"# phalanx operator benchmark  {stamp}")
     log(f"host {platform.node()}  cpus {os.cpu_count()}  python {platform.python_version()}  "
@@ -573,9 +874,9 @@ def main(argv=None) -> int:
     warm_s = warm_memory(args.warm_gib)
     log(f"memory warm-up: touched {args.warm_gib:g} GiB in {warm_s:.2f}s")
 
-    results: dict = {"phalanx": {}, "peers": {}, "gang_ready_s": {}, "machine": {}}
+    results: dict = {"phalanx": {}, "peers": {}, "peer_settings": {}, "gang_ready_s": {}, "machine": {},
+                     "loadavg": {}}
     gangs: dict[int, px.Gang] = {}
-    first_app: dict[int, bool] = {}
     try:
         for R in args.ranks:
             if args.px_threads == "auto":
@@ -584,55 +885,62 @@ def main(argv=None) -> int:
                 g = px.Gang(ranks=R, echo=False, executor=one_thread_launcher())
             g.start()
             gangs[R] = g
-            first_app[R] = True
             results["gang_ready_s"][str(R)] = g.ready_seconds
             log(f"gang of {R} ready in {g.ready_seconds:.2f}s (pids {g.pids})")
 
+        first_app = {R: True for R in args.ranks}
         for n in args.rows:
-            if "pandas" in args.engines:  # one process: the same for every rank count
-                t = time.perf_counter()
-                res = run_peer("pandas", n, 1, args, chunks, log)
-                results["peers"][f"pandas/{n}/1"] = res
-                log(f"[{n:>9} rows] pandas done in {time.perf_counter() - t:.1f}s")
             for R in args.ranks:
                 t = time.perf_counter()
+                load = loadavg()
                 per_rank = gangs[R].run(px_operator_app, n, chunks, args.key_frac, args.workloads,
                                         args.reps, first_app[R] or args.reps == 1, args.max_rep_s,
                                         timeout=3600)
                 first_app[R] = False
                 entry = {"gen_s": max(p["gen_s"] for p in per_rank),
                          "threads_per_rank": per_rank[0]["threads"],
-                         "local_rows": [p["local_rows"] for p in per_rank]}
+                         "local_rows": [p["local_rows"] for p in per_rank], "loadavg": load}
                 for w in args.workloads:
                     # per repetition the slowest rank, then the best repetition
                     done = min(len(p[w]["times"]) for p in per_rank)
                     times = [max(p[w]["times"][i] for p in per_rank) for i in range(done)]
-                    entry[w] = {"times": times, "rows": per_rank[0][w]["rows"]}
+                    peaks = [p[w]["rss_peak"] for p in per_rank]
+                    entry[w] = {"times": times, "rows": per_rank[0][w]["rows"],
+                                "checksum": per_rank[0][w]["checksum"],
+                                "rss": {"max_bytes": max(peaks), "sum_bytes": sum(peaks), "procs": R,
+                                        "per_rank": peaks, "base_per_rank": [p[w]["rss_base"] for p in per_rank]}}
                 results["phalanx"][f"{n}/{R}"] = entry
                 log(f"[{n:>9} rows, {R} ranks] phalanx ({entry['threads_per_rank']} thread/rank) done in "
-                    f"{time.perf_counter() - t:.1f}s: "
+                    f"{time.perf_counter() - t:.1f}s (loadavg {load}): "
                     + "  ".join(f"{w} {min(entry[w]['times']):.3f}s" for w in args.workloads))
-                for eng in ("polars", "duckdb", "dask"):
-                    if eng not in args.engines:
-                        continue
-                    t = time.perf_counter()
-                    res = run_peer(eng, n, R, args, chunks, log)
-                    results["peers"][f"{eng}/{n}/{R}"] = res
-                    log(f"[{n:>9} rows, {R} ranks] {eng} done in {time.perf_counter() - t:.1f}s")
 
-        if not args.no_machine:
-            if 2 in gangs or 2 in args.ranks:
-                g2 = gangs.get(2)
-                per_rank = g2.run(px_alltoallv_app, list(A2A_MIB), A2A_REPS, timeout=600)
-                a2a = {}
-                for mib in A2A_MIB:
-                    times = [max(p[str(mib)]["times"][i] for p in per_rank) for i in range(A2A_REPS)]
-                    a2a[str(mib)] = {"times": times, "gbps": (mib << 20) / min(times) / 1e9,
-                                     "ok": all(p[str(mib)]["ok"] for p in per_rank)}
-                results["machine"]["alltoallv_2ranks"] = a2a
+        if not args.no_machine and 2 in gangs:
+            per_rank = gangs[2].run(px_alltoallv_app, list(A2A_MIB), A2A_REPS, timeout=600)
+            a2a = {}
+            for mib in A2A_MIB:
+                times = [max(p[str(mib)]["times"][i] for p in per_rank) for i in range(A2A_REPS)]
+                a2a[str(mib)] = {"times": times, "gbps": (mib << 20) / min(times) / 1e9,
+                                 "ok": all(p[str(mib)]["ok"] for p in per_rank)}
+            results["machine"]["alltoallv_2ranks"] = a2a
+        comm_name = gangs[2].communicator if 2 in gangs else "?"
     finally:
-        for g in gangs.values():
+        for g in gangs.values():  # free the ranks' memory before the peers run
             g.close()
+
+    for eng in args.engines:
+        for R in ([1] if eng == "pandas" else args.ranks):
+            t = time.perf_counter()
+            load = loadavg()
+            res = run_peer(eng, args.rows, R, args, chunks, log)
+            results["loadavg"][f"{eng}/{R}"] = load
+            if not res:
+                continue
+            results["peer_settings"][f"{eng}/{R}"] = res.get("settings")
+            for n, by in res.get("by_rows", {}).items():
+                results["peers"][f"{eng}/{n}/{R}"] = by
+            log(f"[{R} cores] {eng} done in {time.perf_counter() - t:.1f}s (loadavg {load}): "
+                + "  ".join(f"{w}@{n} {fmt_s(best(by.get(w)))}s" for n, by in res.get("by_rows", {}).items()
+                            for w in args.workloads))
 
     if not args.no_machine:
         results["machine"]["tcp_loopback"] = tcp_loopback(3)
@@ -640,92 +948,7 @@ def main(argv=None) -> int:
 
     psi_end, load_end = cpu_pressure(), loadavg()
     total_s = time.perf_counter() - t_start
-
-    # ---- report -----------------------------------------------------------------------------
-    def peer_entry(eng, n, R, w):
-        res = results["peers"].get(f"{eng}/{n}/{1 if eng == 'pandas' else R}")
-        return res.get(w) if res else None
-
-    log("")
-    log("## operators (seconds: min over reps; ratio = peer s / phalanx s, >1 means phalanx faster)")
-    cols = ["workload", "rows", "ranks", "phalanx"] + args.engines \
-        + [f"{e}/px" for e in args.engines] + ["min(pl,duck)/px"]
-    widths = [9, 9, 5, 8] + [8] * len(args.engines) + [10] * len(args.engines) + [15]
-    log("  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(cols, widths))))
-    table_rows = []
-    warnings_ = []
-    for w in args.workloads:
-        for n in args.rows:
-            for R in args.ranks:
-                pxe = results["phalanx"].get(f"{n}/{R}", {}).get(w)
-                px_s = best(pxe)
-                peer_s = {e: best(peer_entry(e, n, R, w)) for e in args.engines}
-                ratios = {e: (peer_s[e] / px_s if peer_s[e] and px_s else None) for e in args.engines}
-                local = [peer_s[e] for e in ("polars", "duckdb") if peer_s.get(e)]
-                fastest_local = min(local) if local else None
-                r_local = fastest_local / px_s if fastest_local and px_s else None
-                for e in args.engines:
-                    pe = peer_entry(e, n, R, w)
-                    if pe and pxe and pe.get("rows") != pxe.get("rows"):
-                        warnings_.append(f"WARNING: row count mismatch: {w} rows={n} ranks={R}: "
-                                         f"phalanx {pxe.get('rows')} vs {e} {pe.get('rows')}")
-                    if e == "dask" and pe and len(set(pe.get("rows_by_method", {}).values())) > 1:
-                        warnings_.append(f"WARNING: dask methods disagree on rows for {w} rows={n} "
-                                         f"ranks={R}: {pe['rows_by_method']}")
-                cells = [w, str(n), str(R), fmt_s(px_s)] + [fmt_s(peer_s[e]) for e in args.engines] \
-                    + [fmt_r(ratios[e]) for e in args.engines] + [fmt_r(r_local)]
-                log("  ".join(c.rjust(wd) if i else c.ljust(wd)
-                              for i, (c, wd) in enumerate(zip(cells, widths))))
-                table_rows.append({"workload": w, "rows": n, "ranks": R, "phalanx_s": px_s,
-                                   "peer_s": peer_s, "ratio": ratios, "fastest_local_s": fastest_local,
-                                   "fastest_local_ratio": r_local,
-                                   "result_rows": pxe.get("rows") if pxe else None,
-                                   "dask_method": (peer_entry("dask", n, R, w) or {}).get("method")})
-    for s in warnings_:
-        log(s)
-    if not warnings_:
-        log("row counts: every engine matches phalanx on every workload")
-    log("result rows: " + "  ".join(
-        f"{w}@{n}={results['phalanx'][f'{n}/{args.ranks[0]}'][w]['rows']}"
-        for n in args.rows for w in args.workloads if f"{n}/{args.ranks[0]}" in results["phalanx"]))
-    short = []
-    for key, entry in list(results["phalanx"].items()) + list(results["peers"].items()):
-        for w in args.workloads:
-            e = (entry or {}).get(w) or {}
-            if e.get("times") is not None and len(e["times"]) < args.reps:
-                short.append(f"{'phalanx/' + key if '/' not in key.split('/')[0] and key[0].isdigit() else key}"
-                             f"/{w}:{len(e['times'])}")
-    if short:
-        log(f"fewer reps (a run took > {args.max_rep_s:g}s): " + "  ".join(short))
-    if "dask" in args.engines:
-        log("dask shuffle method used (best of first rep): " + "  ".join(
-            f"{r['workload']}@{r['rows']}/{r['ranks']}={r['dask_method']}" for r in table_rows))
-
-    # targets: ≥4x Dask (pipeline ≥10x), ≥2x pandas, within 1.5x of min(polars, duckdb)
-    log("")
-    log("## targets (issue): join/groupby/sort >=4x faster than Dask, pipeline >=10x; "
-        ">=2x faster than pandas; within 1.5x of the faster of Polars/DuckDB (ratio >= 0.67x)")
-    log(f"{'workload':9}  {'rows':>9}  {'ranks':>5}  {'vs dask':>16}  {'vs pandas':>16}  {'vs min(pl,duck)':>18}")
-    met = total = 0
-    target_rows = []
-    for r in table_rows:
-        cells = []
-        checks = [("dask", r["ratio"].get("dask"), 10.0 if r["workload"] == "pipeline" else 4.0),
-                  ("pandas", r["ratio"].get("pandas"), 2.0),
-                  ("local", r["fastest_local_ratio"], 1 / 1.5)]
-        verdicts = {}
-        for name, ratio, goal in checks:
-            if ratio is None:
-                cells.append("-")
-                continue
-            ok = ratio >= goal
-            met += ok
-            total += 1
-            verdicts[name] = ok
-            cells.append(f"{ratio:.2f}x/{goal:.2g}x {'PASS' if ok else 'MISS'}")
-        target_rows.append({**{k: r[k] for k in ("workload", "rows", "ranks")}, "pass": verdicts})
-        log(f"{r['workload']:9}  {r['rows']:>9}  {r['ranks']:>5}  {cells[0]:>16}  {cells[1]:>16}  {cells[2]:>18}")
-    log(f"targets met: {met} of {total}")
+    report = make_report(args, results, log)
 
     if results["machine"] or results["gang_ready_s"]:
         log("")
@@ -733,7 +956,7 @@ def main(argv=None) -> int:
         m = results["machine"]
         for mib, v in m.get("alltoallv_2ranks", {}).items():
             log(f"phalanx alltoallv, 2 ranks, {mib} MiB/rank: {min(v['times']):.4f}s = {v['gbps']:.2f} GB/s "
-                f"(per-rank buffer / time; comm {gangs[2].communicator if 2 in gangs else '?'})")
+                f"(per-rank buffer / time; comm {comm_name})")
         if "tcp_loopback" in m:
             v = m["tcp_loopback"]
             log(f"loopback TCP, 1 GiB in 1 MiB sends, recv_into: {min(v['times']):.3f}s = {v['gbps']:.2f} GB/s")
@@ -752,12 +975,112 @@ def main(argv=None) -> int:
     doc = {"stamp": stamp, "args": {k: v for k, v in vars(args).items()}, "versions": versions,
            "host": platform.node(), "cpus": os.cpu_count(), "chunks": chunks,
            "psi_start": psi_start, "psi_end": psi_end, "loadavg_start": load_start, "loadavg_end": load_end,
-           "memory_warmup_s": warm_s, "total_s": total_s, "table": table_rows, "targets": target_rows,
-           "targets_met": met, "targets_total": total, "warnings": warnings_, "raw": results,
-           "printed": lines}
+           "memory_warmup_s": warm_s, "total_s": total_s, **report, "raw": results, "printed": log.lines}
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {path}")
-    return 0
+    return 0 if not report["check_failures"] else 1
+
+
+def make_report(args, results, log) -> dict:
+    """The grid: per workload and size, every engine's time, ratio to phalanx, peak RSS, check."""
+    Rmax = max(args.ranks)
+
+    def peer(eng, n, R):
+        return results["peers"].get(f"{eng}/{n}/{R}")
+
+    _peers.log_settings(log, results["peer_settings"])
+    log(f"## operators (seconds: min over reps; x{Rmax}r = engine s / phalanx {Rmax}-rank s, >1: phalanx "
+        f"faster; xsame = vs phalanx with as many ranks as the engine has cores; RSS = peak RSS in MiB "
+        f"of the largest process (rank) / summed over processes; check = checksum equals phalanx's and "
+        f"DuckDB's)")
+    hdr = f"{'engine':<14} {'cores':>5} {'seconds':>9} {f'x{Rmax}r':>8} {'xsame':>8} {'RSS max':>8} {'RSS sum':>8}  check"
+    table_rows, failures = [], []
+    for w in args.workloads:
+        for n in args.rows:
+            ref = canon((results["phalanx"].get(f"{n}/{Rmax}", {}).get(w) or {}).get("checksum"))
+            duck = canon((((peer("duckdb", n, Rmax) or {}).get(w)) or {}).get("checksum"))
+            px_max = best(results["phalanx"].get(f"{n}/{Rmax}", {}).get(w))
+            log("")
+            log(f"### {w}, {n:,} rows per table")
+            log(hdr)
+            entries = [("phalanx", R, results["phalanx"].get(f"{n}/{R}", {}).get(w)) for R in args.ranks]
+            for eng in args.engines:
+                for R in ([1] if eng == "pandas" else args.ranks):
+                    entries.append((eng, R, ((peer(eng, n, R) or {}).get(w))))
+            for eng, R, e in entries:
+                s = best(e)
+                px_same = best(results["phalanx"].get(f"{n}/{R}", {}).get(w))
+                rss = (e or {}).get("rss") or {}
+                cs = canon((e or {}).get("checksum"))
+                if cs is None:
+                    check = "-" if e is None else "no checksum"
+                else:
+                    bad = [name for name, other in (("phalanx", ref), ("duckdb", duck)) if other and other != cs]
+                    check = "ok" if not bad else "DIFFERS from " + "+".join(bad)
+                    if bad:
+                        failures.append(f"{w}@{n} {eng}/{R}: checksum {cs} vs phalanx {ref} duckdb {duck}")
+                    if eng == "dask":
+                        by_m = {m: canon(c) for m, c in e.get("checksum_by_method", {}).items()}
+                        if len({json.dumps(c) for c in by_m.values()}) > 1:
+                            failures.append(f"{w}@{n} dask/{R}: shuffle methods disagree {by_m}")
+                            check += " (methods disagree)"
+                label = eng + (f" ({e['method']})" if e and e.get("method") else "")
+                log(f"{label:<14} {R:>5} {fmt_s(s):>9} {fmt_r(s / px_max if s and px_max else None):>8} "
+                    f"{fmt_r(s / px_same if s and px_same else None):>8} {_peers.fmt_mib(rss.get('max_bytes')):>8} "
+                    f"{_peers.fmt_mib(rss.get('sum_bytes')):>8}  {check}")
+                table_rows.append({"workload": w, "rows": n, "engine": eng, "cores": R, "seconds": s,
+                                   f"ratio_vs_phalanx_{Rmax}r": s / px_max if s and px_max else None,
+                                   "ratio_vs_phalanx_same": s / px_same if s and px_same else None,
+                                   "rss_max_bytes": rss.get("max_bytes"), "rss_sum_bytes": rss.get("sum_bytes"),
+                                   "rss_max_proc": rss.get("max_proc"), "checksum": cs, "check": check,
+                                   "reps": len((e or {}).get("times") or [])})
+    log("")
+    if failures:
+        for f in failures:
+            log("CHECK FAILED: " + f)
+    else:
+        log("checks: every engine's checksum (rows and column sums) equals phalanx's and DuckDB's")
+    missing = [f"{eng}/{R}" for eng in args.engines for R in ([1] if eng == "pandas" else args.ranks)
+               if not any(k.startswith(f"{eng}/") and k.endswith(f"/{R}") for k in results["peers"])]
+    if missing:
+        log("no results from: " + ", ".join(missing))
+
+    # targets of issue 14, at every rank count R (same R cores for every engine)
+    log("")
+    log("## targets (issue 14): >=4x Dask and Spark (pipeline >=10x), ahead of Daft (>=1x), "
+        ">=1x the faster of DuckDB/Polars; ratio = peer s / phalanx s at the same cores")
+    targets, met, total = [], 0, 0
+    for w in args.workloads:
+        for n in args.rows:
+            for R in args.ranks:
+                px_s = best(results["phalanx"].get(f"{n}/{R}", {}).get(w))
+                if not px_s:
+                    continue
+                cells = []
+                local = [best((peer(e, n, R) or {}).get(w)) for e in ("polars", "duckdb")]
+                local = [x for x in local if x]
+                goals = [("dask", best((peer("dask", n, R) or {}).get(w)), 10.0 if w == "pipeline" else 4.0),
+                         ("spark", best((peer("spark", n, R) or {}).get(w)), 10.0 if w == "pipeline" else 4.0),
+                         ("spark-cluster", best((peer("spark-cluster", n, R) or {}).get(w)),
+                          10.0 if w == "pipeline" else 4.0),
+                         ("daft", best((peer("daft", n, R) or {}).get(w)), 1.0),
+                         ("ray", best((peer("ray", n, R) or {}).get(w)), 4.0),
+                         ("min(pl,duck)", min(local) if local else None, 1.0)]
+                verdicts = {}
+                for name, s, goal in goals:
+                    if s is None:
+                        continue
+                    ratio = s / px_s
+                    ok = ratio >= goal
+                    met += ok
+                    total += 1
+                    verdicts[name] = {"ratio": ratio, "goal": goal, "pass": ok}
+                    cells.append(f"{name} {ratio:.2f}x/{goal:g}x {'PASS' if ok else 'MISS'}")
+                targets.append({"workload": w, "rows": n, "ranks": R, "verdicts": verdicts})
+                log(f"{w:9} {n:>9} {R}r  " + "  ".join(cells))
+    log(f"targets met: {met} of {total}")
+    return {"table": table_rows, "targets": targets, "targets_met": met, "targets_total": total,
+            "check_failures": failures}
 
 
 if __name__ == "__main__":

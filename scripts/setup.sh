@@ -10,6 +10,7 @@ cd "$(dirname "$0")/.."
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 command -v mpirun >/dev/null || need+=(openmpi-bin libopenmpi-dev)
+command -v java >/dev/null || need+=(openjdk-17-jre-headless)   # pyspark, a peer in bench/
 command -v gcc >/dev/null || need+=(gcc)   # radical.pilot's dependencies build C extensions from sdists
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then

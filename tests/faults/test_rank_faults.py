@@ -113,7 +113,7 @@ def app_merge(env, hold_file: str | None = None):
     """A shuffle merge; with ``hold_file``, rank 1 stops inside its first exchange (the others
     are in the collective, waiting for it), creates ``hold_file`` and waits to be killed."""
     if hold_file and env.rank == 1:
-        exchange = env.comm.alltoallv
+        exchange = env.comm.exchange_tables  # what a shuffle calls (Gloo's own path or shared memory)
 
         def held(*args, **kwargs):
             Path(hold_file).touch()
@@ -122,7 +122,7 @@ def app_merge(env, hold_file: str | None = None):
                 time.sleep(0.05)
             return exchange(*args, **kwargs)
 
-        env.comm.alltoallv = held
+        env.comm.exchange_tables = held
     left, right = (px.DataFrame.from_arrow(t, env) for t in tables(env.rank))
     return left.merge(right, on="key", broadcast=False).collect(root=0)
 

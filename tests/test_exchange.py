@@ -293,3 +293,20 @@ def test_more_than_2_gib_per_rank():
             assert ok
             assert stats["fallbacks"] == 0 and stats["bytes_created"] >= BIG_ROWS * 8
         assert _leftovers(g.gang_id) == []
+
+
+# ---- one kernel, separate shared memory (containers with a /dev/shm each) ------------------
+def app_probe(env, base: str, shared: bool):
+    from phalanx.runtime.comm.shm import _probe
+
+    directory = Path(base) / ("shared" if shared else f"rank-{env.rank}")  # as a container sees it
+    return _probe(env.comm, ["one-host"] * env.world_size, directory, "n0nce")
+
+
+def test_ranks_that_do_not_see_each_others_files_do_not_use_shared_memory(tmp_path):
+    with px.Gang(ranks=3, echo=False) as gang:
+        assert gang.run(app_probe, str(tmp_path), True) == [[], [], []]
+        unseen = gang.run(app_probe, str(tmp_path), False)
+    assert unseen[0] == unseen[1] == unseen[2]  # every rank decides the same
+    assert "rank 0 does not see rank 1's files" in unseen[0] and len(unseen[0]) == 6, unseen[0]
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["shared"]  # probes gone, unused dirs removed

@@ -142,3 +142,16 @@ def test_host_mounts_share_the_drivers_python_read_only_and_the_store_read_write
 def test_cpu_quantities():
     assert cpu_cores("500m") == 0.5 and cpu_cores(2) == 2.0
     assert KubernetesConfig(cpu="500m").threads() == 1 and KubernetesConfig(cpu=4).threads() == 4
+
+
+def test_a_config_error_fails_the_rank_but_a_kubelet_cache_sync_timeout_is_waited_out():
+    from types import SimpleNamespace as W
+
+    from phalanx.executors.kubernetes.launcher import hopeless
+
+    assert hopeless(W(reason="CreateContainerConfigError", message='secret "phalanx-x" not found'))
+    assert hopeless(W(reason="ImagePullBackOff", message=None))
+    # a loaded kubelet's secret manager: it retries by itself (seen in CI), the start timeout bounds it
+    assert not hopeless(W(reason="CreateContainerConfigError",
+                          message="failed to sync secret cache: timed out waiting for the condition"))
+    assert not hopeless(W(reason="ContainerCreating", message=None))

@@ -34,6 +34,15 @@ log = logging.getLogger("phalanx.executors.kubernetes")
 _KILLED = -int(signal.SIGKILL)
 # a container waiting for one of these never starts by itself: the rank fails at once
 HOPELESS_WAITING = {"ImagePullBackOff", "ErrImageNeverPull", "InvalidImageName", "CreateContainerConfigError"}
+# ...except these passing states of them: the kubelet retries, the gang's start timeout bounds it
+# (a loaded kubelet's "failed to sync secret cache: timed out waiting for the condition")
+TRANSIENT_WAITING_MESSAGES = ("failed to sync secret cache", "failed to sync configmap cache")
+
+
+def hopeless(waiting: Any) -> bool:
+    """A waiting container that will never start by itself."""
+    message = waiting.message or ""
+    return waiting.reason in HOPELESS_WAITING and not any(m in message for m in TRANSIENT_WAITING_MESSAGES)
 _LOG_WAIT_S = 3.0  # at most this long for a finished rank's log to arrive before its code is told
 
 
@@ -266,7 +275,7 @@ class KubernetesLauncher(Launcher):
                 return -(code - 128), f"{where}: container {t.reason or 'killed'}" + \
                     (f": {t.message}" if t.message else "")
             return code, ""
-        if state is not None and state.waiting is not None and state.waiting.reason in HOPELESS_WAITING:
+        if state is not None and state.waiting is not None and hopeless(state.waiting):
             w = state.waiting
             return _KILLED, f"{where}: {w.reason}: {w.message or ''} (the rank never started)".replace(":  (", " (")
         if status.phase == "Failed":  # Evicted, DeadlineExceeded, a node lost...

@@ -242,7 +242,14 @@ class ShmEngine:
             return None
         if len(set(hosts)) == len(hosts) or (not required and len(set(hosts)) > 1):
             return None
-        return cls(comm, hosts, f"{gang}-shm-{infos[0][1]}", hierarchical=required)
+        tag = f"{gang}-shm-{infos[0][1]}"
+        unseen = _probe(comm, hosts, segment_dir(tag), infos[0][1])
+        if unseen:  # one kernel, but not one shared memory (containers: a /dev/shm of their own)
+            if required:
+                raise PhalanxError(f"communicator shm: ranks on one host do not share {segment_dir(tag)}: "
+                                   + "; ".join(unseen) + f" (set {ENV_SHM_DIR} to a tmpfs directory they share)")
+            return None
+        return cls(comm, hosts, tag, hierarchical=required)
 
     # ---- the exchange ------------------------------------------------------------------
     def exchange_pieces(self, sizes: Sequence[int], fill: Callable[[int, np.ndarray], None]) -> list[np.ndarray | None]:
@@ -495,6 +502,41 @@ def _unlink(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _probe(comm: GlooCommunicator, hosts: list[str], directory: Path, nonce: str) -> list[str]:
+    """Does every rank see the files its same-host peers write in ``directory``?  Each writes a
+    probe file, every rank reads its peers' (collective: two small collectives); returns what
+    some rank could not see, the same list on every rank."""
+    me = comm.rank
+    mine = directory / f"probe-{me}"
+    try:
+        _makedirs(directory)
+        fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, f"{nonce}-{me}".encode())
+        os.close(fd)
+        wrote = None
+    except OSError as exc:
+        wrote = f"rank {me} cannot write {mine}: {exc.strerror or exc}"
+    comm.barrier()
+    unseen = [wrote] if wrote else []
+    for peer, host in enumerate(hosts):
+        if peer != me and host == hosts[me]:
+            try:
+                seen = (directory / f"probe-{peer}").read_text()
+            except OSError:
+                seen = None
+            if seen != f"{nonce}-{peer}":
+                unseen.append(f"rank {me} does not see rank {peer}'s files")
+    found = [u for per_rank in comm.allgather_obj(unseen) for u in per_rank]
+    try:
+        os.unlink(mine)
+    except OSError:
+        pass
+    if found:  # the engine will not use the directory: the last rank out removes it
+        comm.barrier()
+        _rmdir(directory)
+    return found
 
 
 def _rmdir(path: Path) -> None:

@@ -533,9 +533,8 @@ def _probe(comm: GlooCommunicator, hosts: list[str], directory: Path, nonce: str
         os.unlink(mine)
     except OSError:
         pass
-    if found:  # the engine will not use the directory: the last rank out removes it
-        comm.barrier()
-        _rmdir(directory)
+    comm.barrier()  # then the directory is empty: gone until an exchange needs a segment
+    _rmdir(directory)
     return found
 
 

@@ -2,6 +2,11 @@
 
 import sys
 
+from .runtime import threads as _threads
+
+if _threads.is_rank():  # before polars is imported below: it sizes its pool at import
+    _threads.apply()
+
 from .errors import GangError, MissingDependencyError, PhalanxError, RankError, RankFailure
 from .gang import Gang, set_notebook, set_site_loader
 from .operators import DataFrame, GroupBy, read_csv, read_parquet

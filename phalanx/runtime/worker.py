@@ -22,27 +22,7 @@ import threading
 import time
 
 from ..procs import descendants, die_with_parent
-
-
-def _pin_and_limit_threads() -> int:
-    """Apply CPU affinity and thread limits before numeric libraries start their pools."""
-    cpus = os.environ.get("PHALANX_CPUS")
-    by_rank = os.environ.get("PHALANX_CPUS_BY_RANK")  # protocol.ENV_CPUS_BY_RANK (mpirun: one env)
-    if not cpus and by_rank:
-        from .protocol import rank_from_environ
-
-        sets = by_rank.split("|")
-        rank = rank_from_environ()[0]
-        cpus = sets[rank] if rank < len(sets) else ""
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
-        except OSError:
-            pass  # a container may forbid it; affinity is an optimisation only
-    threads = int(os.environ.get("PHALANX_THREADS", "0") or 0) or (os.cpu_count() or 1)
-    for var in ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-        os.environ.setdefault(var, str(threads))
-    return threads
+from . import threads as threads_
 
 
 def _die_with_parent() -> None:
@@ -53,7 +33,7 @@ def _die_with_parent() -> None:
 def main() -> int:
     t0 = time.perf_counter()
     _die_with_parent()
-    threads = _pin_and_limit_threads()
+    threads = threads_.apply()  # again: a Ray actor imports phalanx before its rank env
 
     from multiprocessing.connection import Client
 

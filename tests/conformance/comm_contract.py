@@ -56,8 +56,13 @@ def _check_received(rank: int, views, expected_size) -> list[str]:
 
 # ---- apps (module level: cloudpickled to the ranks) ----------------------------------------
 def app_identity(env):
+    import polars as pl
+
+    # every thread of the rank (polars' pool is made at import) on the rank's CPUs
+    threads_cpus = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
     return (env.rank, env.world_size, env.comm.rank, env.comm.world_size, env.comm.name,
-            sorted(os.sched_getaffinity(0)), os.environ.get("OMPI_COMM_WORLD_RANK"))
+            sorted(os.sched_getaffinity(0)), os.environ.get("OMPI_COMM_WORLD_RANK"),
+            (env.threads, pl.thread_pool_size()), threads_cpus)
 
 
 def app_exchange(env, sizes: str):
@@ -214,6 +219,9 @@ class CommContract:
         if n <= len(cpus):  # pinned: disjoint, non-empty CPU sets (PHALANX_CPUS / _CPUS_BY_RANK)
             sets = [set(r[5]) for r in results]
             assert all(sets) and sum(map(len, sets)) == len(set().union(*sets))
+            assert [r[8] for r in results] == [{tuple(r[5])} for r in results], "a thread off its rank's CPUs"
+        # the rank's kernel-thread share sizes polars' pool (sized at import, before the app)
+        assert [r[7][1] for r in results] == [r[7][0] for r in results]
 
 
     @pytest.mark.parametrize("sizes", ["small", "empty"])

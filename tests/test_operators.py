@@ -474,3 +474,31 @@ def test_sort_by_one_numeric_column_is_the_stable_global_order(gang, column, asc
     assert_same_rows(out, expected)
     sizes = [r[2] for r in results]
     assert max(sizes) <= 1.5 * sum(sizes) / gang.world_size + 50, sizes
+
+
+def test_range_ids_compare_passes_equal_the_binary_search():
+    """Few splitters place rows by compare passes, many by binary search: the same ranks for
+    every row, ties with a splitter's key ordered by global position, nulls after numbers."""
+    import numpy as np
+
+    from phalanx.operators import sort as S
+
+    rng = np.random.default_rng(7)
+    few = S.FEW_SPLITTERS
+    try:
+        for trial in range(200):
+            n, P = int(rng.integers(0, 500)), int(rng.integers(2, 10))
+            code = rng.integers(0, int(rng.integers(1, 30)), n).astype(np.uint64)
+            nulls = rng.random(n) < 0.1 if trial % 2 else None
+            k, nn = P - 1, int(rng.integers(0, P))
+            sp_code = np.concatenate([rng.integers(0, 30, nn), np.zeros(k - nn, np.int64)]).astype(np.uint64)
+            sp_null = np.array([False] * nn + [True] * (k - nn))
+            sp_tag = (rng.integers(0, P, k) << 40) + rng.integers(0, max(n, 1), k)
+            order = np.lexsort((sp_tag, sp_code, sp_null))
+            args = (code, nulls, int(rng.integers(0, P)), sp_null[order], sp_code[order], sp_tag[order], P)
+            S.FEW_SPLITTERS = P
+            passes = S._range_ids(*args)
+            S.FEW_SPLITTERS = 0
+            assert np.array_equal(passes, S._range_ids(*args)), trial
+    finally:
+        S.FEW_SPLITTERS = few

@@ -67,6 +67,7 @@ def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
 _SIGN = np.uint64(1 << 63)
 _NAN_CODE = np.uint64(0xFFF8000000000000)  # above +inf's code: NaN sorts after numbers
 MIN_SAMPLE = 1024  # samples per rank at least: balanced ranks even for unsorted input
+FEW_SPLITTERS = 8  # up to this many splitters, compare passes place rows; more: binary search
 _TAG_SHIFT = 40  # rank << 40 | row index: a global position that orders rows like the frame
 
 
@@ -142,17 +143,31 @@ def _range_ids(code: np.ndarray, nulls: np.ndarray | None, rank: int, sp_null: n
     dtype = kernels._id_dtype(nparts)
     nn = int((~sp_null).sum())  # non-null splitters come first
     nn_code, nn_tag = sp_code[:nn], sp_tag[:nn]
-    lo = np.searchsorted(nn_code, code, side="left")
-    hi = np.searchsorted(nn_code, code, side="right")
-    ids = lo.astype(dtype)
-    tie = np.flatnonzero(hi > lo)  # rows whose key equals a splitter's: order by position
-    if len(tie):
-        pos = (np.int64(rank) << _TAG_SHIFT) + tie.astype(np.int64)
-        tlo, thi = lo[tie], hi[tie]
-        for start in np.unique(tlo):
-            m = tlo == start
-            stop = int(thi[m][0])
-            ids[tie[m]] += np.searchsorted(nn_tag[start:stop], pos[m], side="left").astype(dtype)
+    if nn <= FEW_SPLITTERS:
+        # one compare pass per splitter beats two binary searches per row (5M rows, 1
+        # splitter: 10 ms against 70 ms)
+        ids = np.zeros(len(code), dtype=dtype)
+        for c in nn_code:
+            ids += np.greater(code, c)
+        ties = [(np.flatnonzero(code == c), i) for i, c in enumerate(nn_code) if i == 0 or nn_code[i - 1] != c]
+        # rows whose key equals a splitter's: order by position among the equal splitters
+        for tie, start in ties:
+            if len(tie):
+                stop = int(np.searchsorted(nn_code, nn_code[start], side="right"))
+                pos = (np.int64(rank) << _TAG_SHIFT) + tie.astype(np.int64)
+                ids[tie] += np.searchsorted(nn_tag[start:stop], pos, side="left").astype(dtype)
+    else:
+        lo = np.searchsorted(nn_code, code, side="left")
+        hi = np.searchsorted(nn_code, code, side="right")
+        ids = lo.astype(dtype)
+        tie = np.flatnonzero(hi > lo)
+        if len(tie):
+            pos = (np.int64(rank) << _TAG_SHIFT) + tie.astype(np.int64)
+            tlo, thi = lo[tie], hi[tie]
+            for start in np.unique(tlo):
+                m = tlo == start
+                stop = int(thi[m][0])
+                ids[tie[m]] += np.searchsorted(nn_tag[start:stop], pos[m], side="left").astype(dtype)
     if nulls is not None and nulls.any():
         rows = np.flatnonzero(nulls)
         pos = (np.int64(rank) << _TAG_SHIFT) + rows.astype(np.int64)

@@ -492,6 +492,17 @@ def test_a_rank_whose_image_never_starts_fails_the_gang_at_once(k8s):
     k8s.wait_nothing_left(gang.gang_id)
 
 
+def test_workload_jobset_on_a_cluster_without_the_jobset_controller_fails_at_once_naming_it(k8s):
+    """This cluster has no JobSet controller (none can be installed offline): the gang fails
+    before anything is created, saying what is missing and what to use instead."""
+    model = k8s.model(start_timeout=60, kubernetes={"workload": "jobset"})
+    gang = px.Gang(2, site=model, echo=False)
+    took, msg = failed_start(gang)
+    assert took < 15, f"failed after {took:.1f} s (start_timeout 60): {msg}"
+    assert "jobset.x-k8s.io/v1alpha2" in msg and "JobSet controller" in msg and "workload: job" in msg, msg
+    k8s.wait_nothing_left(gang.gang_id)
+
+
 # ---- the control key stays in its Secret -------------------------------------------------------
 def test_the_control_key_is_in_the_secret_only_never_in_the_job_or_its_pods(k8s):
     gang = px.Gang(2, site=k8s.model(), echo=False)

@@ -155,3 +155,51 @@ def test_a_config_error_fails_the_rank_but_a_kubelet_cache_sync_timeout_is_waite
     assert not hopeless(W(reason="CreateContainerConfigError",
                           message="failed to sync secret cache: timed out waiting for the condition"))
     assert not hopeless(W(reason="ContainerCreating", message=None))
+
+
+def test_workload_jobset_holds_the_same_indexed_job_and_never_restarts_it():
+    cfg = site(workload="jobset", exclusive_topology="topology.kubernetes.io/zone").kubernetes
+    js, job = M.jobset(cfg, spec()), M.job(site().kubernetes, spec())
+    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2" and js["kind"] == "JobSet"
+    assert js["metadata"]["name"] == "phalanx-g-ab12"
+    assert js["metadata"]["labels"][M.GANG_LABEL] == "phalanx-g-ab12"  # what release() deletes by
+    assert js["metadata"]["annotations"] == {M.EXCLUSIVE_TOPOLOGY: "topology.kubernetes.io/zone"}
+    assert js["spec"]["failurePolicy"] == {"maxRestarts": 0}  # a stage retries on a fresh gang
+    (rj,) = js["spec"]["replicatedJobs"]
+    assert rj["replicas"] == 1
+    inner = rj["template"]["spec"]
+    # the Job a JobSet makes is the Job phalanx makes without one (less what is the JobSet's)
+    assert inner == {k: v for k, v in job["spec"].items() if k != "ttlSecondsAfterFinished"}
+    assert js["spec"]["ttlSecondsAfterFinished"] == job["spec"]["ttlSecondsAfterFinished"]
+    assert M.pod_spec(js) == M.pod_spec(job) == job["spec"]["template"]["spec"]
+    assert M.workload(cfg, spec())["kind"] == "JobSet" and M.workload(site().kubernetes, spec())["kind"] == "Job"
+    # kueue admits the JobSet: it is what is suspended and labelled
+    kq = M.jobset(site(workload="jobset", gang="kueue", queue="team").kubernetes, spec())
+    assert kq["spec"]["suspend"] is True and "suspend" not in kq["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert kq["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
+    # objects made before it are owned by it: deleted with it
+    ref = M.owner_reference({**js, "metadata": {**js["metadata"], "uid": "u-1"}})
+    assert (ref["apiVersion"], ref["kind"], ref["uid"]) == ("jobset.x-k8s.io/v1alpha2", "JobSet", "u-1")
+
+
+def test_workload_jobset_service_network_names_rank_pods_as_the_jobset_does():
+    cfg = site(workload="jobset", network="service").kubernetes
+    js = M.jobset(cfg, spec())
+    assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "phalanx-g-ab12"}
+    assert M.rank_host(cfg, "phalanx-g-ab12", 0) == "phalanx-g-ab12-r-0-0.phalanx-g-ab12.default.svc"
+    assert M.rank_host(site(network="service").kubernetes, "phalanx-g-ab12", 0) == \
+        "phalanx-g-ab12-0.phalanx-g-ab12.default.svc"
+    # the longest gang name still gives rank 9999 a hostname within 63 characters
+    name = M.job_name("phalanx", "X" * 80)
+    assert len(f"{name}-{M.REPLICATED_JOB}-0-9999") <= 63
+    assert M.jobset(site(workload="jobset").kubernetes, spec())["spec"]["network"] == {"enableDNSHostnames": False}
+
+
+def test_exclusive_topology_needs_workload_jobset():
+    from phalanx.executors.kubernetes.executor import KubernetesExecutor
+
+    ex = KubernetesExecutor(site(exclusive_topology="rack").kubernetes, site="k")
+    with pytest.raises(ValueError, match="exclusive_topology.*workload: jobset"):
+        ex.check(2)
+    with pytest.raises(ConfigError, match="workload"):
+        site(workload="jobsets")

@@ -70,6 +70,13 @@ class KubernetesConfig(ExecutorConfig):
         "native (scheduling.k8s.io Workload/PodGroup, minCount = ranks) | kueue (queue-name label) | volcano "
         "(Volcano PodGroup) | none")
     queue: Optional[str] = Field(None, description="the Kueue LocalQueue (gang: kueue) or Volcano queue")
+    workload: Literal["job", "jobset"] = Field(
+        "job", description="job: each gang one Indexed Job | jobset: the same Indexed Job as the one replicated "
+        "Job of a JobSet (jobset.x-k8s.io; its controller must be installed): for exclusive placement per "
+        "topology domain and JobSet-aware tooling")
+    exclusive_topology: Optional[str] = Field(
+        None, description="workload: jobset only: a node label (topology.kubernetes.io/zone, a rack label); each "
+        "gang gets whole domains of it to itself (JobSet's exclusive placement)")
     priority_class: Optional[str] = Field(None, description="priorityClassName of the rank pods")
     labels: dict[str, str] = Field(default_factory=dict, description="further labels of every object phalanx "
                                    "creates")

@@ -45,6 +45,8 @@ class KubernetesExecutor(Executor):
             raise ValueError("kubernetes.image: required — the container image the ranks run in")
         if cfg.gang == "kueue" and not cfg.queue:
             raise ValueError("kubernetes.queue: gang: kueue needs the LocalQueue to submit to")
+        if cfg.exclusive_topology and cfg.workload != "jobset":
+            raise ValueError("kubernetes.exclusive_topology: exclusive placement is JobSet's; set workload: jobset")
         if len(cfg.volume_mounts) and not (cfg.volumes or cfg.host_paths):
             raise ValueError("kubernetes.volume_mounts: mounts name volumes, but kubernetes.volumes lists none")
         _host_paths(cfg.host_paths)  # raises on a bad entry

@@ -114,7 +114,9 @@ class KubernetesLauncher(Launcher):
             gang_id = env.get(P.ENV_GANG_ID) or f"{os.getpid()}-{time.time_ns()}"
             name = M.job_name(cfg.job_name, gang_id)
             if cfg.network == "service" and env.get(P.ENV_RDZV, "").startswith("tcp://"):
-                env[P.ENV_RDZV] = f"tcp://{name}-0.{name}.{cfg.namespace}.svc:{cfg.rendezvous_port}"
+                env[P.ENV_RDZV] = f"tcp://{M.rank_host(cfg, name, 0)}:{cfg.rendezvous_port}"
+            if cfg.workload == "jobset":
+                self._ask(kube, self._need_jobset_api)
             argv = list(argv)
             if cfg.python and argv and argv[0] == sys.executable:
                 argv[0] = cfg.python
@@ -162,28 +164,38 @@ class KubernetesLauncher(Launcher):
             api_group, version = group["apiVersion"].split("/")
             first.append((group, lambda b: kube.custom.create_namespaced_custom_object(
                 api_group, version, ns, "podgroups", b)))
-        if cfg.network == "service":
+        if cfg.network == "service" and cfg.workload == "job":  # a JobSet makes its own
             first.append((M.service(cfg, spec), lambda b: kube.core.create_namespaced_service(ns, b)))
         what = "Secret"
         try:
             for body, create in first:
                 what = body["kind"]
                 create(body)
-            what = "Job"
-            job = kube.batch.create_namespaced_job(ns, M.job(cfg, spec))
+            made = M.workload(cfg, spec)
+            what = made["kind"]
+            if what == "JobSet":
+                self.job_obj = kube.custom.create_namespaced_custom_object(
+                    M.JOBSET_GROUP, M.JOBSET_VERSION, ns, M.JOBSET_PLURAL, made)
+            else:
+                self.job_obj = kube.api.sanitize_for_serialization(kube.batch.create_namespaced_job(ns, made))
         except Exception as exc:
             if type(exc).__name__ != "ApiException":
                 raise
             raise GangError(f"{self._site()}: cannot create the gang's {what} in namespace {ns!r}: "
                             f"{api_error(exc)}") from None
-        self.job_obj = kube.api.sanitize_for_serialization(job)
         owner = {"metadata": {"ownerReferences": [M.owner_reference(self.job_obj)]}}
         for body, _ in first:
             try:
                 self._patch(kube, body, owner)
             except Exception as exc:  # not fatal: kill() and release() delete them by label too
-                log.warning("%s: could not make %s %s the Job's: %s", self._site(), body["kind"],
-                            spec.name, api_error(exc))
+                log.warning("%s: could not make %s %s the %s's: %s", self._site(), body["kind"],
+                            spec.name, self.job_obj.get("kind", "Job"), api_error(exc))
+
+    def _need_jobset_api(self, kube: Kube) -> None:
+        if not kube.serves(M.JOBSET_GROUP, M.JOBSET_VERSION, M.JOBSET_PLURAL):
+            raise GangError(f"{self._site()}: kubernetes.workload: jobset, but the API server serves no "
+                            f"{M.JOBSET_GROUP}/{M.JOBSET_VERSION} JobSet (is the JobSet controller installed? "
+                            "https://jobset.sigs.k8s.io); use workload: job")
 
     def _patch(self, kube: Kube, body: dict, patch: dict) -> None:
         ns, name = self.config.namespace, body["metadata"]["name"]
@@ -358,7 +370,7 @@ class KubernetesLauncher(Launcher):
             (f" ({why})" if why else "") + gang
 
     def _gang_api_used(self) -> bool:
-        spec = ((self.job_obj or {}).get("spec") or {}).get("template", {}).get("spec", {})
+        spec = M.pod_spec(self.job_obj or {})
         return "schedulingGroup" in spec or spec.get("schedulerName") == "volcano"
 
     def reason(self) -> str | None:
@@ -433,8 +445,8 @@ _GROUP_WAIT = "pod group is unschedulable"  # native gang scheduling's word for 
 
 
 def delete_gang(kube: Kube, namespace: str, name: str, grace_s: int = 0) -> list[str]:
-    """Delete a gang's Job, pods, Secret, Service and PodGroup (whatever of them exists); the
-    kinds deleted, e.g. ``["job", "2 pods", "secret"]``."""
+    """Delete a gang's JobSet, Job, pods, Secret, Service and PodGroup (whatever of them exists);
+    the kinds deleted, e.g. ``["job", "2 pods", "secret"]``."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
 
@@ -449,6 +461,9 @@ def delete_gang(kube: Kube, namespace: str, name: str, grace_s: int = 0) -> list
             if exc.status != 404:
                 raise
 
+    gone(lambda: kube.custom.delete_namespaced_custom_object(  # workload: jobset (its Job goes with it)
+        M.JOBSET_GROUP, M.JOBSET_VERSION, namespace, M.JOBSET_PLURAL, name, propagation_policy="Background"),
+        "jobset")
     gone(lambda: kube.batch.delete_namespaced_job(
         name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")), "job")
     pods = kube.core.list_namespaced_pod(namespace, label_selector=selector).items

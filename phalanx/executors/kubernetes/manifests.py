@@ -1,6 +1,7 @@
 """The objects one gang is made of, as plain manifests (dicts): an Indexed Job whose pod index is
-the rank, a Secret holding the control connection's key, and — by the site's choices — a
-headless Service (``network: service``) and a PodGroup (native or Volcano gang scheduling).
+the rank (or, with ``workload: jobset``, a JobSet holding that Job), a Secret holding the control
+connection's key, and — by the site's choices — a headless Service (``network: service``) and a
+PodGroup (native or Volcano gang scheduling).
 
 Pure functions of the config and the gang: no client, no cluster, so what phalanx creates can
 be printed (``phalanx`` docs show one in full) and checked in unit tests.
@@ -23,6 +24,9 @@ CONTAINER = "rank"
 SECRET_KEY = "authkey"
 NATIVE_GROUP = "scheduling.k8s.io"
 VOLCANO_GROUP = "scheduling.volcano.sh"
+JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
+REPLICATED_JOB = "r"  # short: a rank's hostname <jobset>-r-0-<index> stays within 63 characters
+EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
 
 
 def job_name(prefix: str, gang_id: str) -> str:
@@ -179,12 +183,57 @@ def job(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": job_meta, "spec": body}
 
 
-def owner_reference(job_obj: Mapping[str, Any]) -> dict[str, Any]:
-    """Makes an object the Job's: Kubernetes' garbage collector deletes it with the Job."""
-    meta = job_obj["metadata"]
-    return {"apiVersion": "batch/v1", "kind": "Job", "name": meta["name"], "uid": meta["uid"],
-            "blockOwnerDeletion": False, "controller": False}
+def jobset(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
+    """``workload: jobset``: the gang's Indexed Job (as :func:`job` makes it) as the one
+    replicated Job of a JobSet that never restarts it (the stage retries on a fresh gang).
+    With ``network: service`` the JobSet makes the headless Service itself (named as the gang)."""
+    inner = job(cfg, spec)
+    body = dict(inner["spec"])
+    ttl = body.pop("ttlSecondsAfterFinished")
+    suspend = body.pop("suspend", False)  # kueue: the JobSet is what Kueue admits
+    js: dict[str, Any] = {
+        "failurePolicy": {"maxRestarts": 0},
+        "network": {"enableDNSHostnames": cfg.network == "service",
+                    **({"subdomain": spec.name} if cfg.network == "service" else {})},
+        "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1,
+                            "template": {"metadata": {"labels": labels(cfg, spec)}, "spec": body}}],
+        "ttlSecondsAfterFinished": ttl}
+    if suspend:
+        js["suspend"] = True
+    meta = inner["metadata"]
+    if cfg.exclusive_topology:
+        meta["annotations"] = {EXCLUSIVE_TOPOLOGY: cfg.exclusive_topology}
+    return {"apiVersion": f"{JOBSET_GROUP}/{JOBSET_VERSION}", "kind": "JobSet", "metadata": meta, "spec": js}
 
 
-__all__ = ["CONTAINER", "GANG_LABEL", "GangSpec", "INDEX_ANNOTATION", "JOB_LABEL", "job", "job_name",
-           "labels", "owner_reference", "pod_group", "resources", "secret", "service"]
+def workload(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
+    """The object that makes the gang's pods: the Job, or the JobSet holding it."""
+    return jobset(cfg, spec) if cfg.workload == "jobset" else job(cfg, spec)
+
+
+def pod_spec(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The rank pods' spec inside a Job or a JobSet manifest."""
+    spec = obj.get("spec") or {}
+    if obj.get("kind") == "JobSet":
+        spec = (spec.get("replicatedJobs") or [{}])[0].get("template", {}).get("spec", {})
+    return spec.get("template", {}).get("spec", {})
+
+
+def rank_host(cfg: KubernetesConfig, name: str, rank: int) -> str:
+    """A rank pod's DNS name under ``network: service``: ``<job>-<index>.<service>``; a
+    JobSet's pods are ``<jobset>-<replicated job>-<job index>-<index>``."""
+    pod = f"{name}-{REPLICATED_JOB}-0-{rank}" if cfg.workload == "jobset" else f"{name}-{rank}"
+    return f"{pod}.{name}.{cfg.namespace}.svc"
+
+
+def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
+    """Makes an object the gang's Job's (or JobSet's): Kubernetes' garbage collector deletes it
+    with its owner."""
+    meta = owner["metadata"]
+    return {"apiVersion": owner.get("apiVersion") or "batch/v1", "kind": owner.get("kind") or "Job",
+            "name": meta["name"], "uid": meta["uid"], "blockOwnerDeletion": False, "controller": False}
+
+
+__all__ = ["CONTAINER", "GANG_LABEL", "GangSpec", "INDEX_ANNOTATION", "JOB_LABEL", "job", "job_name", "jobset",
+           "labels", "owner_reference", "pod_group", "pod_spec", "rank_host", "resources", "secret", "service",
+           "workload"]

@@ -22,8 +22,8 @@ once, reused).
 Engines, each given R cores:
     phalanx   a gang of R ranks, one kernel thread per rank; tables read with px.read_parquet
               (row groups split over the ranks) before timing; queries use only the DataFrame
-              API (filter/assign with Arrow expressions, merge incl. multi-key, groupby.agg,
-              sort_values, head, collect)
+              API (filter/assign with Arrow expressions, merge incl. multi-key and semi,
+              groupby.agg, agg, sort_values incl. limit (top-k), nlargest, collect)
     duckdb    SET threads = R; tables loaded into DuckDB before timing; the SQL below
     polars    POLARS_MAX_THREADS = R; DataFrames in memory; the same SQL through pl.SQLContext
     spark     local[R], 4g driver heap, shuffle partitions = R; cached temp views; the same SQL
@@ -263,7 +263,7 @@ def px_queries():
         c = c.select(["c_custkey"])
         x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
         g = revenue(x).groupby(["l_orderkey", "o_orderdate", "o_shippriority"]).agg(revenue=("revenue", "sum"))
-        top = g.sort_values(["revenue", "o_orderdate"], ascending=[False, True]).head(10)
+        top = g.sort_values(["revenue", "o_orderdate"], ascending=[False, True], limit=10)
         return top.select(["l_orderkey", "revenue", "o_orderdate", "o_shippriority"])
 
     def q5(t):
@@ -283,9 +283,8 @@ def px_queries():
         li = t["lineitem"].select(["l_extendedprice", "l_discount", "l_quantity", "l_shipdate"])
         li = li.filter((f("l_shipdate") >= D("1994-01-01")) & (f("l_shipdate") < D("1995-01-01"))
                        & (f("l_discount") >= 0.05) & (f("l_discount") <= 0.07) & (f("l_quantity") < 24))
-        li = li.assign(rev=pc.multiply(f("l_extendedprice"), f("l_discount")), one=0)
-        # no global (key-less) aggregate in the DataFrame API: group by a constant
-        return li.groupby("one").agg(revenue=("rev", "sum")).select(["revenue"])
+        li = li.assign(rev=pc.multiply(f("l_extendedprice"), f("l_discount")))
+        return li.agg(revenue=("rev", "sum"))
 
     def q10(t):
         o = t["orders"].select(["o_orderkey", "o_custkey", "o_orderdate"]).filter(
@@ -299,21 +298,20 @@ def px_queries():
         x = x.merge(t["nation"].select(["n_nationkey", "n_name"]), left_on="c_nationkey", right_on="n_nationkey")
         keys = ["c_custkey", "c_name", "c_acctbal", "c_phone", "n_name", "c_address", "c_comment"]
         g = revenue(x).groupby(keys).agg(revenue=("revenue", "sum"))
-        top = g.sort_values("revenue", ascending=False).head(20)
+        top = g.nlargest(20, "revenue")
         return top.select(["c_custkey", "c_name", "revenue", "c_acctbal", "n_name", "c_address", "c_phone",
                            "c_comment"])
 
     def q18(t):
         li = t["lineitem"].select(["l_orderkey", "l_quantity"])
         big = li.groupby("l_orderkey").agg(q=("l_quantity", "sum")).filter(f("q") > 300).select(["l_orderkey"])
-        big = big.rename({"l_orderkey": "b_orderkey"})
         o = t["orders"].select(["o_orderkey", "o_custkey", "o_orderdate", "o_totalprice"])
-        o = o.merge(big, left_on="o_orderkey", right_on="b_orderkey")  # IN (...): keys are unique
+        o = o.merge(big, left_on="o_orderkey", right_on="l_orderkey", how="semi")  # o_orderkey IN (...)
         x = o.merge(t["customer"].select(["c_custkey", "c_name"]), left_on="o_custkey", right_on="c_custkey")
         x = x.merge(li, left_on="o_orderkey", right_on="l_orderkey")
         g = x.groupby(["c_name", "c_custkey", "o_orderkey", "o_orderdate", "o_totalprice"]).agg(
             sum_qty=("l_quantity", "sum"))
-        return g.sort_values(["o_totalprice", "o_orderdate"], ascending=[False, True]).head(100)
+        return g.sort_values(["o_totalprice", "o_orderdate"], ascending=[False, True], limit=100)
 
     return {"q1": q1, "q3": q3, "q5": q5, "q6": q6, "q10": q10, "q18": q18}
 

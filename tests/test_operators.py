@@ -502,3 +502,108 @@ def test_range_ids_compare_passes_equal_the_binary_search():
             assert np.array_equal(passes, S._range_ids(*args)), trial
     finally:
         S.FEW_SPLITTERS = few
+
+
+# ---- global aggregate, semi/anti join, top-k ----------------------------------------------
+def app_agg_all(env, rows):
+    df = frame(env, rows=rows)
+    out = df.agg({"v": ["sum", "count", "mean", "min", "max", "first", "last"], "w": "sum"},
+                 s_min=("s", "min"), ts_max=("ts", "max"), n=(None, "size"))
+    return out.collect(root=0), out.local_num_rows
+
+
+@pytest.mark.parametrize("rows", [4000, 0])
+def test_a_global_aggregate_is_one_row_on_rank_0_equal_to_duckdb(gang, rows):
+    results = gang.run(app_agg_all, rows)
+    out = results[0][0]
+    assert [r[1] for r in results] == [1] + [0] * (gang.world_size - 1)
+    T = gid_table(whole(gang.world_size, rows=rows))
+    expected = sql("SELECT " + AGG_SQL.split("SELECT {keys},", 1)[1].split("FROM")[0] + " FROM T", T=T)
+    assert out.column_names == ["v_sum", "v_count", "v_mean", "v_min", "v_max", "v_first", "v_last",
+                                "w", "s_min", "ts_max", "n"]
+    assert out.schema.field("n").type == pa.int64() and out.schema.field("ts_max").type == T.schema.field("ts").type
+    if rows == 0:  # sums and counts of nothing are 0; min, max, mean, first of nothing are null
+        assert out.to_pylist() == [{"v_sum": 0.0, "v_count": 0, "v_mean": None, "v_min": None, "v_max": None,
+                                    "v_first": None, "v_last": None, "w": 0, "s_min": None, "ts_max": None,
+                                    "n": 0}]
+    assert_same_rows(out, expected.cast(out.schema) if rows else out)
+    if rows:
+        assert out["n"][0].as_py() == T.num_rows
+
+
+def app_agg_errors(env):
+    df = frame(env)
+    errors = []
+    for call in (lambda: df.agg({"nope": "sum"}), lambda: df.agg({"v": "median"}), lambda: df.agg(),
+                 lambda: df.agg({"v": "sum"}, v=("w", "max"))):
+        try:
+            call()
+        except (KeyError, ValueError, TypeError) as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_a_global_aggregate_names_a_bad_column_function_or_clash(gang):
+    errors = gang.run(app_agg_errors)[0]
+    assert len(errors) == 4, errors
+    assert "nope" in errors[0] and "median" in errors[1] and "no aggregations" in errors[2] and "clash" in errors[3]
+
+
+def app_semi(env, how, on, broadcast):
+    left = frame(env, seed=1, hot=JOIN_HOT).select(["key", "s", "v", "w"])
+    right = frame(env, seed=2, rows=1500, hot=JOIN_HOT).select(["key", "s", "b"])
+    out = left.merge(right, on=on, how=how, broadcast=broadcast)
+    return out.collect(root=0), out.partitioned_by
+
+
+@pytest.mark.parametrize("how", ["semi", "anti"])
+@pytest.mark.parametrize("broadcast", [False, True])
+def test_semi_and_anti_join_keep_the_lefts_rows_with_and_without_a_match(gang, how, broadcast):
+    n = gang.world_size
+    for on in (["key"], ["key", "s"]):
+        out, placed = gathered(gang.run(app_semi, how, on, broadcast))
+        L = whole(n, seed=1, hot=JOIN_HOT).select(["key", "s", "v", "w"])
+        R = whole(n, rows=1500, seed=2, hot=JOIN_HOT).select(["key", "s", "b"])
+        cond = " AND ".join(f"l.{k} IS NOT DISTINCT FROM r.{k}" for k in on)
+        exists = "EXISTS" if how == "semi" else "NOT EXISTS"
+        expected = sql(f"SELECT * FROM L l WHERE {exists} (SELECT 1 FROM R r WHERE {cond})", L=L, R=R)
+        assert out.column_names == ["key", "s", "v", "w"]
+        assert 0 < out.num_rows < L.num_rows  # both kinds of rows exist: the test can fail
+        assert_same_rows(out, expected)
+        assert placed == (None if broadcast or n == 1 else tuple(on))
+
+
+def app_top_k(env, by, ascending, k, rows):
+    df = frame(env, rows=rows)
+    top = df.sort_values(by, ascending=ascending, limit=k)
+    return top.collect(root=0), top.local_num_rows, df.nlargest(k, "v").collect(root=0)
+
+
+@pytest.mark.parametrize("by,ascending,k", [
+    (["key"], True, 25), (["v"], False, 7), (["s", "key", "ts"], [True, False, True], 40), (["w"], True, 0),
+    (["w"], False, 100000)])
+def test_top_k_equals_sort_then_head_ties_in_frame_order(gang, by, ascending, k):
+    rows = 3000
+    results = gang.run(app_top_k, by, ascending, k, rows)
+    out, largest = results[0][0], results[0][2]
+    assert [r[1] for r in results[1:]] == [0] * (gang.world_size - 1)  # rank 0 holds the result
+    T = gid_table(whole(gang.world_size, rows=rows))
+    asc = [ascending] * len(by) if isinstance(ascending, bool) else ascending
+    order = ", ".join(f"{c} {'ASC' if a else 'DESC'} NULLS LAST" for c, a in zip(by, asc))
+    expected = sql(f"SELECT * FROM T ORDER BY {order}, gid LIMIT {k}", T=T).drop_columns(["gid"])
+    assert out.to_pylist() == expected.to_pylist()  # the same rows in the same order, ties included
+    by_v = sql(f"SELECT v FROM T ORDER BY v DESC NULLS LAST, gid LIMIT {k}", T=T)
+    assert largest["v"].to_pylist() == by_v["v"].to_pylist()
+    if k <= T["v"].drop_null().__len__():  # pandas' nlargest leaves NaN out
+        assert largest["v"].to_pylist() == T.to_pandas()["v"].nlargest(k, keep="first").tolist()
+
+
+def test_top_k_refuses_a_bad_limit(gang):
+    def app(env, limit):
+        try:
+            frame(env).sort_values("v", limit=limit)
+        except ValueError as exc:
+            return str(exc)
+
+    for bad in (-1, 2.5, True):
+        assert "limit must be a count of rows" in gang.run(app, bad)[0]

@@ -227,7 +227,9 @@ class DataFrame:
               left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None,
               suffixes: tuple[str, str] = ("_x", "_y"),
               broadcast: bool | None = None) -> "DataFrame":
-        """pandas-style join (collective); see ``phalanx.operators.join``."""
+        """pandas-style join (collective); see ``phalanx.operators.join``.  ``how``: inner, left,
+        right, outer; or semi / anti: the left's rows that have / have no match (SQL's IN / NOT IN
+        a subquery), the left's columns only, null keys matching each other as in every merge."""
         from .join import merge
 
         table, partitioned_by = merge(self, right, on=on, how=how, left_on=left_on, right_on=right_on,
@@ -239,11 +241,39 @@ class DataFrame:
 
         return GroupBy(self, as_list(by), dropna=dropna, combine=combine)
 
-    def sort_values(self, by: str | Sequence[str], ascending: bool | Sequence[bool] = True) -> "DataFrame":
-        """Global sort by sample sort: rank 0 holds the smallest rows (collective)."""
-        from .sort import sort_values
+    def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> "DataFrame":
+        """Aggregates over the whole frame, without keys (collective): a one-row frame held by
+        rank 0.  ``spec`` and ``named`` as in ``groupby(...).agg``: ``agg({"v": "sum"})``,
+        ``agg(revenue=("price", "sum"), n=(None, "size"))``."""
+        from .groupby import aggregate_all, check_outputs, parse_spec
 
+        aggs = parse_spec(spec, named)
+        check_columns(self.schema, [a.column for a in aggs if a.column], "agg")
+        check_outputs(aggs, [], "agg")
+        return self._new(aggregate_all(self, aggs))
+
+    def sort_values(self, by: str | Sequence[str], ascending: bool | Sequence[bool] = True,
+                    limit: int | None = None) -> "DataFrame":
+        """Global sort by sample sort: rank 0 holds the smallest rows (collective).
+
+        ``limit=k`` keeps only the first k rows of the sorted frame — the same rows as
+        ``sort_values(...).head(k)``, ties in frame order — as a top-k: every rank keeps its best
+        k, rank 0 picks from P·k rows and holds the result; nothing else moves."""
+        from .sort import sort_values, top_k
+
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+                raise ValueError(f"sort_values: limit must be a count of rows (an int >= 0), got {limit!r}")
+            return self._new(top_k(self, as_list(by), ascending, limit))
         return self._new(sort_values(self, as_list(by), ascending))
+
+    def nlargest(self, n: int, columns: str | Sequence[str]) -> "DataFrame":
+        """The ``n`` rows with the largest ``columns`` (pandas' nlargest, keep='first'), on rank 0."""
+        return self.sort_values(columns, ascending=False, limit=n)
+
+    def nsmallest(self, n: int, columns: str | Sequence[str]) -> "DataFrame":
+        """The ``n`` rows with the smallest ``columns`` (pandas' nsmallest, keep='first'), on rank 0."""
+        return self.sort_values(columns, ascending=True, limit=n)
 
     def drop_duplicates(self, subset: str | Sequence[str] | None = None, keep: str | bool = "first") -> "DataFrame":
         """Remove duplicate rows over the whole frame (collective); ``keep`` as in pandas."""

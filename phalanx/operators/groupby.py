@@ -16,6 +16,7 @@ import pyarrow as pa
 
 from . import kernels
 from .common import ROWID, check_columns, with_rowid
+from .exchange import concat, exchange_tables
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -64,11 +65,7 @@ class GroupBy:
     def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> "DataFrame":
         aggs = parse_spec(spec, named)
         check_columns(self.df.schema, [a.column for a in aggs if a.column], "groupby.agg")
-        outs = [a.out for a in aggs]
-        clash = sorted({o for o in outs if o in self.keys or outs.count(o) > 1})
-        if clash:
-            raise ValueError(f"groupby.agg: output column(s) {clash} clash with a group key or "
-                             "each other; name them, e.g. agg(v_min=('v', 'min'))")
+        check_outputs(aggs, self.keys, "groupby.agg")
         return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine), self.keys)
 
     def _all(self, func: str, numeric_only: bool) -> "DataFrame":
@@ -160,6 +157,38 @@ def _output_schema(keys: list[str], aggs: list[Agg], src: pa.Schema) -> pa.Schem
     fields += [pa.field(a.out, src.field(a.column).type) for a in aggs
                if a.func in ("min", "max", "first", "last")]
     return pa.schema(fields)
+
+
+def check_outputs(aggs: list[Agg], keys: Sequence[str], op: str) -> None:
+    outs = [a.out for a in aggs]
+    clash = sorted({o for o in outs if o in keys or outs.count(o) > 1})
+    if clash:
+        raise ValueError(f"{op}: output column(s) {clash} clash with a group key or "
+                         "each other; name them, e.g. agg(v_min=('v', 'min'))")
+
+
+def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
+    """Aggregates over the whole frame (no keys): one row, on rank 0; other ranks hold none.
+
+    Each rank reduces its partition to one row of partials; rank 0 receives the P rows and
+    combines them with the same final step a group-by uses (so sum of nothing is 0, min of
+    nothing is null, as pandas and SQL give)."""
+    comm = df.env.comm
+    table = df.to_arrow()
+    needed = list(dict.fromkeys(a.column for a in aggs if a.column)) or table.column_names[:1]
+    if not needed:
+        raise ValueError("agg: the frame has no columns")
+    table = table.select(needed)
+    if any(a.func in ("first", "last") for a in aggs):
+        table = with_rowid(table, comm.rank)
+    exprs = [e for a in aggs for e in _partials(a, grouped=True)]
+    partial = kernels.from_polars(kernels.to_polars(table).select(exprs))
+    parts = [partial if dest == 0 else partial.slice(0, 0) for dest in range(comm.world_size)]
+    partials = concat(exchange_tables(comm, parts, partial.schema), partial.schema)
+    query = f"SELECT {', '.join(_final_sql(a, table.schema) for a in aggs)} FROM __px_partial"
+    final = kernels.run_sql(query, __px_partial=partials)  # rank > 0: the same, over no rows
+    final = kernels.restore_types(final, _output_schema([], aggs, table.schema))
+    return final if comm.rank == 0 else final.slice(0, 0)
 
 
 def _use_combine(table: pa.Table, keys: Sequence[str]) -> bool:

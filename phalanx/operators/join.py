@@ -2,7 +2,9 @@
 
 Plan: agree on key types, then either broadcast the smaller side to every rank (when it is
 small and the join type allows it) or co-partition both sides by key hash; then join locally.
-Null keys match each other, as in pandas.
+Null keys match each other, as in pandas.  ``how="semi"``/``"anti"`` keep the left's rows
+that have (have no) match — SQL's ``IN``/``NOT IN (subquery)`` — moving only the right's
+distinct keys.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ if TYPE_CHECKING:
     from .dataframe import DataFrame
 
 BROADCAST_BYTES = 64 << 20  # a side smaller than this (whole frame) is broadcast
-_HOWS = ("inner", "left", "right", "outer")
+_HOWS = ("inner", "left", "right", "outer", "semi", "anti")
 
 
 def _key_type(lt: pa.DataType, rt: pa.DataType, name: str) -> pa.DataType:
@@ -74,6 +76,8 @@ def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, 
     # A side already hash-partitioned by exactly its join keys, uncast, need not move.
     l_placed = left.partitioned_by == tuple(lk) and lt.schema.equals(left.schema)
     r_placed = right.partitioned_by == tuple(rk) and rt.schema.equals(right.schema)
+    if how in ("semi", "anti"):
+        return _semi_join(left, lt, rt, lk, rk, how, l_placed, r_placed, broadcast)
 
     # pandas naming: keys shared by name appear once; other clashing columns get suffixes.
     shared = {a for a, b in zip(lk, rk) if a == b}
@@ -104,12 +108,32 @@ def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, 
     return kernels.join(lt, rt, lk, rk, how), partitioned_by
 
 
+def _semi_join(left: "DataFrame", lt: pa.Table, rt: pa.Table, lk: list[str], rk: list[str], how: str,
+               l_placed: bool, r_placed: bool, broadcast: bool | None) -> tuple[pa.Table, tuple[str, ...] | None]:
+    """The left's rows with (``semi``) or without (``anti``) a matching key on the right, each
+    once, the left's columns only.  Only the right's distinct keys move: broadcast when small,
+    else both sides are co-partitioned by key."""
+    comm = left.env.comm
+    keys = kernels.to_polars(rt.select(rk)).unique(maintain_order=False)
+    rt = kernels.from_polars(keys, rt.select(rk).schema)
+    partitioned_by = left.partitioned_by
+    if comm.world_size > 1 and not (l_placed and r_placed):
+        if _broadcast_side(comm, lt, rt, how, broadcast) == "right":
+            rt = concat(allgather_tables(comm, rt), rt.schema)
+        else:
+            lt = lt if l_placed else shuffle_table(comm, lt, lk)
+            rt = rt if r_placed else shuffle_table(comm, rt, rk)
+            partitioned_by = tuple(lk)
+    return kernels.join(lt, rt, lk, rk, how), partitioned_by
+
+
 def _broadcast_side(comm, lt: pa.Table, rt: pa.Table, how: str, broadcast: bool | None) -> str | None:
     """Which side to replicate: only one whose unmatched rows are never output."""
     if broadcast is False:
         return None
     sizes = comm.allreduce(np.array([lt.nbytes, rt.nbytes], dtype=np.int64))
-    allowed = {"inner": ("left", "right"), "left": ("right",), "right": ("left",), "outer": ()}[how]
+    allowed = {"inner": ("left", "right"), "left": ("right",), "right": ("left",), "outer": (),
+               "semi": ("right",), "anti": ("right",)}[how]
     limit = np.inf if broadcast else BROADCAST_BYTES
     candidates = [(sizes[0 if s == "left" else 1], s) for s in allowed]
     candidates = [(n, s) for n, s in candidates if n <= limit]

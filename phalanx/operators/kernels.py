@@ -169,7 +169,18 @@ def sort(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.T
     return from_polars(df, table.schema)
 
 
-_JOIN_SQL = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "outer": "FULL JOIN"}
+def top_k(table: pa.Table, by: Sequence[str], descending: Sequence[bool], k: int) -> pa.Table:
+    """The first ``k`` rows of ``sort(table, by, descending)``, ties in table order: polars
+    plans a stable sort followed by a slice as a partial sort."""
+    if table.num_rows <= k:
+        return sort(table, by, descending)
+    df = (to_polars(table).lazy().sort(list(by), descending=list(descending), nulls_last=True,
+                                       maintain_order=True).head(k).collect())
+    return from_polars(df, table.schema)
+
+
+_JOIN_SQL = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "outer": "FULL JOIN",
+             "semi": "SEMI JOIN", "anti": "ANTI JOIN"}
 _duckdb = None
 
 
@@ -206,7 +217,8 @@ def run_sql(query: str, **tables: pa.Table) -> pa.Table:
 
 def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str],
          how: str) -> pa.Table:
-    """Equi-join where null keys match each other (pandas semantics), in DuckDB.
+    """Equi-join where null keys match each other (pandas semantics), in DuckDB.  ``semi`` and
+    ``anti`` give the left's columns only.
 
     Column names must already be disjoint except for keys shared by name, which appear once
     (coalesced for right/outer joins, as pandas does for ``on=``).  Columns come out in
@@ -214,6 +226,9 @@ def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequ
     """
     shared = {a for a, b in zip(left_on, right_on) if a == b}
     cond = " AND ".join(f"l.{quote_ident(a)} IS NOT DISTINCT FROM r.{quote_ident(b)}" for a, b in zip(left_on, right_on))
+    if how in ("semi", "anti"):  # the left's rows with (without) a match, each once
+        out = run_sql(f"SELECT l.* FROM __px_l l {_JOIN_SQL[how]} __px_r r ON {cond}", __px_l=left, __px_r=right)
+        return restore_types(out, left.schema)
     cols = []
     for name in left.column_names:
         if name in shared and how in ("right", "outer"):

@@ -39,14 +39,33 @@ OVERSAMPLE = 32  # samples per destination rank from every rank
 _SRC, _IDX, _W = "__px_src", "__px_idx", "__px_weight"
 
 
-def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]) -> pa.Table:
+def _descending(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]) -> list[bool]:
     if not by:
         raise ValueError("sort_values: give at least one column")
     check_columns(df.schema, by, "sort_values")
     asc = [ascending] * len(by) if isinstance(ascending, bool) else list(ascending)
     if len(asc) != len(by):
         raise ValueError(f"sort_values: {len(by)} columns but {len(asc)} ascending flags")
-    desc = [not a for a in asc]
+    return [not a for a in asc]
+
+
+def top_k(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool], k: int) -> pa.Table:
+    """The first ``k`` rows of the sorted frame, on rank 0 (see ``DataFrame.sort_values``).
+    Each rank's best k (a stable top-k) go to rank 0 in rank order, so a stable sort there
+    breaks ties by (rank, position): the frame's order, as sort-then-head gives."""
+    desc = _descending(df, by, ascending)
+    comm = df.env.comm
+    table = df.to_arrow()
+    local = kernels.top_k(table, by, desc, k)
+    if comm.world_size == 1:
+        return local
+    parts = [local if dest == 0 else local.slice(0, 0) for dest in range(comm.world_size)]
+    best = concat(exchange_tables(comm, parts, local.schema), local.schema)
+    return kernels.top_k(best, by, desc, k) if comm.rank == 0 else local.slice(0, 0)
+
+
+def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]) -> pa.Table:
+    desc = _descending(df, by, ascending)
     comm = df.env.comm
     table = df.to_arrow()
     if comm.world_size == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -103,30 +104,24 @@ def _p(a: Agg, part: str) -> str:
     return f"__px_{a.out}__{part}"
 
 
-def _partials(a: Agg, grouped: bool) -> list[pl.Expr]:
-    """Per-group partial columns (grouped=True) or the same per row (grouped=False)."""
+def _row_partials(a: Agg) -> list[pl.Expr]:
+    """The partial columns of one aggregation for every row (raw rows are shuffled: the
+    combine step aggregates them); ``_partial_sql`` gives the same per group."""
     c = pl.col(a.column) if a.column else None
     nn = c.is_not_null() if c is not None else None
-    rid = pl.col(ROWID)
     if a.func == "size":
-        return [(pl.len() if grouped else pl.lit(1, pl.Int64)).cast(pl.Int64).alias(_p(a, "n"))]
+        return [pl.lit(1, pl.Int64).alias(_p(a, "n"))]
     if a.func in ("sum", "mean"):
-        s = c.sum() if grouped else c
-        out = [s.alias(_p(a, "sum"))]
+        out = [c.alias(_p(a, "sum"))]
         if a.func == "mean":
-            n = c.count() if grouped else nn.cast(pl.Int64)
-            out.append(n.cast(pl.Int64).alias(_p(a, "n")))
+            out.append(nn.cast(pl.Int64).alias(_p(a, "n")))
         return out
     if a.func == "count":
-        return [(c.count() if grouped else nn).cast(pl.Int64).alias(_p(a, "n"))]
+        return [nn.cast(pl.Int64).alias(_p(a, "n"))]
     if a.func in ("min", "max"):
-        return [(getattr(c, a.func)() if grouped else c).alias(_p(a, "v"))]
+        return [c.alias(_p(a, "v"))]
     # first / last: the value and the row id it came from, skipping nulls like pandas
-    pick = "first" if a.func == "first" else "last"
-    if grouped:
-        return [getattr(c.filter(nn), pick)().alias(_p(a, "v")),
-                getattr(rid.filter(nn), pick)().alias(_p(a, "rid"))]
-    return [c.alias(_p(a, "v")), pl.when(nn).then(rid).otherwise(None).alias(_p(a, "rid"))]
+    return [c.alias(_p(a, "v")), pl.when(nn).then(pl.col(ROWID)).otherwise(None).alias(_p(a, "rid"))]
 
 
 def _final_sql(a: Agg, src: pa.Schema) -> str:
@@ -181,8 +176,8 @@ def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
     table = table.select(needed)
     if any(a.func in ("first", "last") for a in aggs):
         table = with_rowid(table, comm.rank)
-    exprs = [e for a in aggs for e in _partials(a, grouped=True)]
-    partial = kernels.from_polars(kernels.to_polars(table).select(exprs))
+    partial = kernels.run_sql(f"SELECT {', '.join(e for a in aggs for e in _partial_sql(a, table.schema))} "
+                              "FROM __px_t", __px_t=table)
     parts = [partial if dest == 0 else partial.slice(0, 0) for dest in range(comm.world_size)]
     partials = concat(exchange_tables(comm, parts, partial.schema), partial.schema)
     query = f"SELECT {', '.join(_final_sql(a, table.schema) for a in aggs)} FROM __px_partial"
@@ -191,14 +186,39 @@ def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
     return final if comm.rank == 0 else final.slice(0, 0)
 
 
-def _use_combine(table: pa.Table, keys: Sequence[str]) -> bool:
-    """Pre-aggregate unless a sample says keys are mostly distinct (nothing to combine)."""
+def _use_combine(comm, table: pa.Table, keys: Sequence[str], collective: bool) -> bool:
+    """Pre-aggregate unless a sample says keys are mostly distinct (nothing to combine).  Before
+    a shuffle (``collective``) every rank votes from its own sample and all follow the majority:
+    the partials' shape must be the same on every rank."""
     n = table.num_rows
-    if n == 0:
-        return True
-    sample = table.slice(0, _SAMPLE_ROWS) if n > _SAMPLE_ROWS else table
-    distinct = kernels.to_polars(sample.select(list(keys))).n_unique()
-    return distinct / sample.num_rows < _UNIQUE_RATIO_FOR_RAW
+    sample = table.slice(0, _SAMPLE_ROWS).select(list(keys)) if n else None
+    local = sample is None or kernels.to_polars(sample).n_unique() / sample.num_rows < _UNIQUE_RATIO_FOR_RAW
+    if not collective or comm.world_size == 1:
+        return local
+    votes = comm.allreduce(np.array([int(local)], dtype=np.int64))
+    return 2 * int(votes[0]) >= comm.world_size
+
+
+def _partial_sql(a: Agg, src: pa.Schema) -> list[str]:
+    """The per-group partial columns of one aggregation as DuckDB SQL (DuckDB aggregates Arrow in
+    place; polars would first convert strings: TPC-H Q1's partial 0.22 s → see docs/performance.md)."""
+    q = kernels.quote_ident
+    c = q(a.column) if a.column else ""
+    name = lambda part: q(_p(a, part))  # noqa: E731
+    if a.func == "size":
+        return [f"COUNT(*) AS {name('n')}"]
+    if a.func in ("sum", "mean"):
+        t = src.field(a.column).type
+        whole = pa.types.is_integer(t) or pa.types.is_boolean(t)
+        total = f"CAST(SUM(CAST({c} AS BIGINT)) AS BIGINT)" if whole else f"SUM({c})"
+        return [f"{total} AS {name('sum')}"] + ([f"COUNT({c}) AS {name('n')}"] if a.func == "mean" else [])
+    if a.func == "count":
+        return [f"COUNT({c}) AS {name('n')}"]
+    if a.func in ("min", "max"):
+        return [f"{a.func.upper()}({c}) AS {name('v')}"]
+    pick, edge = ("arg_min", "MIN") if a.func == "first" else ("arg_max", "MAX")
+    nn = f"FILTER (WHERE {c} IS NOT NULL)"
+    return [f"{pick}({c}, {q(ROWID)}) {nn} AS {name('v')}", f"{edge}({q(ROWID)}) {nn} AS {name('rid')}"]
 
 
 def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
@@ -209,26 +229,28 @@ def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
     table = table.select(needed)
     if any(a.func in ("first", "last") for a in aggs):
         table = with_rowid(table, comm.rank)
-    frame = kernels.to_polars(table)
-    if dropna:  # pandas drops groups whose key is null unless dropna=False
-        frame = frame.drop_nulls(subset=keys)
-    # Already partitioned by these keys (e.g. after a merge on them): no shuffle, one pass.
-    colocated = comm.world_size == 1 or df.partitioned_by == tuple(keys)
-    if colocated:
-        combine = False
-    elif combine is None:
-        combine = _use_combine(kernels.from_polars(frame), keys)
-    partial_exprs = [e for a in aggs for e in _partials(a, grouped=combine)]
-    if combine:
-        partial = frame.group_by(keys, maintain_order=False).agg(partial_exprs)
-    else:
-        partial = frame.select([pl.col(k) for k in keys] + partial_exprs)
-    if not colocated:
-        shuffled = shuffle_table(comm, kernels.from_polars(partial, table.schema), keys)
-        partial = kernels.to_polars(shuffled)
-    # The combine step runs in DuckDB: its hash aggregation is ~20% faster than polars' here.
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
+    # Already partitioned by these keys (e.g. after a merge on them): no shuffle; few groups
+    # are still cheaper aggregated in one pass over the raw rows, then finished.
+    colocated = comm.world_size == 1 or df.partitioned_by == tuple(keys)
+    if combine is None:
+        combine = _use_combine(comm, table, keys, collective=not colocated)
+    if combine:  # pandas drops groups whose key is null unless dropna=False
+        where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
+        parts = ", ".join(e for a in aggs for e in _partial_sql(a, table.schema))
+        partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}",
+                                  __px_t=table)
+        partial = kernels.restore_types(partial, table.schema)  # keys as on the raw path
+    else:
+        frame = kernels.to_polars(table)
+        if dropna:
+            frame = frame.drop_nulls(subset=keys)
+        exprs = [e for a in aggs for e in _row_partials(a)]
+        partial = kernels.from_polars(frame.select([pl.col(k) for k in keys] + exprs), table.schema)
+    if not colocated:
+        partial = shuffle_table(comm, partial, keys)
+    # The combine step runs in DuckDB: its hash aggregation is ~20% faster than polars' here.
     query = (f"SELECT {keys_sql}, {', '.join(_final_sql(a, table.schema) for a in aggs)} "
              f"FROM __px_partial GROUP BY {keys_sql}")
-    final = kernels.run_sql(query, __px_partial=partial.to_arrow())
+    final = kernels.run_sql(query, __px_partial=partial)
     return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
 
 from . import kernels
@@ -104,24 +103,24 @@ def _p(a: Agg, part: str) -> str:
     return f"__px_{a.out}__{part}"
 
 
-def _row_partials(a: Agg) -> list[pl.Expr]:
-    """The partial columns of one aggregation for every row (raw rows are shuffled: the
-    combine step aggregates them); ``_partial_sql`` gives the same per group."""
-    c = pl.col(a.column) if a.column else None
-    nn = c.is_not_null() if c is not None else None
+def _row_partial_sql(a: Agg, src: pa.Schema) -> list[str]:
+    """The partial columns of one aggregation for every row, as DuckDB SQL: what the combine
+    step aggregates when raw rows are shuffled (or aggregated where they are)."""
+    q = kernels.quote_ident
+    c = q(a.column) if a.column else ""
+    name = lambda part: q(_p(a, part))  # noqa: E731
+    present = f"CAST({c} IS NOT NULL AS BIGINT)"
     if a.func == "size":
-        return [pl.lit(1, pl.Int64).alias(_p(a, "n"))]
+        return [f"CAST(1 AS BIGINT) AS {name('n')}"]
     if a.func in ("sum", "mean"):
-        out = [c.alias(_p(a, "sum"))]
-        if a.func == "mean":
-            out.append(nn.cast(pl.Int64).alias(_p(a, "n")))
-        return out
+        value = f"CAST({c} AS BIGINT)" if pa.types.is_boolean(src.field(a.column).type) else c
+        return [f"{value} AS {name('sum')}"] + ([f"{present} AS {name('n')}"] if a.func == "mean" else [])
     if a.func == "count":
-        return [nn.cast(pl.Int64).alias(_p(a, "n"))]
+        return [f"{present} AS {name('n')}"]
     if a.func in ("min", "max"):
-        return [c.alias(_p(a, "v"))]
+        return [f"{c} AS {name('v')}"]
     # first / last: the value and the row id it came from, skipping nulls like pandas
-    return [c.alias(_p(a, "v")), pl.when(nn).then(pl.col(ROWID)).otherwise(None).alias(_p(a, "rid"))]
+    return [f"{c} AS {name('v')}", f"CASE WHEN {c} IS NOT NULL THEN {q(ROWID)} END AS {name('rid')}"]
 
 
 def _final_sql(a: Agg, src: pa.Schema) -> str:
@@ -186,15 +185,13 @@ def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
     return final if comm.rank == 0 else final.slice(0, 0)
 
 
-def _use_combine(comm, table: pa.Table, keys: Sequence[str], collective: bool) -> bool:
-    """Pre-aggregate unless a sample says keys are mostly distinct (nothing to combine).  Before
-    a shuffle (``collective``) every rank votes from its own sample and all follow the majority:
-    the partials' shape must be the same on every rank."""
+def _use_combine(comm, table: pa.Table, keys: Sequence[str]) -> bool:
+    """Pre-aggregate unless samples say keys are mostly distinct (nothing to combine).  Every
+    rank votes from its own sample and all follow the majority: the partials' shape must be
+    the same on every rank."""
     n = table.num_rows
     sample = table.slice(0, _SAMPLE_ROWS).select(list(keys)) if n else None
     local = sample is None or kernels.to_polars(sample).n_unique() / sample.num_rows < _UNIQUE_RATIO_FOR_RAW
-    if not collective or comm.world_size == 1:
-        return local
     votes = comm.allreduce(np.array([int(local)], dtype=np.int64))
     return 2 * int(votes[0]) >= comm.world_size
 
@@ -230,27 +227,24 @@ def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
     if any(a.func in ("first", "last") for a in aggs):
         table = with_rowid(table, comm.rank)
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
-    # Already partitioned by these keys (e.g. after a merge on them): no shuffle; few groups
-    # are still cheaper aggregated in one pass over the raw rows, then finished.
-    colocated = comm.world_size == 1 or df.partitioned_by == tuple(keys)
+    where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
+    rows = f"SELECT {keys_sql}, {', '.join(e for a in aggs for e in _row_partial_sql(a, table.schema))} " \
+           f"FROM __px_t{where}"  # pandas drops groups whose key is null unless dropna=False
+    finals = ", ".join(_final_sql(a, table.schema) for a in aggs)
+    # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
+    # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
+    if comm.world_size == 1 or df.partitioned_by == tuple(keys):
+        final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
+        return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))
     if combine is None:
-        combine = _use_combine(comm, table, keys, collective=not colocated)
-    if combine:  # pandas drops groups whose key is null unless dropna=False
-        where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
+        combine = _use_combine(comm, table, keys)
+    if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
         parts = ", ".join(e for a in aggs for e in _partial_sql(a, table.schema))
         partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}",
                                   __px_t=table)
-        partial = kernels.restore_types(partial, table.schema)  # keys as on the raw path
-    else:
-        frame = kernels.to_polars(table)
-        if dropna:
-            frame = frame.drop_nulls(subset=keys)
-        exprs = [e for a in aggs for e in _row_partials(a)]
-        partial = kernels.from_polars(frame.select([pl.col(k) for k in keys] + exprs), table.schema)
-    if not colocated:
-        partial = shuffle_table(comm, partial, keys)
-    # The combine step runs in DuckDB: its hash aggregation is ~20% faster than polars' here.
-    query = (f"SELECT {keys_sql}, {', '.join(_final_sql(a, table.schema) for a in aggs)} "
-             f"FROM __px_partial GROUP BY {keys_sql}")
-    final = kernels.run_sql(query, __px_partial=partial)
+    else:  # mostly distinct keys: a local pass would not shrink anything
+        partial = kernels.run_sql(rows, __px_t=table)
+    partial = shuffle_table(comm, kernels.restore_types(partial, table.schema), keys)  # keys' types as given
+    final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM __px_partial GROUP BY {keys_sql}",
+                            __px_partial=partial)
     return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))

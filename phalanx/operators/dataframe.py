@@ -14,7 +14,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .common import agree_schema, as_list, balanced_bounds, check_columns
-from .exchange import allgather_tables, concat, exchange_tables
+from .exchange import allgather_tables, concat, exchange_tables, gather_tables
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -103,10 +103,7 @@ class DataFrame:
         comm = self.env.comm
         if root is None:
             return concat(allgather_tables(comm, self._table), self.schema)
-        parts = [self.schema.empty_table()] * comm.world_size
-        parts[root] = self._table
-        got = exchange_tables(comm, parts, self.schema)
-        return concat(got, self.schema) if comm.rank == root else None
+        return gather_tables(comm, self._table, root)
 
     def __repr__(self) -> str:
         return (f"<phalanx.DataFrame rank {self.env.rank}/{self.env.world_size}: "

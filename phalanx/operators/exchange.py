@@ -44,6 +44,14 @@ def allgather_tables(comm: Communicator, table: pa.Table) -> list[pa.Table]:
     return [deserialize(b) for b in comm.allgather_bytes(serialize(table))]
 
 
+def gather_tables(comm: Communicator, table: pa.Table, root: int) -> pa.Table | None:
+    """Every rank's ``table`` on ``root``, in rank order (None on the other ranks)."""
+    parts = [table.schema.empty_table()] * comm.world_size
+    parts[root] = table
+    got = exchange_tables(comm, parts, table.schema)
+    return concat(got, table.schema) if comm.rank == root else None
+
+
 def concat(tables: list[pa.Table], schema: pa.Schema) -> pa.Table:
     tables = [t for t in tables if t.num_rows]
     if not tables:

@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from . import kernels
 from .common import ROWID, check_columns, with_rowid
-from .exchange import concat, exchange_tables
+from .exchange import gather_tables
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -177,10 +177,10 @@ def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
         table = with_rowid(table, comm.rank)
     partial = kernels.run_sql(f"SELECT {', '.join(e for a in aggs for e in _partial_sql(a, table.schema))} "
                               "FROM __px_t", __px_t=table)
-    parts = [partial if dest == 0 else partial.slice(0, 0) for dest in range(comm.world_size)]
-    partials = concat(exchange_tables(comm, parts, partial.schema), partial.schema)
+    partials = gather_tables(comm, partial, root=0)
     query = f"SELECT {', '.join(_final_sql(a, table.schema) for a in aggs)} FROM __px_partial"
-    final = kernels.run_sql(query, __px_partial=partials)  # rank > 0: the same, over no rows
+    # rank > 0: the same query over no rows, for the result's types
+    final = kernels.run_sql(query, __px_partial=partial.slice(0, 0) if partials is None else partials)
     final = kernels.restore_types(final, _output_schema([], aggs, table.schema))
     return final if comm.rank == 0 else final.slice(0, 0)
 

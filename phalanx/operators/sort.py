@@ -30,7 +30,7 @@ import pyarrow.compute as pc
 
 from . import kernels
 from .common import check_columns
-from .exchange import allgather_tables, concat, exchange_tables
+from .exchange import allgather_tables, concat, exchange_tables, gather_tables
 
 if TYPE_CHECKING:
     from .dataframe import DataFrame
@@ -59,9 +59,8 @@ def top_k(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool], k: i
     local = kernels.top_k(table, by, desc, k)
     if comm.world_size == 1:
         return local
-    parts = [local if dest == 0 else local.slice(0, 0) for dest in range(comm.world_size)]
-    best = concat(exchange_tables(comm, parts, local.schema), local.schema)
-    return kernels.top_k(best, by, desc, k) if comm.rank == 0 else local.slice(0, 0)
+    best = gather_tables(comm, local, root=0)
+    return kernels.top_k(best, by, desc, k) if best is not None else local.slice(0, 0)
 
 
 def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]) -> pa.Table:

@@ -35,7 +35,7 @@ def app_where(env):
     ctx = _ray.get_runtime_context()
     return {"rank": env.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
             "env_node_id": os.environ.get("PHALANX_RAY_NODE_ID"), "actor_id": ctx.get_actor_id(),
-            "threads": env.threads}
+            "threads": env.threads, "polars_threads": __import__("polars").thread_pool_size()}
 
 
 def app_allgather(env):
@@ -148,6 +148,8 @@ class TestPersistentSpreadGang:
         assert [w["pid"] for w in where] == spread_gang.pids
         assert spread_gang.pids == [n["pid"] for n in spread_gang._launcher.nodes]
         assert all(w["threads"] == 1 for w in where)
+        # the actor imported polars before serve(): the runtime_env sized its pool
+        assert [w["polars_threads"] for w in where] == [1, 1, 1]
 
     def test_allgather_over_gloo(self, spread_gang):
         want = [b"", b"B" * 10, b"C" * 20]

@@ -138,3 +138,16 @@ def test_ranks_elsewhere_cannot_reach_a_driver_on_loopback():
                                            r"driver_host .* 10\.0\.0\.1\)"):
         reachable_env(rank_env("127.0.0.1:4000", "tcp://127.0.0.1:5000"), nodes, here="here", site="r",
                       free_port=None, driver_ip=lambda: "10.0.0.1")
+
+
+def test_rank_runtime_env_carries_the_thread_share():
+    from phalanx.executors.ray.launcher import rank_runtime_env
+
+    user = {"pip": ["x"], "env_vars": {"FOO": "1", "POLARS_MAX_THREADS": "8"}}
+    env = rank_runtime_env(user, {"PHALANX_THREADS": "2"})
+    assert env["pip"] == ["x"]
+    # the rank's share wins over a pool size the site set: it sizes every pool at import
+    assert env["env_vars"] == {"FOO": "1", "PHALANX_THREADS": "2", "POLARS_MAX_THREADS": "2",
+                               "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
+    assert user["env_vars"]["POLARS_MAX_THREADS"] == "8"  # the site's config is not changed
+    assert rank_runtime_env(None, {}) == {}

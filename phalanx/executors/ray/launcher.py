@@ -12,6 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from ...errors import GangError
 from ...runtime import protocol as P
+from ...runtime import threads as threads_
 from ..base import Echo, Launcher, held, released
 from ..logs import FileFollower
 from .actor import RankActor, is_worker
@@ -128,8 +129,9 @@ class RayLauncher(Launcher):
             custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU", "memory")}
             if custom:
                 opts["resources"] = custom
-            if c.runtime_env:
-                opts["runtime_env"] = c.runtime_env
+            runtime_env = rank_runtime_env(c.runtime_env, rank_env[r])
+            if runtime_env:
+                opts["runtime_env"] = runtime_env
             self.actors.append(actor_cls.options(**opts).remote())
         try:
             self.nodes = ray.get([a.info.remote() for a in self.actors], timeout=max(c.ready_timeout_s, 30.0))
@@ -274,3 +276,20 @@ class RayLauncher(Launcher):
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def rank_runtime_env(user: Mapping[str, Any] | None, env: Mapping[str, str]) -> dict[str, Any]:
+    """The actor's runtime_env: the site's, plus the rank's thread share as environment
+    variables.  The actor process imports phalanx (and so polars, which sizes its thread pool
+    at import) when it unpickles the actor class, before ``serve`` sets the rank's
+    environment: only variables Ray sets at process start size that pool.  Measured: without
+    them a 1-thread rank on a 2-CPU node had 2 polars threads."""
+    out = dict(user or {})
+    variables = dict(out.get("env_vars") or {})
+    threads = env.get(threads_.ENV_THREADS)
+    if threads:
+        variables[threads_.ENV_THREADS] = threads
+        variables.update({var: threads for var in threads_.POOL_VARS})
+    if variables:
+        out["env_vars"] = variables
+    return out

@@ -275,6 +275,52 @@ def test_sort_values_matches_duckdb(gang, by, ascending):
     assert_same_rows(out, expected)
 
 
+def _sort_kernel_input(rows: int = 20_000, chunks: int = 3) -> pa.Table:
+    """Keys with many ties, nulls, NaN, strings, a dictionary column; several chunks (the
+    string ranks must be one order over every chunk's dictionary)."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    f = rng.integers(0, 20, rows).astype(float)
+    f[rng.random(rows) < 0.05] = np.nan
+    words = np.array(["", "a", "ab", "b", "Zebra", "zebra", "é", "a\x00", "ab "], dtype=object)
+    s = words[rng.integers(0, len(words), rows)]
+    table = pa.table({
+        "f": pa.array(f, mask=rng.random(rows) < 0.05),
+        "s": pa.array(s, mask=rng.random(rows) < 0.05),
+        "i": pa.array(rng.integers(-3, 3, rows), mask=rng.random(rows) < 0.05),
+        "b": pa.array(rng.random(rows) < 0.5),
+        "d": pa.array(rng.integers(0, 5, rows).astype("datetime64[D]")),
+        "cat": pa.array(s).dictionary_encode(),
+        "u": pa.array([f"k{x}" for x in rng.integers(0, rows, rows)], pa.large_string()),
+        "row": pa.array(np.arange(rows)),
+    })
+    cuts = np.linspace(0, rows, chunks + 1).astype(int)
+    return pa.concat_tables([table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])])
+
+
+@pytest.mark.parametrize("by,descending", [
+    (["s"], [False]), (["u"], [True]), (["f", "s"], [True, False]), (["i", "f"], [False, False]),
+    (["s", "i", "f"], [True, False, True]), (["cat", "b", "d"], [False, True, False]),
+    (["b", "u"], [False, False])])
+def test_sort_kernel_is_the_stable_order(by, descending):
+    """The local sort (per-column passes, strings ranked) against DuckDB's ORDER BY with the
+    row number as the last key: the stable order, nulls last, NaN above every number."""
+    from phalanx.operators import kernels
+
+    T = _sort_kernel_input()
+    got = kernels.sort(T, by, descending)
+    order = ", ".join(f"{'CAST(cat AS VARCHAR)' if c == 'cat' else c} {'DESC' if d else 'ASC'} NULLS LAST"
+                      for c, d in zip(by, descending))
+    expected = sql(f"SELECT row FROM T ORDER BY {order}, row", T=T)
+    assert got.column("row").to_pylist() == expected.column("row").to_pylist()
+    assert got.schema == T.schema
+    # what a sample sort receives (sorted runs) gives the same order
+    runs = pa.concat_tables([kernels.sort(T.slice(0, 7000), by, descending),
+                             kernels.sort(T.slice(7000), by, descending)])
+    assert kernels.sort_runs(runs, by, descending).column("row").equals(got.column("row"))
+
+
 def test_sort_spreads_a_skewed_key_over_ranks(gang):
     """≈30% of rows have key 0: splitters with tie-breaking must still balance the ranks."""
     sizes = [r[1] for r in gang.run(app_sort, ["key"], True)]

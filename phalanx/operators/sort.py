@@ -78,7 +78,8 @@ def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
     cuts = [0] + [_upper_bound(local, by, desc, comm.rank, s) for s in splitters] + [local.num_rows]
     parts = [local.slice(cuts[i], cuts[i + 1] - cuts[i]) for i in range(comm.world_size)]
     received = concat(exchange_tables(comm, parts, local.schema), local.schema)
-    return kernels.sort(received, by, desc)  # stable: ties keep source-rank order
+    # sorted runs, one per source rank, in rank order: stable, ties keep that order
+    return kernels.sort_runs(received, by, desc)
 
 
 # ---- one numeric column: range-partition first, sort once --------------------------------------

@@ -498,6 +498,8 @@ def app_sort_numeric(env, column, ascending, skew):
         "ts": pa.array(rng.integers(-10**6, 10**6, rows).astype("datetime64[s]"), pa.timestamp("s"),
                        mask=rng.random(rows) < 0.05),
         "d": pa.array(rng.integers(-1000, 1000, rows).astype("datetime64[D]"), pa.date32()),
+        "s": pa.array(rng.choice(["x", "y", "zz", "", "é"], rows), mask=rng.random(rows) < 0.1),
+        "c": pa.array(["same"] * rows, pa.string()),
         "gid": pa.array(np.arange(rows) + env.rank * 10**6, pa.int64()),
     })
     df = px.DataFrame.from_arrow(t, env).sort_values(column, ascending=ascending)
@@ -507,14 +509,20 @@ def app_sort_numeric(env, column, ascending, skew):
 @pytest.mark.parametrize("column,ascending,skew", [
     ("i", True, False), ("i", False, False), ("i", True, True), ("i8", False, False),
     ("u", True, False), ("f", True, False), ("f", False, False), ("ts", False, False),
-    ("d", True, False)])
-def test_sort_by_one_numeric_column_is_the_stable_global_order(gang, column, ascending, skew):
-    """The range-partition-first path: nulls last, NaN as DuckDB/polars, -0.0 == 0.0, ties in
+    ("d", True, False),
+    # several columns / strings: range-partitioned first by compare passes over splitter rows
+    ("s", False, False), (["s", "f"], [True, False], False), (["f", "s"], [False, True], False),
+    (["i", "s", "ts"], [True, False, True], True), (["s", "i"], [False, False], True),
+    (["i", "c"], [True, False], True)])  # every row ties: only the frame position spreads them
+def test_sort_range_first_is_the_stable_global_order(gang, column, ascending, skew):
+    """The range-partition-first paths: nulls last, NaN as DuckDB/polars, -0.0 == 0.0, ties in
     frame order (a stable sort), a key shared by every row still spread over the ranks."""
     results = gang.run(app_sort_numeric, column, ascending, skew)
     T = pa.concat_tables([r[0] for r in results])
-    direction = "ASC" if ascending else "DESC"
-    expected = sql(f"SELECT * FROM T ORDER BY {column} {direction} NULLS LAST, gid", T=T)
+    columns = [column] if isinstance(column, str) else column
+    asc = [ascending] * len(columns) if isinstance(ascending, bool) else ascending
+    order = ", ".join(f"{c} {'ASC' if a else 'DESC'} NULLS LAST" for c, a in zip(columns, asc))
+    expected = sql(f"SELECT * FROM T ORDER BY {order}, gid", T=T)
     out = results[0][1]
     assert out["gid"].to_pylist() == expected["gid"].to_pylist()  # the whole rows, in order
     assert_same_rows(out, expected)

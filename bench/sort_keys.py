@@ -24,6 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from operators import RESULT_TAG  # noqa: E402  (bench/operators.py: the peers' result line)
 
 WORKLOADS = {"int2": (["a", "b"], [False, False]), "str": (["s"], [False]),
              "str_int": (["s", "a"], [True, False])}
@@ -102,7 +103,7 @@ def peer_main(engine: str, n: int, threads: int, workloads: list[str], reps: int
             times.append(time.perf_counter() - t)
         out[w] = {"times": times, "digest": key_digest(res, by)}
         del res
-    print("@@RESULT@@ " + json.dumps(out, default=str))
+    print(RESULT_TAG + json.dumps(out, default=str))
 
 
 def run_peer(engine: str, args, threads: int) -> dict:
@@ -113,8 +114,8 @@ def run_peer(engine: str, args, threads: int) -> dict:
            "--workloads", args.workloads, "--reps", str(args.reps)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in p.stdout.splitlines():
-        if line.startswith("@@RESULT@@ "):
-            return json.loads(line[len("@@RESULT@@ "):])
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG):])
     raise RuntimeError(f"{engine} failed:\n{p.stderr[-2000:]}")
 
 

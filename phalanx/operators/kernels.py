@@ -189,8 +189,8 @@ def sort(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.T
 
 
 def sort_runs(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.Table:
-    """``sort`` for rows that are already a few sorted runs (what a sample sort receives):
-    polars' multi-column sort finds the runs (5M rows in 2 runs of (float, string, int) keys:
+    """Polars' stable sort of the frame: ``sort`` of one plain column, and of rows that are
+    already a few sorted runs (what a sample sort receives), which its multi-column sort finds (5M rows in 2 runs of (float, string, int) keys:
     0.34 s, where the per-column passes take 2.1 s)."""
     if table.num_rows <= 1:
         return table

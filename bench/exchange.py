@@ -2,7 +2,7 @@
 """Exchange benchmark: alltoallv and table exchange between co-located ranks, against memcpy.
 
     .venv/bin/python bench/exchange.py                    # 64 and 256 MB per rank, 2 ranks
-    .venv/bin/python bench/exchange.py --sizes 64 --reps 5 --ranks 2 --comms gloo-tcp,shm
+    .venv/bin/python bench/exchange.py --sizes 64 --reps 5 --ranks 2 --comms gloo-tcp,tcp-noshm,shm
 
 Every rank sends S bytes in all to the other ranks (S / (ranks - 1) to each; nothing to
 itself) and receives as much.  Bandwidth is S divided by the time of the collective (the
@@ -17,8 +17,9 @@ communicator, in the same rank processes:
 - ``exchange``: ``comm.exchange_contiguous`` (views of what arrived: one copy on shm);
 - ``tables``: ``exchange_tables`` of int64 tables of S bytes (IPC written once, read in place).
 
-Communicators: ``gloo-tcp`` (Gloo's TCP pairs: PHALANX_SHM=0), ``shm`` (the shared-memory path;
-``gloo`` on one host uses the same), ``mpi`` where mpirun and mpi4py are installed, ``ucx``
+Communicators: ``gloo-tcp`` (Gloo's TCP pairs: PHALANX_SHM=0), ``tcp-noshm`` (phalanx's own
+TCP sockets, without torch: PHALANX_SHM=0; any ``<name>-noshm`` works), ``shm`` (the
+shared-memory path; ``tcp`` and ``gloo`` on one host use the same), ``mpi`` where mpirun and mpi4py are installed, ``ucx``
 where ucxx is (tcp/lo on this machine: for RDMA clusters, not one host).
 Machine load (/proc/loadavg, /proc/pressure/cpu) is printed before and after: on a shared
 machine the numbers move with it.
@@ -96,9 +97,9 @@ def load() -> str:
 def run(comm: str, ranks: int, sizes: list[int], reps: int) -> dict:
     env = dict(os.environ)
     name = comm
-    if comm == "gloo-tcp":
+    if comm == "gloo-tcp" or comm.endswith("-noshm"):  # the communicator's own wire only
         os.environ["PHALANX_SHM"] = "0"
-        name = "gloo"
+        name = "gloo" if comm == "gloo-tcp" else comm[:-len("-noshm")]
     try:
         executor = "mpirun" if comm == "mpi" else "local"
         with px.Gang(ranks=ranks, communicator=name, executor=executor, echo=False) as g:
@@ -123,7 +124,7 @@ def main() -> int:
     ap.add_argument("--sizes", default="64,256", help="MB each rank sends in all (comma-separated)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
-    default = "gloo-tcp,shm" + (",mpi" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "")
+    default = "gloo-tcp,tcp-noshm,shm" + (",mpi" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "")
     default += ",ucx" if importlib.util.find_spec("ucxx") else ""
     ap.add_argument("--comms", default=default)
     ap.add_argument("--json", help="also write the numbers here")

@@ -103,7 +103,7 @@ class Gang:
             store = store if store is not None else s.store.root
             if executor is None:
                 executor = self._owned = s.create_executor()
-        communicator = communicator or "gloo"
+        communicator = communicator or "tcp"
         self.world_size = ranks
         # MPI ranks must be started by an MPI launcher; everything else runs as local processes.
         executor = executor or (DEFAULT_MPI if communicator == "mpi" else DEFAULT)

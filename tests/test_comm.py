@@ -1,6 +1,6 @@
-"""Communicator conformance: the contract (tests/conformance/comm_contract.py) on Gloo (its
-shared-memory data path, the default on one host, and plain TCP with PHALANX_SHM=0), shm and
-MPI at every world size, plus library noise and mpirun fail-fast.
+"""Communicator conformance: the contract (tests/conformance/comm_contract.py) on tcp (the
+default: its shared-memory data path on one host, and its own sockets with PHALANX_SHM=0), Gloo
+(the same two ways), shm, MPI and UCX at every world size, plus library noise and fail-fast.
 
 One gang per (communicator, world size) lives for the whole module (starting one costs ~2 s).
 """
@@ -32,8 +32,10 @@ def _mpi_missing() -> str | None:
 UCX_SKIP = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
                               reason="ucxx not installed (pip install 'phalanx[ucx]')")
 MPI_SKIP = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
-CASES = [pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(("gloo-tcp", n), id=f"gloo-tcp-{n}") for n in (2, 3)] + [
+CASES = [pytest.param(("tcp", n), id=f"tcp-{n}") for n in (1, 2, 3, 4)] + [
+    pytest.param(("tcp-noshm", n), id=f"tcp-noshm-{n}") for n in (2, 3)] + [
+    pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)] + [
+    pytest.param(("gloo-noshm", n), id=f"gloo-noshm-{n}") for n in (2, 3)] + [
     pytest.param(("shm", n), id=f"shm-{n}") for n in (1, 2, 3, 4)] + [
     pytest.param(("mpi", n), id=f"mpi-{n}", marks=[pytest.mark.mpi, MPI_SKIP]) for n in (1, 2, 3)] + [
     pytest.param(("ucx", n), id=f"ucx-{n}", marks=[pytest.mark.ucx, UCX_SKIP]) for n in (1, 2, 3)
@@ -45,8 +47,8 @@ def comm_gang(request):
     communicator, ranks = request.param
     executor = "mpirun" if communicator == "mpi" else "local"
     mp = pytest.MonkeyPatch()
-    if communicator == "gloo-tcp":  # Gloo's own data path: the shared-memory one turned off
-        communicator = "gloo"
+    if communicator.endswith("-noshm"):  # the communicator's own wire: shared memory turned off
+        communicator = communicator[:-len("-noshm")]
         mp.setenv("PHALANX_SHM", "0")
     g = px.Gang(ranks=ranks, executor=executor, communicator=communicator, echo=False)
     try:
@@ -58,7 +60,7 @@ def comm_gang(request):
 
 
 class TestCommConformance(CommContract):
-    """Gloo, shm and MPI at every world size (the ``comm_gang`` fixture above)."""
+    """tcp, Gloo, shm, MPI and UCX at every world size (the ``comm_gang`` fixture above)."""
 
 
 def test_no_library_noise_in_rank_output(tmp_path):
@@ -104,7 +106,7 @@ def test_mpirun_rank_failure_is_fast_and_leaves_no_process():
         gang.close()
 
 
-# ---- ucx: a rank that dies mid-collective ----------------------------------------------------
+# ---- a rank that dies mid-collective: the survivors fail fast and name it ----------------------
 def app_rank_1_dies_in_alltoallv(env):
     import os
 
@@ -116,10 +118,13 @@ def app_rank_1_dies_in_alltoallv(env):
     env.comm.alltoallv(np.zeros(sum(counts), dtype=np.uint8), counts)
 
 
-@pytest.mark.ucx
-@UCX_SKIP
-def test_ucx_rank_death_fails_the_gang_fast_names_it_and_stops_the_others():
-    gang = px.Gang(ranks=3, communicator="ucx", echo=False)
+@pytest.mark.parametrize("communicator", [
+    "tcp", "tcp-noshm", pytest.param("ucx", marks=[pytest.mark.ucx, UCX_SKIP])])
+def test_rank_death_fails_the_gang_fast_names_it_and_stops_the_others(communicator, monkeypatch):
+    if communicator.endswith("-noshm"):
+        communicator = communicator[:-len("-noshm")]
+        monkeypatch.setenv("PHALANX_SHM", "0")
+    gang = px.Gang(ranks=3, communicator=communicator, echo=False)
     try:
         gang.start()
         pids = list(gang.pids)
@@ -131,3 +136,68 @@ def test_ucx_rank_death_fails_the_gang_fast_names_it_and_stops_the_others():
         assert [pid for pid in pids if _running(pid)] == []
     finally:
         gang.close()
+
+
+# ---- tcp: ranks without torch, sockets that only the gang's key opens ------------------------
+def app_modules_after_a_shuffle(env):
+    import sys
+
+    import pyarrow as pa
+
+    df = px.DataFrame.from_arrow(pa.table({"k": list(range(env.rank, 200, 2))}), env)
+    keys = df.shuffle("k").to_arrow()["k"].to_pylist()
+    return keys, sorted(m for m in ("torch", "torch.distributed") if m in sys.modules)
+
+
+def test_tcp_ranks_never_import_torch():
+    with px.Gang(ranks=2, communicator="tcp", echo=False) as g:
+        results = g.run(app_modules_after_a_shuffle)
+    assert sorted(k for keys, _ in results for k in keys) == list(range(200))
+    assert [mods for _, mods in results] == [[], []]
+
+
+def _serve_one(listener, key, box):
+    from phalanx.runtime.netio import accept_peer
+
+    try:
+        box["peer"] = accept_peer(listener, 0, 2, key, time.monotonic() + 10, "test")[0]
+    except Exception as exc:  # noqa: BLE001 - the test inspects it
+        box["error"] = exc
+
+
+@pytest.mark.parametrize("client_key", [b"k" * 16, b"x" * 16, None])
+def test_tcp_handshake_admits_only_holders_of_the_gang_key(client_key):
+    """A rank's socket authenticates both ways: a process without the key (another user's, a
+    stale gang's) is refused on both ends, and so is one that does not speak the protocol."""
+    import socket
+    import threading
+
+    from phalanx.errors import PhalanxError
+    from phalanx.runtime.netio import connect_peer
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    box: dict = {}
+    server = threading.Thread(target=_serve_one, args=(listener, b"k" * 16, box))
+    server.start()
+    try:
+        if client_key is None:  # not a phalanx rank at all
+            with socket.create_connection(listener.getsockname()) as raw:
+                raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
+                server.join(10)
+            assert "not a phalanx rank" in str(box["error"])
+            return
+        if client_key == b"k" * 16:
+            sock = connect_peer(listener.getsockname(), 1, 0, client_key, time.monotonic() + 10, "test")
+            sock.close()
+            server.join(10)
+            assert box == {"peer": 1}
+            return
+        with pytest.raises(PhalanxError, match="does not hold this gang's key|handshake failed"):
+            connect_peer(listener.getsockname(), 1, 0, client_key, time.monotonic() + 10, "test")
+        server.join(10)
+        assert "does not hold this gang's key" in str(box["error"])
+    finally:
+        server.join(10)
+        listener.close()

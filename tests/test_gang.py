@@ -218,17 +218,22 @@ def test_ranks_leave_a_driver_that_stops_answering(tmp_path):
     assert took > 2 - heartbeat_s(2) - 0.2, f"the ranks left {took:.1f} s after the stop: not by the 2 s timeout"
 
 
+@pytest.mark.parametrize("communicator", ["tcp", "gloo"])
 @pytest.mark.parametrize("rendezvous", ["file", "tcp://127.0.0.1"])
-def test_other_rendezvous(rendezvous):
-    with px.Gang(ranks=3, rendezvous=rendezvous, echo=False) as g:
+def test_other_rendezvous(rendezvous, communicator, tmp_path):
+    if rendezvous == "file":
+        rendezvous = f"file://{tmp_path}"
+    with px.Gang(ranks=3, rendezvous=rendezvous, communicator=communicator, echo=False) as g:
         assert g.run(apps.exchange_ranks)[2] == [b"\x00\x00\x00", b"\x01\x01\x01", b"\x02\x02\x02"]
+    assert list(tmp_path.iterdir()) == []  # the rendezvous' files are gone with the gang
 
 
 @pytest.mark.redis
-def test_redis_rendezvous_against_a_real_server(redis_url):
+@pytest.mark.parametrize("communicator", ["tcp", "gloo"])
+def test_redis_rendezvous_against_a_real_server(redis_url, communicator):
     import redis
 
-    with px.Gang(ranks=2, rendezvous=redis_url, echo=False) as g:
+    with px.Gang(ranks=2, rendezvous=redis_url, communicator=communicator, echo=False) as g:
         assert g.run(apps.exchange_ranks)[1] == [b"\x00\x00", b"\x01\x01"]
         client = redis.Redis.from_url(redis_url)
         assert any(k.startswith(f"phalanx:{g.gang_id}:".encode()) for k in client.scan_iter())
@@ -289,9 +294,28 @@ def listening_addresses(env):
     return found
 
 
+def test_tcp_ranks_listen_on_nothing_once_wired():
+    """tcp's listeners (rank 0's rendezvous port, every rank's mesh port) close once the mesh
+    is up: a running gang offers no port to anyone."""
+    with px.Gang(3, communicator="tcp", echo=False) as gang:
+        assert gang.run(listening_addresses) == [[], [], []]
+
+
+def test_tcp_listeners_bind_where_the_rendezvous_is(monkeypatch):
+    from phalanx.runtime.netio import bind_host
+
+    monkeypatch.delenv("PHALANX_BIND_HOST", raising=False)
+    assert bind_host("tcp://127.0.0.1:29500") == "127.0.0.1"
+    assert bind_host("tcp://localhost:29500") == "127.0.0.1"
+    monkeypatch.setenv("PHALANX_HOST", "127.0.0.1")
+    assert bind_host("file:///tmp/rdzv") == "127.0.0.1"
+    monkeypatch.setenv("PHALANX_BIND_HOST", "10.1.2.3")
+    assert bind_host("tcp://127.0.0.1:29500") == "10.1.2.3"
+
+
 def test_ranks_listen_on_loopback_only():
     """Rank 0's rendezvous store and Gloo's sockets must not be reachable from other hosts."""
-    with px.Gang(2, echo=False) as gang:
+    with px.Gang(2, communicator="gloo", echo=False) as gang:
         per_rank = gang.run(listening_addresses)
     assert per_rank[0], "rank 0 hosts the tcp rendezvous: it must listen somewhere"
     loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 in /proc's byte order

@@ -354,30 +354,52 @@ def test_mlp_loss_decreases_on_two_ranks(gang, store):
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))  # replicas stayed in sync
 
 
-def test_ddp_outside_a_gloo_gang_fails_clearly():
+def test_ddp_outside_a_gang_or_without_the_gloo_group_fails_clearly():
     model = Net()
     with pytest.raises(RuntimeError, match="needs the env of a gang rank"):
         px.ml.ddp(None, model)
-    fake_mpi = BSPEnv(rank=0, world_size=1, comm=types.SimpleNamespace(name="mpi"))
-    with pytest.raises(RuntimeError, match="gloo communicator .* uses 'mpi'"):
-        px.ml.ddp(fake_mpi, model)
     fake_gloo = BSPEnv(rank=0, world_size=1, comm=types.SimpleNamespace(name="gloo"))
     with pytest.raises(RuntimeError, match="process group is not initialised"):
         px.ml.ddp(fake_gloo, model)
+    with pytest.raises(TypeError, match="wraps a torch.nn.Module, got str"):
+        px.ml.ddp(fake_gloo, "not a model")
 
 
-def app_ddp(env):
-    try:
-        px.ml.ddp(env, Net())
-    except RuntimeError as exc:
-        return str(exc)
+def app_ddp_step(env):
+    """One DDP step from different initial weights: every rank ends with the same parameters,
+    and torch's group is Gloo over exactly the gang's ranks."""
+    import torch.distributed as dist
+
+    torch.manual_seed(env.rank)
+    net = Net()
+    model = px.ml.ddp(env, net)
+    x = torch.randn(8, 3, generator=torch.Generator().manual_seed(env.rank))
+    torch.nn.functional.mse_loss(model(x), x.sum(1)).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    again = px.ml.ddp(env, Net())  # a second model reuses the group
+    return ([p.detach().numpy().copy() for p in net.parameters()], dist.get_backend(),
+            dist.get_world_size(), isinstance(again, torch.nn.parallel.DistributedDataParallel))
+
+
+def _assert_ddp_step(results, ranks):
+    params0 = results[0][0]
+    for params, backend, world, wrapped in results:
+        assert backend == "gloo" and world == ranks and wrapped
+        assert all(np.array_equal(a, b) for a, b in zip(params0, params))
+
+
+@pytest.mark.parametrize("communicator", ["tcp", "shm", "gloo"])
+def test_ddp_on_every_communicator(communicator):
+    """tcp/shm ranks hold no torch group until DDP asks for one; gloo's is reused."""
+    with px.Gang(ranks=2, communicator=communicator, echo=False) as g:
+        _assert_ddp_step(g.run(app_ddp_step), 2)
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
                     reason="needs mpirun and mpi4py")
-def test_ddp_on_an_mpi_gang_says_to_use_gloo():
-    with px.Gang(ranks=1, communicator="mpi", executor="mpirun", echo=False) as g:
-        assert "communicator='gloo'" in g.run(app_ddp)[0]
+def test_ddp_on_an_mpi_gang():
+    with px.Gang(ranks=2, communicator="mpi", executor="mpirun", echo=False) as g:
+        _assert_ddp_step(g.run(app_ddp_step), 2)
 
 
 def test_import_phalanx_does_not_import_torch():

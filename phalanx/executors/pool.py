@@ -28,7 +28,7 @@ class WarmPool:
     """
 
     def __init__(self, size: int, demand: Callable[[], int] | None = None,
-                 preload: Sequence[str] = ("torch.distributed", "pyarrow", "polars")):
+                 preload: Sequence[str] = ("pyarrow", "polars", "phalanx.runtime.comm.tcp")):
         self.size = size
         self.demand = demand or (lambda: size)
         self.preload = list(preload)

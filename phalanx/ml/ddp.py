@@ -1,4 +1,11 @@
-"""``px.ml.ddp``: DistributedDataParallel over the gang's Gloo process group."""
+"""``px.ml.ddp``: DistributedDataParallel over a Gloo process group of the gang's ranks.
+
+A ``gloo`` gang has one already (its communicator is torch's default group).  Any other gang
+(``tcp``, ``shm``, ``mpi``, ``ucx``: no torch until now) gets one on first use: rank 0 reserves a
+port on the address its communicator listens on, the gang's communicator tells every rank, and
+each joins torch's default group through a TCPStore there (one collective, ~1–3 s, mostly
+importing torch — paid by training stages only, not by every dataframe rank).
+"""
 
 from __future__ import annotations
 
@@ -24,15 +31,25 @@ def ddp(env: "BSPEnv", model: torch.nn.Module, **kwargs: Any) -> DistributedData
         raise RuntimeError(
             f"px.ml.ddp needs the env of a gang rank (the first argument of an app run by "
             f"gang.run), got {type(env).__name__}: DDP runs inside a px.Gang, not in the driver")
-    comm_name = getattr(env.comm, "name", type(env.comm).__name__)
-    if comm_name not in ("gloo", "shm"):  # shm's control plane is Gloo's process group
-        raise RuntimeError(
-            f"px.ml.ddp needs a gang with the gloo communicator (it reuses its torch.distributed "
-            f"process group); this gang uses {comm_name!r}: start it with "
-            f"px.Gang(..., communicator='gloo')")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("px.ml.ddp: torch.distributed's default process group is not initialised "
-                           "in this process; call it inside an app run by a gloo gang")
+    if isinstance(model, DistributedDataParallel):
+        raise TypeError("px.ml.ddp: the model is already wrapped in DistributedDataParallel")
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"px.ml.ddp wraps a torch.nn.Module, got {type(model).__name__}")
+    _gloo_group(env)
+    kwargs.setdefault("device_ids", None)
+    kwargs.setdefault("process_group", getattr(env.comm, "group", None) or dist.group.WORLD)
+    return DistributedDataParallel(model, **kwargs)
+
+
+def _gloo_group(env: "BSPEnv") -> None:
+    """Make sure torch's default process group is a Gloo group of exactly the gang's ranks."""
+    if not dist.is_available():
+        raise RuntimeError("px.ml.ddp: this torch build has no torch.distributed")
+    if not dist.is_initialized():
+        if getattr(env.comm, "name", None) == "gloo":
+            raise RuntimeError("px.ml.ddp: torch.distributed's default process group is not initialised "
+                               "in this process, yet the gang's communicator is gloo")
+        _join_group(env)
     backend = dist.get_backend()
     if backend != "gloo":
         raise RuntimeError(f"px.ml.ddp: the default process group uses {backend!r}, expected 'gloo'")
@@ -40,10 +57,30 @@ def ddp(env: "BSPEnv", model: torch.nn.Module, **kwargs: Any) -> DistributedData
         raise RuntimeError(
             f"px.ml.ddp: torch.distributed is rank {dist.get_rank()} of {dist.get_world_size()}, "
             f"the gang says rank {env.rank} of {env.world_size}")
-    if isinstance(model, DistributedDataParallel):
-        raise TypeError("px.ml.ddp: the model is already wrapped in DistributedDataParallel")
-    if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"px.ml.ddp wraps a torch.nn.Module, got {type(model).__name__}")
-    kwargs.setdefault("device_ids", None)
-    kwargs.setdefault("process_group", getattr(env.comm, "group", None) or dist.group.WORLD)
-    return DistributedDataParallel(model, **kwargs)
+
+
+def _join_group(env: "BSPEnv") -> None:
+    import datetime
+    import os
+
+    from ..runtime import protocol as P
+    from ..runtime.netio import bind_host
+    from ..runtime.rendezvous import TCPRendezvous, reserve_port
+
+    timeout_s = float(os.environ.get(P.ENV_TIMEOUT, "1800"))
+    reservation = None
+    url = None
+    if env.rank == 0:
+        host = bind_host(os.environ.get(P.ENV_RDZV, ""))
+        reservation = reserve_port(host)
+        if reservation is None:
+            raise RuntimeError(f"px.ml.ddp: rank 0 cannot bind a port on {host} for torch's process group")
+        url = f"tcp://{host}:{reservation.getsockname()[1]}"
+    try:
+        url = env.comm.broadcast_obj(url)
+        store = TCPRendezvous.connect(url, env.rank, env.world_size, timeout_s)
+    finally:
+        if reservation is not None:
+            reservation.close()
+    dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))

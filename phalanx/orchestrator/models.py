@@ -203,8 +203,8 @@ class _SiteFields(_Strict, Located):
                                  "executor holds (this machine's cores, a SLURM pilot's ntasks, a Ray "
                                  "cluster's CPUs)")
     memory_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True)
-    communicator: str = Field("gloo", description="gloo | shm | mpi | ucx, or a plug-in's name (the "
-                              "communicators registry)")
+    communicator: str = Field("tcp", description="tcp (the default: no torch in the ranks) | shm | gloo | mpi | "
+                              "ucx, or a plug-in's name (the communicators registry)")
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
     driver_host: str = Field(

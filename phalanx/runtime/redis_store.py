@@ -8,35 +8,21 @@ from __future__ import annotations
 
 import datetime
 import time
-from urllib.parse import parse_qs, urlparse
 
 import redis
 import torch.distributed as dist
 
 from ..redact import redact
+from .redis_keys import client_and_prefix
 
 _POLL_S = 0.002
-
-
-def _client_and_prefix(url: str) -> tuple["redis.Redis", str]:
-    u = urlparse(url)
-    prefix = parse_qs(u.query).get("prefix", ["phalanx:"])[0]
-    clean = u._replace(query="").geturl()
-    return redis.Redis.from_url(clean), prefix
-
-
-def delete_prefix(url: str) -> None:
-    client, prefix = _client_and_prefix(url)
-    keys = list(client.scan_iter(match=prefix + "*", count=1000))
-    if keys:
-        client.delete(*keys)
 
 
 class RedisStore(dist.Store):
     def __init__(self, url: str, timeout_s: float = 300.0):
         super().__init__()
         self.url = url
-        self.client, self.prefix = _client_and_prefix(url)
+        self.client, self.prefix = client_and_prefix(url)
         self._timeout_s = timeout_s
         try:  # fail here, naming the URL (without its password), rather than inside Gloo
             self.client.ping()

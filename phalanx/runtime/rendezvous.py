@@ -2,7 +2,9 @@
 
 A rendezvous is named by a URL.  The driver *prepares* a concrete URL for one gang (a free
 port, a fresh file, a key prefix) and passes it to every rank; each rank *connects* and gets
-a ``torch.distributed.Store`` that Gloo uses to wire itself up.
+a ``torch.distributed.Store`` that Gloo uses to wire itself up — or, for communicators that do
+not use torch (``tcp``, ``shm``), just ``share``s one small value per rank (its listening
+address) with every other rank.
 
 - ``tcp`` (default)            rank 0 hosts a TCPStore on a port the driver picked: no server.
 - ``file`` / ``file:///dir``   a FileStore on a (shared) filesystem: no server, no ports.
@@ -23,6 +25,7 @@ from urllib.parse import parse_qs, urlencode, urlparse
 from .._registry import Registry
 from ..errors import PhalanxError
 from ..private import makedirs
+from ..redact import redact
 
 
 class Rendezvous(ABC):
@@ -37,6 +40,14 @@ class Rendezvous(ABC):
     @abstractmethod
     def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
         """Rank side: the store every rank of the gang shares."""
+
+    @classmethod
+    @abstractmethod
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
+              authkey: bytes) -> list[bytes]:
+        """Rank side, without torch: every rank gives one small value, every rank gets all of
+        them in rank order (collective).  Values are public (addresses): whoever can read the
+        rendezvous may see them, and what connects on them must authenticate (``authkey``)."""
 
     @classmethod
     def cleanup(cls, url: str) -> None:
@@ -109,6 +120,44 @@ class TCPRendezvous(Rendezvous):
         return TCPStore(u.hostname, u.port, world_size, is_master=True, timeout=_timeout(timeout_s),
                         wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=False)
 
+    @classmethod
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
+              authkey: bytes) -> list[bytes]:
+        """Rank 0 listens on the URL's port; every other rank connects (authenticated both
+        ways), sends its value and receives the table; then the port is closed."""
+        from .netio import accept_peer, connect_peer, recv_frame, send_frame
+
+        u = urlparse(url)
+        deadline = time.monotonic() + timeout_s
+        what = f"rendezvous {url}"
+        if rank != 0:
+            sock = connect_peer((u.hostname, u.port), rank, 0, authkey, deadline, what)
+            with sock:
+                send_frame(sock, value)
+                return [recv_frame(sock) for _ in range(world_size)]
+        values: list[bytes | None] = [value] + [None] * (world_size - 1)
+        conns = {}
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind((u.hostname, u.port))
+            listener.listen(max(128, world_size))
+            while len(conns) < world_size - 1:
+                peer, sock = accept_peer(listener, 0, world_size, authkey, deadline, what)
+                if peer in conns:
+                    sock.close()
+                    raise PhalanxError(f"{what}: rank {peer} connected twice")
+                conns[peer] = sock
+                values[peer] = recv_frame(sock)
+            for sock in conns.values():
+                for v in values:
+                    send_frame(sock, v)
+        finally:
+            listener.close()
+            for sock in conns.values():
+                sock.close()
+        return values
+
 
 class FileRendezvous(Rendezvous):
     scheme = "file"
@@ -128,8 +177,32 @@ class FileRendezvous(Rendezvous):
         return store
 
     @classmethod
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
+              authkey: bytes) -> list[bytes]:
+        """Each rank writes ``<file>.<rank>`` (0600, whole: written aside, then renamed) and
+        reads the others' once they exist."""
+        base = urlparse(url).path
+        tmp = f"{base}.{rank}.{uuid.uuid4().hex[:8]}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(value)
+        os.replace(tmp, f"{base}.{rank}")
+
+        def read(r: int) -> bytes | None:
+            try:
+                with open(f"{base}.{r}", "rb") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return None
+
+        return _poll_all(read, world_size, timeout_s, f"rendezvous {url}")
+
+    @classmethod
     def cleanup(cls, url: str) -> None:
-        Path(urlparse(url).path).unlink(missing_ok=True)
+        path = Path(urlparse(url).path)
+        path.unlink(missing_ok=True)
+        for shared in path.parent.glob(path.name + ".*"):
+            shared.unlink(missing_ok=True)
 
 
 class RedisRendezvous(Rendezvous):
@@ -149,10 +222,39 @@ class RedisRendezvous(Rendezvous):
         return RedisStore(url, timeout_s=timeout_s)
 
     @classmethod
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
+              authkey: bytes) -> list[bytes]:
+        from .redis_keys import client_and_prefix
+
+        client, prefix = client_and_prefix(url)
+        key = prefix + "share/{}"
+        client.set(key.format(rank), value)
+        return _poll_all(lambda r: client.get(key.format(r)), world_size, timeout_s,
+                         f"rendezvous {redact(url)}")
+
+    @classmethod
     def cleanup(cls, url: str) -> None:
-        from .redis_store import delete_prefix
+        from .redis_keys import delete_prefix
 
         delete_prefix(url)
+
+
+def _poll_all(read, world_size: int, timeout_s: float, what: str) -> list[bytes]:
+    """``read(r)`` for every rank, retried (1 ms, backing off to 50 ms) until each gave a value."""
+    deadline = time.monotonic() + timeout_s
+    values: list[bytes | None] = [None] * world_size
+    pause = 0.001
+    while True:
+        for r in range(world_size):
+            if values[r] is None:
+                values[r] = read(r)
+        missing = [r for r, v in enumerate(values) if v is None]
+        if not missing:
+            return values
+        if time.monotonic() > deadline:
+            raise PhalanxError(f"{what}: rank(s) {missing} did not arrive within {timeout_s:.0f}s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
 
 
 rendezvous_backends = Registry("rendezvous", group="phalanx.rendezvous")
@@ -168,6 +270,22 @@ def backend_for(spec: str) -> type[Rendezvous]:
             f"unknown rendezvous {spec!r}: use 'tcp', 'file', 'file:///shared/dir' or "
             "'redis://host:port/db'")
     return rendezvous_backends.load(scheme)
+
+
+def gang_authkey(what: str) -> bytes:
+    """The gang's secret (set by the driver for every rank): it authenticates rank-to-rank sockets."""
+    from . import protocol as P
+
+    key = os.environ.get(P.ENV_AUTHKEY)
+    if not key:
+        raise PhalanxError(f"{what}: {P.ENV_AUTHKEY} is not set (ranks are started by a phalanx "
+                           "executor, which sets it)")
+    return bytes.fromhex(key)
+
+
+def share(url: str, rank: int, world_size: int, value: bytes, timeout_s: float) -> list[bytes]:
+    """Every rank's ``value`` to every rank, through the gang's rendezvous and without torch."""
+    return backend_for(url).share(url, rank, world_size, value, timeout_s, gang_authkey("rendezvous"))
 
 
 def new_gang_id() -> str:

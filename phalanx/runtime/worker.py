@@ -116,17 +116,10 @@ def _build_env(rank: int, world_size: int, threads: int):
     from . import protocol as P
     from .comm import communicators
     from .env import BSPEnv
-    from .rendezvous import backend_for
 
     timeout_s = float(os.environ.get(P.ENV_TIMEOUT, "1800"))
-    comm_name = os.environ.get(P.ENV_COMM, "gloo")
-    comm_cls = communicators.load(comm_name)
-    if comm_name == "mpi":
-        comm = comm_cls(rank=rank, world_size=world_size)
-    else:
-        url = os.environ[P.ENV_RDZV]
-        store = backend_for(url).connect(url, rank, world_size, timeout_s)
-        comm = comm_cls(rank, world_size, store, timeout_s=timeout_s)
+    comm_name = os.environ.get(P.ENV_COMM, "tcp")
+    comm = communicators.load(comm_name).from_env(rank, world_size, os.environ.get(P.ENV_RDZV, ""), timeout_s)
     _limit_kernel_threads(threads)
     return BSPEnv(rank=rank, world_size=world_size, comm=comm, threads=threads,
                   gang_id=os.environ.get(P.ENV_GANG_ID, ""))

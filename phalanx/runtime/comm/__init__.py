@@ -1,11 +1,12 @@
-"""Communicators: pick one by name (``gloo``, ``shm``, ``mpi``, ``ucx``) through ``communicators``."""
+"""Communicators: pick one by name (``gloo``, ``tcp``, ``shm``, ``mpi``, ``ucx``) through ``communicators``."""
 
 from ..._registry import Registry
 from .base import Communicator
 
 communicators = Registry("communicator", group="phalanx.communicators")
 communicators.register("gloo", "phalanx.runtime.comm.gloo:GlooCommunicator")
-communicators.register("shm", "phalanx.runtime.comm.shm:ShmCommunicator")
+communicators.register("tcp", "phalanx.runtime.comm.tcp:TCPCommunicator")
+communicators.register("shm", "phalanx.runtime.comm.tcp:ShmCommunicator")
 communicators.register("mpi", "phalanx.runtime.comm.mpi:MPICommunicator", extra="mpi")
 communicators.register("ucx", "phalanx.runtime.comm.ucx:UCXCommunicator", extra="ucx")
 

@@ -23,6 +23,16 @@ class Communicator(ABC):
     """Collectives among the ``world_size`` ranks of one gang."""
 
     name: str = "abstract"
+    uses_torch: bool = False  # whether a rank imports torch for it (warm pools preload it then)
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "Communicator":
+        """How a rank builds its communicator (collective).  This default connects the gang's
+        rendezvous store (``torch.distributed.Store``) and hands it to the constructor."""
+        from ..rendezvous import backend_for
+
+        store = backend_for(rendezvous_url).connect(rendezvous_url, rank, world_size, timeout_s)
+        return cls(rank, world_size, store, timeout_s=timeout_s)  # type: ignore[call-arg]
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank

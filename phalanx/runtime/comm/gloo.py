@@ -1,35 +1,32 @@
 """Gloo through torch.distributed on CPU tensors (the default: needs no launcher).
 
 When every rank of the gang runs on one host, the bytes of ``alltoallv``, ``exchange`` and
-``exchange_tables`` go through shared memory instead of Gloo's TCP pairs (``shm.ShmEngine``;
-Gloo then carries only the control message); ``PHALANX_SHM=0`` keeps them on Gloo.
-``communicator: shm`` (``shm.ShmCommunicator``) always uses it, for the co-located ranks of a
-gang that spans hosts too.
+``exchange_tables`` go through shared memory instead of Gloo's TCP pairs (``shm.ShmDataPath``;
+Gloo then carries only the control message); ``PHALANX_SHM=0`` keeps them on Gloo.  Its
+process group is torch's default one, which ``px.ml.ddp`` reuses.  ``tcp`` and ``shm`` are the
+communicators without torch.
 """
 
 from __future__ import annotations
 
 import datetime
-import os
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .base import Communicator, ReduceOp
-
-if TYPE_CHECKING:
-    import pyarrow as pa
+from .shm import ShmDataPath
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 # torch 2.15 renamed all_gather_into_tensor (now an alias kept for old code) to all_gather_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class GlooCommunicator(Communicator):
+class GlooCommunicator(ShmDataPath, Communicator):
     name = "gloo"
-    shm_required = False  # ShmCommunicator: the shared-memory path always, for same-host peers
+    uses_torch = True
 
     def __init__(self, rank: int, world_size: int, store: "dist.Store", timeout_s: float = 1800.0):
         super().__init__(rank, world_size)
@@ -39,63 +36,9 @@ class GlooCommunicator(Communicator):
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.group = dist.group.WORLD
-        self.shm = None  # the shared-memory data path (shm.ShmEngine), where it applies
-        if world_size > 1 and (self.shm_required or _shm_wanted()):
-            from .shm import ShmEngine
+        self.start_shm()  # the shared-memory data path (shm.ShmEngine), where it applies
 
-            self.shm = ShmEngine.start(self, required=self.shm_required)
-
-    # ---- data: shared memory between co-located ranks when there is an engine ----------------
-    def alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
-        if self.shm is None:
-            return self.gloo_alltoallv(send, send_counts)
-        counts = [int(c) for c in send_counts]
-        if len(counts) != self.world_size:
-            raise ValueError(f"alltoallv needs {self.world_size} counts, got {len(counts)}")
-        offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
-        flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
-        views = self.shm.exchange_pieces(counts, lambda d, out: np.copyto(out, flat[offs[d]:offs[d + 1]]))
-        me = self.rank
-        mine = flat[offs[me]:offs[me + 1]]
-        pieces = [mine if v is None else v for v in views]
-        recv_counts = np.array([p.size for p in pieces], dtype=np.int64)
-        recv = self.shm.recv_buffer(int(recv_counts.sum()))
-        pos = 0
-        for p in pieces:
-            recv[pos:pos + p.size] = p
-            pos += p.size
-        return recv, recv_counts
-
-    def exchange(self, buffers: Sequence[Any]) -> list[memoryview]:
-        if self.shm is None:
-            return super().exchange(buffers)
-        if len(buffers) != self.world_size:
-            raise ValueError(f"exchange needs {self.world_size} buffers, got {len(buffers)}")
-        arrays = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8) for b in buffers]
-        views = self.shm.exchange_pieces([a.size for a in arrays], lambda d, out: np.copyto(out, arrays[d]))
-        return [memoryview(arrays[self.rank] if v is None else v) for v in views]
-
-    def exchange_contiguous(self, send: np.ndarray, send_counts: Sequence[int]) -> list[memoryview]:
-        if self.shm is None:
-            return super().exchange_contiguous(send, send_counts)
-        counts = [int(c) for c in send_counts]
-        offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
-        flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
-        return self.exchange([flat[offs[d]:offs[d + 1]] for d in range(self.world_size)])
-
-    def exchange_tables(self, parts: "list[pa.Table]", schema: "pa.Schema") -> "list[pa.Table]":
-        if self.shm is None:
-            return super().exchange_tables(parts, schema)
-        from .base import ipc_stream_size, read_ipc_stream, write_ipc_stream
-
-        me = self.rank
-        sizes = [0 if d == me or part.num_rows == 0 else ipc_stream_size(part, schema)
-                 for d, part in enumerate(parts)]
-        views = self.shm.exchange_pieces(sizes, lambda d, out: write_ipc_stream(parts[d], schema, out))
-        return [parts[me] if src == me else (read_ipc_stream(v) if v.size else schema.empty_table())
-                for src, v in enumerate(views)]
-
-    def gloo_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+    def wire_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         counts = torch.tensor(list(send_counts), dtype=torch.int64)
         recv_counts = torch.empty(self.world_size, dtype=torch.int64)
         dist.all_to_all_single(recv_counts, counts)
@@ -107,6 +50,12 @@ class GlooCommunicator(Communicator):
             output_split_sizes=rc.tolist(), input_split_sizes=list(map(int, send_counts)),
         )
         return recv.numpy(), rc
+
+    def all_to_all_rows(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows)
+        out = np.empty_like(rows)
+        dist.all_to_all_single(torch.from_numpy(out.reshape(-1)), torch.from_numpy(rows.reshape(-1)))
+        return out
 
     def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
         size = torch.tensor([data.nbytes], dtype=torch.int64)
@@ -139,15 +88,9 @@ class GlooCommunicator(Communicator):
         dist.barrier()
 
     def close(self) -> None:
-        if self.shm is not None:
-            self.shm.close()
-            self.shm = None
+        self.close_shm()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _shm_wanted() -> bool:
-    return os.environ.get("PHALANX_SHM", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _as_tensor(a: np.ndarray) -> torch.Tensor:

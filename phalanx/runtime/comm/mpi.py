@@ -15,6 +15,10 @@ _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
 class MPICommunicator(Communicator):
     name = "mpi"
 
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "MPICommunicator":
+        return cls(rank=rank, world_size=world_size)  # mpirun/srun wired the ranks already
+
     def __init__(self, rank: int | None = None, world_size: int | None = None, comm=None, **_: object):
         self.mpi = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())

@@ -1,12 +1,13 @@
 """Shared-memory exchange for ranks on one host (``communicator: shm``; also the intra-host data
-path of ``gloo`` when every rank of the gang shares a host).
+path of ``tcp`` and ``gloo`` when every rank of the gang shares a host).
 
 Each rank writes what it sends to its co-located peers **once**, into a shared-memory segment
 (a file under tmpfs, mapped ``MAP_SHARED``); the peers map that file and read their pieces in
 place — Arrow IPC streams they open zero-copy, so a received table *is* the sender's bytes.
-Gloo (created through the gang's rendezvous as usual) carries only the control message: one
-fixed-width ``all_to_all`` per exchange saying where each piece lies.  Peers on other hosts
-(hierarchical gangs) get their pieces through Gloo's ``all_to_all`` in the same exchange.
+The communicator's own wire (TCP sockets for ``tcp``/``shm``, Gloo for ``gloo``) carries only
+the control message: one fixed-width all-to-all per exchange saying where each piece lies.
+Peers on other hosts (hierarchical gangs) get their pieces through the wire's alltoallv in the
+same exchange.  ``ShmDataPath`` is the part a communicator mixes in to use it.
 
 Segments
     A rank owns a small pool of segments (up to 62 slots) that it reuses: writing into pages
@@ -32,10 +33,10 @@ Names and cleanup
 Full shared memory
     A segment is allocated with ``posix_fallocate`` (ENOSPC now, not SIGBUS on a later write).
     When it does not fit (the file system's free space, or ``PHALANX_SHM_LIMIT`` bytes per rank),
-    that exchange goes through Gloo instead, on every rank, with a warning naming the size and
-    the directory; ``PHALANX_SHM_FALLBACK=0`` makes it an error instead.
+    that exchange goes through the wire instead, on every rank, with a warning naming the size
+    and the directory; ``PHALANX_SHM_FALLBACK=0`` makes it an error instead.
 
-``PHALANX_SHM=0`` turns the shared-memory path off for ``gloo``.
+``PHALANX_SHM=0`` turns the shared-memory path off for ``tcp`` and ``gloo``.
 """
 
 from __future__ import annotations
@@ -48,19 +49,20 @@ import socket
 import uuid
 import weakref
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import torch
-import torch.distributed as dist
 
 from ...errors import PhalanxError
 from ...paths import default_shm_root, default_store_root
-from .gloo import GlooCommunicator
+from .base import Communicator
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger(__name__)
 
-ENV_SHM = "PHALANX_SHM"                    # "0": gloo keeps every byte on Gloo
+ENV_SHM = "PHALANX_SHM"                    # "0": tcp/gloo keep every byte on their wire
 ENV_SHM_DIR = "PHALANX_SHM_DIR"            # where the per-gang segment directory is made
 ENV_SHM_LIMIT = "PHALANX_SHM_LIMIT"        # bytes one rank's segments may hold (default: no limit)
 ENV_SHM_POOL_MAX = "PHALANX_SHM_POOL_MAX"  # larger segments are used once, not kept for reuse
@@ -79,7 +81,7 @@ FLAG_OK, FLAG_NO_SPACE = 0, 1
 
 
 class ShmSpaceError(PhalanxError, OSError):
-    """A segment did not fit in shared memory (and the Gloo fallback is off)."""
+    """A segment did not fit in shared memory (and the fallback to the communicator's wire is off)."""
 
 
 class _NoSpace(Exception):
@@ -199,9 +201,9 @@ class _Mapped:
 
 
 class ShmEngine:
-    """The shared-memory data path of a Gloo communicator (``comm``)."""
+    """The shared-memory data path of a communicator (``comm``, a ``ShmDataPath``)."""
 
-    def __init__(self, comm: GlooCommunicator, hosts: list[str], tag: str, hierarchical: bool):
+    def __init__(self, comm: "ShmDataPath", hosts: list[str], tag: str, hierarchical: bool):
         self.comm = comm
         self.rank, self.n = comm.rank, comm.world_size
         self.local = [h == hosts[self.rank] for h in hosts]
@@ -221,9 +223,9 @@ class ShmEngine:
 
     # ---- construction (collective) ------------------------------------------------------
     @classmethod
-    def start(cls, comm: GlooCommunicator, required: bool) -> "ShmEngine | None":
-        """Compare host ids (one allgather); None where no two ranks share a host (or, for
-        ``gloo``, where the gang spans hosts or shared memory is unusable here)."""
+    def start(cls, comm: "ShmDataPath", required: bool) -> "ShmEngine | None":
+        """Compare host ids (one allgather); None where no two ranks share a host (or, unless
+        ``required``, where the gang spans hosts or shared memory is unusable here)."""
         labels = os.environ.get(ENV_SHM_HOSTS)
         mine = labels.split(",")[comm.rank] if labels else host_id()
         gang = os.environ.get("PHALANX_GANG_ID") or "comm"
@@ -299,9 +301,9 @@ class ShmEngine:
             if not self.fallback:
                 self._after_new(got)
                 raise ShmSpaceError(errno.ENOSPC, f"shared-memory exchange: {why} "
-                                    f"({ENV_SHM_FALLBACK}=0, so no Gloo fallback)")
+                                    f"({ENV_SHM_FALLBACK}=0, so no fallback to {self.comm.name}'s wire)")
             if me == short[0]:
-                log.warning("shared-memory exchange: %s; this exchange goes through Gloo", why)
+                log.warning("shared-memory exchange: %s; this exchange goes through %s's wire", why, self.comm.name)
             self.stats["fallbacks"] += 1
         out: list[np.ndarray | None] = [None] * n
         for p in range(n):
@@ -322,8 +324,8 @@ class ShmEngine:
             out[p] = view
         self._after_new(got)
         if self.multi_host or short:
-            via_gloo = [d for d in range(n) if d != me and (short or not self.local[d])]
-            for p, view in self._gloo_pieces(sizes, fill, via_gloo).items():
+            via_wire = [d for d in range(n) if d != me and (short or not self.local[d])]
+            for p, view in self._wire_pieces(sizes, fill, via_wire).items():
                 out[p] = view
         return out
 
@@ -341,8 +343,8 @@ class ShmEngine:
         self.one_shot.clear()
         _rmdir(self.dir)  # the last rank to leave an empty directory removes it
 
-    def _gloo_pieces(self, sizes: list[int], fill, dests: list[int]) -> dict[int, np.ndarray]:
-        """Pieces for ``dests`` through Gloo's alltoallv (every rank calls it)."""
+    def _wire_pieces(self, sizes: list[int], fill, dests: list[int]) -> dict[int, np.ndarray]:
+        """Pieces for ``dests`` through the wire's alltoallv (every rank calls it)."""
         counts = [sizes[d] if d in dests else 0 for d in range(self.n)]
         send = np.empty(sum(counts), dtype=np.uint8)
         pos = 0
@@ -350,16 +352,14 @@ class ShmEngine:
             if c:
                 fill(d, send[pos:pos + c])
                 pos += c
-        recv, recv_counts = self.comm.gloo_alltoallv(send, counts)
+        recv, recv_counts = self.comm.wire_alltoallv(send, counts)
         recv.flags.writeable = False
         offs = np.concatenate([[0], np.cumsum(recv_counts)])
         return {p: recv[int(offs[p]):int(offs[p + 1])] for p in range(self.n)
                 if p != self.rank and (p in dests or not self.local[p])}
 
     def _all_to_all(self, ctrl: np.ndarray) -> np.ndarray:
-        out = torch.empty(ctrl.size, dtype=torch.int64)
-        dist.all_to_all_single(out, torch.from_numpy(ctrl.reshape(-1)))
-        return out.numpy().reshape(self.n, W)
+        return self.comm.all_to_all_rows(ctrl)
 
     # ---- receive side --------------------------------------------------------------------
     def recv_buffer(self, nbytes: int) -> np.ndarray:
@@ -504,7 +504,7 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def _probe(comm: GlooCommunicator, hosts: list[str], directory: Path, nonce: str) -> list[str]:
+def _probe(comm: Communicator, hosts: list[str], directory: Path, nonce: str) -> list[str]:
     """Does every rank see the files its same-host peers write in ``directory``?  Each writes a
     probe file, every rank reads its peers' (collective: two small collectives); returns what
     some rank could not see, the same list on every rank."""
@@ -545,9 +545,84 @@ def _rmdir(path: Path) -> None:
         pass  # not empty (a peer's file is still there) or already gone
 
 
-class ShmCommunicator(GlooCommunicator):
-    """Gloo for control messages, shared memory for the bytes between co-located ranks (Gloo
-    for ranks on other hosts)."""
+def shm_wanted() -> bool:
+    return os.environ.get(ENV_SHM, "1").strip().lower() not in ("0", "false", "no", "off")
 
-    name = "shm"
-    shm_required = True
+
+class ShmDataPath:
+    """Mixed into a communicator (before ``Communicator``) that implements ``wire_alltoallv``
+    (its own alltoallv of bytes) and ``all_to_all_rows`` (one fixed-width row of int64 to each
+    rank): ``alltoallv``, ``exchange`` and ``exchange_tables`` then move the bytes between
+    co-located ranks through shared memory, and the rest through the wire."""
+
+    shm_required = False  # True: the shared-memory path always, for same-host peers
+    shm: "ShmEngine | None" = None
+    rank: int
+    world_size: int
+
+    def wire_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def all_to_all_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Row d of the (ranks, k) array ``rows`` to rank d; returns the rows received, by source."""
+        raise NotImplementedError
+
+    def start_shm(self) -> None:
+        """Collective: set up the shared-memory path where it applies (after the wire is up)."""
+        self.shm = None
+        if self.world_size > 1 and (self.shm_required or shm_wanted()):
+            self.shm = ShmEngine.start(self, required=self.shm_required)
+
+    def close_shm(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
+
+    def alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        if self.shm is None:
+            return self.wire_alltoallv(send, send_counts)
+        counts = [int(c) for c in send_counts]
+        if len(counts) != self.world_size:
+            raise ValueError(f"alltoallv needs {self.world_size} counts, got {len(counts)}")
+        offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
+        views = self.shm.exchange_pieces(counts, lambda d, out: np.copyto(out, flat[offs[d]:offs[d + 1]]))
+        me = self.rank
+        mine = flat[offs[me]:offs[me + 1]]
+        pieces = [mine if v is None else v for v in views]
+        recv_counts = np.array([p.size for p in pieces], dtype=np.int64)
+        recv = self.shm.recv_buffer(int(recv_counts.sum()))
+        pos = 0
+        for p in pieces:
+            recv[pos:pos + p.size] = p
+            pos += p.size
+        return recv, recv_counts
+
+    def exchange(self, buffers: Sequence[Any]) -> list[memoryview]:
+        if self.shm is None:
+            return super().exchange(buffers)  # type: ignore[misc]
+        if len(buffers) != self.world_size:
+            raise ValueError(f"exchange needs {self.world_size} buffers, got {len(buffers)}")
+        arrays = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8) for b in buffers]
+        views = self.shm.exchange_pieces([a.size for a in arrays], lambda d, out: np.copyto(out, arrays[d]))
+        return [memoryview(arrays[self.rank] if v is None else v) for v in views]
+
+    def exchange_contiguous(self, send: np.ndarray, send_counts: Sequence[int]) -> list[memoryview]:
+        if self.shm is None:
+            return super().exchange_contiguous(send, send_counts)  # type: ignore[misc]
+        counts = [int(c) for c in send_counts]
+        offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+        flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
+        return self.exchange([flat[offs[d]:offs[d + 1]] for d in range(self.world_size)])
+
+    def exchange_tables(self, parts: "list[pa.Table]", schema: "pa.Schema") -> "list[pa.Table]":
+        if self.shm is None:
+            return super().exchange_tables(parts, schema)  # type: ignore[misc]
+        from .base import ipc_stream_size, read_ipc_stream, write_ipc_stream
+
+        me = self.rank
+        sizes = [0 if d == me or part.num_rows == 0 else ipc_stream_size(part, schema)
+                 for d, part in enumerate(parts)]
+        views = self.shm.exchange_pieces(sizes, lambda d, out: write_ipc_stream(parts[d], schema, out))
+        return [parts[me] if src == me else (read_ipc_stream(v) if v.size else schema.empty_table())
+                for src, v in enumerate(views)]

@@ -1,9 +1,9 @@
 """UCX through ucxx (extra ``phalanx[ucx]``): for clusters whose network UCX drives natively
 (InfiniBand/RoCE verbs, shared memory between processes of a node, CUDA IPC).
 
-Bootstrap goes through phalanx's rendezvous, like Gloo: every rank publishes its UCX *worker
-address* in the gang's store and makes one endpoint to every peer from those addresses — no
-listener socket is opened.  Messages are tag-matched on the receiving worker; a tag is
+Bootstrap goes through phalanx's rendezvous, without torch: every rank ``share``s its UCX
+*worker address* and makes one endpoint to every peer from those addresses — no listener
+socket is opened.  Messages are tag-matched on the receiving worker; a tag is
 (collective sequence number, source rank), so collectives never mix even when a fast rank is
 one collective ahead.  The collectives are built from point-to-point sends: alltoallv sends
 its counts first, then every non-empty piece, all at once.
@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from .base import Communicator, ReduceOp
 
 _REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
-_KEY = "phalanx/ucx/worker-address/{}"
 
 
 def _import_ucxx() -> Any:
@@ -44,14 +43,23 @@ def _import_ucxx() -> Any:
 class UCXCommunicator(Communicator):
     name = "ucx"
 
-    def __init__(self, rank: int, world_size: int, store: Any, timeout_s: float = 1800.0):
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "UCXCommunicator":
+        from ..rendezvous import share
+
+        return cls(rank, world_size, lambda mine: share(rendezvous_url, rank, world_size, mine, timeout_s),
+                   timeout_s=timeout_s)
+
+    def __init__(self, rank: int, world_size: int, share: Callable[[bytes], list[bytes]],
+                 timeout_s: float = 1800.0):
+        """``share(my worker address)`` returns every rank's (the rendezvous' ``share``)."""
         super().__init__(rank, world_size)
         self._ucxx = ucxx = _import_ucxx()
         self._timeout = timeout_s
         self._loop = asyncio.new_event_loop()
         self._seq = 0
-        store.set(_KEY.format(rank), bytes(ucxx.get_worker_address()))
-        addresses = {r: store.get(_KEY.format(r)) for r in range(world_size) if r != rank}
+        shared = share(bytes(ucxx.get_worker_address()))
+        addresses = {r: shared[r] for r in range(world_size) if r != rank}
         self._eps = {r: self._run(ucxx.create_endpoint_from_worker_address(
             ucxx.get_ucx_address_from_buffer(a))) for r, a in addresses.items()}
         self.barrier()  # every endpoint is up before anyone sends data

@@ -1,0 +1,266 @@
+"""TCP sockets between every pair of ranks, in plain Python: a communicator without torch.
+
+A rank that imports torch for Gloo carries ~300 MiB of private memory and ~2–3 s of import
+before it holds any data; a dataframe gang does not need either.  ``communicator: tcp`` wires
+the gang as a full mesh of authenticated TCP connections (``runtime.netio``: every rank listens
+on an ephemeral port, the rendezvous ``share``s the addresses, each rank connects to the ranks
+below it and accepts the ones above) and runs every collective as one all-pairs transfer that
+moves every send and every receive at once on non-blocking sockets (``poll``), so no pair waits
+for another and a large exchange is full duplex.  Collectives are matched by order: every rank
+calls them in the same order, a TCP stream keeps it, and a receiver never reads past the bytes
+the current collective owes it.
+
+When ranks share a host, the bytes of ``alltoallv``/``exchange``/``exchange_tables`` go through
+shared memory (``shm.ShmDataPath``) and the sockets carry only the control rows, as for Gloo;
+``communicator: shm`` is this communicator with the shared-memory path required.
+
+Control collectives are all-pairs (O(ranks) messages per rank): meant for gangs of up to a few
+hundred ranks; larger gangs use ``mpi``.  A peer that dies is noticed at once (its connection
+closes) and named; a silent one after the gang's timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import time
+from typing import Sequence
+
+import numpy as np
+
+from ...errors import PhalanxError
+from ..netio import accept_peer, bind_host, connect_peer
+from .base import Communicator, ReduceOp
+from .shm import ShmDataPath
+
+_REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
+_POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
+_POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+
+
+class TCPCommunicator(ShmDataPath, Communicator):
+    name = "tcp"
+    uses_torch = False
+
+    @classmethod
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "TCPCommunicator":
+        from ..rendezvous import gang_authkey
+
+        return cls(rank, world_size, rendezvous_url, gang_authkey(f"communicator {cls.name}"), timeout_s=timeout_s)
+
+    def __init__(self, rank: int, world_size: int, rendezvous_url: str, authkey: bytes,
+                 timeout_s: float = 1800.0):
+        super().__init__(rank, world_size)
+        self.timeout_s = timeout_s
+        self.peers: dict[int, socket.socket] = {}
+        self._fds: dict[int, int] = {}
+        self.shm = None
+        if world_size > 1:
+            self._connect(rendezvous_url, authkey)
+        self.start_shm()
+
+    # ---- wiring ---------------------------------------------------------------------------
+    def _connect(self, url: str, authkey: bytes) -> None:
+        from ..rendezvous import backend_for
+
+        deadline = time.monotonic() + self.timeout_s
+        what = f"communicator {self.name}"
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            listener.bind((bind_host(url), 0))
+            listener.listen(max(128, self.world_size))
+            host, port = listener.getsockname()[:2]
+            addresses = backend_for(url).share(url, self.rank, self.world_size, f"{host}:{port}".encode(),
+                                               self.timeout_s, authkey)
+            for peer in range(self.rank):
+                h, p = addresses[peer].decode().rsplit(":", 1)
+                self.peers[peer] = connect_peer((h, int(p)), self.rank, peer, authkey, deadline, what)
+            while len(self.peers) < self.world_size - 1:
+                peer, sock = accept_peer(listener, self.rank, self.world_size, authkey, deadline, what)
+                if peer in self.peers or peer < self.rank:
+                    sock.close()
+                    raise PhalanxError(f"{what}: rank {self.rank} got a second connection from rank {peer}")
+                self.peers[peer] = sock
+        except BaseException:
+            self._close_sockets()
+            raise
+        finally:
+            listener.close()
+        for sock in self.peers.values():
+            sock.setblocking(False)
+        self._fds = {p: s.fileno() for p, s in self.peers.items()}
+
+    # ---- the one transfer every collective is made of ---------------------------------------
+    def _transfer(self, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
+        """Send ``sends[p]`` to and receive exactly ``len(recvs[p])`` bytes from each peer p,
+        all at once."""
+        out = {p: [v, 0] for p, v in sends.items() if v.nbytes}
+        inb = {p: [v, 0] for p, v in recvs.items() if v.nbytes}
+        for p in list(out):  # small messages leave without a poll
+            self._send_some(p, out)
+        if not out and not inb:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        by_fd = {self._fds[p]: p for p in set(out) | set(inb)}
+        poller = select.poll()
+        registered: dict[int, int] = {}
+        while out or inb:
+            for fd, p in by_fd.items():
+                want = (_POLLOUT if p in out else 0) | (_POLLIN if p in inb else 0)
+                if want != registered.get(fd):
+                    if want:
+                        (poller.modify if fd in registered else poller.register)(fd, want)
+                        registered[fd] = want
+                    elif fd in registered:
+                        poller.unregister(fd)
+                        del registered[fd]
+            left = deadline - time.monotonic()
+            events = poller.poll(max(int(left * 1000), 0)) if left > 0 else []
+            if not events:
+                waiting = sorted(set(out) | set(inb))
+                raise PhalanxError(f"communicator {self.name}: rank {self.rank} waited {self.timeout_s:.0f}s "
+                                   f"for rank(s) {waiting}")
+            for fd, ev in events:
+                p = by_fd[fd]
+                if p in inb and ev & (_POLLIN | _POLLERR):
+                    self._recv_some(p, inb)
+                if p in out and ev & (_POLLOUT | _POLLERR):
+                    self._send_some(p, out)
+
+    def _send_some(self, p: int, out: dict) -> None:
+        view, pos = out[p]
+        try:
+            pos += self.peers[p].send(view[pos:])
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise self._lost(p, exc) from exc
+        if pos == view.nbytes:
+            del out[p]
+        else:
+            out[p][1] = pos
+
+    def _recv_some(self, p: int, inb: dict) -> None:
+        view, pos = inb[p]
+        try:
+            k = self.peers[p].recv_into(view[pos:])
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise self._lost(p, exc) from exc
+        if k == 0:
+            raise self._lost(p, None)
+        pos += k
+        if pos == view.nbytes:
+            del inb[p]
+        else:
+            inb[p][1] = pos
+
+    def _lost(self, p: int, exc: OSError | None) -> PhalanxError:
+        why = f": {exc}" if exc else ""
+        return PhalanxError(f"communicator {self.name}: rank {self.rank} lost its connection to rank {p} "
+                            f"(that rank ended or failed){why}")
+
+    def _others(self) -> range:
+        return range(self.world_size)
+
+    def _counts_all_to_all(self, counts: Sequence[int]) -> np.ndarray:
+        mine = np.asarray(counts, dtype=np.int64)
+        got = np.empty(self.world_size, dtype=np.int64)
+        got[self.rank] = mine[self.rank]
+        mv_in = memoryview(got).cast("B")
+        mv_out = memoryview(mine).cast("B")
+        self._transfer({p: mv_out[8 * p: 8 * p + 8] for p in self.peers},
+                       {p: mv_in[8 * p: 8 * p + 8] for p in self.peers})
+        return got
+
+    # ---- primitives ---------------------------------------------------------------------------
+    def wire_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        counts = [int(c) for c in send_counts]
+        if len(counts) != self.world_size:
+            raise ValueError(f"alltoallv needs {self.world_size} counts, got {len(counts)}")
+        flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
+        recv_counts = self._counts_all_to_all(counts)
+        soff = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        roff = np.concatenate([[0], np.cumsum(recv_counts)]).tolist()
+        recv = np.empty(int(roff[-1]), dtype=np.uint8)
+        me = self.rank
+        recv[roff[me]:roff[me + 1]] = flat[soff[me]:soff[me + 1]]
+        src, dst = memoryview(flat), memoryview(recv)
+        self._transfer({p: src[soff[p]:soff[p + 1]] for p in self.peers},
+                       {p: dst[roff[p]:roff[p + 1]] for p in self.peers})
+        return recv, recv_counts
+
+    def all_to_all_rows(self, rows: np.ndarray) -> np.ndarray:
+        rows = np.ascontiguousarray(rows)
+        got = np.empty_like(rows)
+        got[self.rank] = rows[self.rank]
+        src, dst = memoryview(rows.reshape(-1)).cast("B"), memoryview(got.reshape(-1)).cast("B")
+        width = rows[0].nbytes
+        self._transfer({p: src[p * width:(p + 1) * width] for p in self.peers},
+                       {p: dst[p * width:(p + 1) * width] for p in self.peers})
+        return got
+
+    def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
+        flat = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+        sizes = self._counts_all_to_all([flat.nbytes] * self.world_size)
+        out = [flat if p == self.rank else np.empty(int(sizes[p]), dtype=np.uint8) for p in self._others()]
+        src = memoryview(flat)
+        self._transfer({p: src for p in self.peers}, {p: memoryview(out[p]) for p in self.peers})
+        return out
+
+    def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
+        if self.rank == root:
+            flat = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+            size = np.array([flat.nbytes], dtype=np.int64)
+            sends = {p: memoryview(size).cast("B") for p in self.peers}
+            self._transfer(sends, {})
+            self._transfer({p: memoryview(flat) for p in self.peers}, {})
+            return flat
+        size = np.zeros(1, dtype=np.int64)
+        self._transfer({}, {root: memoryview(size).cast("B")})
+        buf = np.empty(int(size[0]), dtype=np.uint8)
+        self._transfer({}, {root: memoryview(buf)})
+        return buf
+
+    def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:
+        """Every rank gets every rank's array and reduces them in rank order: the same bits on
+        every rank, floats included."""
+        src = np.ascontiguousarray(array)
+        if self.world_size == 1:
+            return src.copy()
+        parts = np.empty((self.world_size,) + src.shape, dtype=src.dtype)
+        parts[self.rank] = src
+        width = src.nbytes
+        flat_in = memoryview(parts.reshape(-1)).cast("B")
+        flat_out = memoryview(src.reshape(-1)).cast("B")
+        self._transfer({p: flat_out for p in self.peers},
+                       {p: flat_in[p * width:(p + 1) * width] for p in self.peers})
+        return _REDUCE[op](parts, axis=0)
+
+    def barrier(self) -> None:
+        one = np.zeros(1, dtype=np.uint8)
+        got = np.zeros(self.world_size, dtype=np.uint8)
+        mv = memoryview(got)
+        self._transfer({p: memoryview(one) for p in self.peers}, {p: mv[p:p + 1] for p in self.peers})
+
+    def close(self) -> None:
+        self.close_shm()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self.peers.values():
+            try:
+                sock.close()
+            except OSError:
+                pass
+        self.peers.clear()
+
+
+class ShmCommunicator(TCPCommunicator):
+    """``tcp`` with the shared-memory path required for co-located ranks (a gang that spans
+    hosts too: shared memory within a host, the sockets between hosts)."""
+
+    name = "shm"
+    shm_required = True

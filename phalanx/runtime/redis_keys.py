@@ -1,0 +1,27 @@
+"""The Redis rendezvous' keys (``redis://host:port/db?prefix=…``), without torch: the client
+and the gang's key prefix, and removing a gang's keys after it ended."""
+
+from __future__ import annotations
+
+from urllib.parse import parse_qs, urlparse
+
+
+def client_and_prefix(url: str):
+    """A redis-py client for ``url`` (its ``prefix`` query removed) and the gang's key prefix."""
+    try:
+        import redis
+    except ImportError as exc:
+        from ..errors import PhalanxError
+
+        raise PhalanxError(f"rendezvous redis:// needs redis-py: pip install 'phalanx[redis]' ({exc})") from exc
+    u = urlparse(url)
+    prefix = parse_qs(u.query).get("prefix", ["phalanx:"])[0]
+    clean = u._replace(query="").geturl()
+    return redis.Redis.from_url(clean), prefix
+
+
+def delete_prefix(url: str) -> None:
+    client, prefix = client_and_prefix(url)
+    keys = list(client.scan_iter(match=prefix + "*", count=1000))
+    if keys:
+        client.delete(*keys)

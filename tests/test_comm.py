@@ -157,47 +157,116 @@ def test_tcp_ranks_never_import_torch():
 
 
 def _serve_one(listener, key, box):
-    from phalanx.runtime.netio import accept_peer
+    from phalanx.runtime.netio import accept_peers
 
     try:
-        box["peer"] = accept_peer(listener, 0, 2, key, time.monotonic() + 10, "test")[0]
+        address = "%s:%d" % listener.getsockname()
+        box["peers"] = sorted(accept_peers(listener, address, 1, 0, 2, key, time.monotonic() + 10, "test"))
     except Exception as exc:  # noqa: BLE001 - the test inspects it
         box["error"] = exc
 
 
-@pytest.mark.parametrize("client_key", [b"k" * 16, b"x" * 16, None])
-def test_tcp_handshake_admits_only_holders_of_the_gang_key(client_key):
-    """A rank's socket authenticates both ways: a process without the key (another user's, a
-    stale gang's) is refused on both ends, and so is one that does not speak the protocol."""
+def _relay(front, back_address, stop):
+    """A man in the middle without the key: pipes bytes both ways between whoever dials
+    ``front`` and the real listener at ``back_address``."""
+    import select
+    import socket
+
+    a, _ = front.accept()
+    b = socket.create_connection(back_address)
+    try:
+        while not stop.is_set():
+            ready, _, _ = select.select([a, b], [], [], 0.1)
+            for src in ready:
+                data = src.recv(65536)
+                if not data:
+                    return
+                (b if src is a else a).sendall(data)
+    except OSError:
+        pass
+    finally:
+        a.close()
+        b.close()
+
+
+def test_tcp_handshake_cannot_be_relayed_by_a_man_in_the_middle(caplog):
+    """Someone who published its own address in place of rank 0's (a writable file or Redis
+    rendezvous) and relays the bytes to the real rank 0 gets nothing: each proof is bound to the
+    address its dialler used, so both ends refuse, and rank 0 keeps waiting for the real peer."""
     import socket
     import threading
 
     from phalanx.errors import PhalanxError
     from phalanx.runtime.netio import connect_peer
 
+    key = b"k" * 16
+    listener, front = socket.socket(), socket.socket()
+    for s in (listener, front):
+        s.bind(("127.0.0.1", 0))
+        s.listen(4)
+    box: dict = {}
+    stop = threading.Event()
+    server = threading.Thread(target=_serve_one, args=(listener, key, box))
+    relay = threading.Thread(target=_relay, args=(front, listener.getsockname(), stop))
+    server.start()
+    relay.start()
+    try:
+        with pytest.raises(PhalanxError, match="handshake with rank 0 at .* failed"):
+            connect_peer(front.getsockname(), 1, 0, key, time.monotonic() + 10, "test")
+        connect_peer(listener.getsockname(), 1, 0, key, time.monotonic() + 10, "test").close()
+        server.join(10)
+        assert box == {"peers": [1]}
+        assert "does not hold this gang's key" in caplog.text
+    finally:
+        stop.set()
+        relay.join(10)
+        server.join(10)
+        listener.close()
+        front.close()
+
+
+@pytest.mark.parametrize("intruder", ["wrong key", "not a rank", "silent"])
+def test_tcp_listener_admits_only_holders_of_the_gang_key(intruder, monkeypatch, caplog):
+    """A rank's socket authenticates both ways.  An intruder — a process without the key (another
+    user's, a stale gang's), one that does not speak the protocol, one that connects and says
+    nothing — is refused on both ends and cannot fail the gang: the listener goes on waiting and
+    admits the real peer that comes next."""
+    import socket
+    import threading
+
+    from phalanx.errors import PhalanxError
+    from phalanx.runtime import netio
+
+    monkeypatch.setattr(netio, "HANDSHAKE_S", 3.0)
+    key = b"k" * 16
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    listener.listen(1)
+    listener.listen(4)
+    address = listener.getsockname()
     box: dict = {}
-    server = threading.Thread(target=_serve_one, args=(listener, b"k" * 16, box))
+    server = threading.Thread(target=_serve_one, args=(listener, key, box))
     server.start()
     try:
-        if client_key is None:  # not a phalanx rank at all
-            with socket.create_connection(listener.getsockname()) as raw:
+        if intruder == "wrong key":
+            with pytest.raises(PhalanxError, match="handshake with rank 0 at .* failed"):
+                netio.connect_peer(address, 1, 0, b"x" * 16, time.monotonic() + 10, "test")
+        elif intruder == "not a rank":
+            with socket.create_connection(address) as raw:
                 raw.sendall(b"GET / HTTP/1.0\r\n\r\n" + b"\0" * 64)
-                server.join(10)
-            assert "not a phalanx rank" in str(box["error"])
-            return
-        if client_key == b"k" * 16:
-            sock = connect_peer(listener.getsockname(), 1, 0, client_key, time.monotonic() + 10, "test")
-            sock.close()
-            server.join(10)
-            assert box == {"peer": 1}
-            return
-        with pytest.raises(PhalanxError, match="does not hold this gang's key|handshake failed"):
-            connect_peer(listener.getsockname(), 1, 0, client_key, time.monotonic() + 10, "test")
+                raw.recv(1024)
+        else:
+            silent = socket.create_connection(address)
+        t0 = time.monotonic()
+        sock = netio.connect_peer(address, 1, 0, key, time.monotonic() + 10, "test")
+        sock.close()
         server.join(10)
-        assert "does not hold this gang's key" in str(box["error"])
+        assert box == {"peers": [1]}
+        if intruder == "silent":  # still mid-handshake, it does not hold up the real peer
+            assert time.monotonic() - t0 < netio.HANDSHAKE_S
+        else:
+            assert "rank 0 refused a connection from 127.0.0.1" in caplog.text
     finally:
+        if intruder == "silent":
+            silent.close()
         server.join(10)
         listener.close()

@@ -107,7 +107,7 @@ def test_gang_renders_executor_ranks_memory_and_logs(nb):
         assert re.search(rf">{pid}</td>", page), page
         assert f"pid {pid}" in text
     assert page.count("MiB (peak") == 2 and html.escape(log_dir) in page
-    assert "communicator gloo" in text and f"logs {log_dir}" in text
+    assert "communicator tcp" in text and f"logs {log_dir}" in text
 
 
 @needs_kernel

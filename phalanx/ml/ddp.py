@@ -68,19 +68,21 @@ def _join_group(env: "BSPEnv") -> None:
     from ..runtime.rendezvous import TCPRendezvous, reserve_port
 
     timeout_s = float(os.environ.get(P.ENV_TIMEOUT, "1800"))
-    reservation = None
-    url = None
-    if env.rank == 0:
+    reservation: list = []
+
+    def reserve() -> str:  # on rank 0; a failure there is the same error on every rank
         host = bind_host(os.environ.get(P.ENV_RDZV, ""))
-        reservation = reserve_port(host)
-        if reservation is None:
+        sock = reserve_port(host)
+        if sock is None:
             raise RuntimeError(f"px.ml.ddp: rank 0 cannot bind a port on {host} for torch's process group")
-        url = f"tcp://{host}:{reservation.getsockname()[1]}"
+        reservation.append(sock)
+        return f"tcp://{host}:{sock.getsockname()[1]}"
+
     try:
-        url = env.comm.broadcast_obj(url)
+        url = env.comm.on_root(reserve)
         store = TCPRendezvous.connect(url, env.rank, env.world_size, timeout_s)
     finally:
-        if reservation is not None:
-            reservation.close()
+        for sock in reservation:
+            sock.close()
     dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))

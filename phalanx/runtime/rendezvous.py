@@ -125,7 +125,7 @@ class TCPRendezvous(Rendezvous):
               authkey: bytes) -> list[bytes]:
         """Rank 0 listens on the URL's port; every other rank connects (authenticated both
         ways), sends its value and receives the table; then the port is closed."""
-        from .netio import accept_peer, connect_peer, recv_frame, send_frame
+        from .netio import accept_peers, connect_peer, recv_frame, send_frame
 
         u = urlparse(url)
         deadline = time.monotonic() + timeout_s
@@ -136,18 +136,16 @@ class TCPRendezvous(Rendezvous):
                 send_frame(sock, value)
                 return [recv_frame(sock) for _ in range(world_size)]
         values: list[bytes | None] = [value] + [None] * (world_size - 1)
-        conns = {}
+        conns: dict[int, socket.socket] = {}
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             listener.bind((u.hostname, u.port))
             listener.listen(max(128, world_size))
-            while len(conns) < world_size - 1:
-                peer, sock = accept_peer(listener, 0, world_size, authkey, deadline, what)
-                if peer in conns:
-                    sock.close()
-                    raise PhalanxError(f"{what}: rank {peer} connected twice")
-                conns[peer] = sock
+            conns = accept_peers(listener, f"{u.hostname}:{u.port}", world_size - 1, 0, world_size, authkey,
+                                 deadline, what)
+            for peer, sock in conns.items():
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 values[peer] = recv_frame(sock)
             for sock in conns.values():
                 for v in values:

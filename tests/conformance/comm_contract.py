@@ -148,14 +148,14 @@ def app_broadcast_bytes(env, root: int, nbytes: int):
 
 def rank_array(rank: int, dtype: str, op: str) -> np.ndarray:
     rng = np.random.default_rng([rank, 99])
-    if dtype == "float64":
-        a = rng.standard_normal((50, 20))
-    else:
-        a = rng.integers(-10**12, 10**12, size=(50, 20), dtype=np.int64)
-        if op != "sum":  # extremes a float64 round trip would not survive
-            info = np.iinfo(np.int64)
-            a[0, 0] = info.max - rank
-            a[0, 1] = info.min + rank
+    if dtype.startswith("float"):
+        return rng.standard_normal((50, 20)).astype(dtype)
+    info = np.iinfo(dtype)
+    bound = 10**12 if dtype == "int64" else 10**8  # sums of 4 ranks fit the dtype
+    a = rng.integers(-bound, bound, size=(50, 20), dtype=np.int64).astype(dtype)
+    if op != "sum":  # extremes a float round trip (or a wider type) would not survive
+        a[0, 0] = info.max - rank
+        a[0, 1] = info.min + rank
     return a
 
 
@@ -268,16 +268,18 @@ class CommContract:
         assert comm_gang.run(app_broadcast_bytes, root, nbytes) == [want] * comm_gang.world_size
 
 
-    @pytest.mark.parametrize("dtype", ["int64", "float64"])
+    @pytest.mark.parametrize("dtype", ["int64", "float64", "int32", "float32"])
     @pytest.mark.parametrize("op", ["sum", "min", "max"])
     def test_allreduce(self, comm_gang, dtype, op):
+        """The reduction keeps the dtype on every backend and at every world size."""
         stacked = np.stack([rank_array(r, dtype, op) for r in range(comm_gang.world_size)])
         want = {"sum": np.sum, "min": np.min, "max": np.max}[op](stacked, axis=0)
         results = comm_gang.run(app_allreduce, dtype, op)
         for got in results:
             assert got.dtype == np.dtype(dtype) and got.shape == want.shape
-            if dtype == "float64" and op == "sum":  # summation order may differ from numpy's
-                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+            if dtype.startswith("float") and op == "sum":  # summation order may differ from numpy's
+                tol = 1e-12 if dtype == "float64" else 1e-5
+                np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
             else:
                 np.testing.assert_array_equal(got, want)
 

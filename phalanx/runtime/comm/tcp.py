@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from ...errors import PhalanxError
-from ..netio import accept_peer, bind_host, connect_peer
+from ..netio import accept_peers, bind_host, connect_peer
 from .base import Communicator, ReduceOp
 from .shm import ShmDataPath
 
@@ -56,9 +56,14 @@ class TCPCommunicator(ShmDataPath, Communicator):
         self.peers: dict[int, socket.socket] = {}
         self._fds: dict[int, int] = {}
         self.shm = None
+        self._broken: str | None = None  # set when a collective failed midway: the streams are out of step
         if world_size > 1:
             self._connect(rendezvous_url, authkey)
-        self.start_shm()
+        try:
+            self.start_shm()
+        except BaseException:
+            self._close_sockets()
+            raise
 
     # ---- wiring ---------------------------------------------------------------------------
     def _connect(self, url: str, authkey: bytes) -> None:
@@ -68,20 +73,22 @@ class TCPCommunicator(ShmDataPath, Communicator):
         what = f"communicator {self.name}"
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            listener.bind((bind_host(url), 0))
+            listener.bind((bind_host(url, deadline), 0))
             listener.listen(max(128, self.world_size))
             host, port = listener.getsockname()[:2]
-            addresses = backend_for(url).share(url, self.rank, self.world_size, f"{host}:{port}".encode(),
-                                               self.timeout_s, authkey)
+            mine = f"{host}:{port}"
+            addresses = backend_for(url).share(url, self.rank, self.world_size, mine.encode(),
+                                               max(deadline - time.monotonic(), 0.001), authkey)
             for peer in range(self.rank):
                 h, p = addresses[peer].decode().rsplit(":", 1)
                 self.peers[peer] = connect_peer((h, int(p)), self.rank, peer, authkey, deadline, what)
-            while len(self.peers) < self.world_size - 1:
-                peer, sock = accept_peer(listener, self.rank, self.world_size, authkey, deadline, what)
-                if peer in self.peers or peer < self.rank:
+            above = accept_peers(listener, mine, self.world_size - 1 - self.rank, self.rank, self.world_size,
+                                 authkey, deadline, what)
+            if any(p < self.rank for p in above):
+                for sock in above.values():
                     sock.close()
-                    raise PhalanxError(f"{what}: rank {self.rank} got a second connection from rank {peer}")
-                self.peers[peer] = sock
+                raise PhalanxError(f"{what}: rank {self.rank} was dialled by a lower rank")
+            self.peers.update(above)
         except BaseException:
             self._close_sockets()
             raise
@@ -94,7 +101,18 @@ class TCPCommunicator(ShmDataPath, Communicator):
     # ---- the one transfer every collective is made of ---------------------------------------
     def _transfer(self, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
         """Send ``sends[p]`` to and receive exactly ``len(recvs[p])`` bytes from each peer p,
-        all at once."""
+        all at once.  A failure midway leaves the streams out of step: every later collective
+        of this communicator raises instead of reading misaligned bytes."""
+        if self._broken:
+            raise PhalanxError(f"communicator {self.name}: rank {self.rank} cannot run another collective "
+                               f"after an earlier one failed ({self._broken})")
+        try:
+            self._transfer_all(sends, recvs)
+        except BaseException as exc:
+            self._broken = str(exc) or type(exc).__name__
+            raise
+
+    def _transfer_all(self, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
         out = {p: [v, 0] for p, v in sends.items() if v.nbytes}
         inb = {p: [v, 0] for p, v in recvs.items() if v.nbytes}
         for p in list(out):  # small messages leave without a poll
@@ -116,7 +134,9 @@ class TCPCommunicator(ShmDataPath, Communicator):
                         poller.unregister(fd)
                         del registered[fd]
             left = deadline - time.monotonic()
-            events = poller.poll(max(int(left * 1000), 0)) if left > 0 else []
+            events = poller.poll(min(max(int(left * 1000), 0), 60_000)) if left > 0 else []
+            if not events and time.monotonic() < deadline:
+                continue
             if not events:
                 waiting = sorted(set(out) | set(inb))
                 raise PhalanxError(f"communicator {self.name}: rank {self.rank} waited {self.timeout_s:.0f}s "
@@ -181,6 +201,8 @@ class TCPCommunicator(ShmDataPath, Communicator):
         if len(counts) != self.world_size:
             raise ValueError(f"alltoallv needs {self.world_size} counts, got {len(counts)}")
         flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
+        if sum(counts) != flat.size or min(counts) < 0:
+            raise ValueError(f"alltoallv: counts {counts} do not add up to the {flat.size} bytes sent")
         recv_counts = self._counts_all_to_all(counts)
         soff = np.concatenate([[0], np.cumsum(counts)]).tolist()
         roff = np.concatenate([[0], np.cumsum(recv_counts)]).tolist()
@@ -227,6 +249,8 @@ class TCPCommunicator(ShmDataPath, Communicator):
     def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:
         """Every rank gets every rank's array and reduces them in rank order: the same bits on
         every rank, floats included."""
+        if op not in _REDUCE:
+            raise ValueError(f"allreduce: op must be one of {sorted(_REDUCE)}, got {op!r}")
         src = np.ascontiguousarray(array)
         if self.world_size == 1:
             return src.copy()
@@ -237,7 +261,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
         flat_out = memoryview(src.reshape(-1)).cast("B")
         self._transfer({p: flat_out for p in self.peers},
                        {p: flat_in[p * width:(p + 1) * width] for p in self.peers})
-        return _REDUCE[op](parts, axis=0)
+        return np.asarray(_REDUCE[op](parts, axis=0, dtype=src.dtype))
 
     def barrier(self) -> None:
         one = np.zeros(1, dtype=np.uint8)

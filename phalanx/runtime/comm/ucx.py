@@ -144,7 +144,7 @@ class UCXCommunicator(Communicator):
         array = np.ascontiguousarray(array)
         parts = self.allgather_bytes(array.view(np.uint8).reshape(-1))
         stacked = np.stack([p.view(array.dtype).reshape(array.shape) for p in parts])
-        return _REDUCE[op](stacked, axis=0)
+        return np.asarray(_REDUCE[op](stacked, axis=0, dtype=array.dtype))
 
     def barrier(self) -> None:
         self.allgather_bytes(np.zeros(1, dtype=np.uint8))

@@ -593,6 +593,7 @@ def parse_args(argv=None):
     ap.add_argument("--queries", default=",".join(QUERIES))
     ap.add_argument("--peers", default=",".join(PEERS), help=f"from {','.join(PEERS)}, or 'none'")
     ap.add_argument("--quick", action="store_true", help="SF 0.1, 1 rep, duckdb and polars only")
+    ap.add_argument("--communicator", default="tcp", help="phalanx's communicator (tcp, shm, gloo, ...)")
     ap.add_argument("--peer-timeout", type=float, default=1800.0)
     ap.add_argument("--data-root", default=str(HERE / "out"))
     ap.add_argument("--out", default=str(HERE / "out"))
@@ -632,7 +633,8 @@ def main(argv=None) -> int:
     versions = {m: _peers.version(m) for m in ("phalanx", "pyarrow", "polars", "duckdb", "dask", "pyspark")}
     log(f"# TPC-H benchmark  {stamp}")
     log(f"host {platform.node()}  cpus {os.cpu_count()}  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v))
-    log(f"sf {args.sf}  ranks {args.ranks}  reps {args.reps}  queries {args.queries}  peers {args.peers}")
+    log(f"sf {args.sf}  ranks {args.ranks}  reps {args.reps}  queries {args.queries}  peers {args.peers}  "
+        f"communicator {args.communicator}")
     log(f"start: loadavg {_peers.loadavg()}  MemAvailable {mem_available_gib():.1f} GiB")
     results: dict = {}
     for sf in args.sf:
@@ -642,7 +644,7 @@ def main(argv=None) -> int:
         d = ensure_data(sf, Path(args.data_root), log)
         res = results[f"{sf:g}"] = {"phalanx": {}, "peers": {}, "settings": {}, "loadavg": {}}
         for R in args.ranks:
-            g = px.Gang(ranks=R, echo=False, executor=one_thread_launcher())
+            g = px.Gang(ranks=R, echo=False, executor=one_thread_launcher(), communicator=args.communicator)
             g.start()
             try:
                 load = _peers.loadavg()

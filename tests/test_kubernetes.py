@@ -417,9 +417,17 @@ def test_status_of_a_lost_run_deletes_the_job_its_killed_driver_left(k8s, tmp_pa
                        "the ranks to end without their driver")
         else:
             assert all(p["status"]["phase"] == "Running" for p in k8s.pods(job))
-        # the driver's death deleted nothing: the Job, its 2 pods, Secret, PodGroup are all there
+        # the driver's death deleted nothing: the Job, its pods, Secret, PodGroup are all there
         left = k8s.objects(job, deleted=False)
-        assert sorted(o.split(" ")[0] for o in left) == ["job", "pod", "pod", "podgroup", "secret"], left
+        kinds = sorted(o.split(" ")[0] for o in left)
+        if kind == "app":
+            # ranks that failed without their driver fail the Job (podFailurePolicy FailJob), and
+            # the Job controller removes a pod whose end its kubelet has not reported yet (the
+            # two nodes report 0.5-1 s apart): the controller's doing, not phalanx's
+            assert [k for k in kinds if k != "pod"] == ["job", "podgroup", "secret"], left
+            assert 1 <= kinds.count("pod") <= 2, left
+        else:
+            assert kinds == ["job", "pod", "pod", "podgroup", "secret"], left
 
         status = subprocess.run([*PHALANX, "status", "--state", str(state), run_id], capture_output=True,
                                 text=True, timeout=120, cwd=REPO)

@@ -17,13 +17,14 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 ReduceOp = str  # "sum" | "min" | "max"
+# for backends that gather the arrays and reduce them in rank order (the same bits on every rank)
+NUMPY_REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
 
 
 class Communicator(ABC):
     """Collectives among the ``world_size`` ranks of one gang."""
 
     name: str = "abstract"
-    uses_torch: bool = False  # whether a rank imports torch for it (warm pools preload it then)
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "Communicator":

@@ -26,7 +26,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 class GlooCommunicator(ShmDataPath, Communicator):
     name = "gloo"
-    uses_torch = True
 
     def __init__(self, rank: int, world_size: int, store: "dist.Store", timeout_s: float = 1800.0):
         super().__init__(rank, world_size)

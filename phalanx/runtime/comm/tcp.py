@@ -21,7 +21,6 @@ closes) and named; a silent one after the gang's timeout.
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import time
@@ -31,17 +30,15 @@ import numpy as np
 
 from ...errors import PhalanxError
 from ..netio import accept_peers, bind_host, connect_peer
-from .base import Communicator, ReduceOp
+from .base import NUMPY_REDUCE, Communicator, ReduceOp
 from .shm import ShmDataPath
 
-_REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 
 
 class TCPCommunicator(ShmDataPath, Communicator):
     name = "tcp"
-    uses_torch = False
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "TCPCommunicator":
@@ -182,18 +179,9 @@ class TCPCommunicator(ShmDataPath, Communicator):
         return PhalanxError(f"communicator {self.name}: rank {self.rank} lost its connection to rank {p} "
                             f"(that rank ended or failed){why}")
 
-    def _others(self) -> range:
-        return range(self.world_size)
-
     def _counts_all_to_all(self, counts: Sequence[int]) -> np.ndarray:
-        mine = np.asarray(counts, dtype=np.int64)
-        got = np.empty(self.world_size, dtype=np.int64)
-        got[self.rank] = mine[self.rank]
-        mv_in = memoryview(got).cast("B")
-        mv_out = memoryview(mine).cast("B")
-        self._transfer({p: mv_out[8 * p: 8 * p + 8] for p in self.peers},
-                       {p: mv_in[8 * p: 8 * p + 8] for p in self.peers})
-        return got
+        """counts[p] to rank p; returns what each rank sent here (one int64 per rank)."""
+        return self.all_to_all_rows(np.asarray(counts, dtype=np.int64).reshape(-1, 1)).reshape(-1)
 
     # ---- primitives ---------------------------------------------------------------------------
     def wire_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -227,7 +215,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
     def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
         flat = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
         sizes = self._counts_all_to_all([flat.nbytes] * self.world_size)
-        out = [flat if p == self.rank else np.empty(int(sizes[p]), dtype=np.uint8) for p in self._others()]
+        out = [flat if p == self.rank else np.empty(int(sizes[p]), dtype=np.uint8) for p in range(self.world_size)]
         src = memoryview(flat)
         self._transfer({p: src for p in self.peers}, {p: memoryview(out[p]) for p in self.peers})
         return out
@@ -249,8 +237,8 @@ class TCPCommunicator(ShmDataPath, Communicator):
     def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:
         """Every rank gets every rank's array and reduces them in rank order: the same bits on
         every rank, floats included."""
-        if op not in _REDUCE:
-            raise ValueError(f"allreduce: op must be one of {sorted(_REDUCE)}, got {op!r}")
+        if op not in NUMPY_REDUCE:
+            raise ValueError(f"allreduce: op must be one of {sorted(NUMPY_REDUCE)}, got {op!r}")
         src = np.ascontiguousarray(array)
         if self.world_size == 1:
             return src.copy()
@@ -261,7 +249,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
         flat_out = memoryview(src.reshape(-1)).cast("B")
         self._transfer({p: flat_out for p in self.peers},
                        {p: flat_in[p * width:(p + 1) * width] for p in self.peers})
-        return np.asarray(_REDUCE[op](parts, axis=0, dtype=src.dtype))
+        return np.asarray(NUMPY_REDUCE[op](parts, axis=0, dtype=src.dtype))
 
     def barrier(self) -> None:
         one = np.zeros(1, dtype=np.uint8)

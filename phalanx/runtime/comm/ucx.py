@@ -20,9 +20,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .base import Communicator, ReduceOp
+from .base import NUMPY_REDUCE, Communicator, ReduceOp
 
-_REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
 
 
 def _import_ucxx() -> Any:
@@ -144,7 +143,7 @@ class UCXCommunicator(Communicator):
         array = np.ascontiguousarray(array)
         parts = self.allgather_bytes(array.view(np.uint8).reshape(-1))
         stacked = np.stack([p.view(array.dtype).reshape(array.shape) for p in parts])
-        return np.asarray(_REDUCE[op](stacked, axis=0, dtype=array.dtype))
+        return np.asarray(NUMPY_REDUCE[op](stacked, axis=0, dtype=array.dtype))
 
     def barrier(self) -> None:
         self.allgather_bytes(np.zeros(1, dtype=np.uint8))

@@ -61,7 +61,7 @@ def tree_pids(root: int | None = None) -> list[int]:
             stat = Path(f"/proc/{entry.name}/stat").read_text()
         except OSError:
             continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])  # after "pid (comm) state"
         children.setdefault(ppid, []).append(int(entry.name))
     if not Path(f"/proc/{root}").exists():
         return []
@@ -131,8 +131,12 @@ class PeakRSS:
         if not self.peaks:
             return {"max_bytes": None, "sum_bytes": None, "procs": 0}
         name, top = max(self.peaks.values(), key=lambda v: v[1])
-        return {"max_bytes": top, "max_proc": name, "sum_bytes": sum(v[1] for v in self.peaks.values()),
-                "procs": len(self.peaks)}
+        return {
+            "max_bytes": top,
+            "max_proc": name,
+            "sum_bytes": sum(v[1] for v in self.peaks.values()),
+            "procs": len(self.peaks),
+        }
 
 
 def own_peak_reset() -> None:
@@ -200,27 +204,47 @@ class Spark:
     # the JVMs run with our environment: loopback only, no Spark UI
     def _env(self):
         home = spark_home()
-        return {**os.environ, "SPARK_HOME": home, "SPARK_LOCAL_IP": "127.0.0.1",
-                "SPARK_LOCAL_HOSTNAME": "localhost", "PYSPARK_PYTHON": sys.executable,
-                "PYSPARK_DRIVER_PYTHON": sys.executable, "SPARK_LOG_DIR": self.tmp,
-                "SPARK_WORKER_DIR": os.path.join(self.tmp, "work")}
+        return {
+            **os.environ,
+            "SPARK_HOME": home,
+            "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_LOCAL_HOSTNAME": "localhost",
+            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "SPARK_LOG_DIR": self.tmp,
+            "SPARK_WORKER_DIR": os.path.join(self.tmp, "work"),
+        }
 
     def start(self):
         t = time.perf_counter()
         env = self._env()
-        os.environ.update({k: env[k] for k in ("SPARK_HOME", "SPARK_LOCAL_IP", "SPARK_LOCAL_HOSTNAME",
-                                                "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")})
+        os.environ.update(
+            {
+                k: env[k]
+                for k in (
+                    "SPARK_HOME",
+                    "SPARK_LOCAL_IP",
+                    "SPARK_LOCAL_HOSTNAME",
+                    "PYSPARK_PYTHON",
+                    "PYSPARK_DRIVER_PYTHON",
+                )
+            }
+        )
         from pyspark.sql import SparkSession
 
-        b = (SparkSession.builder.appName("phalanx-bench")
-             .config("spark.driver.bindAddress", "127.0.0.1").config("spark.driver.host", "127.0.0.1")
-             .config("spark.ui.enabled", "false").config("spark.ui.showConsoleProgress", "false")
-             .config("spark.sql.shuffle.partitions", str(self.shuffle_partitions))
-             .config("spark.default.parallelism", str(self.n))
-             .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-             .config("spark.local.dir", os.path.join(self.tmp, "local"))
-             .config("spark.driver.extraJavaOptions", "-XX:+UseParallelGC")
-             .config("spark.executor.extraJavaOptions", "-XX:+UseParallelGC"))
+        b = (
+            SparkSession.builder.appName("phalanx-bench")
+            .config("spark.driver.bindAddress", "127.0.0.1")
+            .config("spark.driver.host", "127.0.0.1")
+            .config("spark.ui.enabled", "false")
+            .config("spark.ui.showConsoleProgress", "false")
+            .config("spark.sql.shuffle.partitions", str(self.shuffle_partitions))
+            .config("spark.default.parallelism", str(self.n))
+            .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+            .config("spark.local.dir", os.path.join(self.tmp, "local"))
+            .config("spark.driver.extraJavaOptions", "-XX:+UseParallelGC")
+            .config("spark.executor.extraJavaOptions", "-XX:+UseParallelGC")
+        )
         if self.mode == "local":
             b = b.master(f"local[{self.n}]").config("spark.driver.memory", SPARK_DRIVER_MEM)
         elif self.mode == "cluster":
@@ -229,23 +253,55 @@ class Spark:
             mport = free_port()
             out = open(os.path.join(self.tmp, "master.log"), "w")
             self.master_proc = subprocess.Popen(
-                [cls, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(mport),
-                 "--webui-port", str(free_port())], env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                [
+                    cls,
+                    "org.apache.spark.deploy.master.Master",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(mport),
+                    "--webui-port",
+                    str(free_port()),
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
             _wait_port(mport, self.master_proc, "master", SPARK_START_TIMEOUT)
             url = f"spark://127.0.0.1:{mport}"
             wmem = int(SPARK_EXECUTOR_MEM.rstrip("g")) * self.n + 1
             out = open(os.path.join(self.tmp, "worker.log"), "w")
             self.worker_proc = subprocess.Popen(
-                [cls, "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1",
-                 "--cores", str(self.n), "--memory", f"{wmem}g", "--webui-port", str(free_port()),
-                 "--work-dir", env["SPARK_WORKER_DIR"]], env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True)
-            b = (b.master(url).config("spark.driver.memory", "2g")
-                 .config("spark.executor.cores", "1").config("spark.cores.max", str(self.n))
-                 .config("spark.executor.memory", SPARK_EXECUTOR_MEM)
-                 .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
-                 .config("spark.scheduler.maxRegisteredResourcesWaitingTime", f"{int(SPARK_START_TIMEOUT)}s"))
+                [
+                    cls,
+                    "org.apache.spark.deploy.worker.Worker",
+                    url,
+                    "--host",
+                    "127.0.0.1",
+                    "--cores",
+                    str(self.n),
+                    "--memory",
+                    f"{wmem}g",
+                    "--webui-port",
+                    str(free_port()),
+                    "--work-dir",
+                    env["SPARK_WORKER_DIR"],
+                ],
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            b = (
+                b.master(url)
+                .config("spark.driver.memory", "2g")
+                .config("spark.executor.cores", "1")
+                .config("spark.cores.max", str(self.n))
+                .config("spark.executor.memory", SPARK_EXECUTOR_MEM)
+                .config("spark.scheduler.minRegisteredResourcesRatio", "1.0")
+                .config("spark.scheduler.maxRegisteredResourcesWaitingTime", f"{int(SPARK_START_TIMEOUT)}s")
+            )
         else:
             raise ValueError(self.mode)
         self.session = b.getOrCreate()
@@ -259,9 +315,16 @@ class Spark:
                 time.sleep(0.5)
         self.start_s = time.perf_counter() - t
         conf = self.session.sparkContext.getConf()
-        keys = ("spark.master", "spark.driver.memory", "spark.executor.memory", "spark.executor.cores",
-                "spark.cores.max", "spark.sql.shuffle.partitions", "spark.default.parallelism",
-                "spark.sql.adaptive.enabled")
+        keys = (
+            "spark.master",
+            "spark.driver.memory",
+            "spark.executor.memory",
+            "spark.executor.cores",
+            "spark.cores.max",
+            "spark.sql.shuffle.partitions",
+            "spark.default.parallelism",
+            "spark.sql.adaptive.enabled",
+        )
         self.settings = {k: conf.get(k, None) for k in keys}
         self.settings["spark.sql.adaptive.enabled"] = self.session.conf.get("spark.sql.adaptive.enabled")
         self.settings["version"] = self.session.version
@@ -309,9 +372,14 @@ def ray_start(n: int, tmp: str | None = None) -> dict:
     import ray
 
     tmp = tmp or tempfile.mkdtemp(prefix="pxray-bench-")
-    ray.init(num_cpus=n, include_dashboard=False, log_to_driver=False, configure_logging=False,
-             _temp_dir=tmp,
-             object_store_memory=2 << 30)
+    ray.init(
+        num_cpus=n,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        _temp_dir=tmp,
+        object_store_memory=2 << 30,
+    )
     import ray.data
 
     ctx = ray.data.DataContext.get_current()

@@ -36,7 +36,7 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__)
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOW = ROOT / "workflows" / "etl_to_training.yaml"
 
-DAG_FILE = '''
+DAG_FILE = """
 import datetime
 from airflow.sdk import DAG
 from phalanx.integrations.airflow import PhalanxWorkflowOperator
@@ -48,15 +48,27 @@ with DAG("bench_phalanx", schedule=None, start_date=datetime.datetime(2025, 1, 1
                                 set={"stages.generate.params.rows": "{{ dag_run.conf['rows'] }}",
                                      "stages.train.params.epochs": "{{ dag_run.conf['epochs'] }}"},
                                 deferrable=deferrable, poll_interval=0.2)
-'''
+"""
 
 
 def phalanx_run(rows: int, epochs: int) -> tuple[float, float]:
     """(wall seconds of `phalanx run`, seconds of its run as the run database records them)."""
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(WORKFLOW), "--plain",
-                        f"--set=stages.generate.params.rows={rows}", f"--set=stages.train.params.epochs={epochs}"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "run",
+            str(WORKFLOW),
+            "--plain",
+            f"--set=stages.generate.params.rows={rows}",
+            f"--set=stages.train.params.epochs={epochs}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     took = time.perf_counter() - t0
     if r.returncode:
         sys.exit(f"phalanx run failed:\n{r.stdout}\n{r.stderr}")
@@ -93,11 +105,17 @@ def airflow_run(dag, rows: int, epochs: int) -> tuple[dict[str, tuple[float, flo
         for ti in dr.get_task_instances(session=session):
             if ti.state != "success":
                 sys.exit(f"task {ti.task_id} {ti.state}")
-            starts = [h.start_date for h in session.query(TaskInstanceHistory).filter_by(
-                dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id) if h.start_date]
+            starts = [
+                h.start_date
+                for h in session.query(TaskInstanceHistory).filter_by(
+                    dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id
+                )
+                if h.start_date
+            ]
             first = min([ti.start_date, *starts])  # a deferred task starts again when it resumes
-            row = session.scalars(XComModel.get_many(run_id=ti.run_id, dag_ids=ti.dag_id, task_ids=ti.task_id,
-                                                     key="return_value")).one()
+            row = session.scalars(
+                XComModel.get_many(run_id=ti.run_id, dag_ids=ti.dag_id, task_ids=ti.task_id, key="return_value")
+            ).one()
             manifest = XComModel.deserialize_value(row)
             took[ti.task_id] = ((ti.end_date - first).total_seconds(), run_seconds(manifest["run_id"]))
     return took, wall
@@ -113,8 +131,14 @@ def main() -> None:
     home = Path(tempfile.mkdtemp(prefix="phalanx-bench-airflow-"))
     (home / "dags").mkdir()
     (home / "dags" / "bench_phalanx.py").write_text(DAG_FILE % {"workflow": str(WORKFLOW)})
-    os.environ.update({"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-                       "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"), "PHALANX_STATE": str(home / "state")})
+    os.environ.update(
+        {
+            "AIRFLOW_HOME": str(home),
+            "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+            "AIRFLOW__CORE__DAGS_FOLDER": str(home / "dags"),
+            "PHALANX_STATE": str(home / "state"),
+        }
+    )
     try:
         subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], check=True, capture_output=True)
         sys.path.insert(0, str(home / "dags"))
@@ -135,17 +159,27 @@ def main() -> None:
                         tasks[task].append(seconds)
         base = statistics.median(w for w, _ in cli)
         inner = statistics.median(w - r for w, r in cli)
-        print(f"workflow {WORKFLOW.relative_to(ROOT)}, rows={args.rows:,} epochs={args.epochs}, "
-              f"median of {args.repeat} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)")
-        print(f"  phalanx run (command line, wall)          {base:7.2f} s   (beyond its run's own time: {inner:+.2f} s)")
-        for task, label in (("in_worker", "operator, waiting in the worker"),
-                            ("deferrable", "operator, deferrable (trigger)")):
+        print(
+            f"workflow {WORKFLOW.relative_to(ROOT)}, rows={args.rows:,} epochs={args.epochs}, "
+            f"median of {args.repeat} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)"
+        )
+        print(
+            f"  phalanx run (command line, wall)          {base:7.2f} s   (beyond its run's own time: {inner:+.2f} s)"
+        )
+        for task, label in (
+            ("in_worker", "operator, waiting in the worker"),
+            ("deferrable", "operator, deferrable (trigger)"),
+        ):
             t = statistics.median(t for t, _ in tasks[task])
             own = statistics.median(t - r for t, r in tasks[task])
-            print(f"  {label:<41} {t:7.2f} s   overhead {t - base:+6.2f} s   ratio {t / base:5.2f}   "
-                  f"(beyond its run's own time: {own:+.2f} s)")
-        print(f"  dag.test of the 2-task DAG (wall, Airflow's own scheduling and parsing included) "
-              f"{statistics.median(walls):.2f} s")
+            print(
+                f"  {label:<41} {t:7.2f} s   overhead {t - base:+6.2f} s   ratio {t / base:5.2f}   "
+                f"(beyond its run's own time: {own:+.2f} s)"
+            )
+        print(
+            f"  dag.test of the 2-task DAG (wall, Airflow's own scheduling and parsing included) "
+            f"{statistics.median(walls):.2f} s"
+        )
     finally:
         shutil.rmtree(home, ignore_errors=True)
 

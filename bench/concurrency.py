@@ -80,15 +80,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
     with open("/proc/loadavg") as f:
-        print(f"# concurrency: {args.procs} processes x {args.rows:,} rows, best of {args.reps}; "
-              f"cpus {os.cpu_count()}; loadavg {' '.join(f.read().split()[:3])}")
+        print(
+            f"# concurrency: {args.procs} processes x {args.rows:,} rows, best of {args.reps}; "
+            f"cpus {os.cpu_count()}; loadavg {' '.join(f.read().split()[:3])}"
+        )
     one = run(1, args.rows, args.reps)
     many = run(args.procs, args.rows, args.reps)
-    print(f"{'kernel':18s} {'1 proc s':>9s} {f'{args.procs} at once s':>13s} {'slowdown':>9s} "
-          f"{'best speed-up':>14s}")
+    print(f"{'kernel':18s} {'1 proc s':>9s} {f'{args.procs} at once s':>13s} {'slowdown':>9s} {'best speed-up':>14s}")
     for k in one:
-        print(f"{k:18s} {one[k]:9.3f} {many[k]:13.3f} {many[k] / one[k]:8.2f}x "
-              f"{args.procs * one[k] / many[k]:13.2f}x")
+        print(f"{k:18s} {one[k]:9.3f} {many[k]:13.3f} {many[k] / one[k]:8.2f}x {args.procs * one[k] / many[k]:13.2f}x")
     return 0
 
 

@@ -67,8 +67,12 @@ def app_bench(env, sizes_mb: list[int], reps: int) -> dict:
         dst = np.ones(total, dtype=np.uint8)
         src = np.ones(total, dtype=np.uint8)
         rows = each // 8
-        parts = [pa.table({"v": np.arange(rows, dtype=np.int64) + me}) if d != me else
-                 pa.table({"v": np.arange(0, dtype=np.int64)}) for d in range(n)]
+        parts = [
+            pa.table({"v": np.arange(rows, dtype=np.int64) + me})
+            if d != me
+            else pa.table({"v": np.arange(0, dtype=np.int64)})
+            for d in range(n)
+        ]
         res = {
             "memcpy": timed(lambda: np.copyto(dst, src)),
             "memcpy+alloc": timed(lambda: src.copy()),
@@ -99,7 +103,7 @@ def run(comm: str, ranks: int, sizes: list[int], reps: int) -> dict:
     name = comm
     if comm == "gloo-tcp" or comm.endswith("-noshm"):  # the communicator's own wire only
         os.environ["PHALANX_SHM"] = "0"
-        name = "gloo" if comm == "gloo-tcp" else comm[:-len("-noshm")]
+        name = "gloo" if comm == "gloo-tcp" else comm[: -len("-noshm")]
     try:
         executor = "mpirun" if comm == "mpi" else "local"
         with px.Gang(ranks=ranks, communicator=name, executor=executor, echo=False) as g:
@@ -113,9 +117,12 @@ def run(comm: str, ranks: int, sizes: list[int], reps: int) -> dict:
         merged[mb] = {}
         for what in results[0][mb]["times"]:
             per_rep = np.max([r[mb]["times"][what] for r in results], axis=0)  # slowest rank
-            merged[mb][what] = {"first_s": float(per_rep[0]), "best_s": float(per_rep[1:].min()),
-                                "gbs": nbytes / float(per_rep[1:].min()) / 1e9,
-                                "first_gbs": nbytes / float(per_rep[0]) / 1e9}
+            merged[mb][what] = {
+                "first_s": float(per_rep[0]),
+                "best_s": float(per_rep[1:].min()),
+                "gbs": nbytes / float(per_rep[1:].min()) / 1e9,
+                "first_gbs": nbytes / float(per_rep[0]) / 1e9,
+            }
     return merged
 
 
@@ -124,7 +131,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="64,256", help="MB each rank sends in all (comma-separated)")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
-    default = "gloo-tcp,tcp-noshm,shm" + (",mpi" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else "")
+    default = "gloo-tcp,tcp-noshm,shm" + (
+        ",mpi" if shutil.which("mpirun") and importlib.util.find_spec("mpi4py") else ""
+    )
     default += ",ucx" if importlib.util.find_spec("ucxx") else ""
     ap.add_argument("--comms", default=default)
     ap.add_argument("--json", help="also write the numbers here")
@@ -141,10 +150,14 @@ def main() -> int:
     print(f"# after: {load()}")
     ref = comms[0]
     for mb in sizes:
-        print(f"\n## {mb} MB per rank ({args.ranks} ranks); GB/s per rank (first repetition in brackets); "
-              f"ratio to memcpy (pre-faulted, measured in the same gang)")
-        print(f"{'communicator':<12} {'operation':<10} {'GB/s':>7} {'(first)':>9} {'best ms':>9} "
-              f"{'÷ memcpy':>9} {'÷ memcpy+alloc':>15}")
+        print(
+            f"\n## {mb} MB per rank ({args.ranks} ranks); GB/s per rank (first repetition in brackets); "
+            f"ratio to memcpy (pre-faulted, measured in the same gang)"
+        )
+        print(
+            f"{'communicator':<12} {'operation':<10} {'GB/s':>7} {'(first)':>9} {'best ms':>9} "
+            f"{'÷ memcpy':>9} {'÷ memcpy+alloc':>15}"
+        )
         for comm in comms:
             r = all_results[comm][mb]
             mem, alloc = r["memcpy"]["gbs"], r["memcpy+alloc"]["gbs"]
@@ -152,12 +165,16 @@ def main() -> int:
             print(f"{comm:<12} {'memcpy+alloc':<10} {alloc:>7.2f} {'':>9} {r['memcpy+alloc']['best_s'] * 1e3:>9.1f}")
             for what in ("alltoallv", "exchange", "tables"):
                 x = r[what]
-                print(f"{comm:<12} {what:<10} {x['gbs']:>7.2f} {'(' + format(x['first_gbs'], '.2f') + ')':>9} "
-                      f"{x['best_s'] * 1e3:>9.1f} {x['gbs'] / mem:>9.2f} {x['gbs'] / alloc:>15.2f}")
+                print(
+                    f"{comm:<12} {what:<10} {x['gbs']:>7.2f} {'(' + format(x['first_gbs'], '.2f') + ')':>9} "
+                    f"{x['best_s'] * 1e3:>9.1f} {x['gbs'] / mem:>9.2f} {x['gbs'] / alloc:>15.2f}"
+                )
         if len(comms) > 1:
             for comm in comms[1:]:
-                ratios = ", ".join(f"{what} {all_results[comm][mb][what]['gbs'] / all_results[ref][mb][what]['gbs']:.1f}×"
-                                   for what in ("alltoallv", "exchange", "tables"))
+                ratios = ", ".join(
+                    f"{what} {all_results[comm][mb][what]['gbs'] / all_results[ref][mb][what]['gbs']:.1f}×"
+                    for what in ("alltoallv", "exchange", "tables")
+                )
                 print(f"{comm} ÷ {ref}: {ratios}")
     if args.json:
         with open(args.json, "w") as f:

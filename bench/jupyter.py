@@ -65,8 +65,10 @@ def pct(values: list[float], q: float) -> float:
 
 
 def ms(values: list[float]) -> str:
-    return (f"median {statistics.median(values) * 1e3:7.2f} ms · p90 {pct(values, 0.9) * 1e3:7.2f} ms · "
-            f"min {min(values) * 1e3:6.2f} ms  (n={len(values)})")
+    return (
+        f"median {statistics.median(values) * 1e3:7.2f} ms · p90 {pct(values, 0.9) * 1e3:7.2f} ms · "
+        f"min {min(values) * 1e3:6.2f} ms  (n={len(values)})"
+    )
 
 
 def main() -> None:
@@ -87,13 +89,18 @@ def main() -> None:
 
         print(f"\n%%px round trip on a warm {args.ranks}-rank gang (client → kernel → ranks → reply), target ≤ 50 ms:")
         results = {}
-        for label, cell in (("assignment", "%%px\nx = rank + 1"), ("print per rank", "%%px\nprint('rank', rank)"),
-                            ("value per rank", "%%px\nrank * 2")):
+        for label, cell in (
+            ("assignment", "%%px\nx = rank + 1"),
+            ("print per rank", "%%px\nprint('rank', rank)"),
+            ("value per rank", "%%px\nrank * 2"),
+        ):
             times = [k.execute(cell).seconds for _ in range(args.repeat)]
             results[label] = times
             print(f"  {label:<16} {ms(times)}")
-        inner = k.value("[__import__('timeit').timeit(lambda: get_ipython().run_cell_magic('px', '', 'x = rank'), "
-                        f"number=1) for _ in range({args.repeat})]")
+        inner = k.value(
+            "[__import__('timeit').timeit(lambda: get_ipython().run_cell_magic('px', '', 'x = rank'), "
+            f"number=1) for _ in range({args.repeat})]"
+        )
         print(f"  {'magic alone':<16} {ms(inner)}  (inside the kernel, no messaging)")
         base = [k.execute("1").seconds for _ in range(args.repeat)]
         print(f"  {'empty cell':<16} {ms(base)}  (the kernel's own round trip, for scale)")
@@ -101,8 +108,13 @@ def main() -> None:
         print(f"\ngang start, {args.ranks} ranks, alternating a script and the notebook ({args.starts} each):")
         script, notebook = [], []
         for _ in range(args.starts):
-            out = subprocess.run([sys.executable, "-c", SCRIPT_START.format(ranks=args.ranks, runs=50)],
-                                 capture_output=True, text=True, check=True, cwd=work)
+            out = subprocess.run(
+                [sys.executable, "-c", SCRIPT_START.format(ranks=args.ranks, runs=50)],
+                capture_output=True,
+                text=True,
+                check=True,
+                cwd=work,
+            )
             script.append(json.loads(out.stdout.strip().splitlines()[-1]))
             res = k.execute(NB_START.format(ranks=args.ranks, runs=50))
             notebook.append(json.loads(res.stream().strip().splitlines()[-1]))
@@ -110,10 +122,14 @@ def main() -> None:
             s = statistics.median(r[what] for r in script)
             n = statistics.median(r[what] for r in notebook)
             s_min, n_min = min(r[what] for r in script), min(r[what] for r in notebook)
-            print(f"  {what:<6} median: script {s:6.2f} s · notebook {n:6.2f} s · notebook/script {n / s:5.2f}"
-                  f"   min: script {s_min:6.2f} s · notebook {n_min:6.2f} s · {n_min / s_min:5.2f}")
-        print("  each (script, notebook) pair, ready: " + ", ".join(
-            f"({a['ready']:.2f}, {b['ready']:.2f})" for a, b in zip(script, notebook)))
+            print(
+                f"  {what:<6} median: script {s:6.2f} s · notebook {n:6.2f} s · notebook/script {n / s:5.2f}"
+                f"   min: script {s_min:6.2f} s · notebook {n_min:6.2f} s · {n_min / s_min:5.2f}"
+            )
+        print(
+            "  each (script, notebook) pair, ready: "
+            + ", ".join(f"({a['ready']:.2f}, {b['ready']:.2f})" for a, b in zip(script, notebook))
+        )
         pairs = statistics.median(b["ready"] / a["ready"] for a, b in zip(script, notebook))
         print(f"  median of the pairs' notebook/script ratios: {pairs:.2f}")
         s_runs = [t for r in script for t in r["runs"]]
@@ -122,8 +138,10 @@ def main() -> None:
         print(f"  gang.run(noop) notebook {ms(n_runs)}")
         worst = max(statistics.median(t) for t in results.values())
         ratio = statistics.median(r["ready"] for r in notebook) / statistics.median(r["ready"] for r in script)
-        print(f"\n%%px round trip (worst median) {worst * 1e3:.1f} ms: {'OK' if worst <= 0.05 else 'OVER'} (≤ 50 ms); "
-              f"gang start notebook/script {ratio:.2f}")
+        print(
+            f"\n%%px round trip (worst median) {worst * 1e3:.1f} ms: {'OK' if worst <= 0.05 else 'OVER'} (≤ 50 ms); "
+            f"gang start notebook/script {ratio:.2f}"
+        )
     finally:
         k.shutdown()
 

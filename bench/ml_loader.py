@@ -70,8 +70,7 @@ def timed_epochs(env, batches, set_epoch, epochs: int, extra=lambda: ()) -> list
 
 def app_phalanx(env, session: str, name: str, features: list[str], batch_size: int, epochs: int):
     t0 = time.perf_counter()
-    ld = px.ml.loader(env, name, features, label="y", batch_size=batch_size, shuffle="global", seed=0,
-                      session=session)
+    ld = px.ml.loader(env, name, features, label="y", batch_size=batch_size, shuffle="global", seed=0, session=session)
     setup = time.perf_counter() - t0
     out = timed_epochs(env, ld, ld.set_epoch, epochs, extra=lambda: (ld.stats["build_s"],))
     ld.close()
@@ -107,7 +106,7 @@ def app_torch(env, parquet: str, features: list[str], batch_size: int, epochs: i
         env.comm.barrier()
         rows = 0
         t = time.perf_counter()
-        for i, (xb, yb) in enumerate(DataLoader(PandasRows(), batch_size=batch_size, sampler=sampler)):
+        for i, (xb, _yb) in enumerate(DataLoader(PandasRows(), batch_size=batch_size, sampler=sampler)):
             rows += len(xb)
             if i + 1 == pandas_batches:
                 break
@@ -115,8 +114,14 @@ def app_torch(env, parquet: str, features: list[str], batch_size: int, epochs: i
     return setup, out, pandas
 
 
-def bench_loader(rows: int = 4_000_000, features: int = 16, ranks: int = 2, batch_size: int = 1024,
-                 epochs: int = 3, pandas_batches: int = 20) -> dict:
+def bench_loader(
+    rows: int = 4_000_000,
+    features: int = 16,
+    ranks: int = 2,
+    batch_size: int = 1024,
+    epochs: int = 3,
+    pandas_batches: int = 20,
+) -> dict:
     """Run both loaders on one gang; returns the numbers (also printed)."""
     names = [f"f{i}" for i in range(features)]
     table = make_table(rows, features)
@@ -149,32 +154,45 @@ def bench_loader(rows: int = 4_000_000, features: int = 16, ranks: int = 2, batc
     if pandas_batches:
         pandas = statistics.mean(r[2][0] / r[2][1] for r in th)
     result = {
-        "rows": rows, "features": features, "ranks": ranks, "batch_size": batch_size, "epochs": epochs,
-        "phalanx_rows_per_s_per_rank_by_epoch": ph_epochs, "phalanx_rows_per_s_per_rank": ph_steady,
+        "rows": rows,
+        "features": features,
+        "ranks": ranks,
+        "batch_size": batch_size,
+        "epochs": epochs,
+        "phalanx_rows_per_s_per_rank_by_epoch": ph_epochs,
+        "phalanx_rows_per_s_per_rank": ph_steady,
         "phalanx_build_rows_per_s": build,
         "phalanx_setup_s": statistics.mean(r[0] for r in ph),
-        "torch_rows_per_s_per_rank_by_epoch": th_epochs, "torch_rows_per_s_per_rank": th_mean,
+        "torch_rows_per_s_per_rank_by_epoch": th_epochs,
+        "torch_rows_per_s_per_rank": th_mean,
         "torch_setup_s": statistics.mean(r[0] for r in th),
         "pandas_dataset_rows_per_s_per_rank": pandas,
-        "ratio": ph_steady / th_mean, "ratio_epoch0": ph_epochs[0] / th_mean,
+        "ratio": ph_steady / th_mean,
+        "ratio_epoch0": ph_epochs[0] / th_mean,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
     }
-    print(f"\n## loader throughput: {rows:,} rows × {features} float32 features, {ranks} ranks, "
-          f"batch {batch_size}, global shuffle, {os.cpu_count()} CPUs")
+    print(
+        f"\n## loader throughput: {rows:,} rows × {features} float32 features, {ranks} ranks, "
+        f"batch {batch_size}, global shuffle, {os.cpu_count()} CPUs"
+    )
     print(f"{'loader':<52} {'rows/s per rank':>16}")
     for e, v in enumerate(ph_epochs):
         note = " (cold: first touch of the mapped files)" if e == 0 else ""
         print(f"{f'px.ml.loader epoch {e}{note}':<52} {v:>16,.0f}")
     print(f"{'px.ml.loader matrix build alone (background thread)':<52} {build:>16,.0f}")
-    print(f"{'torch DataLoader(TensorDataset from pandas)':<52} {th_mean:>16,.0f}   "
-          f"(epochs: {', '.join(f'{v:,.0f}' for v in th_epochs)})")
+    print(
+        f"{'torch DataLoader(TensorDataset from pandas)':<52} {th_mean:>16,.0f}   "
+        f"(epochs: {', '.join(f'{v:,.0f}' for v in th_epochs)})"
+    )
     if pandas is not None:
-        print(f"{'torch DataLoader(Dataset indexing pandas .iloc)':<52} {pandas:>16,.0f}   "
-              f"({pandas_batches} batches)")
-    print(f"setup: px.ml.loader {result['phalanx_setup_s']:.3f} s (open + collective checks); "
-          f"torch {result['torch_setup_s']:.3f} s (read_parquet + tensors)")
-    print(f"ratio px.ml.loader / torch DataLoader: {result['ratio']:.1f}x steady, "
-          f"{result['ratio_epoch0']:.1f}x epoch 0")
+        print(f"{'torch DataLoader(Dataset indexing pandas .iloc)':<52} {pandas:>16,.0f}   ({pandas_batches} batches)")
+    print(
+        f"setup: px.ml.loader {result['phalanx_setup_s']:.3f} s (open + collective checks); "
+        f"torch {result['torch_setup_s']:.3f} s (read_parquet + tensors)"
+    )
+    print(
+        f"ratio px.ml.loader / torch DataLoader: {result['ratio']:.1f}x steady, {result['ratio_epoch0']:.1f}x epoch 0"
+    )
     return result
 
 

@@ -85,10 +85,16 @@ import _peers  # noqa: E402
 WORKLOADS = ("join", "groupby", "sort", "pipeline")
 PEERS = ("pandas", "polars", "duckdb", "dask", "spark", "spark-cluster", "daft", "ray")
 # peer -> (the module it needs, what installs it); daft is an extra of its own (it wants pyarrow<26)
-PEER_MODULES = {"pandas": ("pandas", "phalanx[bench]"), "polars": ("polars", "phalanx"),
-                "duckdb": ("duckdb", "phalanx"), "dask": ("distributed", "phalanx[bench]"),
-                "spark": ("pyspark", "phalanx[bench]"), "spark-cluster": ("pyspark", "phalanx[bench]"),
-                "daft": ("daft", "phalanx[bench-daft]"), "ray": ("ray", "phalanx[bench]")}
+PEER_MODULES = {
+    "pandas": ("pandas", "phalanx[bench]"),
+    "polars": ("polars", "phalanx"),
+    "duckdb": ("duckdb", "phalanx"),
+    "dask": ("distributed", "phalanx[bench]"),
+    "spark": ("pyspark", "phalanx[bench]"),
+    "spark-cluster": ("pyspark", "phalanx[bench]"),
+    "daft": ("daft", "phalanx[bench-daft]"),
+    "ray": ("ray", "phalanx[bench]"),
+}
 DEFAULT_PEERS = ("pandas", "polars", "duckdb", "dask", "spark", "spark-cluster", "daft")  # ray: --peers all
 DISTRIBUTED = ("dask", "spark", "spark-cluster", "ray")
 DASK_METHODS = ("tasks", "p2p")
@@ -108,7 +114,7 @@ def chunk_bounds(n: int, chunks: int) -> np.ndarray:
 
 def gen_chunk(n: int, chunks: int, c: int, key_frac: float) -> tuple[np.ndarray, ...]:
     """Chunk ``c`` of A and B: (a_key, a_value, b_key, b_value), int64."""
-    import numpy as np  # noqa: F811  (this function also runs on the ranks)
+    import numpy as np
 
     b = (np.arange(chunks + 1, dtype=np.int64) * n) // chunks
     rows = int(b[c + 1] - b[c])
@@ -123,7 +129,7 @@ def gen_chunk(n: int, chunks: int, c: int, key_frac: float) -> tuple[np.ndarray,
 
 def gen_range(n: int, chunks: int, lo: int, hi: int, key_frac: float) -> tuple[np.ndarray, ...]:
     """Chunks lo..hi-1 concatenated."""
-    import numpy as np  # noqa: F811
+    import numpy as np
 
     parts = [gen_chunk(n, chunks, c, key_frac) for c in range(lo, hi)]
     if len(parts) == 1:
@@ -207,15 +213,18 @@ def px_operator_app(env, n, chunks, key_frac, workloads, reps, warmup, max_rep_s
             last = i == reps - 1 or env.comm.allreduce_scalar(times[-1], "max") > max_rep_s
             if last:  # untimed: the checksum of the result over all ranks
                 local = res.to_arrow()
-                sums = np.array([local.num_rows] + [int(pc.sum(local.column(c)).as_py() or 0)
-                                                    for c in range(local.num_columns)], dtype=np.int64)
+                sums = np.array(
+                    [local.num_rows] + [int(pc.sum(local.column(c)).as_py() or 0) for c in range(local.num_columns)],
+                    dtype=np.int64,
+                )
                 checksum = [int(x) for x in env.comm.allreduce(sums)]
             del res
             if last:
                 break
-        out[w] = {"times": times, "rows": rows, "rss_peak": max(peaks), "rss_base": base,
-                  "checksum": checksum}
+        out[w] = {"times": times, "rows": rows, "rss_peak": max(peaks), "rss_base": base, "checksum": checksum}
     return out
+
+
 def px_alltoallv_app(env, mibs, reps):
     """alltoallv of a uint8 buffer of ``mib`` MiB per rank, split evenly over the ranks."""
     import time
@@ -306,12 +315,18 @@ class PandasPeer(Peer):
             "join": lambda: a.merge(b, on="key", how="inner"),
             "groupby": lambda: a.groupby("key", sort=False).agg({"value": "sum"}),
             "sort": lambda: a.sort_values("key"),
-            "pipeline": lambda: (a.merge(b, on="key", how="inner")
-                                 .groupby("key", sort=False).agg({"value_x": "sum", "value_y": "sum"})
-                                 .reset_index().sort_values("key") + 1),
+            "pipeline": lambda: (
+                a.merge(b, on="key", how="inner")
+                .groupby("key", sort=False)
+                .agg({"value_x": "sum", "value_y": "sum"})
+                .reset_index()
+                .sort_values("key")
+                + 1
+            ),
         }
-        return ops, lambda r: arrow_checksum(pa.Table.from_pandas(r.reset_index() if r.index.name else r,
-                                                                  preserve_index=False))
+        return ops, lambda r: arrow_checksum(
+            pa.Table.from_pandas(r.reset_index() if r.index.name else r, preserve_index=False)
+        )
 
 
 class PolarsPeer(Peer):
@@ -330,9 +345,15 @@ class PolarsPeer(Peer):
             "join": lambda: a.join(b, on="key", how="inner"),
             "groupby": lambda: a.group_by("key").agg(pl.col("value").sum()),
             "sort": lambda: a.sort("key"),
-            "pipeline": lambda: (a.lazy().join(b.lazy(), on="key", how="inner")
-                                 .group_by("key").agg(pl.col("value").sum(), pl.col("value_right").sum())
-                                 .sort("key").select(pl.all() + 1).collect()),
+            "pipeline": lambda: (
+                a.lazy()
+                .join(b.lazy(), on="key", how="inner")
+                .group_by("key")
+                .agg(pl.col("value").sum(), pl.col("value_right").sum())
+                .sort("key")
+                .select(pl.all() + 1)
+                .collect()
+            ),
         }
         return ops, lambda r: arrow_checksum(r.to_arrow())
 
@@ -343,8 +364,10 @@ class DuckDBPeer(Peer):
 
         self.con = duckdb.connect()
         self.con.execute(f"SET threads = {int(self.threads)}")
-        self.settings = {"version": duckdb.__version__,
-                         "threads": self.con.execute("SELECT current_setting('threads')").fetchall()[0][0]}
+        self.settings = {
+            "version": duckdb.__version__,
+            "threads": self.con.execute("SELECT current_setting('threads')").fetchall()[0][0],
+        }
 
     def load(self, ak, av, bk, bv):
         import pyarrow as pa
@@ -357,8 +380,8 @@ class DuckDBPeer(Peer):
             "groupby": "SELECT key, sum(value)::BIGINT AS value FROM a GROUP BY key",
             "sort": "SELECT * FROM a ORDER BY key",
             "pipeline": "SELECT key + 1 AS key, value_x + 1 AS value_x, value_y + 1 AS value_y FROM ("
-                        " SELECT a.key, sum(a.value)::BIGINT AS value_x, sum(b.value)::BIGINT AS value_y"
-                        " FROM a JOIN b USING (key) GROUP BY a.key) ORDER BY key",
+            " SELECT a.key, sum(a.value)::BIGINT AS value_x, sum(b.value)::BIGINT AS value_y"
+            " FROM a JOIN b USING (key) GROUP BY a.key) ORDER BY key",
         }
 
         def fetch(q):
@@ -387,14 +410,24 @@ class DaskPeer(Peer):
         warnings.filterwarnings("ignore")
         logging.getLogger("distributed").setLevel(logging.ERROR)
         t = time.perf_counter()
-        self.cluster = LocalCluster(n_workers=self.threads, threads_per_worker=1, processes=True,
-                                    host="127.0.0.1", dashboard_address="127.0.0.1:0",
-                                    silence_logs=logging.ERROR)
+        self.cluster = LocalCluster(
+            n_workers=self.threads,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address="127.0.0.1:0",
+            silence_logs=logging.ERROR,
+        )
         self.client = Client(self.cluster)
         self.methods = DASK_METHODS if self.threads > 1 else ("tasks",)  # one partition: no shuffle
-        self.settings = {"version": dask.__version__, "workers": self.threads, "threads_per_worker": 1,
-                         "processes": True, "shuffle_methods": list(self.methods),
-                         "start_s": round(time.perf_counter() - t, 1)}
+        self.settings = {
+            "version": dask.__version__,
+            "workers": self.threads,
+            "threads_per_worker": 1,
+            "processes": True,
+            "shuffle_methods": list(self.methods),
+            "start_s": round(time.perf_counter() - t, 1),
+        }
 
     def run(self, ak, av, bk, bv, workloads, reps):
         import dask.dataframe as dd
@@ -410,13 +443,16 @@ class DaskPeer(Peer):
         def ops(m):
             return {
                 "join": lambda: a.merge(b, on="key", how="inner", shuffle_method=m),
-                "groupby": lambda: a.groupby("key").agg({"value": "sum"}, split_out=R, shuffle_method=m)
-                                    .reset_index(),
+                "groupby": lambda: a.groupby("key").agg({"value": "sum"}, split_out=R, shuffle_method=m).reset_index(),
                 "sort": lambda: a.sort_values("key", shuffle_method=m),
-                "pipeline": lambda: (a.merge(b, on="key", how="inner", shuffle_method=m)
-                                     .groupby("key").agg({"value_x": "sum", "value_y": "sum"},
-                                                         split_out=R, shuffle_method=m)
-                                     .reset_index().sort_values("key", shuffle_method=m) + 1),
+                "pipeline": lambda: (
+                    a.merge(b, on="key", how="inner", shuffle_method=m)
+                    .groupby("key")
+                    .agg({"value_x": "sum", "value_y": "sum"}, split_out=R, shuffle_method=m)
+                    .reset_index()
+                    .sort_values("key", shuffle_method=m)
+                    + 1
+                ),
             }
 
         def once(w, m, check):
@@ -451,10 +487,16 @@ class DaskPeer(Peer):
                 dt, _, r = once(w, best, False)
                 by_method[best].append(dt)
                 rss.append(r)
-            out[w] = {"times": by_method[best], "rows": sums[best][0], "checksum": sums[best],
-                      "method": best, "by_method": by_method,
-                      "checksum_by_method": sums, "rows_by_method": {m: s[0] for m, s in sums.items()},
-                      "rss": max(rss, key=lambda p: p["max_bytes"] or 0)}
+            out[w] = {
+                "times": by_method[best],
+                "rows": sums[best][0],
+                "checksum": sums[best],
+                "method": best,
+                "by_method": by_method,
+                "checksum_by_method": sums,
+                "rows_by_method": {m: s[0] for m, s in sums.items()},
+                "rss": max(rss, key=lambda p: p["max_bytes"] or 0),
+            }
         return out
 
     def stop(self):
@@ -496,8 +538,12 @@ class SparkPeer(Peer):
         b = B.withColumnRenamed("value", "value_y")
 
         def pipeline():
-            g = (a.join(b, "key").groupBy("key")
-                 .agg(F.sum("value_x").alias("value_x"), F.sum("value_y").alias("value_y")).orderBy("key"))
+            g = (
+                a.join(b, "key")
+                .groupBy("key")
+                .agg(F.sum("value_x").alias("value_x"), F.sum("value_y").alias("value_y"))
+                .orderBy("key")
+            )
             return g.select(*[(F.col(c) + 1).alias(c) for c in ("key", "value_x", "value_y")])
 
         queries = {
@@ -546,9 +592,14 @@ class DaftPeer(Peer):
             "join": lambda: a.join(b, on="key", suffix="_y").collect(),
             "groupby": lambda: a.groupby("key").agg(col("value").sum()).collect(),
             "sort": lambda: a.sort("key").collect(),
-            "pipeline": lambda: (a.join(b, on="key", suffix="_y").groupby("key")
-                                 .agg(col("value").sum(), col("value_y").sum()).sort("key")
-                                 .select(col("key") + 1, col("value") + 1, col("value_y") + 1).collect()),
+            "pipeline": lambda: (
+                a.join(b, on="key", suffix="_y")
+                .groupby("key")
+                .agg(col("value").sum(), col("value_y").sum())
+                .sort("key")
+                .select(col("key") + 1, col("value") + 1, col("value_y") + 1)
+                .collect()
+            ),
         }
         return ops, lambda r: arrow_checksum(r.to_arrow())
 
@@ -572,15 +623,20 @@ class RayPeer(Peer):
             return pa.table({c: pa.compute.add(t[c], 1) for c in t.column_names})
 
         def join():
-            return a.join(b, join_type="inner", num_partitions=R, on=("key",),
-                          left_suffix="_x", right_suffix="_y")
+            return a.join(b, join_type="inner", num_partitions=R, on=("key",), left_suffix="_x", right_suffix="_y")
 
         ops = {
             "join": lambda: join().materialize(),
             "groupby": lambda: a.groupby("key").sum("value").materialize(),
             "sort": lambda: a.sort("key").materialize(),
-            "pipeline": lambda: (join().groupby("key").aggregate(Sum("value_x"), Sum("value_y"))
-                                 .sort("key").map_batches(plus1, batch_format="pyarrow").materialize()),
+            "pipeline": lambda: (
+                join()
+                .groupby("key")
+                .aggregate(Sum("value_x"), Sum("value_y"))
+                .sort("key")
+                .map_batches(plus1, batch_format="pyarrow")
+                .materialize()
+            ),
         }
 
         def checksum(ds):
@@ -598,8 +654,16 @@ class RayPeer(Peer):
         shutil.rmtree(self.settings.get("temp_dir", ""), ignore_errors=True)
 
 
-PEER_CLASSES = {"pandas": PandasPeer, "polars": PolarsPeer, "duckdb": DuckDBPeer, "dask": DaskPeer,
-                "spark": SparkPeer, "spark-cluster": SparkClusterPeer, "daft": DaftPeer, "ray": RayPeer}
+PEER_CLASSES = {
+    "pandas": PandasPeer,
+    "polars": PolarsPeer,
+    "duckdb": DuckDBPeer,
+    "dask": DaskPeer,
+    "spark": SparkPeer,
+    "spark-cluster": SparkClusterPeer,
+    "daft": DaftPeer,
+    "ray": RayPeer,
+}
 
 
 def peer_main(args) -> None:
@@ -649,8 +713,9 @@ def tcp_receiver(reps: int) -> None:
 
 
 def tcp_loopback(reps: int) -> dict:
-    proc = subprocess.Popen([sys.executable, __file__, "--peer", "tcp-recv", "--reps", str(reps)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, __file__, "--peer", "tcp-recv", "--reps", str(reps)], stdout=subprocess.PIPE, text=True
+    )
     try:
         port = int(proc.stdout.readline())
         sock = socket.create_connection(("127.0.0.1", port))
@@ -741,12 +806,33 @@ def one_thread_launcher():
 def run_peer(engine: str, rows: list[int], threads: int, args, chunks: int, log) -> dict | None:
     """One subprocess per (engine, threads) for every row count: one engine start (a JVM,
     a Ray or a Dask cluster) serves all sizes.  The last result line it printed wins."""
-    cmd = [sys.executable, __file__, "--peer", engine, "--peer-rows", ",".join(map(str, rows)),
-           "--threads", str(threads), "--chunks", str(chunks), "--key-frac", repr(args.key_frac),
-           "--reps", str(args.reps), "--workloads", ",".join(args.workloads),
-           "--max-rep-s", repr(args.max_rep_s)]
-    env = {**os.environ, "POLARS_MAX_THREADS": str(threads), "OMP_NUM_THREADS": str(threads),
-           "PYTHONUNBUFFERED": "1", "RAY_DEDUP_LOGS": "0"}
+    cmd = [
+        sys.executable,
+        __file__,
+        "--peer",
+        engine,
+        "--peer-rows",
+        ",".join(map(str, rows)),
+        "--threads",
+        str(threads),
+        "--chunks",
+        str(chunks),
+        "--key-frac",
+        repr(args.key_frac),
+        "--reps",
+        str(args.reps),
+        "--workloads",
+        ",".join(args.workloads),
+        "--max-rep-s",
+        repr(args.max_rep_s),
+    ]
+    env = {
+        **os.environ,
+        "POLARS_MAX_THREADS": str(threads),
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONUNBUFFERED": "1",
+        "RAY_DEDUP_LOGS": "0",
+    }
     t = time.perf_counter()
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
@@ -758,12 +844,14 @@ def run_peer(engine: str, rows: list[int], threads: int, args, chunks: int, log)
     res = None
     for line in stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            res = json.loads(line[len(RESULT_TAG):])
+            res = json.loads(line[len(RESULT_TAG) :])
     if res is not None:
         res["_wall_s"] = time.perf_counter() - t
     if rc != 0:
-        log(f"WARNING: peer {engine} (threads={threads}) failed, rc={rc}:\n"
-            + "\n".join((stdout + stderr).splitlines()[-25:]))
+        log(
+            f"WARNING: peer {engine} (threads={threads}) failed, rc={rc}:\n"
+            + "\n".join((stdout + stderr).splitlines()[-25:])
+        )
     return res
 
 
@@ -789,26 +877,44 @@ def lcm(values) -> int:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rows", default="1000000,10000000", help="rows per table, comma-separated")
     ap.add_argument("--ranks", default="1,2", help="rank counts, comma-separated")
     ap.add_argument("--reps", type=int, default=3, help="repetitions; the minimum is reported")
     ap.add_argument("--quick", action="store_true", help="1M rows, 1 repetition")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
-    ap.add_argument("--peers", "--engines", dest="engines", default=",".join(DEFAULT_PEERS),
-                    help=f"peers to run (phalanx always runs), comma-separated, or 'all', or 'none'; "
-                         f"from {','.join(PEERS)}")
-    ap.add_argument("--key-frac", type=float, default=0.21,
-                    help="key ~ U[0, N/key_frac); 0.21 gives ~90%% distinct keys (the CylonFlow workload)")
-    ap.add_argument("--warm-gib", type=float, default=None,
-                    help="GiB of memory to touch once before timing (default 6, --quick 2)")
+    ap.add_argument(
+        "--peers",
+        "--engines",
+        dest="engines",
+        default=",".join(DEFAULT_PEERS),
+        help=f"peers to run (phalanx always runs), comma-separated, or 'all', or 'none'; from {','.join(PEERS)}",
+    )
+    ap.add_argument(
+        "--key-frac",
+        type=float,
+        default=0.21,
+        help="key ~ U[0, N/key_frac); 0.21 gives ~90%% distinct keys (the CylonFlow workload)",
+    )
+    ap.add_argument(
+        "--warm-gib", type=float, default=None, help="GiB of memory to touch once before timing (default 6, --quick 2)"
+    )
     ap.add_argument("--no-machine", action="store_true", help="skip alltoallv/TCP/memcpy measurements")
-    ap.add_argument("--px-threads", choices=("1", "auto"), default="1",
-                    help="phalanx kernel threads per rank: 1 (R ranks use R cores, like the peers) "
-                         "or auto (the gang's default, cpus // ranks: a 1-rank gang gets 2 threads)")
-    ap.add_argument("--max-rep-s", type=float, default=10.0,
-                    help="no further repetitions of a workload after a run slower than this")
+    ap.add_argument(
+        "--px-threads",
+        choices=("1", "auto"),
+        default="1",
+        help="phalanx kernel threads per rank: 1 (R ranks use R cores, like the peers) "
+        "or auto (the gang's default, cpus // ranks: a 1-rank gang gets 2 threads)",
+    )
+    ap.add_argument(
+        "--max-rep-s",
+        type=float,
+        default=10.0,
+        help="no further repetitions of a workload after a run slower than this",
+    )
     ap.add_argument("--peer-timeout", type=float, default=1800.0)
     ap.add_argument("--out", default=str(HERE / "out"))
     # internal: peer subprocesses
@@ -861,21 +967,36 @@ def main(argv=None) -> int:
 
     chunks = lcm(args.ranks)
     versions = {}
-    for mod in ("phalanx", "numpy", "pyarrow", "polars", "duckdb", "pandas", "dask", "distributed",
-                "pyspark", "daft", "ray", "torch"):
+    for mod in (
+        "phalanx",
+        "numpy",
+        "pyarrow",
+        "polars",
+        "duckdb",
+        "pandas",
+        "dask",
+        "distributed",
+        "pyspark",
+        "daft",
+        "ray",
+        "torch",
+    ):
         versions[mod] = _peers.version(mod)
     psi_start, load_start = cpu_pressure(), loadavg()
     log(f"# phalanx operator benchmark  {stamp}")
-    log(f"host {platform.node()}  cpus {os.cpu_count()}  python {platform.python_version()}  "
-        + "  ".join(f"{k} {v}" for k, v in versions.items() if v))
-    log(f"rows {args.rows}  ranks {args.ranks}  reps {args.reps}  workloads {args.workloads}  "
-        f"peers {args.engines}  key ~ U[0, N/{args.key_frac:g})  chunks {chunks}")
+    log(
+        f"host {platform.node()}  cpus {os.cpu_count()}  python {platform.python_version()}  "
+        + "  ".join(f"{k} {v}" for k, v in versions.items() if v)
+    )
+    log(
+        f"rows {args.rows}  ranks {args.ranks}  reps {args.reps}  workloads {args.workloads}  "
+        f"peers {args.engines}  key ~ U[0, N/{args.key_frac:g})  chunks {chunks}"
+    )
     log(f"start: loadavg {load_start}  cpu pressure {psi_start}")
     warm_s = warm_memory(args.warm_gib)
     log(f"memory warm-up: touched {args.warm_gib:g} GiB in {warm_s:.2f}s")
 
-    results: dict = {"phalanx": {}, "peers": {}, "peer_settings": {}, "gang_ready_s": {}, "machine": {},
-                     "loadavg": {}}
+    results: dict = {"phalanx": {}, "peers": {}, "peer_settings": {}, "gang_ready_s": {}, "machine": {}, "loadavg": {}}
     gangs: dict[int, px.Gang] = {}
     try:
         for R in args.ranks:
@@ -893,34 +1014,58 @@ def main(argv=None) -> int:
             for R in args.ranks:
                 t = time.perf_counter()
                 load = loadavg()
-                per_rank = gangs[R].run(px_operator_app, n, chunks, args.key_frac, args.workloads,
-                                        args.reps, first_app[R] or args.reps == 1, args.max_rep_s,
-                                        timeout=3600)
+                per_rank = gangs[R].run(
+                    px_operator_app,
+                    n,
+                    chunks,
+                    args.key_frac,
+                    args.workloads,
+                    args.reps,
+                    first_app[R] or args.reps == 1,
+                    args.max_rep_s,
+                    timeout=3600,
+                )
                 first_app[R] = False
-                entry = {"gen_s": max(p["gen_s"] for p in per_rank),
-                         "threads_per_rank": per_rank[0]["threads"],
-                         "local_rows": [p["local_rows"] for p in per_rank], "loadavg": load}
+                entry = {
+                    "gen_s": max(p["gen_s"] for p in per_rank),
+                    "threads_per_rank": per_rank[0]["threads"],
+                    "local_rows": [p["local_rows"] for p in per_rank],
+                    "loadavg": load,
+                }
                 for w in args.workloads:
                     # per repetition the slowest rank, then the best repetition
                     done = min(len(p[w]["times"]) for p in per_rank)
                     times = [max(p[w]["times"][i] for p in per_rank) for i in range(done)]
                     peaks = [p[w]["rss_peak"] for p in per_rank]
-                    entry[w] = {"times": times, "rows": per_rank[0][w]["rows"],
-                                "checksum": per_rank[0][w]["checksum"],
-                                "rss": {"max_bytes": max(peaks), "sum_bytes": sum(peaks), "procs": R,
-                                        "per_rank": peaks, "base_per_rank": [p[w]["rss_base"] for p in per_rank]}}
+                    entry[w] = {
+                        "times": times,
+                        "rows": per_rank[0][w]["rows"],
+                        "checksum": per_rank[0][w]["checksum"],
+                        "rss": {
+                            "max_bytes": max(peaks),
+                            "sum_bytes": sum(peaks),
+                            "procs": R,
+                            "per_rank": peaks,
+                            "base_per_rank": [p[w]["rss_base"] for p in per_rank],
+                        },
+                    }
                 results["phalanx"][f"{n}/{R}"] = entry
-                log(f"[{n:>9} rows, {R} ranks] phalanx ({entry['threads_per_rank']} thread/rank) done in "
+                log(
+                    f"[{n:>9} rows, {R} ranks] phalanx ({entry['threads_per_rank']} thread/rank) done in "
                     f"{time.perf_counter() - t:.1f}s (loadavg {load}): "
-                    + "  ".join(f"{w} {min(entry[w]['times']):.3f}s" for w in args.workloads))
+                    + "  ".join(f"{w} {min(entry[w]['times']):.3f}s" for w in args.workloads)
+                )
 
         if not args.no_machine and 2 in gangs:
             per_rank = gangs[2].run(px_alltoallv_app, list(A2A_MIB), A2A_REPS, timeout=600)
             a2a = {}
             for mib in A2A_MIB:
                 times = [max(p[str(mib)]["times"][i] for p in per_rank) for i in range(A2A_REPS)]
-                a2a[str(mib)] = {"times": times, "gbps": (mib << 20) / min(times) / 1e9,
-                                 "ok": all(p[str(mib)]["ok"] for p in per_rank)}
+                a2a[str(mib)] = {
+                    "times": times,
+                    "gbps": (mib << 20) / min(times) / 1e9,
+                    "ok": all(p[str(mib)]["ok"] for p in per_rank),
+                }
             results["machine"]["alltoallv_2ranks"] = a2a
         comm_name = gangs[2].communicator if 2 in gangs else "?"
     finally:
@@ -928,7 +1073,7 @@ def main(argv=None) -> int:
             g.close()
 
     for eng in args.engines:
-        for R in ([1] if eng == "pandas" else args.ranks):
+        for R in [1] if eng == "pandas" else args.ranks:
             t = time.perf_counter()
             load = loadavg()
             res = run_peer(eng, args.rows, R, args, chunks, log)
@@ -938,9 +1083,14 @@ def main(argv=None) -> int:
             results["peer_settings"][f"{eng}/{R}"] = res.get("settings")
             for n, by in res.get("by_rows", {}).items():
                 results["peers"][f"{eng}/{n}/{R}"] = by
-            log(f"[{R} cores] {eng} done in {time.perf_counter() - t:.1f}s (loadavg {load}): "
-                + "  ".join(f"{w}@{n} {fmt_s(best(by.get(w)))}s" for n, by in res.get("by_rows", {}).items()
-                            for w in args.workloads))
+            log(
+                f"[{R} cores] {eng} done in {time.perf_counter() - t:.1f}s (loadavg {load}): "
+                + "  ".join(
+                    f"{w}@{n} {fmt_s(best(by.get(w)))}s"
+                    for n, by in res.get("by_rows", {}).items()
+                    for w in args.workloads
+                )
+            )
 
     if not args.no_machine:
         results["machine"]["tcp_loopback"] = tcp_loopback(3)
@@ -955,8 +1105,10 @@ def main(argv=None) -> int:
         log("## communication and machine (GB/s = 1e9 bytes/s; min of reps)")
         m = results["machine"]
         for mib, v in m.get("alltoallv_2ranks", {}).items():
-            log(f"phalanx alltoallv, 2 ranks, {mib} MiB/rank: {min(v['times']):.4f}s = {v['gbps']:.2f} GB/s "
-                f"(per-rank buffer / time; comm {comm_name})")
+            log(
+                f"phalanx alltoallv, 2 ranks, {mib} MiB/rank: {min(v['times']):.4f}s = {v['gbps']:.2f} GB/s "
+                f"(per-rank buffer / time; comm {comm_name})"
+            )
         if "tcp_loopback" in m:
             v = m["tcp_loopback"]
             log(f"loopback TCP, 1 GiB in 1 MiB sends, recv_into: {min(v['times']):.3f}s = {v['gbps']:.2f} GB/s")
@@ -972,10 +1124,23 @@ def main(argv=None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"operators-{stamp}.json"
-    doc = {"stamp": stamp, "args": {k: v for k, v in vars(args).items()}, "versions": versions,
-           "host": platform.node(), "cpus": os.cpu_count(), "chunks": chunks,
-           "psi_start": psi_start, "psi_end": psi_end, "loadavg_start": load_start, "loadavg_end": load_end,
-           "memory_warmup_s": warm_s, "total_s": total_s, **report, "raw": results, "printed": log.lines}
+    doc = {
+        "stamp": stamp,
+        "args": {k: v for k, v in vars(args).items()},
+        "versions": versions,
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "chunks": chunks,
+        "psi_start": psi_start,
+        "psi_end": psi_end,
+        "loadavg_start": load_start,
+        "loadavg_end": load_end,
+        "memory_warmup_s": warm_s,
+        "total_s": total_s,
+        **report,
+        "raw": results,
+        "printed": log.lines,
+    }
     path.write_text(json.dumps(doc, indent=1, default=str))
     print(f"wrote {path}")
     return 0 if not report["check_failures"] else 1
@@ -989,11 +1154,15 @@ def make_report(args, results, log) -> dict:
         return results["peers"].get(f"{eng}/{n}/{R}")
 
     _peers.log_settings(log, results["peer_settings"])
-    log(f"## operators (seconds: min over reps; x{Rmax}r = engine s / phalanx {Rmax}-rank s, >1: phalanx "
+    log(
+        f"## operators (seconds: min over reps; x{Rmax}r = engine s / phalanx {Rmax}-rank s, >1: phalanx "
         f"faster; xsame = vs phalanx with as many ranks as the engine has cores; RSS = peak RSS in MiB "
         f"of the largest process (rank) / summed over processes; check = checksum equals phalanx's and "
-        f"DuckDB's)")
-    hdr = f"{'engine':<14} {'cores':>5} {'seconds':>9} {f'x{Rmax}r':>8} {'xsame':>8} {'RSS max':>8} {'RSS sum':>8}  check"
+        f"DuckDB's)"
+    )
+    hdr = (
+        f"{'engine':<14} {'cores':>5} {'seconds':>9} {f'x{Rmax}r':>8} {'xsame':>8} {'RSS max':>8} {'RSS sum':>8}  check"
+    )
     table_rows, failures = [], []
     for w in args.workloads:
         for n in args.rows:
@@ -1005,7 +1174,7 @@ def make_report(args, results, log) -> dict:
             log(hdr)
             entries = [("phalanx", R, results["phalanx"].get(f"{n}/{R}", {}).get(w)) for R in args.ranks]
             for eng in args.engines:
-                for R in ([1] if eng == "pandas" else args.ranks):
+                for R in [1] if eng == "pandas" else args.ranks:
                     entries.append((eng, R, ((peer(eng, n, R) or {}).get(w))))
             for eng, R, e in entries:
                 s = best(e)
@@ -1025,30 +1194,49 @@ def make_report(args, results, log) -> dict:
                             failures.append(f"{w}@{n} dask/{R}: shuffle methods disagree {by_m}")
                             check += " (methods disagree)"
                 label = eng + (f" ({e['method']})" if e and e.get("method") else "")
-                log(f"{label:<14} {R:>5} {fmt_s(s):>9} {fmt_r(s / px_max if s and px_max else None):>8} "
+                log(
+                    f"{label:<14} {R:>5} {fmt_s(s):>9} {fmt_r(s / px_max if s and px_max else None):>8} "
                     f"{fmt_r(s / px_same if s and px_same else None):>8} {_peers.fmt_mib(rss.get('max_bytes')):>8} "
-                    f"{_peers.fmt_mib(rss.get('sum_bytes')):>8}  {check}")
-                table_rows.append({"workload": w, "rows": n, "engine": eng, "cores": R, "seconds": s,
-                                   f"ratio_vs_phalanx_{Rmax}r": s / px_max if s and px_max else None,
-                                   "ratio_vs_phalanx_same": s / px_same if s and px_same else None,
-                                   "rss_max_bytes": rss.get("max_bytes"), "rss_sum_bytes": rss.get("sum_bytes"),
-                                   "rss_max_proc": rss.get("max_proc"), "checksum": cs, "check": check,
-                                   "reps": len((e or {}).get("times") or [])})
+                    f"{_peers.fmt_mib(rss.get('sum_bytes')):>8}  {check}"
+                )
+                table_rows.append(
+                    {
+                        "workload": w,
+                        "rows": n,
+                        "engine": eng,
+                        "cores": R,
+                        "seconds": s,
+                        f"ratio_vs_phalanx_{Rmax}r": s / px_max if s and px_max else None,
+                        "ratio_vs_phalanx_same": s / px_same if s and px_same else None,
+                        "rss_max_bytes": rss.get("max_bytes"),
+                        "rss_sum_bytes": rss.get("sum_bytes"),
+                        "rss_max_proc": rss.get("max_proc"),
+                        "checksum": cs,
+                        "check": check,
+                        "reps": len((e or {}).get("times") or []),
+                    }
+                )
     log("")
     if failures:
         for f in failures:
             log("CHECK FAILED: " + f)
     else:
         log("checks: every engine's checksum (rows and column sums) equals phalanx's and DuckDB's")
-    missing = [f"{eng}/{R}" for eng in args.engines for R in ([1] if eng == "pandas" else args.ranks)
-               if not any(k.startswith(f"{eng}/") and k.endswith(f"/{R}") for k in results["peers"])]
+    missing = [
+        f"{eng}/{R}"
+        for eng in args.engines
+        for R in ([1] if eng == "pandas" else args.ranks)
+        if not any(k.startswith(f"{eng}/") and k.endswith(f"/{R}") for k in results["peers"])
+    ]
     if missing:
         log("no results from: " + ", ".join(missing))
 
     # targets of issue 14, at every rank count R (same R cores for every engine)
     log("")
-    log("## targets (issue 14): >=4x Dask and Spark (pipeline >=10x), ahead of Daft (>=1x), "
-        ">=1x the faster of DuckDB/Polars; ratio = peer s / phalanx s at the same cores")
+    log(
+        "## targets (issue 14): >=4x Dask and Spark (pipeline >=10x), ahead of Daft (>=1x), "
+        ">=1x the faster of DuckDB/Polars; ratio = peer s / phalanx s at the same cores"
+    )
     targets, met, total = [], 0, 0
     for w in args.workloads:
         for n in args.rows:
@@ -1059,13 +1247,18 @@ def make_report(args, results, log) -> dict:
                 cells = []
                 local = [best((peer(e, n, R) or {}).get(w)) for e in ("polars", "duckdb")]
                 local = [x for x in local if x]
-                goals = [("dask", best((peer("dask", n, R) or {}).get(w)), 10.0 if w == "pipeline" else 4.0),
-                         ("spark", best((peer("spark", n, R) or {}).get(w)), 10.0 if w == "pipeline" else 4.0),
-                         ("spark-cluster", best((peer("spark-cluster", n, R) or {}).get(w)),
-                          10.0 if w == "pipeline" else 4.0),
-                         ("daft", best((peer("daft", n, R) or {}).get(w)), 1.0),
-                         ("ray", best((peer("ray", n, R) or {}).get(w)), 4.0),
-                         ("min(pl,duck)", min(local) if local else None, 1.0)]
+                goals = [
+                    ("dask", best((peer("dask", n, R) or {}).get(w)), 10.0 if w == "pipeline" else 4.0),
+                    ("spark", best((peer("spark", n, R) or {}).get(w)), 10.0 if w == "pipeline" else 4.0),
+                    (
+                        "spark-cluster",
+                        best((peer("spark-cluster", n, R) or {}).get(w)),
+                        10.0 if w == "pipeline" else 4.0,
+                    ),
+                    ("daft", best((peer("daft", n, R) or {}).get(w)), 1.0),
+                    ("ray", best((peer("ray", n, R) or {}).get(w)), 4.0),
+                    ("min(pl,duck)", min(local) if local else None, 1.0),
+                ]
                 verdicts = {}
                 for name, s, goal in goals:
                     if s is None:
@@ -1079,8 +1272,13 @@ def make_report(args, results, log) -> dict:
                 targets.append({"workload": w, "rows": n, "ranks": R, "verdicts": verdicts})
                 log(f"{w:9} {n:>9} {R}r  " + "  ".join(cells))
     log(f"targets met: {met} of {total}")
-    return {"table": table_rows, "targets": targets, "targets_met": met, "targets_total": total,
-            "check_failures": failures}
+    return {
+        "table": table_rows,
+        "targets": targets,
+        "targets_met": met,
+        "targets_total": total,
+        "check_failures": failures,
+    }
 
 
 if __name__ == "__main__":

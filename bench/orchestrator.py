@@ -36,8 +36,7 @@ def chain(stages: int, ranks: int, site: Site) -> tuple[float, list[float]]:
     """Total seconds and per-stage seconds (gang start → sealed output) of a trivial chain."""
     steps = {"s0": Stage(app="orchestrator:seed", ranks=ranks, outputs=["d0"])}
     for i in range(1, stages):
-        steps[f"s{i}"] = Stage(app="orchestrator:step", ranks=ranks, inputs={"prev": f"d{i - 1}"},
-                               outputs=[f"d{i}"])
+        steps[f"s{i}"] = Stage(app="orchestrator:step", ranks=ranks, inputs={"prev": f"d{i - 1}"}, outputs=[f"d{i}"])
     with tempfile.TemporaryDirectory() as state:
         db = RunDB(state)
         t0 = time.perf_counter()
@@ -88,19 +87,22 @@ def main() -> None:
             "reuse (default: gang kept across stages)": site,
         }
     elif site.executor == "ray":
-        modes = {"ray: new gang each stage": site.model_copy(update={"reuse_gangs": False}),
-                 "ray: reuse (default)": site}
+        modes = {
+            "ray: new gang each stage": site.model_copy(update={"reuse_gangs": False}),
+            "ray: reuse (default)": site,
+        }
     else:  # batch jobs hold real resources while idle: no reuse
         modes = {f"{site.executor}: a new gang (job or step) each stage": site}
-    print(f"chain of {args.stages} trivial {args.ranks}-rank stages on site {site.name!r} "
-          f"(target < 1.5 s per stage)")
+    print(f"chain of {args.stages} trivial {args.ranks}-rank stages on site {site.name!r} (target < 1.5 s per stage)")
     base = None
     for label, site in modes.items():
         total, per = chain(args.stages, args.ranks, site)
         each = total / args.stages
         base = base or each
-        print(f"  {label:42} {total:6.2f} s in all, {each:5.2f} s per stage "
-              f"(median {statistics.median(per):.2f}, max {max(per):.2f})  x{base / each:.1f} vs cold")
+        print(
+            f"  {label:42} {total:6.2f} s in all, {each:5.2f} s per stage "
+            f"(median {statistics.median(per):.2f}, max {max(per):.2f})  x{base / each:.1f} vs cold"
+        )
     if not args.no_example and site.executor == "local":
         example_split(Path(__file__).resolve().parent.parent / "workflows" / "etl_to_training.yaml")
     print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())

@@ -47,7 +47,7 @@ def chain(apps: int, ranks: int, **options) -> tuple[list[float], list[float]]:
     nxt = bsp_app(ranks=ranks, outputs=["d"], **options)(step)
     wall, worker = [], []
     ref = None
-    for i in range(apps):
+    for _ in range(apps):
         t0 = time.perf_counter()
         result = (first(1000) if ref is None else nxt(ref)).result()
         wall.append(time.perf_counter() - t0)
@@ -98,12 +98,16 @@ def main() -> int:
             results.update(run("mpi", args.site, args.apps, args.ranks, runs))
     with open("/proc/loadavg") as f:
         load = f.read().split()[0]
-    print(f"{args.apps} chained {args.ranks}-rank apps on site {args.site} (load average {load}); seconds "
-          "per app, submit → result (worker's share)")
+    print(
+        f"{args.apps} chained {args.ranks}-rank apps on site {args.site} (load average {load}); seconds "
+        "per app, submit → result (worker's share)"
+    )
     print(f"{'placement':30} {'median':>8} {'mean':>8} {'first':>8} {'worker median':>14}")
     for name, (wall, worker) in results.items():
-        print(f"{name:30} {statistics.median(wall):8.3f} {statistics.mean(wall):8.3f} {wall[0]:8.3f} "
-              f"{statistics.median(worker):14.3f}")
+        print(
+            f"{name:30} {statistics.median(wall):8.3f} {statistics.mean(wall):8.3f} {wall[0]:8.3f} "
+            f"{statistics.median(worker):14.3f}"
+        )
     fresh = statistics.median(results["fresh gang per app"][0])
     warm = statistics.median(results["persistent gang"][0])
     print(f"persistent gang: {fresh / warm:.1f}x faster per app than a fresh gang ({fresh:.3f} s → {warm:.3f} s)")

@@ -14,7 +14,6 @@ Printed per workload: the best repetition's sections on the slowest rank.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from operators import gen_chunk  # noqa: E402  (bench/operators.py: the same data; ranks import it too)
+from operators import gen_chunk
 
 # (module, attribute): wrapped with a timer where present
 SECTIONS = [
@@ -52,7 +51,6 @@ def profile_app(env, n, chunks, key_frac, workloads, reps, top):
     import importlib
     import io
     import pstats
-    import time
 
     import numpy as np
     import pyarrow as pa
@@ -71,6 +69,7 @@ def profile_app(env, n, chunks, key_frac, workloads, reps, top):
             finally:
                 acc[name] = acc.get(name, 0.0) + time.perf_counter() - t
                 cpu_acc[name] = cpu_acc.get(name, 0.0) + time.process_time() - c
+
         wrapper.__px_timed__ = True
         return wrapper
 
@@ -92,10 +91,12 @@ def profile_app(env, n, chunks, key_frac, workloads, reps, top):
         g = j.groupby("key").agg({"value_x": "sum", "value_y": "sum"})
         return g.sort_values("key").add_scalar(1)
 
-    ops = {"join": lambda a, b: a.merge(b, on="key", how="inner"),
-           "groupby": lambda a, b: a.groupby("key").agg({"value": "sum"}),
-           "sort": lambda a, b: a.sort_values("key"),
-           "pipeline": pipeline}
+    ops = {
+        "join": lambda a, b: a.merge(b, on="key", how="inner"),
+        "groupby": lambda a, b: a.groupby("key").agg({"value": "sum"}),
+        "sort": lambda a, b: a.sort_values("key"),
+        "pipeline": pipeline,
+    }
     out = {"threads": env.threads, "phalanx": px.__file__}
     for w in workloads:  # warm-up
         ops[w](a, b)
@@ -110,8 +111,7 @@ def profile_app(env, n, chunks, key_frac, workloads, reps, top):
             cpu = time.process_time() - c
             env.comm.barrier()
             total = time.perf_counter() - t
-            runs.append({"total": total, "rows": res.local_num_rows, "cpu": cpu, **acc,
-                         "cpu_sections": dict(cpu_acc)})
+            runs.append({"total": total, "rows": res.local_num_rows, "cpu": cpu, **acc, "cpu_sections": dict(cpu_acc)})
             del res
         prof = None
         if top:
@@ -160,13 +160,17 @@ def main() -> int:
     for R in ranks:
         chunks = chunks * R // __import__("math").gcd(chunks, R)
     for R in ranks:
-        print(f"## {R} rank(s), {args.rows} rows; loadavg {Path('/proc/loadavg').read_text().split()[:3]} "
-              f"cpu pressure {Path('/proc/pressure/cpu').read_text().splitlines()[0]}", flush=True)
+        print(
+            f"## {R} rank(s), {args.rows} rows; loadavg {Path('/proc/loadavg').read_text().split()[:3]} "
+            f"cpu pressure {Path('/proc/pressure/cpu').read_text().splitlines()[0]}",
+            flush=True,
+        )
         g = px.Gang(ranks=R, echo=False, executor=one_thread_launcher())
         g.start()
         try:
-            per_rank = g.run(profile_app, args.rows, chunks, args.key_frac, workloads, args.reps,
-                             args.cprofile, timeout=3600)
+            per_rank = g.run(
+                profile_app, args.rows, chunks, args.key_frac, workloads, args.reps, args.cprofile, timeout=3600
+            )
         finally:
             g.close()
         print(f"phalanx {per_rank[0]['phalanx']}, {per_rank[0]['threads']} thread(s) per rank", flush=True)
@@ -175,17 +179,26 @@ def main() -> int:
             i = int(np.argmin(totals))
             slow = max(range(R), key=lambda k: per_rank[k][w]["runs"][i]["cpu"])
             run = per_rank[slow][w]["runs"][i]
-            secs = "  ".join(f"{k} {v:.3f}" for k, v in sorted(
-                ((k, v) for k, v in run.items() if k not in ("total", "rows", "cpu", "cpu_sections")),
-                key=lambda kv: -kv[1]))
-            cpus = "  ".join(f"{k} {v:.3f}" for k, v in sorted(run["cpu_sections"].items(),
-                                                                key=lambda kv: -kv[1]))
-            print(f"{w:9} total {run['total']:.3f}s cpu {run['cpu']:.3f}s (reps {' '.join(f'{t:.3f}' for t in totals)}; "
-                  f"rank {slow}, {run['rows']} rows)\n    wall: {secs}\n    cpu:  {cpus}", flush=True)
+            secs = "  ".join(
+                f"{k} {v:.3f}"
+                for k, v in sorted(
+                    ((k, v) for k, v in run.items() if k not in ("total", "rows", "cpu", "cpu_sections")),
+                    key=lambda kv: -kv[1],
+                )
+            )
+            cpus = "  ".join(f"{k} {v:.3f}" for k, v in sorted(run["cpu_sections"].items(), key=lambda kv: -kv[1]))
+            print(
+                f"{w:9} total {run['total']:.3f}s cpu {run['cpu']:.3f}s (reps {' '.join(f'{t:.3f}' for t in totals)}; "
+                f"rank {slow}, {run['rows']} rows)\n    wall: {secs}\n    cpu:  {cpus}",
+                flush=True,
+            )
             if per_rank[0][w]["cprofile"]:
                 print(per_rank[0][w]["cprofile"], flush=True)
-        print(f"   after: loadavg {Path('/proc/loadavg').read_text().split()[:3]} cpu pressure "
-              f"{Path('/proc/pressure/cpu').read_text().splitlines()[0]}", flush=True)
+        print(
+            f"   after: loadavg {Path('/proc/loadavg').read_text().split()[:3]} cpu pressure "
+            f"{Path('/proc/pressure/cpu').read_text().splitlines()[0]}",
+            flush=True,
+        )
     return 0
 
 

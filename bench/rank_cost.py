@@ -92,22 +92,28 @@ def main() -> int:
     args = ap.parse_args()
     comms = args.comms.split(",")
     load = open("/proc/loadavg").read().split()[:3]
-    print(f"# rank cost: {args.ranks} ranks, {args.reps} reps per collective, best of {args.starts} starts; "
-          f"loadavg {' '.join(load)}; {os.cpu_count()} CPUs")
+    print(
+        f"# rank cost: {args.ranks} ranks, {args.reps} reps per collective, best of {args.starts} starts; "
+        f"loadavg {' '.join(load)}; {os.cpu_count()} CPUs"
+    )
     results = {c: measure(c, args.ranks, args.reps, args.starts) for c in comms}
     ref = results[comms[0]]
     ops = ["barrier", "allreduce_scalar", "allgather_obj", "broadcast_obj", "alltoallv_64B"]
-    head = f"{'communicator':<12} {'start s':>8} {'RSS MiB':>8} {'private MiB':>12} {'torch':>6} " + \
-        " ".join(f"{o + ' µs':>20}" for o in ops)
+    head = f"{'communicator':<12} {'start s':>8} {'RSS MiB':>8} {'private MiB':>12} {'torch':>6} " + " ".join(
+        f"{o + ' µs':>20}" for o in ops
+    )
     print(head)
     for c, r in results.items():
-        print(f"{c:<12} {r['start']:>8.2f} {r['rss'] / 2**20:>8.0f} {r['private'] / 2**20:>12.0f} "
-              f"{str(r['torch']):>6} " + " ".join(f"{r[o] * 1e6:>20.1f}" for o in ops))
+        print(
+            f"{c:<12} {r['start']:>8.2f} {r['rss'] / 2**20:>8.0f} {r['private'] / 2**20:>12.0f} "
+            f"{str(r['torch']):>6} " + " ".join(f"{r[o] * 1e6:>20.1f}" for o in ops)
+        )
     for c in comms[1:]:
         r = results[c]
-        print(f"{comms[0]} ÷ {c}: start {ref['start'] / r['start']:.1f}×, RSS {ref['rss'] / r['rss']:.1f}×, "
-              f"private {ref['private'] / r['private']:.1f}×, "
-              + ", ".join(f"{o} {ref[o] / r[o]:.1f}×" for o in ops))
+        print(
+            f"{comms[0]} ÷ {c}: start {ref['start'] / r['start']:.1f}×, RSS {ref['rss'] / r['rss']:.1f}×, "
+            f"private {ref['private'] / r['private']:.1f}×, " + ", ".join(f"{o} {ref[o] / r[o]:.1f}×" for o in ops)
+        )
     return 0
 
 

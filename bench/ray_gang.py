@@ -44,8 +44,7 @@ def gang_once(ranks: int, executor, apps: int) -> dict[str, float]:
         per_app.append(time.perf_counter() - t)
     t = time.perf_counter()
     gang.close()
-    out = {"start_s": start, "app_ms": 1e3 * statistics.median(per_app),
-           "close_s": time.perf_counter() - t}
+    out = {"start_s": start, "app_ms": 1e3 * statistics.median(per_app), "close_s": time.perf_counter() - t}
     if isinstance(executor, RayLauncher):
         out.update(executor.timings)
     return out
@@ -86,9 +85,11 @@ def main() -> int:
         for i in range(args.repeats):  # interleaved: both see the same background load
             local.append(gang_once(args.ranks, "local", args.apps))
             ray_runs.append(gang_once(args.ranks, launcher, args.apps))
-            print(f"  run {i + 1}: local start {local[-1]['start_s']:.2f} s, "
-                  f"ray start {ray_runs[-1]['start_s']:.2f} s "
-                  f"(placement {ray_runs[-1]['placement_s']:.3f} s, actors {ray_runs[-1]['actors_s']:.2f} s)")
+            print(
+                f"  run {i + 1}: local start {local[-1]['start_s']:.2f} s, "
+                f"ray start {ray_runs[-1]['start_s']:.2f} s "
+                f"(placement {ray_runs[-1]['placement_s']:.3f} s, actors {ray_runs[-1]['actors_s']:.2f} s)"
+            )
         stages = {}
         if args.stages:
             sys.path.insert(0, str(HERE))
@@ -96,13 +97,19 @@ def main() -> int:
 
             from phalanx.orchestrator.models import Site
 
-            sites = {"local": Site(name="local-cold", cores=max(args.ranks, 2), warm_ranks=0, reuse_gangs=False),
-                     "ray": Site(name="ray-bench", executor="ray", cores=3,
-                                 ray={"address": address, "strategy": args.strategy})}
+            sites = {
+                "local": Site(name="local-cold", cores=max(args.ranks, 2), warm_ranks=0, reuse_gangs=False),
+                "ray": Site(
+                    name="ray-bench", executor="ray", cores=3, ray={"address": address, "strategy": args.strategy}
+                ),
+            }
             for label, site in sites.items():
                 total, per = chain(args.stages, args.ranks, site)
-                stages[label] = {"total_s": total, "per_stage_s": total / args.stages,
-                                 "median_stage_s": statistics.median(per)}
+                stages[label] = {
+                    "total_s": total,
+                    "per_stage_s": total / args.stages,
+                    "median_stage_s": statistics.median(per),
+                }
     finally:
         if cluster is not None:
             cluster.stop()
@@ -110,18 +117,26 @@ def main() -> int:
     lo, ra = summary(local), summary(ray_runs)
     print(f"\n{args.ranks} ranks, median of {args.repeats} gangs ({args.apps} trivial apps each):")
     print(f"{'':22}{'local':>10}{'ray':>10}{'ray/local':>11}")
-    for key, label, unit in (("start_s", "gang start", "s"), ("app_ms", "trivial app", "ms"),
-                             ("close_s", "gang close", "s")):
+    for key, label, unit in (
+        ("start_s", "gang start", "s"),
+        ("app_ms", "trivial app", "ms"),
+        ("close_s", "gang close", "s"),
+    ):
         print(f"{label + ' (' + unit + ')':22}{lo[key]:10.3f}{ra[key]:10.3f}{ra[key] / lo[key]:10.2f}×")
-    print(f"ray start = placement group {ra['placement_s']:.3f} s + actors {ra['actors_s']:.2f} s "
-          f"+ rank start-up and rendezvous {ra['start_s'] - ra['placement_s'] - ra['actors_s']:.2f} s")
+    print(
+        f"ray start = placement group {ra['placement_s']:.3f} s + actors {ra['actors_s']:.2f} s "
+        f"+ rank start-up and rendezvous {ra['start_s'] - ra['placement_s'] - ra['actors_s']:.2f} s"
+    )
     if stages:
         lo_s, ra_s = stages["local"]["per_stage_s"], stages["ray"]["per_stage_s"]
-        print(f"{'stage (chain of ' + str(args.stages) + ')':22}{lo_s:10.3f}{ra_s:10.3f}{ra_s / lo_s:10.2f}×"
-              "   s per trivial stage through the scheduler (local: cold gangs)")
+        print(
+            f"{'stage (chain of ' + str(args.stages) + ')':22}{lo_s:10.3f}{ra_s:10.3f}{ra_s / lo_s:10.2f}×"
+            "   s per trivial stage through the scheduler (local: cold gangs)"
+        )
     if args.json:
-        args.json.write_text(json.dumps({"ranks": args.ranks, "local": local, "ray": ray_runs,
-                                         "stages": stages}, indent=1))
+        args.json.write_text(
+            json.dumps({"ranks": args.ranks, "local": local, "ray": ray_runs, "stages": stages}, indent=1)
+        )
     return 0
 
 

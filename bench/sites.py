@@ -33,9 +33,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO / "bench"), str(REPO / "tests")]
 
+from orchestrator import chain  # noqa: E402  (bench/orchestrator.py)
+
 import phalanx as px  # noqa: E402
 from phalanx.orchestrator.validate import load_site  # noqa: E402
-from orchestrator import chain  # noqa: E402  (bench/orchestrator.py)
 
 SITES = ["local", "slurm-local", "slurm-pilot-local", "ray-local", "k8s-local", "radical-local"]
 
@@ -63,11 +64,14 @@ class Clusters:
         if any(s.startswith("slurm") for s in sites):
             if shutil.which("slurmctld") is None:
                 raise SystemExit("slurm sites need Slurm: bash scripts/setup-slurm.sh")
-            up = subprocess.run(["scontrol", "ping"], capture_output=True, text=True,
-                                env={**os.environ, "SLURM_CONF": "/tmp/phalanx-slurm/slurm.conf"})
+            up = subprocess.run(
+                ["scontrol", "ping"],
+                capture_output=True,
+                text=True,
+                env={**os.environ, "SLURM_CONF": "/tmp/phalanx-slurm/slurm.conf"},
+            )
             self.slurm_started = "is UP" not in up.stdout
-            subprocess.run([str(REPO / "tests" / "infra" / "slurm-up.sh")], check=True,
-                           capture_output=True)
+            subprocess.run([str(REPO / "tests" / "infra" / "slurm-up.sh")], check=True, capture_output=True)
         if "ray-local" in sites:
             import ray
             from infra.ray_cluster import LocalRayCluster
@@ -117,8 +121,10 @@ def main() -> None:
                 t0 = time.perf_counter()
                 executor.open_run()
                 executor.pilot().wait_active(600)
-                pilots.append(f"{name}: pilot submitted -> active {time.perf_counter() - t0:.2f}s "
-                              "(RP session included; once per run)")
+                pilots.append(
+                    f"{name}: pilot submitted -> active {time.perf_counter() - t0:.2f}s "
+                    "(RP session included; once per run)"
+                )
             try:
                 start = gang_start(site, args.repeat, executor)
             finally:
@@ -130,14 +136,20 @@ def main() -> None:
     finally:
         clusters.stop()
     base_start, base_stage, base_steady = rows[0][2], rows[0][3], rows[0][4]
-    print(f"{'site':20} {'executor':9} {'gang start':>11} {'vs first':>9} {'per stage':>10} {'vs first':>9} "
-          f"{'stage 2..n':>11} {'vs first':>9}")
+    print(
+        f"{'site':20} {'executor':9} {'gang start':>11} {'vs first':>9} {'per stage':>10} {'vs first':>9} "
+        f"{'stage 2..n':>11} {'vs first':>9}"
+    )
     for name, executor, start, stage, steady in rows:
-        print(f"{name:20} {executor:9} {start:10.2f}s {start / base_start:8.2f}x {stage:9.2f}s "
-              f"{stage / base_stage:8.2f}x {steady:10.2f}s {steady / base_steady:8.2f}x")
-    print(f"(2 ranks; gang start median of {args.repeat} (radical: on an active pilot); per stage = chain of "
-          f"{args.stages} trivial stages / stages (a run's pilot start included); stage 2..n = mean time of "
-          "stages 2..n from start to sealed output; each site's defaults: reuse on local, ray, kubernetes, radical)")
+        print(
+            f"{name:20} {executor:9} {start:10.2f}s {start / base_start:8.2f}x {stage:9.2f}s "
+            f"{stage / base_stage:8.2f}x {steady:10.2f}s {steady / base_steady:8.2f}x"
+        )
+    print(
+        f"(2 ranks; gang start median of {args.repeat} (radical: on an active pilot); per stage = chain of "
+        f"{args.stages} trivial stages / stages (a run's pilot start included); stage 2..n = mean time of "
+        "stages 2..n from start to sealed output; each site's defaults: reuse on local, ray, kubernetes, radical)"
+    )
     for line in pilots:
         print(line)
     print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())

@@ -42,8 +42,7 @@ def allreduce(env):
 
 
 def cluster_up() -> bool:
-    r = subprocess.run(["scontrol", "ping"], env={**os.environ, "SLURM_CONF": CONF},
-                       capture_output=True, text=True)
+    r = subprocess.run(["scontrol", "ping"], env={**os.environ, "SLURM_CONF": CONF}, capture_output=True, text=True)
     return Path(CONF).exists() and "is UP" in r.stdout
 
 
@@ -75,21 +74,21 @@ def main() -> None:
         # the pilot holds what the gangs need (one slot per rank), the rest stays free for
         # the per-stage jobs
         t0 = time.perf_counter()
-        pilot = SlurmPilot.from_site({**base, "pilot": {"nodes": min(args.ranks, 3),
-                                                        "ntasks": args.ranks}}).start(timeout=60)
+        pilot = SlurmPilot.from_site({**base, "pilot": {"nodes": min(args.ranks, 3), "ntasks": args.ranks}}).start(
+            timeout=60
+        )
         pilot_wait = time.perf_counter() - t0
         makers = {
             "local": lambda: LocalLauncher(echo=False),
             "slurm per-stage": lambda: SlurmLauncher.from_site(base, args.ranks),
-            "slurm pilot": lambda: SlurmLauncher.from_site({**base, "allocation": "pilot"}, args.ranks,
-                                                           pilot=pilot),
+            "slurm pilot": lambda: SlurmLauncher.from_site({**base, "allocation": "pilot"}, args.ranks, pilot=pilot),
         }
-        times: dict[str, dict[str, list[float]]] = {m: {"start": [], "app": [], "close": [], "bare": []}
-                                                     for m in makers}
+        times: dict[str, dict[str, list[float]]] = {
+            m: {"start": [], "app": [], "close": [], "bare": []} for m in makers
+        }
         for i in range(args.repeat):
             for mode, make in makers.items():
-                gang = px.Gang(args.ranks, executor=make(), echo=False,
-                               log_dir=tmp / f"{mode.replace(' ', '-')}-{i}")
+                gang = px.Gang(args.ranks, executor=make(), echo=False, log_dir=tmp / f"{mode.replace(' ', '-')}-{i}")
                 gang.start()
                 t1 = time.perf_counter()
                 assert gang.run(allreduce) == [sum(range(args.ranks))] * args.ranks
@@ -108,21 +107,31 @@ def main() -> None:
             subprocess.run([str(REPO / "tests/infra/slurm-down.sh")], capture_output=True)
 
     med = {m: {k: statistics.median(v) for k, v in rec.items()} for m, rec in times.items()}
-    print(f"gang of {args.ranks} ranks, median of {args.repeat} "
-          f"(SLURM: 3 slurmd nodes on this {os.cpu_count()}-core machine; pilot held: "
-          f"allocation became RUNNING in {pilot_wait:.2f} s, once)")
-    print(f"{'executor':<16} {'start s':>8} {'×local':>7} {'app s':>7} {'close s':>8} "
-          f"{'start+close':>12} {'×local':>7} {'bare s':>7}")
+    print(
+        f"gang of {args.ranks} ranks, median of {args.repeat} "
+        f"(SLURM: 3 slurmd nodes on this {os.cpu_count()}-core machine; pilot held: "
+        f"allocation became RUNNING in {pilot_wait:.2f} s, once)"
+    )
+    print(
+        f"{'executor':<16} {'start s':>8} {'×local':>7} {'app s':>7} {'close s':>8} "
+        f"{'start+close':>12} {'×local':>7} {'bare s':>7}"
+    )
     loc = med["local"]
     for mode, m in med.items():
         sc = m["start"] + m["close"]
-        print(f"{mode:<16} {m['start']:8.2f} {m['start'] / loc['start']:7.2f} {m['app']:7.3f} "
-              f"{m['close']:8.2f} {sc:12.2f} {sc / (loc['start'] + loc['close']):7.2f} {m['bare']:7.3f}")
+        print(
+            f"{mode:<16} {m['start']:8.2f} {m['start'] / loc['start']:7.2f} {m['app']:7.3f} "
+            f"{m['close']:8.2f} {sc:12.2f} {sc / (loc['start'] + loc['close']):7.2f} {m['bare']:7.3f}"
+        )
     ps, pp = med["slurm per-stage"], med["slurm pilot"]
-    print(f"pilot vs per-stage: start {pp['start'] / ps['start']:.2f}×, "
-          f"bare launch {pp['bare'] / ps['bare']:.2f}× ({ps['bare'] - pp['bare']:+.2f} s saved per gang)")
-    print("all runs (s):", json.dumps({m: {k: [round(x, 3) for x in v] for k, v in rec.items()}
-                                        for m, rec in times.items()}))
+    print(
+        f"pilot vs per-stage: start {pp['start'] / ps['start']:.2f}×, "
+        f"bare launch {pp['bare'] / ps['bare']:.2f}× ({ps['bare'] - pp['bare']:+.2f} s saved per gang)"
+    )
+    print(
+        "all runs (s):",
+        json.dumps({m: {k: [round(x, 3) for x in v] for k, v in rec.items()} for m, rec in times.items()}),
+    )
     print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())
 
 

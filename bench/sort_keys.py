@@ -26,8 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from operators import RESULT_TAG  # noqa: E402  (bench/operators.py: the peers' result line)
 
-WORKLOADS = {"int2": (["a", "b"], [False, False]), "str": (["s"], [False]),
-             "str_int": (["s", "a"], [True, False])}
+WORKLOADS = {"int2": (["a", "b"], [False, False]), "str": (["s"], [False]), "str_int": (["s", "a"], [True, False])}
 
 
 def gen(n: int, lo: int, hi: int):
@@ -94,6 +93,7 @@ def peer_main(engine: str, n: int, threads: int, workloads: list[str], reps: int
 
         def run(by, desc):
             return df.sort(by, descending=desc, nulls_last=True, maintain_order=True).to_arrow()
+
     for w in workloads:
         by, desc = WORKLOADS[w]
         times = []
@@ -110,12 +110,24 @@ def run_peer(engine: str, args, threads: int) -> dict:
     import json
 
     env = dict(os.environ, POLARS_MAX_THREADS=str(threads))
-    cmd = [sys.executable, __file__, "--peer", engine, "--rows", str(args.rows), "--threads", str(threads),
-           "--workloads", args.workloads, "--reps", str(args.reps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--peer",
+        engine,
+        "--rows",
+        str(args.rows),
+        "--threads",
+        str(threads),
+        "--workloads",
+        args.workloads,
+        "--reps",
+        str(args.reps),
+    ]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
+            return json.loads(line[len(RESULT_TAG) :])
     raise RuntimeError(f"{engine} failed:\n{p.stderr[-2000:]}")
 
 
@@ -134,8 +146,9 @@ def main() -> int:
         return 0
 
     import _peers
-    import phalanx as px
     from operators import one_thread_launcher
+
+    import phalanx as px
 
     print(f"## sort by several keys: {args.rows} rows; loadavg {_peers.loadavg()}")
     results: dict[tuple[str, int], dict] = {}
@@ -153,14 +166,22 @@ def main() -> int:
     print("ratios (> 1: phalanx faster)")
     for R in ranks:
         for engine in ("polars", "duckdb"):
-            print(f"  {engine} {R}t / phalanx {R}r" + "".join(
-                f"{best[(engine, R)][w] / best[('phalanx', R)][w]:>11.2f}×" for w in workloads))
+            print(
+                f"  {engine} {R}t / phalanx {R}r"
+                + "".join(f"{best[(engine, R)][w] / best[('phalanx', R)][w]:>11.2f}×" for w in workloads)
+            )
     if len(ranks) > 1:
         lo, hi = ranks[0], ranks[-1]
-        print(f"  phalanx {hi}r speed-up over {lo}r" + "".join(
-            f"{best[('phalanx', lo)][w] / best[('phalanx', hi)][w]:>11.2f}×" for w in workloads))
-    wrong = [(k, w) for k, v in results.items() for w in workloads
-             if v[w]["digest"] != results[("duckdb", ranks[0])][w]["digest"]]
+        print(
+            f"  phalanx {hi}r speed-up over {lo}r"
+            + "".join(f"{best[('phalanx', lo)][w] / best[('phalanx', hi)][w]:>11.2f}×" for w in workloads)
+        )
+    wrong = [
+        (k, w)
+        for k, v in results.items()
+        for w in workloads
+        if v[w]["digest"] != results[("duckdb", ranks[0])][w]["digest"]
+    ]
     for k, w in wrong:
         print(f"MISMATCH: {k[0]} {k[1]} on {w}: {results[k][w]['digest']}")
     return 1 if wrong else 0

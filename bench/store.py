@@ -56,7 +56,7 @@ def new_file_write_gbs(directory: Path, nbytes: int) -> float:
         try:
             view = memoryview(src)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
         finally:
             os.close(fd)
         times.append(time.perf_counter() - t)
@@ -72,9 +72,11 @@ def _timed(fn) -> float:
 
 def bench_put_get(store: px.Store, sizes_mb: list[int], reps: int) -> None:
     print("\n## put bandwidth and get latency (one partition; memory tier: %s)" % store.root)
-    print(f"{'size':>8} {'put s':>8} {'put GB/s':>9} {'memcpy GB/s':>12} {'put/memcpy':>11} "
-          f"{'new-file write GB/s':>20} {'put/write':>10} "
-          f"{'get ms (min/median)':>20} {'Arrow bytes allocated by get':>29}")
+    print(
+        f"{'size':>8} {'put s':>8} {'put GB/s':>9} {'memcpy GB/s':>12} {'put/memcpy':>11} "
+        f"{'new-file write GB/s':>20} {'put/write':>10} "
+        f"{'get ms (min/median)':>20} {'Arrow bytes allocated by get':>29}"
+    )
     for mb in sizes_mb:
         table = table_of_bytes(mb << 20)
         nbytes = table.nbytes
@@ -98,9 +100,11 @@ def bench_put_get(store: px.Store, sizes_mb: list[int], reps: int) -> None:
         mc = memcpy_gbs(nbytes)
         wr = new_file_write_gbs(Path(store.root), nbytes)
         put_gbs = nbytes / put_s / 1e9
-        print(f"{mb:>6}MB {put_s:>8.3f} {put_gbs:>9.2f} {mc:>12.2f} {put_gbs / mc:>10.0%} "
-              f"{wr:>20.2f} {put_gbs / wr:>9.0%} "
-              f"{min(gets) * 1e3:>9.2f} / {statistics.median(gets) * 1e3:>7.2f} {allocated:>29,}")
+        print(
+            f"{mb:>6}MB {put_s:>8.3f} {put_gbs:>9.2f} {mc:>12.2f} {put_gbs / mc:>10.0%} "
+            f"{wr:>20.2f} {put_gbs / wr:>9.0%} "
+            f"{min(gets) * 1e3:>9.2f} / {statistics.median(gets) * 1e3:>7.2f} {allocated:>29,}"
+        )
         put_store.delete_session()
 
 
@@ -121,8 +125,10 @@ def app_get(env, session: str, name: str, mode: str, verify: bool = True):
 def bench_repartition(store: px.Store, rows: int, producers: list[int], consumers: list[int]) -> None:
     print(f"\n## N→M get: {rows:,} rows (key int64, value float64), time = max over consumer ranks")
     print("(s: checksums verified, the default; unverified: verify=False; the ratio is what verifying costs)")
-    print(f"{'N':>3} {'M':>3} {'mode':>9} {'s':>8} {'Mrows/s':>9} {'unverified s':>13} {'verified/unverified':>20} "
-          f"{'allocated/rank':>15}  path")
+    print(
+        f"{'N':>3} {'M':>3} {'mode':>9} {'s':>8} {'Mrows/s':>9} {'unverified s':>13} {'verified/unverified':>20} "
+        f"{'allocated/rank':>15}  path"
+    )
     for m in consumers:
         with px.Gang(ranks=m, echo=False, store=store.root, session=store.session) as gang:
             for n in producers:
@@ -135,8 +141,10 @@ def bench_repartition(store: px.Store, rows: int, producers: list[int], consumer
                     bare = max(r[0] for r in gang.run(app_get, store.session, name, mode, False))
                     s = max(r[0] for r in res)
                     alloc = max(r[3] for r in res)
-                    print(f"{n:>3} {m:>3} {mode:>9} {s:>8.3f} {rows / s / 1e6:>9.1f} {bare:>13.3f} "
-                          f"{s / bare:>19.2f}x {alloc:>15,}  {res[0][2]}")
+                    print(
+                        f"{n:>3} {m:>3} {mode:>9} {s:>8.3f} {rows / s / 1e6:>9.1f} {bare:>13.3f} "
+                        f"{s / bare:>19.2f}x {alloc:>15,}  {res[0][2]}"
+                    )
 
 
 def main() -> None:

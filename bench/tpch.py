@@ -59,19 +59,43 @@ RESULT_TAG = "@@RESULT@@ "
 GEN_VERSION = "1"
 
 # ---- data -----------------------------------------------------------------------------------
-NATIONS = [("ALGERIA", 0), ("ARGENTINA", 1), ("BRAZIL", 1), ("CANADA", 1), ("EGYPT", 4), ("ETHIOPIA", 0),
-           ("FRANCE", 3), ("GERMANY", 3), ("INDIA", 2), ("INDONESIA", 2), ("IRAN", 4), ("IRAQ", 4),
-           ("JAPAN", 2), ("JORDAN", 4), ("KENYA", 0), ("MOROCCO", 0), ("MOZAMBIQUE", 0), ("PERU", 1),
-           ("CHINA", 2), ("ROMANIA", 3), ("SAUDI ARABIA", 4), ("VIETNAM", 2), ("RUSSIA", 3),
-           ("UNITED KINGDOM", 3), ("UNITED STATES", 1)]
+NATIONS = [
+    ("ALGERIA", 0),
+    ("ARGENTINA", 1),
+    ("BRAZIL", 1),
+    ("CANADA", 1),
+    ("EGYPT", 4),
+    ("ETHIOPIA", 0),
+    ("FRANCE", 3),
+    ("GERMANY", 3),
+    ("INDIA", 2),
+    ("INDONESIA", 2),
+    ("IRAN", 4),
+    ("IRAQ", 4),
+    ("JAPAN", 2),
+    ("JORDAN", 4),
+    ("KENYA", 0),
+    ("MOROCCO", 0),
+    ("MOZAMBIQUE", 0),
+    ("PERU", 1),
+    ("CHINA", 2),
+    ("ROMANIA", 3),
+    ("SAUDI ARABIA", 4),
+    ("VIETNAM", 2),
+    ("RUSSIA", 3),
+    ("UNITED KINGDOM", 3),
+    ("UNITED STATES", 1),
+]
 REGIONS = ["AFRICA", "AMERICA", "ASIA", "EUROPE", "MIDDLE EAST"]
 SEGMENTS = ["AUTOMOBILE", "BUILDING", "FURNITURE", "HOUSEHOLD", "MACHINERY"]
 PRIORITIES = ["1-URGENT", "2-HIGH", "3-MEDIUM", "4-NOT SPECIFIED", "5-LOW"]
 INSTRUCT = ["DELIVER IN PERSON", "COLLECT COD", "NONE", "TAKE BACK RETURN"]
 MODES = ["REG AIR", "AIR", "RAIL", "SHIP", "TRUCK", "MAIL", "FOB"]
-WORDS = ("furiously carefully quickly slyly blithely final regular special express pending ironic "
-         "bold even silent unusual idle busy ruthless packages requests accounts deposits foxes "
-         "theodolites instructions pinto beans dependencies asymptotes courts dolphins").split()
+WORDS = (
+    "furiously carefully quickly slyly blithely final regular special express pending ironic "
+    "bold even silent unusual idle busy ruthless packages requests accounts deposits foxes "
+    "theodolites instructions pinto beans dependencies asymptotes courts dolphins"
+).split()
 START, CURRENT, END = np.datetime64("1992-01-01"), np.datetime64("1995-06-17"), np.datetime64("1998-12-31")
 
 
@@ -88,8 +112,10 @@ def _pick(rng, values, n):
 
 def _phone(rng, nationkey):
     r = rng.integers(0, 10_000_000_000, len(nationkey))
-    return [f"{nk + 10}-{x // 10_000_000 % 900 + 100}-{x // 10_000 % 900 + 100}-{x % 10_000:04d}"
-            for nk, x in zip(nationkey.tolist(), r.tolist())]
+    return [
+        f"{nk + 10}-{x // 10_000_000 % 900 + 100}-{x // 10_000 % 900 + 100}-{x % 10_000:04d}"
+        for nk, x in zip(nationkey.tolist(), r.tolist())
+    ]
 
 
 def gen_tables(sf: float, seed: int = 14) -> dict:
@@ -102,23 +128,40 @@ def gen_tables(sf: float, seed: int = 14) -> dict:
     S, C, O, P = int(sf * 10_000), int(sf * 150_000), int(sf * 1_500_000), int(sf * 200_000)
     r2 = lambda a: np.round(a, 2)  # noqa: E731
     out = {}
-    out["region"] = pa.table({"r_regionkey": np.arange(5, dtype=np.int64), "r_name": REGIONS,
-                              "r_comment": text(5)})
-    out["nation"] = pa.table({"n_nationkey": np.arange(25, dtype=np.int64), "n_name": [n for n, _ in NATIONS],
-                              "n_regionkey": np.array([r for _, r in NATIONS], dtype=np.int64),
-                              "n_comment": text(25)})
+    out["region"] = pa.table({"r_regionkey": np.arange(5, dtype=np.int64), "r_name": REGIONS, "r_comment": text(5)})
+    out["nation"] = pa.table(
+        {
+            "n_nationkey": np.arange(25, dtype=np.int64),
+            "n_name": [n for n, _ in NATIONS],
+            "n_regionkey": np.array([r for _, r in NATIONS], dtype=np.int64),
+            "n_comment": text(25),
+        }
+    )
     snk = rng.integers(0, 25, S)
-    out["supplier"] = pa.table({
-        "s_suppkey": np.arange(1, S + 1, dtype=np.int64),
-        "s_name": [f"Supplier#{i:09d}" for i in range(1, S + 1)], "s_address": text(S),
-        "s_nationkey": snk, "s_phone": _phone(rng, snk), "s_acctbal": r2(rng.uniform(-999.99, 9999.99, S)),
-        "s_comment": text(S)})
+    out["supplier"] = pa.table(
+        {
+            "s_suppkey": np.arange(1, S + 1, dtype=np.int64),
+            "s_name": [f"Supplier#{i:09d}" for i in range(1, S + 1)],
+            "s_address": text(S),
+            "s_nationkey": snk,
+            "s_phone": _phone(rng, snk),
+            "s_acctbal": r2(rng.uniform(-999.99, 9999.99, S)),
+            "s_comment": text(S),
+        }
+    )
     cnk = rng.integers(0, 25, C)
-    out["customer"] = pa.table({
-        "c_custkey": np.arange(1, C + 1, dtype=np.int64),
-        "c_name": [f"Customer#{i:09d}" for i in range(1, C + 1)], "c_address": text(C),
-        "c_nationkey": cnk, "c_phone": _phone(rng, cnk), "c_acctbal": r2(rng.uniform(-999.99, 9999.99, C)),
-        "c_mktsegment": _pick(rng, SEGMENTS, C), "c_comment": text(C)})
+    out["customer"] = pa.table(
+        {
+            "c_custkey": np.arange(1, C + 1, dtype=np.int64),
+            "c_name": [f"Customer#{i:09d}" for i in range(1, C + 1)],
+            "c_address": text(C),
+            "c_nationkey": cnk,
+            "c_phone": _phone(rng, cnk),
+            "c_acctbal": r2(rng.uniform(-999.99, 9999.99, C)),
+            "c_mktsegment": _pick(rng, SEGMENTS, C),
+            "c_comment": text(C),
+        }
+    )
     # orders: sparse keys (the first 8 of every 32), customers whose key is not a multiple of 3
     i = np.arange(O, dtype=np.int64)
     okey = (i // 8) * 32 + (i % 8) + 1
@@ -146,20 +189,42 @@ def gen_tables(sf: float, seed: int = 14) -> dict:
     receipt = ship + rng.integers(1, 31, L).astype("timedelta64[D]")
     rflag = np.where(receipt <= CURRENT, np.where(rng.integers(0, 2, L) == 0, "R", "A"), "N")
     lstatus = np.where(ship > CURRENT, "O", "F")
-    out["lineitem"] = pa.table({
-        "l_orderkey": lok, "l_partkey": pk, "l_suppkey": sk, "l_linenumber": lnum, "l_quantity": qty,
-        "l_extendedprice": ext, "l_discount": disc, "l_tax": tax, "l_returnflag": rflag.astype(object),
-        "l_linestatus": lstatus.astype(object), "l_shipdate": ship, "l_commitdate": commit,
-        "l_receiptdate": receipt, "l_shipinstruct": _pick(rng, INSTRUCT, L),
-        "l_shipmode": _pick(rng, MODES, L), "l_comment": text(L)})
+    out["lineitem"] = pa.table(
+        {
+            "l_orderkey": lok,
+            "l_partkey": pk,
+            "l_suppkey": sk,
+            "l_linenumber": lnum,
+            "l_quantity": qty,
+            "l_extendedprice": ext,
+            "l_discount": disc,
+            "l_tax": tax,
+            "l_returnflag": rflag.astype(object),
+            "l_linestatus": lstatus.astype(object),
+            "l_shipdate": ship,
+            "l_commitdate": commit,
+            "l_receiptdate": receipt,
+            "l_shipinstruct": _pick(rng, INSTRUCT, L),
+            "l_shipmode": _pick(rng, MODES, L),
+            "l_comment": text(L),
+        }
+    )
     total = r2(np.add.reduceat(ext * (1 + tax) * (1 - disc), first))
     n_f = np.add.reduceat((lstatus == "F").astype(np.int64), first)
     ostatus = np.where(n_f == nl, "F", np.where(n_f == 0, "O", "P"))
-    out["orders"] = pa.table({
-        "o_orderkey": okey, "o_custkey": ocust, "o_orderstatus": ostatus.astype(object), "o_totalprice": total,
-        "o_orderdate": odate, "o_orderpriority": _pick(rng, PRIORITIES, O),
-        "o_clerk": [f"Clerk#{k:09d}" for k in rng.integers(1, max(2, int(sf * 1000)) + 1, O).tolist()],
-        "o_shippriority": np.zeros(O, dtype=np.int64), "o_comment": text(O)})
+    out["orders"] = pa.table(
+        {
+            "o_orderkey": okey,
+            "o_custkey": ocust,
+            "o_orderstatus": ostatus.astype(object),
+            "o_totalprice": total,
+            "o_orderdate": odate,
+            "o_orderpriority": _pick(rng, PRIORITIES, O),
+            "o_clerk": [f"Clerk#{k:09d}" for k in rng.integers(1, max(2, int(sf * 1000)) + 1, O).tolist()],
+            "o_shippriority": np.zeros(O, dtype=np.int64),
+            "o_comment": text(O),
+        }
+    )
     for name, t in out.items():  # dates as date32, strings as string
         fields = []
         for f in t.schema:
@@ -182,8 +247,10 @@ def ensure_data(sf: float, root: Path, log) -> Path:
     for name, tab in tables.items():
         pq.write_table(tab, d / f"{name}.parquet", row_group_size=500_000)
     marker.write_text(json.dumps({n: t.num_rows for n, t in tables.items()}))
-    log(f"generated TPC-H SF {sf:g} in {time.perf_counter() - t:.1f}s: "
-        + "  ".join(f"{n} {t.num_rows:,}" for n, t in tables.items()))
+    log(
+        f"generated TPC-H SF {sf:g} in {time.perf_counter() - t:.1f}s: "
+        + "  ".join(f"{n} {t.num_rows:,}" for n, t in tables.items())
+    )
     return d
 
 
@@ -243,23 +310,36 @@ def px_queries():
         return df.assign(**{name: pc.multiply(f("l_extendedprice"), pc.subtract(pc.scalar(1.0), f("l_discount")))})
 
     def q1(t):
-        li = t["lineitem"].select(["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice",
-                                   "l_discount", "l_tax", "l_shipdate"])
+        li = t["lineitem"].select(
+            ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount", "l_tax", "l_shipdate"]
+        )
         li = revenue(li.filter(f("l_shipdate") <= D("1998-09-02")), "disc_price")
         li = li.assign(charge=pc.multiply(f("disc_price"), pc.add(pc.scalar(1.0), f("l_tax"))))
         g = li.groupby(["l_returnflag", "l_linestatus"]).agg(
-            sum_qty=("l_quantity", "sum"), sum_base_price=("l_extendedprice", "sum"),
-            sum_disc_price=("disc_price", "sum"), sum_charge=("charge", "sum"), avg_qty=("l_quantity", "mean"),
-            avg_price=("l_extendedprice", "mean"), avg_disc=("l_discount", "mean"), count_order=(None, "size"))
+            sum_qty=("l_quantity", "sum"),
+            sum_base_price=("l_extendedprice", "sum"),
+            sum_disc_price=("disc_price", "sum"),
+            sum_charge=("charge", "sum"),
+            avg_qty=("l_quantity", "mean"),
+            avg_price=("l_extendedprice", "mean"),
+            avg_disc=("l_discount", "mean"),
+            count_order=(None, "size"),
+        )
         return g.sort_values(["l_returnflag", "l_linestatus"])
 
     def q3(t):
         # no optimiser: project before filtering (a filter copies every column it keeps)
         c = t["customer"].select(["c_custkey", "c_mktsegment"]).filter(f("c_mktsegment") == "BUILDING")
-        o = t["orders"].select(["o_orderkey", "o_custkey", "o_orderdate", "o_shippriority"]).filter(
-            f("o_orderdate") < D("1995-03-15"))
-        li = t["lineitem"].select(["l_orderkey", "l_extendedprice", "l_discount", "l_shipdate"]).filter(
-            f("l_shipdate") > D("1995-03-15"))
+        o = (
+            t["orders"]
+            .select(["o_orderkey", "o_custkey", "o_orderdate", "o_shippriority"])
+            .filter(f("o_orderdate") < D("1995-03-15"))
+        )
+        li = (
+            t["lineitem"]
+            .select(["l_orderkey", "l_extendedprice", "l_discount", "l_shipdate"])
+            .filter(f("l_shipdate") > D("1995-03-15"))
+        )
         c = c.select(["c_custkey"])
         x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
         g = revenue(x).groupby(["l_orderkey", "o_orderdate", "o_shippriority"]).agg(revenue=("revenue", "sum"))
@@ -267,40 +347,69 @@ def px_queries():
         return top.select(["l_orderkey", "revenue", "o_orderdate", "o_shippriority"])
 
     def q5(t):
-        n = t["nation"].merge(t["region"].filter(f("r_name") == "ASIA").select(["r_regionkey"]),
-                              left_on="n_regionkey", right_on="r_regionkey").select(["n_nationkey", "n_name"])
+        n = (
+            t["nation"]
+            .merge(
+                t["region"].filter(f("r_name") == "ASIA").select(["r_regionkey"]),
+                left_on="n_regionkey",
+                right_on="r_regionkey",
+            )
+            .select(["n_nationkey", "n_name"])
+        )
         c = t["customer"].select(["c_custkey", "c_nationkey"]).merge(n, left_on="c_nationkey", right_on="n_nationkey")
-        o = t["orders"].select(["o_orderkey", "o_custkey", "o_orderdate"]).filter(
-            (f("o_orderdate") >= D("1994-01-01")) & (f("o_orderdate") < D("1995-01-01"))).drop("o_orderdate")
+        o = (
+            t["orders"]
+            .select(["o_orderkey", "o_custkey", "o_orderdate"])
+            .filter((f("o_orderdate") >= D("1994-01-01")) & (f("o_orderdate") < D("1995-01-01")))
+            .drop("o_orderdate")
+        )
         li = t["lineitem"].select(["l_orderkey", "l_suppkey", "l_extendedprice", "l_discount"])
         x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
-        x = x.merge(t["supplier"].select(["s_suppkey", "s_nationkey"]),
-                    left_on=["l_suppkey", "c_nationkey"], right_on=["s_suppkey", "s_nationkey"])
+        x = x.merge(
+            t["supplier"].select(["s_suppkey", "s_nationkey"]),
+            left_on=["l_suppkey", "c_nationkey"],
+            right_on=["s_suppkey", "s_nationkey"],
+        )
         g = revenue(x).groupby("n_name").agg(revenue=("revenue", "sum"))
         return g.sort_values("revenue", ascending=False)
 
     def q6(t):
         li = t["lineitem"].select(["l_extendedprice", "l_discount", "l_quantity", "l_shipdate"])
-        li = li.filter((f("l_shipdate") >= D("1994-01-01")) & (f("l_shipdate") < D("1995-01-01"))
-                       & (f("l_discount") >= 0.05) & (f("l_discount") <= 0.07) & (f("l_quantity") < 24))
+        li = li.filter(
+            (f("l_shipdate") >= D("1994-01-01"))
+            & (f("l_shipdate") < D("1995-01-01"))
+            & (f("l_discount") >= 0.05)
+            & (f("l_discount") <= 0.07)
+            & (f("l_quantity") < 24)
+        )
         li = li.assign(rev=pc.multiply(f("l_extendedprice"), f("l_discount")))
         return li.agg(revenue=("rev", "sum"))
 
     def q10(t):
-        o = t["orders"].select(["o_orderkey", "o_custkey", "o_orderdate"]).filter(
-            (f("o_orderdate") >= D("1993-10-01")) & (f("o_orderdate") < D("1994-01-01"))).drop("o_orderdate")
-        li = t["lineitem"].select(["l_orderkey", "l_extendedprice", "l_discount", "l_returnflag"]).filter(
-            f("l_returnflag") == "R").drop("l_returnflag")
+        o = (
+            t["orders"]
+            .select(["o_orderkey", "o_custkey", "o_orderdate"])
+            .filter((f("o_orderdate") >= D("1993-10-01")) & (f("o_orderdate") < D("1994-01-01")))
+            .drop("o_orderdate")
+        )
+        li = (
+            t["lineitem"]
+            .select(["l_orderkey", "l_extendedprice", "l_discount", "l_returnflag"])
+            .filter(f("l_returnflag") == "R")
+            .drop("l_returnflag")
+        )
         x = o.merge(li, left_on="o_orderkey", right_on="l_orderkey")
-        c = t["customer"].select(["c_custkey", "c_name", "c_acctbal", "c_phone", "c_nationkey", "c_address",
-                                  "c_comment"])
+        c = t["customer"].select(
+            ["c_custkey", "c_name", "c_acctbal", "c_phone", "c_nationkey", "c_address", "c_comment"]
+        )
         x = x.merge(c, left_on="o_custkey", right_on="c_custkey")
         x = x.merge(t["nation"].select(["n_nationkey", "n_name"]), left_on="c_nationkey", right_on="n_nationkey")
         keys = ["c_custkey", "c_name", "c_acctbal", "c_phone", "n_name", "c_address", "c_comment"]
         g = revenue(x).groupby(keys).agg(revenue=("revenue", "sum"))
         top = g.nlargest(20, "revenue")
-        return top.select(["c_custkey", "c_name", "revenue", "c_acctbal", "n_name", "c_address", "c_phone",
-                           "c_comment"])
+        return top.select(
+            ["c_custkey", "c_name", "revenue", "c_acctbal", "n_name", "c_address", "c_phone", "c_comment"]
+        )
 
     def q18(t):
         li = t["lineitem"].select(["l_orderkey", "l_quantity"])
@@ -310,7 +419,8 @@ def px_queries():
         x = o.merge(t["customer"].select(["c_custkey", "c_name"]), left_on="o_custkey", right_on="c_custkey")
         x = x.merge(li, left_on="o_orderkey", right_on="l_orderkey")
         g = x.groupby(["c_name", "c_custkey", "o_orderkey", "o_orderdate", "o_totalprice"]).agg(
-            sum_qty=("l_quantity", "sum"))
+            sum_qty=("l_quantity", "sum")
+        )
         return g.sort_values(["o_totalprice", "o_orderdate"], ascending=[False, True], limit=100)
 
     return {"q1": q1, "q3": q3, "q5": q5, "q6": q6, "q10": q10, "q18": q18}
@@ -327,8 +437,11 @@ def px_tpch_app(env, data_dir, queries, reps):
 
     t0 = time.perf_counter()
     tables = {n: px.read_parquet(f"{data_dir}/{n}.parquet", env) for n in TABLES}
-    out = {"load_s": time.perf_counter() - t0, "threads": env.threads,
-           "local_rows": {n: t.local_num_rows for n, t in tables.items()}}
+    out = {
+        "load_s": time.perf_counter() - t0,
+        "threads": env.threads,
+        "local_rows": {n: t.local_num_rows for n, t in tables.items()},
+    }
     qs = px_queries()
     for q in queries:
         times, peaks, result = [], [], None
@@ -341,8 +454,7 @@ def px_tpch_app(env, data_dir, queries, reps):
             times.append(time.perf_counter() - t)
             peaks.append(_peers.own_peak())
             result = res
-        out[q] = {"times": times, "rss_peak": max(peaks),
-                  "result": table_json(result) if result is not None else None}
+        out[q] = {"times": times, "rss_peak": max(peaks), "result": table_json(result) if result is not None else None}
     return out
 
 
@@ -356,8 +468,14 @@ def table_json(t) -> dict:
         t = pa.Table.from_pandas(t, preserve_index=False)
     rows = []
     for rec in zip(*[t.column(i).to_pylist() for i in range(t.num_columns)]):
-        rows.append([x.isoformat()[:10] if isinstance(x, (_dt.date, _dt.datetime)) else
-                     (float(x) if hasattr(x, "as_tuple") else x) for x in rec])  # Decimal -> float
+        rows.append(
+            [
+                x.isoformat()[:10]
+                if isinstance(x, (_dt.date, _dt.datetime))
+                else (float(x) if hasattr(x, "as_tuple") else x)
+                for x in rec
+            ]
+        )  # Decimal -> float
     return {"columns": t.column_names, "rows": rows}
 
 
@@ -403,8 +521,10 @@ def peer_duckdb(d, R, queries, reps):
     con.execute(f"SET threads = {R}")
     for n in TABLES:
         con.execute(f"CREATE TABLE {n} AS SELECT * FROM read_parquet('{d}/{n}.parquet')")
-    settings = {"version": duckdb.__version__,
-                "threads": con.execute("SELECT current_setting('threads')").fetchall()[0][0]}
+    settings = {
+        "version": duckdb.__version__,
+        "threads": con.execute("SELECT current_setting('threads')").fetchall()[0][0],
+    }
 
     def run(q):
         rel = con.sql(SQL[q])
@@ -451,11 +571,20 @@ def dask_queries(t):
         li = li[li.l_shipdate <= D("1998-09-02")]
         li = li.assign(disc_price=rev(li))
         li = li.assign(charge=li.disc_price * (1 + li.l_tax))
-        g = li.groupby(["l_returnflag", "l_linestatus"]).agg(
-            sum_qty=("l_quantity", "sum"), sum_base_price=("l_extendedprice", "sum"),
-            sum_disc_price=("disc_price", "sum"), sum_charge=("charge", "sum"), avg_qty=("l_quantity", "mean"),
-            avg_price=("l_extendedprice", "mean"), avg_disc=("l_discount", "mean"),
-            count_order=("l_quantity", "count")).compute()
+        g = (
+            li.groupby(["l_returnflag", "l_linestatus"])
+            .agg(
+                sum_qty=("l_quantity", "sum"),
+                sum_base_price=("l_extendedprice", "sum"),
+                sum_disc_price=("disc_price", "sum"),
+                sum_charge=("charge", "sum"),
+                avg_qty=("l_quantity", "mean"),
+                avg_price=("l_extendedprice", "mean"),
+                avg_disc=("l_discount", "mean"),
+                count_order=("l_quantity", "count"),
+            )
+            .compute()
+        )
         return g.reset_index().sort_values(["l_returnflag", "l_linestatus"])
 
     def q3():
@@ -465,8 +594,7 @@ def dask_queries(t):
         o = o[o.o_orderdate < D("1995-03-15")][["o_orderkey", "o_custkey", "o_orderdate", "o_shippriority"]]
         li = t["lineitem"]
         li = li[li.l_shipdate > D("1995-03-15")][["l_orderkey", "l_extendedprice", "l_discount"]]
-        x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey",
-                                                                        right_on="l_orderkey")
+        x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
         x = x.assign(revenue=rev(x))
         g = x.groupby(["l_orderkey", "o_orderdate", "o_shippriority"]).revenue.sum().reset_index()
         top = g.compute().sort_values(["revenue", "o_orderdate"], ascending=[False, True]).head(10)
@@ -475,23 +603,31 @@ def dask_queries(t):
     def q5():
         r = t["region"]
         n = t["nation"].merge(r[r.r_name == "ASIA"], left_on="n_regionkey", right_on="r_regionkey")
-        c = t["customer"][["c_custkey", "c_nationkey"]].merge(n[["n_nationkey", "n_name"]],
-                                                              left_on="c_nationkey", right_on="n_nationkey")
+        c = t["customer"][["c_custkey", "c_nationkey"]].merge(
+            n[["n_nationkey", "n_name"]], left_on="c_nationkey", right_on="n_nationkey"
+        )
         o = t["orders"]
         o = o[(o.o_orderdate >= D("1994-01-01")) & (o.o_orderdate < D("1995-01-01"))][["o_orderkey", "o_custkey"]]
         li = t["lineitem"][["l_orderkey", "l_suppkey", "l_extendedprice", "l_discount"]]
-        x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey",
-                                                                        right_on="l_orderkey")
-        x = x.merge(t["supplier"][["s_suppkey", "s_nationkey"]], left_on=["l_suppkey", "c_nationkey"],
-                    right_on=["s_suppkey", "s_nationkey"])
+        x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
+        x = x.merge(
+            t["supplier"][["s_suppkey", "s_nationkey"]],
+            left_on=["l_suppkey", "c_nationkey"],
+            right_on=["s_suppkey", "s_nationkey"],
+        )
         x = x.assign(revenue=rev(x))
         g = x.groupby("n_name").revenue.sum().compute().reset_index()
         return g.sort_values("revenue", ascending=False)
 
     def q6():
         li = t["lineitem"]
-        li = li[(li.l_shipdate >= D("1994-01-01")) & (li.l_shipdate < D("1995-01-01"))
-                & (li.l_discount >= 0.05) & (li.l_discount <= 0.07) & (li.l_quantity < 24)]
+        li = li[
+            (li.l_shipdate >= D("1994-01-01"))
+            & (li.l_shipdate < D("1995-01-01"))
+            & (li.l_discount >= 0.05)
+            & (li.l_discount <= 0.07)
+            & (li.l_quantity < 24)
+        ]
         return pd.DataFrame({"revenue": [float((li.l_extendedprice * li.l_discount).sum().compute())]})
 
     def q10():
@@ -532,8 +668,17 @@ def peer_dask(d, R, queries, reps):
     from distributed import Client, LocalCluster, wait
 
     warnings.filterwarnings("ignore")
-    with LocalCluster(n_workers=R, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address="127.0.0.1:0", silence_logs=logging.ERROR) as cluster, Client(cluster):
+    with (
+        LocalCluster(
+            n_workers=R,
+            threads_per_worker=1,
+            processes=True,
+            host="127.0.0.1",
+            dashboard_address="127.0.0.1:0",
+            silence_logs=logging.ERROR,
+        ) as cluster,
+        Client(cluster),
+    ):
         t = {}
         for n in TABLES:
             df = dd.read_parquet(f"{d}/{n}.parquet")
@@ -545,8 +690,12 @@ def peer_dask(d, R, queries, reps):
             t[n] = df.persist()
         wait(list(t.values()))
         qs = dask_queries(t)
-        settings = {"version": dask.__version__, "workers": R, "threads_per_worker": 1,
-                    "partitions": {n: t[n].npartitions for n in ("lineitem", "orders")}}
+        settings = {
+            "version": dask.__version__,
+            "workers": R,
+            "threads_per_worker": 1,
+            "partitions": {n: t[n].npartitions for n in ("lineitem", "orders")},
+        }
         return settings, {q: _timed(qs[q], reps) for q in queries}
 
 
@@ -559,8 +708,20 @@ def peer_main(args) -> None:
 
 
 def run_peer(engine, data, R, args, log):
-    cmd = [sys.executable, __file__, "--peer", engine, "--data", str(data), "--threads", str(R),
-           "--queries", ",".join(args.queries), "--reps", str(args.reps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--peer",
+        engine,
+        "--data",
+        str(data),
+        "--threads",
+        str(R),
+        "--queries",
+        ",".join(args.queries),
+        "--reps",
+        str(args.reps),
+    ]
     env = {**os.environ, "POLARS_MAX_THREADS": str(R), "OMP_NUM_THREADS": str(R), "PYTHONUNBUFFERED": "1"}
     try:
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.peer_timeout)
@@ -569,9 +730,11 @@ def run_peer(engine, data, R, args, log):
         return None
     for line in p.stdout.splitlines():
         if line.startswith(RESULT_TAG):
-            return json.loads(line[len(RESULT_TAG):])
-    log(f"WARNING: {engine} ({R} cores) failed, rc={p.returncode}:\n"
-        + "\n".join((p.stdout + p.stderr).splitlines()[-20:]))
+            return json.loads(line[len(RESULT_TAG) :])
+    log(
+        f"WARNING: {engine} ({R} cores) failed, rc={p.returncode}:\n"
+        + "\n".join((p.stdout + p.stderr).splitlines()[-20:])
+    )
     return None
 
 
@@ -584,10 +747,15 @@ def mem_available_gib() -> float:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sf", default="1", help="scale factors, comma-separated (an SF above 1 is skipped "
-                    "unless 6 GiB per SF unit of memory is available)")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--sf",
+        default="1",
+        help="scale factors, comma-separated (an SF above 1 is skipped "
+        "unless 6 GiB per SF unit of memory is available)",
+    )
     ap.add_argument("--ranks", default="1,2")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--queries", default=",".join(QUERIES))
@@ -623,8 +791,9 @@ def main(argv=None) -> int:
     if args.peer:
         peer_main(args)
         return 0
-    import phalanx as px
     from operators import one_thread_launcher
+
+    import phalanx as px
 
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     log = _peers.Tee()
@@ -633,8 +802,10 @@ def main(argv=None) -> int:
     versions = {m: _peers.version(m) for m in ("phalanx", "pyarrow", "polars", "duckdb", "dask", "pyspark")}
     log(f"# TPC-H benchmark  {stamp}")
     log(f"host {platform.node()}  cpus {os.cpu_count()}  " + "  ".join(f"{k} {v}" for k, v in versions.items() if v))
-    log(f"sf {args.sf}  ranks {args.ranks}  reps {args.reps}  queries {args.queries}  peers {args.peers}  "
-        f"communicator {args.communicator}")
+    log(
+        f"sf {args.sf}  ranks {args.ranks}  reps {args.reps}  queries {args.queries}  peers {args.peers}  "
+        f"communicator {args.communicator}"
+    )
     log(f"start: loadavg {_peers.loadavg()}  MemAvailable {mem_available_gib():.1f} GiB")
     results: dict = {}
     for sf in args.sf:
@@ -655,11 +826,16 @@ def main(argv=None) -> int:
             for q in args.queries:
                 times = [max(p[q]["times"][i] for p in per_rank) for i in range(args.reps)]
                 peaks = [p[q]["rss_peak"] for p in per_rank]
-                e[q] = {"times": times, "rss": {"max_bytes": max(peaks), "sum_bytes": sum(peaks), "procs": R},
-                        "result": per_rank[0][q]["result"]}
+                e[q] = {
+                    "times": times,
+                    "rss": {"max_bytes": max(peaks), "sum_bytes": sum(peaks), "procs": R},
+                    "result": per_rank[0][q]["result"],
+                }
             res["phalanx"][str(R)] = e
-            log(f"[SF {sf:g}] phalanx {R} rank(s) (loadavg {load}, tables read in {e['load_s']:.1f}s): "
-                + "  ".join(f"{q} {min(e[q]['times']):.3f}s" for q in args.queries))
+            log(
+                f"[SF {sf:g}] phalanx {R} rank(s) (loadavg {load}, tables read in {e['load_s']:.1f}s): "
+                + "  ".join(f"{q} {min(e[q]['times']):.3f}s" for q in args.queries)
+            )
         for eng in args.peers:
             for R in args.ranks:
                 load = _peers.loadavg()
@@ -670,16 +846,31 @@ def main(argv=None) -> int:
                     continue
                 res["settings"][f"{eng}/{R}"] = r["settings"]
                 res["peers"][f"{eng}/{R}"] = r["queries"]
-                log(f"[SF {sf:g}] {eng} {R} core(s) in {time.perf_counter() - t:.0f}s (loadavg {load}): "
-                    + "  ".join(f"{q} {min(r['queries'][q]['times']):.3f}s" for q in args.queries))
+                log(
+                    f"[SF {sf:g}] {eng} {R} core(s) in {time.perf_counter() - t:.0f}s (loadavg {load}): "
+                    + "  ".join(f"{q} {min(r['queries'][q]['times']):.3f}s" for q in args.queries)
+                )
     report = make_report(args, results, log)
     log("")
     log(f"end: loadavg {_peers.loadavg()}  total {time.perf_counter() - t_start:.0f}s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"tpch-{stamp}.json"
-    path.write_text(json.dumps({"stamp": stamp, "args": vars(args), "versions": versions, "host": platform.node(),
-                                **report, "raw": results, "printed": log.lines}, indent=1, default=str))
+    path.write_text(
+        json.dumps(
+            {
+                "stamp": stamp,
+                "args": vars(args),
+                "versions": versions,
+                "host": platform.node(),
+                **report,
+                "raw": results,
+                "printed": log.lines,
+            },
+            indent=1,
+            default=str,
+        )
+    )
     print(f"wrote {path}")
     return 1 if report["check_failures"] else 0
 
@@ -689,8 +880,10 @@ def make_report(args, results, log) -> dict:
     rows, failures = [], []
     for sf, res in results.items():
         _peers.log_settings(log, res["settings"], width=10)
-        log(f"## TPC-H SF {sf} (seconds, min of {args.reps}; x{Rmax}r = engine s / phalanx {Rmax}-rank s, "
-            f">1: phalanx faster; RSS MiB: largest process or rank / sum; check = answer vs DuckDB's)")
+        log(
+            f"## TPC-H SF {sf} (seconds, min of {args.reps}; x{Rmax}r = engine s / phalanx {Rmax}-rank s, "
+            f">1: phalanx faster; RSS MiB: largest process or rank / sum; check = answer vs DuckDB's)"
+        )
         ref_key = next((f"duckdb/{R}" for R in args.ranks if f"duckdb/{R}" in res["peers"]), None)
         for q in args.queries:
             ref = res["peers"][ref_key][q]["result"] if ref_key else None
@@ -710,11 +903,23 @@ def make_report(args, results, log) -> dict:
                     failures.append(f"SF {sf} {q} {eng}/{R}: {check}")
                 rss = e.get("rss") or {}
                 ratio = s / px_max if px_max == px_max and px_max else None
-                log(f"{eng:<8} {R:>5} {s:>9.3f} {('-' if ratio is None else f'{ratio:.2f}x'):>8} "
-                    f"{_peers.fmt_mib(rss.get('max_bytes')):>8} {_peers.fmt_mib(rss.get('sum_bytes')):>8}  {check}")
-                rows.append({"sf": sf, "query": q, "engine": eng, "cores": R, "seconds": s,
-                             f"ratio_vs_phalanx_{Rmax}r": ratio, "rss_max_bytes": rss.get("max_bytes"),
-                             "rss_sum_bytes": rss.get("sum_bytes"), "check": check})
+                log(
+                    f"{eng:<8} {R:>5} {s:>9.3f} {('-' if ratio is None else f'{ratio:.2f}x'):>8} "
+                    f"{_peers.fmt_mib(rss.get('max_bytes')):>8} {_peers.fmt_mib(rss.get('sum_bytes')):>8}  {check}"
+                )
+                rows.append(
+                    {
+                        "sf": sf,
+                        "query": q,
+                        "engine": eng,
+                        "cores": R,
+                        "seconds": s,
+                        f"ratio_vs_phalanx_{Rmax}r": ratio,
+                        "rss_max_bytes": rss.get("max_bytes"),
+                        "rss_sum_bytes": rss.get("sum_bytes"),
+                        "check": check,
+                    }
+                )
         # targets: every query at Rmax ranks within 1.5x of DuckDB (Rmax threads) and >= 4x Spark
         log("")
         log(f"## targets (issue 14) at {Rmax} ranks/cores: within 1.5x of DuckDB (ratio >= 0.67x), >= 4x Spark")
@@ -728,8 +933,11 @@ def make_report(args, results, log) -> dict:
                     cells.append(f"{eng} {r:.2f}x/{goal:.2g}x {'PASS' if r >= goal else 'MISS'}")
             log(f"{q:<4} " + "  ".join(cells))
     log("")
-    log("\n".join("CHECK FAILED: " + f for f in failures) if failures else
-        "checks: every engine's answer equals DuckDB's")
+    log(
+        "\n".join("CHECK FAILED: " + f for f in failures)
+        if failures
+        else "checks: every engine's answer equals DuckDB's"
+    )
     return {"table": rows, "check_failures": failures}
 
 

@@ -65,13 +65,35 @@ def unload_ipython_extension(ipython) -> None:
 
 
 __all__ = [
-    "BSPEnv", "DataFrame", "DatasetInfo", "Store", "Gang", "GroupBy", "read_csv", "read_parquet", "GangError", "MissingDependencyError", "PhalanxError", "RankError",
-    "RankFailure", "RunHandle", "Workflow", "run", "stage", "submit", "__version__",
+    "BSPEnv",
+    "DataFrame",
+    "DatasetInfo",
+    "Store",
+    "Gang",
+    "GroupBy",
+    "read_csv",
+    "read_parquet",
+    "GangError",
+    "MissingDependencyError",
+    "PhalanxError",
+    "RankError",
+    "RankFailure",
+    "RunHandle",
+    "Workflow",
+    "run",
+    "stage",
+    "submit",
+    "__version__",
 ]
 
 
-_LAZY = {"Workflow": ".orchestrator.api", "run": ".orchestrator.api", "stage": ".orchestrator.api",
-         "submit": ".orchestrator.api", "RunHandle": ".orchestrator.handle"}
+_LAZY = {
+    "Workflow": ".orchestrator.api",
+    "run": ".orchestrator.api",
+    "stage": ".orchestrator.api",
+    "submit": ".orchestrator.api",
+    "RunHandle": ".orchestrator.handle",
+}
 
 
 def __getattr__(name: str):

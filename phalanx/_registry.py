@@ -55,9 +55,7 @@ class Registry:
         try:
             target, extra = self._entries[name]
         except KeyError:
-            raise PhalanxError(
-                f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}"
-            ) from None
+            raise PhalanxError(f"unknown {self.kind} {name!r}; known: {', '.join(self.names())}") from None
         if what is not None:
             if what not in self._extras[name]:
                 return None

@@ -31,14 +31,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from .orchestrator.yamlio import ConfigError
 
     try:
-        wf, site = load_workflow(args.workflow, site=args.site, overrides=_overrides(args.set),
-                                 check_imports=not args.no_imports)
+        wf, site = load_workflow(
+            args.workflow, site=args.site, overrides=_overrides(args.set), check_imports=not args.no_imports
+        )
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 1
     ranks = max(st.ranks for st in wf.stages.values())
-    print(f"{args.workflow}: ok — workflow {wf.name!r}, {len(wf.stages)} stages, "
-          f"largest gang {ranks} ranks, site {site.name!r} ({site.executor}, {_slots(site.capacity())})")
+    print(
+        f"{args.workflow}: ok — workflow {wf.name!r}, {len(wf.stages)} stages, "
+        f"largest gang {ranks} ranks, site {site.name!r} ({site.executor}, {_slots(site.capacity())})"
+    )
     return 0
 
 
@@ -74,8 +77,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     handle = None
     try:
         with progress:
-            handle = RunHandle.start(wf, site, db=db, file=str(args.workflow), resume=args.resume,
-                                     on_event=progress)
+            handle = RunHandle.start(wf, site, db=db, file=str(args.workflow), resume=args.resume, on_event=progress)
             if args.run_id_fd is not None:  # a detached driver: the run exists, tell `run --detach`
                 _announce(args.run_id_fd, handle.run_id)
             result = handle.result()
@@ -86,8 +88,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         if handle is not None:
             handle.cancel()
         run_id = args.resume or (handle.run_id if handle else "") or progress.run_id or "?"
-        print(f"\ncancelled: every gang was stopped; sealed outputs are kept.\n"
-              f"resume with: phalanx run {args.workflow} --resume {run_id}", file=sys.stderr)
+        print(
+            f"\ncancelled: every gang was stopped; sealed outputs are kept.\n"
+            f"resume with: phalanx run {args.workflow} --resume {run_id}",
+            file=sys.stderr,
+        )
         return 130
     state = "succeeded" if result.ok else "FAILED"
     print(f"run {result.run_id} {state} in {time.monotonic() - t0:.1f}s (store session {result.session!r})")
@@ -144,19 +149,35 @@ def _detach(args: argparse.Namespace, db) -> int:
 
     from .private import opener, private_dir
 
-    drivers = private_dir(db.state_dir / "drivers", "the logs of detached drivers",
-                          "set PHALANX_STATE to a directory of your own")
+    drivers = private_dir(
+        db.state_dir / "drivers", "the logs of detached drivers", "set PHALANX_STATE to a directory of your own"
+    )
     # a new run's id is the driver's to make: its log is renamed once the id is known
     log = driver_log(db, args.resume) if args.resume else drivers / f".starting-{uuid.uuid4().hex}.log"
-    argv = [sys.executable, "-m", "phalanx.cli", "run", str(args.workflow), "--plain",
-            f"--state={db.state_dir.resolve()}", *(f"--set={s}" for s in args.set),
-            *([f"--site={args.site}"] if args.site else []), *([f"--resume={args.resume}"] if args.resume else [])]
+    argv = [
+        sys.executable,
+        "-m",
+        "phalanx.cli",
+        "run",
+        str(args.workflow),
+        "--plain",
+        f"--state={db.state_dir.resolve()}",
+        *(f"--set={s}" for s in args.set),
+        *([f"--site={args.site}"] if args.site else []),
+        *([f"--resume={args.resume}"] if args.resume else []),
+    ]
     read, write = os.pipe()
     try:
         with open(log, "ab", opener=opener) as out:
-            proc = subprocess.Popen([*argv, f"--run-id-fd={write}"], stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, pass_fds=(write,), start_new_session=True,
-                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(
+                [*argv, f"--run-id-fd={write}"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write,),
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
     finally:
         os.close(write)
     run_id, deadline = b"", time.monotonic() + DETACH_START_S
@@ -172,8 +193,11 @@ def _detach(args: argparse.Namespace, db) -> int:
         if proc.poll() is None:  # no run after DETACH_START_S: nothing to leave running
             proc.kill()
         code = proc.wait()
-        print(f"phalanx run: the detached driver ended before its run started (exit code {code}); "
-              f"its output ({log}):\n{_tail_of(log)}", file=sys.stderr)
+        print(
+            f"phalanx run: the detached driver ended before its run started (exit code {code}); "
+            f"its output ({log}):\n{_tail_of(log)}",
+            file=sys.stderr,
+        )
         return 1
     if not args.resume:
         final = driver_log(db, run_id_s)
@@ -181,9 +205,12 @@ def _detach(args: argparse.Namespace, db) -> int:
         log = final
     db.event(run_id_s, "detached", f"driver process {proc.pid}, log {log}")
     print(run_id_s)
-    print(f"run {run_id_s} goes on in the background (driver pid {proc.pid}); its log: {log}\n"
-          f"  phalanx status {run_id_s} · phalanx wait {run_id_s} · phalanx logs {run_id_s} --driver · "
-          f"phalanx cancel {run_id_s}", file=sys.stderr)
+    print(
+        f"run {run_id_s} goes on in the background (driver pid {proc.pid}); its log: {log}\n"
+        f"  phalanx status {run_id_s} · phalanx wait {run_id_s} · phalanx logs {run_id_s} --driver · "
+        f"phalanx cancel {run_id_s}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -210,8 +237,11 @@ def cmd_wait(args: argparse.Namespace) -> int:
         return 1
     run = db.run(args.run)
     if not status.finished and run["host"] != socket.gethostname():
-        print(f"phalanx wait: run {args.run} is driven from host {run['host']!r}: a driver that dies "
-              "there is not noticed from here", file=sys.stderr)
+        print(
+            f"phalanx wait: run {args.run} is driven from host {run['host']!r}: a driver that dies "
+            "there is not noticed from here",
+            file=sys.stderr,
+        )
     try:
         while not status.finished:
             left = None if deadline is None else deadline - time.monotonic()
@@ -246,8 +276,9 @@ def _traceback_tail(error: str | None, lines: int = 6) -> str:
     head, _, tb = error.partition(marker)
     rank, _, tb = tb.partition("---\n")
     body = [line for line in tb.rstrip().splitlines() if line.strip()]
-    return "\n".join([f"    rank {rank.strip()}, last lines of its traceback:"] +
-                     [f"      {line}" for line in body[-lines:]])
+    return "\n".join(
+        [f"    rank {rank.strip()}, last lines of its traceback:"] + [f"      {line}" for line in body[-lines:]]
+    )
 
 
 def _interrupt(signum, frame):
@@ -270,8 +301,11 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         print(f"run {args.run} is already {run['state']}")
         return 0
     if run["host"] != socket.gethostname():
-        print(f"phalanx cancel: run {args.run} is driven from host {run['host']!r} (pid {run['pid']}); "
-              "run phalanx cancel there", file=sys.stderr)
+        print(
+            f"phalanx cancel: run {args.run} is driven from host {run['host']!r} (pid {run['pid']}); "
+            "run phalanx cancel there",
+            file=sys.stderr,
+        )
         return 1
     pid = run["pid"]
     os.kill(pid, signal.SIGTERM)
@@ -320,8 +354,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     for s in db.stages(args.run):
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
-        print(f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
-              f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}")
+        print(
+            f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
+            f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}"
+        )
         if s["stage"] in placed and s["state"] == "running":  # e.g. "slurm: job 42 RUNNING on n[1-2]"
             print(f"      on {placed[s['stage']]}")
         for e in released.get(s["stage"], []):  # what a dead driver left, freed by status/cancel/resume
@@ -341,15 +377,20 @@ def cmd_logs(args: argparse.Namespace) -> int:
     if args.driver:
         log = driver_log(db, args.run)
         if not log.exists():
-            print(f"phalanx logs: run {args.run!r} has no driver log (it was not started with "
-                  "`phalanx run --detach`; its driver printed to its terminal)", file=sys.stderr)
+            print(
+                f"phalanx logs: run {args.run!r} has no driver log (it was not started with "
+                "`phalanx run --detach`; its driver printed to its terminal)",
+                file=sys.stderr,
+            )
             return 1
         sys.stdout.write(log.read_text(errors="replace"))
         return 0
     attempts = db.attempts(args.run, args.stage)
     if not attempts:
-        print(f"phalanx logs: run {args.run!r} has no attempts" + (f" of stage {args.stage!r}" if args.stage else ""),
-              file=sys.stderr)
+        print(
+            f"phalanx logs: run {args.run!r} has no attempts" + (f" of stage {args.stage!r}" if args.stage else ""),
+            file=sys.stderr,
+        )
         return 1
     last = {}
     for a in attempts:  # the latest attempt of each stage, unless --attempt says otherwise
@@ -382,8 +423,10 @@ def cmd_store(args: argparse.Namespace) -> int:
             if not infos:
                 print(f"no datasets in session {store.session!r} of {store.root}")
             for info in infos:
-                print(f"{info.name:30} {info.num_rows:>14,} rows {info.nbytes / 1e6:>10.1f} MB "
-                      f"{info.num_partitions:>4} parts  {info.partitioning.get('kind')}  {info.producer}")
+                print(
+                    f"{info.name:30} {info.num_rows:>14,} rows {info.nbytes / 1e6:>10.1f} MB "
+                    f"{info.num_partitions:>4} parts  {info.partitioning.get('kind')}  {info.producer}"
+                )
         elif args.store_cmd == "show":
             print(json.dumps(store.info(args.name).summary(), indent=2, default=str))
         elif args.store_cmd == "rm":
@@ -398,13 +441,18 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 def cmd_store_rm(store, args: argparse.Namespace) -> int:
     if (args.all and args.names) or not (args.all or args.names or args.staging):
-        print("phalanx store rm: give dataset names, --all (every dataset of the session) "
-              "or --staging (its unsealed writes)", file=sys.stderr)
+        print(
+            "phalanx store rm: give dataset names, --all (every dataset of the session) "
+            "or --staging (its unsealed writes)",
+            file=sys.stderr,
+        )
         return 2
     if args.all or args.staging:
         gone = store.remove_unsealed()
-        print(f"removed {len(gone)} unsealed writes ({sum(u.bytes for u in gone) / 1e6:.1f} MB) "
-              f"of session {store.session!r}")
+        print(
+            f"removed {len(gone)} unsealed writes ({sum(u.bytes for u in gone) / 1e6:.1f} MB) "
+            f"of session {store.session!r}"
+        )
     if args.all:
         print(f"removed {store.delete_session()} datasets of session {store.session!r}")
     for name in args.names:
@@ -423,9 +471,11 @@ def cmd_store_sessions(store) -> None:
         line = f"{session:50} {len(infos):>4} datasets {sum(d.nbytes for d in infos) / 1e6:>10.1f} MB"
         if session in unsealed:
             writes = unsealed[session]
-            line += (f"  + {len(writes)} unsealed writes {sum(u.bytes for u in writes) / 1e6:.1f} MB, "
-                     f"last written {min(u.idle_s for u in writes):.0f}s ago "
-                     f"(free: phalanx store --session {session} rm --staging)")
+            line += (
+                f"  + {len(writes)} unsealed writes {sum(u.bytes for u in writes) / 1e6:.1f} MB, "
+                f"last written {min(u.idle_s for u in writes):.0f}s ago "
+                f"(free: phalanx store --session {session} rm --staging)"
+            )
         print(line)
 
 
@@ -440,8 +490,10 @@ def schema_files(out: Path) -> dict[Path, str]:
     """The published JSON Schemas (docs/*.schema.json), generated from the models."""
     from .orchestrator.models import Site, Workflow
 
-    return {out / f"{name}.schema.json": json.dumps(model.model_json_schema(), indent=2) + "\n"
-            for name, model in (("workflow", Workflow), ("site", Site))}
+    return {
+        out / f"{name}.schema.json": json.dumps(model.model_json_schema(), indent=2) + "\n"
+        for name, model in (("workflow", Workflow), ("site", Site))
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,8 +503,13 @@ def main(argv: list[str] | None = None) -> int:
     v = sub.add_parser("validate", help="check a workflow file without running it")
     v.add_argument("workflow")
     v.add_argument("--site", help="site name (site-configs/NAME.yaml) or site file")
-    v.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a field, e.g. stages.gen.params.rows=1000")
+    v.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. stages.gen.params.rows=1000",
+    )
     v.add_argument("--no-imports", action="store_true", help="do not import the stages' apps")
     v.set_defaults(fn=cmd_validate)
 
@@ -463,14 +520,18 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--resume", metavar="RUN_ID", help="rerun only the stages that did not seal their outputs")
     r.add_argument("--state", help="state directory (default: $PHALANX_STATE or ~/.local/state/phalanx)")
     r.add_argument("--plain", action="store_true", help="event lines instead of a live table")
-    r.add_argument("--detach", action="store_true",
-                   help="run in the background (a driver process that outlives the terminal, its "
-                        "output in STATE/drivers/RUN.log); prints the run id and returns")
+    r.add_argument(
+        "--detach",
+        action="store_true",
+        help="run in the background (a driver process that outlives the terminal, its "
+        "output in STATE/drivers/RUN.log); prints the run id and returns",
+    )
     r.add_argument("--run-id-fd", type=int, help=argparse.SUPPRESS)  # a detached driver's report
     r.set_defaults(fn=cmd_run)
 
-    w = sub.add_parser("wait", help="wait until a run finishes (exit 0 succeeded, 1 failed, cancelled "
-                                    "or lost, 124 timeout)")
+    w = sub.add_parser(
+        "wait", help="wait until a run finishes (exit 0 succeeded, 1 failed, cancelled or lost, 124 timeout)"
+    )
     w.add_argument("run")
     w.add_argument("--timeout", type=float, metavar="S", help="give up after S seconds (exit 124)")
     w.add_argument("--state")
@@ -512,10 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     rm = ssub.add_parser("rm", help="remove datasets of the session (--all: all of them)")
     rm.add_argument("names", nargs="*")
     rm.add_argument("--all", action="store_true")
-    rm.add_argument("--staging", action="store_true",
-                    help="remove the session's unsealed writes (a killed driver's); datasets stay")
-    ssub.add_parser("sessions", help="every session with its datasets' count and size (a run writes to "
-                    "<workflow>-<run id>)")
+    rm.add_argument(
+        "--staging", action="store_true", help="remove the session's unsealed writes (a killed driver's); datasets stay"
+    )
+    ssub.add_parser(
+        "sessions", help="every session with its datasets' count and size (a run writes to <workflow>-<run id>)"
+    )
     s.set_defaults(fn=cmd_store)
 
     sc = sub.add_parser("schema", help="write the JSON Schemas of workflow and site files")

@@ -54,10 +54,15 @@ class RankFailure:
 
 
 # How communication libraries word "the other side is gone".
-_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "connection closed", "MPI_ERR_PROC_FAILED",
-              "Connection reset by remote peer",  # UCX (ucxx's UCXXConnectionResetError)
-              "lost its connection to rank")  # phalanx's tcp communicator
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "connection closed",
+    "MPI_ERR_PROC_FAILED",
+    "Connection reset by remote peer",  # UCX (ucxx's UCXXConnectionResetError)
+    "lost its connection to rank",
+)  # phalanx's tcp communicator
 
 
 class RankError(PhalanxError):

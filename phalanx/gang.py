@@ -9,23 +9,25 @@ the next ``run`` starts a fresh gang.
 from __future__ import annotations
 
 import atexit
-import os
 import logging
+import os
 import queue
 import signal
 import socket
 import sys
 import time
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .errors import GangError, RankError, RankFailure
-from .executors import DEFAULT, DEFAULT_MPI, create as create_executor
+from .executors import DEFAULT, DEFAULT_MPI
+from .executors import create as create_executor
 from .executors.base import Executor, Launcher
 from .executors.control import ControlServer
 from .executors.local import WORKER_ARGV
-from .paths import default_log_root  # noqa: F401  (callers import it from here too)
+from .paths import default_log_root
 from .procs import pid_alive
 from .runtime import protocol as P
 from .runtime.rendezvous import backend_for, new_gang_id
@@ -34,10 +36,10 @@ from .store import Store
 
 log = logging.getLogger("phalanx.gang")
 
-_FAIL_GRACE_S = 1.0   # after a first failure, how long other ranks get to report theirs
+_FAIL_GRACE_S = 1.0  # after a first failure, how long other ranks get to report theirs
 _POLL_S = 0.2
 _COMMAND_POLL_S = 0.05  # how often a command gang's exit codes are read
-_live_gangs: "weakref.WeakSet[Gang]" = weakref.WeakSet()
+_live_gangs: weakref.WeakSet[Gang] = weakref.WeakSet()
 
 # Turns ``site="name"`` into a site model; set by ``phalanx/__init__`` (site files are the
 # orchestrator's), so this layer never imports it.
@@ -71,19 +73,19 @@ class Gang:
         self,
         ranks: int,
         *,
-        executor: "str | Executor | Launcher | None" = None,
+        executor: str | Executor | Launcher | None = None,
         communicator: str | None = None,
         rendezvous: str | None = None,
         log_dir: str | Path | None = None,
         echo: bool | Callable[[str], None] = True,
         start_timeout: float | None = None,
         comm_timeout: float = 1800.0,
-        store: "str | Path | Store | None" = None,
+        store: str | Path | Store | None = None,
         session: str = "default",
         control_host: str | None = None,
-        site: "str | Path | Any | None" = None,
+        site: str | Path | Any | None = None,
         slots: Sequence[int] = (),
-        config: "Mapping[str, Any] | None" = None,
+        config: Mapping[str, Any] | None = None,
     ):
         """``site``: a site name, file or model (``px.Gang(4, site="ray-local")``): executor,
         communicator, rendezvous, store root, driver address and start timeout come from it;
@@ -146,24 +148,32 @@ class Gang:
         dead = [f"rank {r} exited with code {c}" for r, c in enumerate(codes) if c is not None]
         # a rank whose main thread is gone but not yet reaped (threads still ending) is dead too
         here = socket.gethostname()
-        dead += [f"rank {r} (pid {pid}) is gone" for r, (pid, host) in enumerate(zip(self.pids, self.hosts))
-                 if codes[r] is None and host == here and not pid_alive(pid)]
+        dead += [
+            f"rank {r} (pid {pid}) is gone"
+            for r, (pid, host) in enumerate(zip(self.pids, self.hosts))
+            if codes[r] is None and host == here and not pid_alive(pid)
+        ]
         with self._control.events.mutex:  # a rank's lost connection is an event nobody read yet
             lost = sorted({r for r, msg in self._control.events.queue if msg[0] in ("eof", "error")})
         dead += [f"rank {r} lost its connection" for r in lost if not any(d.startswith(f"rank {r} ") for d in dead)]
         return "; ".join(dead) or None
 
-    def start(self) -> "Gang":
+    def start(self) -> Gang:
         if self.running:
             return self
         t0 = time.perf_counter()
         self._prepare()
         self._control = ControlServer(self.world_size, self.control_host)
-        rank_env = self._rank_env({
-            **self._control.rank_env(), P.ENV_COMM: self.communicator, P.ENV_TIMEOUT: str(self.comm_timeout),
-            # Functions are pickled by reference to their module: ranks must import what the
-            # driver imports (the user's script directory, a test directory...).
-            "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p])})
+        rank_env = self._rank_env(
+            {
+                **self._control.rank_env(),
+                P.ENV_COMM: self.communicator,
+                P.ENV_TIMEOUT: str(self.comm_timeout),
+                # Functions are pickled by reference to their module: ranks must import what the
+                # driver imports (the user's script directory, a test directory...).
+                "PYTHONPATH": os.pathsep.join([os.getcwd()] + [p for p in sys.path if p]),
+            }
+        )
         try:
             self._launcher.launch(WORKER_ARGV, rank_env, self.log_dir)
             self._await_ready()
@@ -190,13 +200,20 @@ class Gang:
     def _rank_env(self, extra: dict[str, str]) -> list[dict[str, str]]:
         """Every rank's environment: world, rendezvous, gang id, the store's settings (root,
         session, metadata URL, memory budget, spill directory), ``extra``, its rank and placement."""
-        base = {P.ENV_WORLD_SIZE: str(self.world_size), P.ENV_RDZV: self._rdzv_url,
-                P.ENV_GANG_ID: self.gang_id, P.ENV_PDEATHSIG: "1", **self.store.rank_env(), **extra}
+        base = {
+            P.ENV_WORLD_SIZE: str(self.world_size),
+            P.ENV_RDZV: self._rdzv_url,
+            P.ENV_GANG_ID: self.gang_id,
+            P.ENV_PDEATHSIG: "1",
+            **self.store.rank_env(),
+            **extra,
+        }
         placement = self._launcher.placement(self.world_size)
         return [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(self.world_size)]
 
-    def run_command(self, argv: Sequence[str], env: Mapping[str, str] | None = None,
-                    timeout: float | None = None) -> None:
+    def run_command(
+        self, argv: Sequence[str], env: Mapping[str, str] | None = None, timeout: float | None = None
+    ) -> None:
         """Run an external program as every rank (a command stage: an existing MPI or native
         code): it gets PHALANX_RANK, PHALANX_WORLD_SIZE, a rendezvous URL and the store's
         settings, plus ``env``.  Returns when every rank exited 0; else, as for apps, the
@@ -228,8 +245,11 @@ class Gang:
             if all(c == 0 for c in codes):
                 return
             if deadline is not None and time.monotonic() > deadline:
-                raise self._timed_out({r for r, c in enumerate(codes) if c is None}, "finished",
-                                      f"finish within the stage timeout (timeout={timeout:g}s)")
+                raise self._timed_out(
+                    {r for r, c in enumerate(codes) if c is None},
+                    "finished",
+                    f"finish within the stage timeout (timeout={timeout:g}s)",
+                )
             time.sleep(_COMMAND_POLL_S)
 
     def _make_launcher(self) -> Launcher:
@@ -251,8 +271,11 @@ class Gang:
         while len(ready) < self.world_size and not failures:
             event = self._next_event(deadline)
             if event is None:
-                raise self._timed_out(set(range(self.world_size)) - ready, "ready", "start within the "
-                                      f"start timeout (start_timeout={self.start_timeout:g}s)")
+                raise self._timed_out(
+                    set(range(self.world_size)) - ready,
+                    "ready",
+                    f"start within the start timeout (start_timeout={self.start_timeout:g}s)",
+                )
             rank, msg = event
             if msg[0] == "hello":
                 pids[rank], hosts[rank] = msg[2], (msg[3] if len(msg) > 3 else "")
@@ -265,7 +288,8 @@ class Gang:
             raise GangError(
                 f"gang of {self.world_size} could not start "
                 f"(communicator {self.communicator!r}, rendezvous {self.rendezvous!r}):\n"
-                + str(RankError(list(failures.values()))))
+                + str(RankError(list(failures.values())))
+            )
         self.pids = [pids[r] for r in range(self.world_size)]
         self.hosts = [hosts[r] for r in range(self.world_size)]
 
@@ -317,7 +341,7 @@ class Gang:
                 log.warning("rendezvous cleanup failed: %s", exc)
         _live_gangs.discard(self)
 
-    def __enter__(self) -> "Gang":
+    def __enter__(self) -> Gang:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -334,8 +358,14 @@ class Gang:
         p.text(_notebook.gang_text(self) if _notebook is not None else repr(self))
 
     # ---- running apps -------------------------------------------------------------------
-    def run(self, app: Callable[..., Any] | str, *args: Any, params: dict | None = None,
-            timeout: float | None = None, **kwargs: Any) -> list[Any]:
+    def run(
+        self,
+        app: Callable[..., Any] | str,
+        *args: Any,
+        params: dict | None = None,
+        timeout: float | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
         """Run ``app(env, *args, **kwargs)`` on every rank; one result per rank.
 
         ``app`` is a callable or ``"package.module:function"``; ``params`` becomes
@@ -372,8 +402,11 @@ class Gang:
         while len(results) + len(failures) < self.world_size and not failures:
             event = self._next_event(deadline)
             if event is None:
-                raise self._timed_out(set(range(self.world_size)) - set(results), "finished",
-                                      f"finish within the stage timeout (timeout={timeout:g}s)")
+                raise self._timed_out(
+                    set(range(self.world_size)) - set(results),
+                    "finished",
+                    f"finish within the stage timeout (timeout={timeout:g}s)",
+                )
             rank, msg = event
             if msg[0] == "result" and msg[1] == task:
                 results[rank] = msg[2]
@@ -386,8 +419,9 @@ class Gang:
             raise RankError(list(failures.values()), stopped)
         return [results[r] for r in range(self.world_size)]
 
-    def _collect_more(self, failures: dict[int, RankFailure], pending: set[int],
-                      results: dict[int, Any] | None) -> None:
+    def _collect_more(
+        self, failures: dict[int, RankFailure], pending: set[int], results: dict[int, Any] | None
+    ) -> None:
         """After a first failure, give the other ranks a moment to report theirs."""
         deadline = time.monotonic() + _FAIL_GRACE_S
         pending = set(pending) - set(failures)
@@ -404,7 +438,8 @@ class Gang:
                 # a rank that vanished after a peer had failed of its own accord (not of a lost
                 # peer) was ended with it (mpirun ends the whole job): that peer is the cause
                 failures[rank].after_peer = msg[0] == "eof" and any(
-                    not f.collateral for r, f in failures.items() if r != rank)
+                    not f.collateral for r, f in failures.items() if r != rank
+                )
                 pending.discard(rank)
             elif msg[0] == "result" and results is not None:
                 results[rank] = msg[2]
@@ -467,8 +502,8 @@ class Gang:
         return None
 
 
-def _ranks(ranks: "set[int] | list[int]") -> str:
-    """"rank 2" or "ranks 0, 1, 3"."""
+def _ranks(ranks: set[int] | list[int]) -> str:
+    """ "rank 2" or "ranks 0, 1, 3"."""
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
@@ -481,7 +516,7 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ("last lines of its log:\n" + "\n".join(text[-lines:])) if text else ""
 
 
-def _load_site(site: "str | Path") -> Any:
+def _load_site(site: str | Path) -> Any:
     if _site_loader is None:  # set by ``import phalanx``
         raise RuntimeError("px.Gang(site=NAME) needs the site loader that `import phalanx` registers")
     return _site_loader(str(site))

@@ -24,7 +24,7 @@ from .private import private_dir
 
 ENV_LOG_DIR = "PHALANX_LOG_DIR"
 ENV_STATE = "PHALANX_STATE"
-ENV_STORE = "PHALANX_STORE"          # a directory, or an s3:// URL (the store accepts one)
+ENV_STORE = "PHALANX_STORE"  # a directory, or an s3:// URL (the store accepts one)
 ENV_SPILL = "PHALANX_STORE_SPILL"
 
 
@@ -51,8 +51,11 @@ def state_dir(path: str | os.PathLike | None = None) -> Path:
     """``path`` (default: ``default_state_dir()``) as the state directory: created 0700, or
     refused if it is not a private directory of this user's — named or not, it holds the run
     database that decides what a resume skips."""
-    return private_dir(Path(path) if path else default_state_dir(), "phalanx's run database and logs",
-                       f"set {ENV_STATE} to a directory of your own")
+    return private_dir(
+        Path(path) if path else default_state_dir(),
+        "phalanx's run database and logs",
+        f"set {ENV_STATE} to a directory of your own",
+    )
 
 
 def default_store_root() -> Path:
@@ -78,8 +81,7 @@ def default_spill_root() -> Path:
 
 def _own_dir(base: Path, what: str, env: str) -> Path:
     """``<base>/phalanx-<user>``, private to this user (refused if someone else made it)."""
-    return private_dir(base / f"phalanx-{getpass.getuser()}", f"holds {what}",
-                       f"set {env} to a directory of your own")
+    return private_dir(base / f"phalanx-{getpass.getuser()}", f"holds {what}", f"set {env} to a directory of your own")
 
 
 def default_shm_root() -> Path | None:

@@ -37,11 +37,14 @@ def _problems(path: Path, st: os.stat_result) -> list[str]:
         return [f"it is a symbolic link (to {os.readlink(path)})"]
     problems = [] if stat.S_ISDIR(st.st_mode) else ["it is not a directory"]
     if st.st_uid != os.getuid():
-        problems.append(f"it is owned by {_user(st.st_uid)} (uid {st.st_uid}), not by you "
-                        f"({_user(os.getuid())}, uid {os.getuid()})")
+        problems.append(
+            f"it is owned by {_user(st.st_uid)} (uid {st.st_uid}), not by you ({_user(os.getuid())}, uid {os.getuid()})"
+        )
     if st.st_mode & 0o022:
-        problems.append(f"its mode {stat.S_IMODE(st.st_mode):04o} lets "
-                        f"{'group and others' if st.st_mode & 0o002 else 'its group'} write in it")
+        problems.append(
+            f"its mode {stat.S_IMODE(st.st_mode):04o} lets "
+            f"{'group and others' if st.st_mode & 0o002 else 'its group'} write in it"
+        )
     return problems
 
 
@@ -62,11 +65,15 @@ def private_dir(path: str | os.PathLike, what: str, instead: str) -> Path:
     problems = _problems(path, st)
     if problems:
         mine = st.st_uid == os.getuid() and not stat.S_ISLNK(st.st_mode)
-        fix = (f"if nothing in it was put there by someone else, `chmod 700 {path}`" if mine else
-               f"remove it (as its owner or root: `rm -rf {path}`) after checking what is in it")
+        fix = (
+            f"if nothing in it was put there by someone else, `chmod 700 {path}`"
+            if mine
+            else f"remove it (as its owner or root: `rm -rf {path}`) after checking what is in it"
+        )
         raise UnsafePathError(
             f"refusing to use {path} ({what}): {'; '.join(problems)}. Another local user could "
-            f"read or replace your data there. {fix[0].upper() + fix[1:]}, or {instead}.")
+            f"read or replace your data there. {fix[0].upper() + fix[1:]}, or {instead}."
+        )
     if st.st_mode & 0o077:
         os.chmod(path, DIR_MODE)
     return path

@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Iterator
+from collections.abc import Iterator
 
 MASK = "***"
 
@@ -26,12 +26,15 @@ _KEYWORD = r"(?:password|passwd|secret|token|api[_-]?key|access[_-]?key|auth[_-]
 _SECRET_NAME = re.compile(rf"\w*?{_KEYWORD}\w*", re.IGNORECASE)  # an environment variable's name
 # name=value, 'name': 'value', "name": "value" — not name: value, which is how messages name a
 # field ("stages.x.password: unknown key"); the name's prefix is left as it is
-_ASSIGNMENT = re.compile(rf"({_KEYWORD}\w{{0,64}}(?:['\"]?\s{{0,8}}=|['\"]\s{{0,8}}:)\s{{0,8}}['\"]?)"
-                         rf"([^\s'\"&,;)}}\]]+)", re.IGNORECASE)
+_ASSIGNMENT = re.compile(
+    rf"({_KEYWORD}\w{{0,64}}(?:['\"]?\s{{0,8}}=|['\"]\s{{0,8}}:)\s{{0,8}}['\"]?)"
+    rf"([^\s'\"&,;)}}\]]+)",
+    re.IGNORECASE,
+)
 _SCHEME = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]{0,30}://")
 _AUTHORITY_END = re.compile(r"[\s?#'\"<>]")  # an unencoded password may hold '/' or '@'
-_WINDOW = 1300    # userinfo longer than this is not looked for: the search stays linear
-_MIN_LEN = 8      # a shorter environment value is masked only where a pattern finds it
+_WINDOW = 1300  # userinfo longer than this is not looked for: the search stays linear
+_MIN_LEN = 8  # a shorter environment value is masked only where a pattern finds it
 
 
 def _userinfos(text: str) -> Iterator[tuple[int, int, str, str | None]]:
@@ -45,7 +48,7 @@ def _userinfos(text: str) -> Iterator[tuple[int, int, str, str | None]]:
             continue
         stop = _AUTHORITY_END.search(text, start, start + _WINDOW)
         at = text.rfind("@", start, stop.start() if stop else start + _WINDOW)
-        user, colon, password = text[start:max(at, start)].partition(":")
+        user, colon, password = text[start : max(at, start)].partition(":")
         if at >= 0 and "/" not in user:  # else a path with '@' in it, not a userinfo
             done = at
             yield start, at, user, password if colon else None
@@ -62,8 +65,9 @@ def _mask_userinfo(text: str) -> str:
 @functools.lru_cache(maxsize=4)
 def _secrets_in(environ: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
     found = {value for name, value in environ if _SECRET_NAME.fullmatch(name)}
-    found |= {user if password is None else password
-              for _, value in environ for _, _, user, password in _userinfos(value)}
+    found |= {
+        user if password is None else password for _, value in environ for _, _, user, password in _userinfos(value)
+    }
     # longest first: a secret that contains another is masked whole
     return tuple(sorted((s for s in found if len(s) >= _MIN_LEN and s != MASK), key=len, reverse=True))
 

@@ -24,13 +24,11 @@ BEGIN, END = "<!-- fault-table:begin -->", "<!-- fault-table:end -->"
 
 
 def render(rows: list[dict]) -> str:
-    lines = ["| fault | backend | outcome | time to detect | data lost | test |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| fault | backend | outcome | time to detect | data lost | test |", "|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["fault"], r["backend"])):
         detect = f"{r['detect_s']:.2f} s" if r.get("detect_s") is not None else "—"
         state = "passes" if r["passed"] else "**FAILS**"
-        lines.append(f"| {r['fault']} | {r['backend']} | {r['result']} | {detect} | "
-                     f"{r['lost'] or '—'} | {state} |")
+        lines.append(f"| {r['fault']} | {r['backend']} | {r['result']} | {detect} | {r['lost'] or '—'} | {state} |")
     return "\n".join(lines)
 
 
@@ -41,8 +39,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = Path(tmp) / "faults.jsonl"
         env = {**os.environ, "PHALANX_FAULT_RESULTS": str(results)}
-        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", args.m, "tests/faults"],
-                               cwd=ROOT, env=env)
+        code = subprocess.call([sys.executable, "-m", "pytest", "-q", "-m", args.m, "tests/faults"], cwd=ROOT, env=env)
         rows = [json.loads(line) for line in results.read_text().splitlines()] if results.exists() else []
     if not rows:
         print("no fault results recorded", file=sys.stderr)

@@ -35,8 +35,9 @@ def wf_generate(env):
 
     n, seed = env.params["rows"], env.params.get("seed", 0)
     rng = np.random.default_rng([seed, env.rank])
-    part = pa.table({"user": rng.integers(0, 50, n // env.world_size),
-                     "amount": rng.integers(1, 100, n // env.world_size)})
+    part = pa.table(
+        {"user": rng.integers(0, 50, n // env.world_size), "amount": rng.integers(1, 100, n // env.world_size)}
+    )
     env.output("tx", px.DataFrame.from_arrow(part, env))
 
 
@@ -87,6 +88,7 @@ def wf_say(env):
 
 def wf_divide_by_zero(env):
     """Rank 1 fails two frames deep (the CLI's traceback summary is checked)."""
+
     def ratio(x):
         return 1 / x
 

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import os
-from pathlib import Path
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
-import json
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +25,8 @@ WORLD_SIZES = (1, 2, 3, 4)
 _OWNER = "PHALANX_TEST_STORE" not in os.environ
 if _OWNER:
     os.environ["PHALANX_TEST_STORE"] = tempfile.mkdtemp(
-        prefix="phalanx-test-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        prefix="phalanx-test-store-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+    )
     os.environ["PHALANX_STORE"] = os.environ["PHALANX_TEST_STORE"]
 _STORE_ROOT = os.environ["PHALANX_TEST_STORE"]
 
@@ -33,9 +34,13 @@ _STORE_ROOT = os.environ["PHALANX_TEST_STORE"]
 def pytest_addoption(parser):
     # the conformance suite (tests/conformance): the executor contract on these sites
     parser.addoption(
-        "--site", action="append", default=[], metavar="NAME",
+        "--site",
+        action="append",
+        default=[],
+        metavar="NAME",
         help="conformance suite: run the executor contract on these sites only (repeatable or "
-             "comma-separated: local, mpirun, slurm, slurm-pilot, ray, k8s-local, radical-local; default: all of them)")
+        "comma-separated: local, mpirun, slurm, slurm-pilot, ray, k8s-local, radical-local; default: all of them)",
+    )
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -66,8 +71,10 @@ def redis_url():
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="phalanx-redis-")
     proc = subprocess.Popen(
-        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-         "--dir", workdir], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        [exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while True:
         try:
@@ -95,16 +102,16 @@ SLURM_CONF = f"{os.environ.get('PHALANX_SLURM_DIR', '/tmp/phalanx-slurm')}/slurm
 def _cluster_up() -> bool:
     if not Path(SLURM_CONF).exists():
         return False
-    r = subprocess.run(["scontrol", "ping"], env={**os.environ, "SLURM_CONF": SLURM_CONF},
-                       capture_output=True, text=True, timeout=30)
+    r = subprocess.run(
+        ["scontrol", "ping"], env={**os.environ, "SLURM_CONF": SLURM_CONF}, capture_output=True, text=True, timeout=30
+    )
     return "is UP" in r.stdout
 
 
 @pytest.fixture(scope="session")
 def slurm_cluster():
     if shutil.which("slurmctld") is None:
-        pytest.skip("slurmctld is not installed (scripts/setup-slurm.sh installs Debian's "
-                    "slurm-wlm and munge)")
+        pytest.skip("slurmctld is not installed (scripts/setup-slurm.sh installs Debian's slurm-wlm and munge)")
     was_up = _cluster_up()
     r = subprocess.run([str(_INFRA / "slurm-up.sh")], capture_output=True, text=True, timeout=300)
     if r.returncode:
@@ -124,8 +131,9 @@ def k8s_cluster():
     """A real control plane and two real nodes (127.0.0.1, 127.0.0.2) whose pods run this host's
     Python (tests/infra/k8s/up.sh); stopped at the end unless it was up before or
     PHALANX_K8S_KEEP=1.  Skips where it cannot run (no binaries: tests/infra/k8s/build.sh)."""
-    pytest.importorskip("kubernetes", reason="the kubernetes client is not installed (pip install "
-                        "'phalanx[kubernetes]')")
+    pytest.importorskip(
+        "kubernetes", reason="the kubernetes client is not installed (pip install 'phalanx[kubernetes]')"
+    )
     from infra import k8s_cluster as k8s
 
     reason = k8s.available()
@@ -158,6 +166,7 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.stop()
+
 
 # ---- the fault suite (tests/faults, marker faults) ------------------------------------------
 # The fault suite (marker ``faults``): each test injects one fault and states what phalanx did.

@@ -44,8 +44,12 @@ def collect_limits(env) -> dict:
 
     n = 2 + env.rank
     df = px.DataFrame.from_arrow(pa.table({"r": [env.rank] * n, "i": list(range(n))}), env)
-    out = {"all": df.collect().to_pydict(), "first3": df.collect(limit=3).to_pydict(),
-           "zero": df.collect(limit=0).num_rows, "more": df.collect(limit=100).num_rows}
+    out = {
+        "all": df.collect().to_pydict(),
+        "first3": df.collect(limit=3).to_pydict(),
+        "zero": df.collect(limit=0).num_rows,
+        "more": df.collect(limit=100).num_rows,
+    }
     on_root = df.collect(root=1, limit=4)
     out["root"] = on_root.to_pydict() if on_root is not None else None
     try:

@@ -29,12 +29,23 @@ def kernelspec(directory: Path, tag: str, extra_env: dict[str, str] | None = Non
     """A kernelspec ``phalanx-test`` for this interpreter under ``directory/kernels``."""
     spec_dir = directory / "kernels" / SPEC
     spec_dir.mkdir(parents=True, exist_ok=True)
-    env = {TAG: tag, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-           "PHALANX_STATE": str(directory / "state"), "PHALANX_LOG_DIR": str(directory / "logs"),
-           **(extra_env or {})}
-    (spec_dir / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "phalanx test (this venv)", "language": "python", "env": env}))
+    env = {
+        TAG: tag,
+        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        "PHALANX_STATE": str(directory / "state"),
+        "PHALANX_LOG_DIR": str(directory / "logs"),
+        **(extra_env or {}),
+    }
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "phalanx test (this venv)",
+                "language": "python",
+                "env": env,
+            }
+        )
+    )
     return KernelSpecManager(kernel_dirs=[str(directory / "kernels")])
 
 
@@ -150,8 +161,11 @@ class Kernel:
         result = Result(reply, msgs, time.perf_counter() - t0)
         if ok and result.status != "ok":
             err = result.error or {}
-            raise AssertionError(f"cell failed: {err.get('ename')}: {err.get('evalue')}\n"
-                                 + "\n".join(err.get("traceback", [])) + f"\n--- cell:\n{code}")
+            raise AssertionError(
+                f"cell failed: {err.get('ename')}: {err.get('evalue')}\n"
+                + "\n".join(err.get("traceback", []))
+                + f"\n--- cell:\n{code}"
+            )
         return result
 
     def value(self, expr: str):

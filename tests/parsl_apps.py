@@ -19,8 +19,12 @@ def make_tables(rows: int, seed: int) -> tuple[pa.Table, pa.Table]:
     """Transactions (user, amount) and users (user, region): the whole input, for the check."""
     rng = np.random.default_rng(seed)
     users = 50
-    tx = pa.table({"user": rng.integers(0, users + 10, rows),   # some users have no row in `users`
-                   "amount": rng.integers(1, 1000, rows).astype("float64")})
+    tx = pa.table(
+        {
+            "user": rng.integers(0, users + 10, rows),  # some users have no row in `users`
+            "amount": rng.integers(1, 1000, rows).astype("float64"),
+        }
+    )
     us = pa.table({"user": np.arange(users, dtype="int64"), "region": np.arange(users, dtype="int64") % 7})
     return tx, us
 
@@ -33,8 +37,13 @@ def generate(env, rows, seed):
         per = -(-t.num_rows // env.world_size)
         return t.slice(env.rank * per, per)
 
-    return {"tx": px.DataFrame.from_arrow(share(tx), env), "users": px.DataFrame.from_arrow(share(us), env),
-            "rank": env.rank, "pid": os.getpid(), "node": os.environ.get("SLURMD_NODENAME")}
+    return {
+        "tx": px.DataFrame.from_arrow(share(tx), env),
+        "users": px.DataFrame.from_arrow(share(us), env),
+        "rank": env.rank,
+        "pid": os.getpid(),
+        "node": os.environ.get("SLURMD_NODENAME"),
+    }
 
 
 def merge_groupby(env, tx, users):

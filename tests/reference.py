@@ -25,14 +25,16 @@ def make_part(rank: int, world: int, rows: int = 4000, seed: int = 0, hot: float
     s = cats[rng.integers(0, len(cats), rows)]
     s_mask = rng.random(rows) < 0.05
     ts = np.datetime64("2024-01-01T00:00:00") + rng.integers(0, 10**6, rows).astype("timedelta64[s]")
-    return pa.table({
-        "key": pa.array(key, pa.int64(), mask=key_mask),
-        "v": pa.array(v, pa.float64(), mask=v_mask),
-        "w": pa.array(w, pa.int64()),
-        "s": pa.array(s, pa.string(), mask=s_mask),
-        "b": pa.array(rng.random(rows) < 0.5),
-        "ts": pa.array(ts.astype("datetime64[us]"), pa.timestamp("us")),
-    })
+    return pa.table(
+        {
+            "key": pa.array(key, pa.int64(), mask=key_mask),
+            "v": pa.array(v, pa.float64(), mask=v_mask),
+            "w": pa.array(w, pa.int64()),
+            "s": pa.array(s, pa.string(), mask=s_mask),
+            "b": pa.array(rng.random(rows) < 0.5),
+            "ts": pa.array(ts.astype("datetime64[us]"), pa.timestamp("us")),
+        }
+    )
 
 
 def whole(world: int, rows: int = 4000, seed: int = 0, hot: float = 0.3) -> pa.Table:
@@ -45,8 +47,9 @@ def _sortable(table: pa.Table) -> pa.Table:
 
 def assert_same_rows(actual: pa.Table, expected: pa.Table, rel: float = 1e-9) -> None:
     """Equal as multisets of rows (order ignored); floats compared with a tolerance."""
-    assert sorted(actual.column_names) == sorted(expected.column_names), \
+    assert sorted(actual.column_names) == sorted(expected.column_names), (
         f"columns differ: {actual.column_names} vs {expected.column_names}"
+    )
     actual = actual.select(expected.column_names)
     assert actual.num_rows == expected.num_rows, f"{actual.num_rows} rows, expected {expected.num_rows}"
     floats = [f.name for f in expected.schema if pa.types.is_floating(f.type)]

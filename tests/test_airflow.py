@@ -26,8 +26,10 @@ import pytest
 
 pytestmark = pytest.mark.airflow
 if importlib.util.find_spec("airflow") is None:  # never import it here: AIRFLOW_HOME first
-    pytest.skip("apache-airflow 3 is not installed (pip install 'phalanx[airflow]', or "
-                "bash scripts/setup-airflow.sh)", allow_module_level=True)
+    pytest.skip(
+        "apache-airflow 3 is not installed (pip install 'phalanx[airflow]', or bash scripts/setup-airflow.sh)",
+        allow_module_level=True,
+    )
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -47,13 +49,22 @@ def af():
     dags.mkdir()
     for f in (ETL_DAG, TEST_DAGS):
         (dags / f.name).symlink_to(f)
-    env = {"AIRFLOW_HOME": str(home), "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
-           "AIRFLOW__CORE__DAGS_FOLDER": str(dags), "PHALANX_STATE": str(home / "phalanx-state"),
-           "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120"}
+    env = {
+        "AIRFLOW_HOME": str(home),
+        "AIRFLOW__CORE__LOAD_EXAMPLES": "False",
+        "AIRFLOW__CORE__DAGS_FOLDER": str(dags),
+        "PHALANX_STATE": str(home / "phalanx-state"),
+        "AIRFLOW__CORE__DAGBAG_IMPORT_TIMEOUT": "120",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    r = subprocess.run([sys.executable, "-m", "airflow", "db", "migrate"], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    r = subprocess.run(
+        [sys.executable, "-m", "airflow", "db", "migrate"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
     assert r.returncode == 0, f"airflow db migrate failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     sys.path.insert(0, str(dags))
     try:
@@ -83,7 +94,7 @@ def run_dag(af, capfd, module: Path, dag_id: str, conf: dict | None = None):
     from airflow.models.xcom import XComModel
     from airflow.utils.session import create_session
 
-    dag = getattr(_module(af, module), "__dict__")
+    dag = _module(af, module).__dict__
     dag = next(d for d in dag.values() if getattr(d, "dag_id", None) == dag_id and hasattr(d, "test"))
     import logging
 
@@ -189,9 +200,17 @@ def test_provider_is_registered_and_phalanx_does_not_import_airflow(af):
     pm = ProvidersManager()
     assert "phalanx" in pm.providers
     assert callable(task.phalanx)
-    r = subprocess.run([sys.executable, "-c", "import sys, phalanx, phalanx.integrations.airflow as a; "
-                        "a.get_provider_info(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'airflow'))"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, phalanx, phalanx.integrations.airflow as a; "
+            "a.get_provider_info(); print(sorted(m for m in sys.modules if m.split('.')[0] == 'airflow'))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
 
@@ -274,9 +293,21 @@ def test_trigger_on_kill_cancels_a_detached_run_and_leaves_no_rank(af, tmp_path)
     from phalanx.integrations.airflow import PhalanxRunTrigger
 
     db = rundb()
-    r = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(TESTS / "airflow_dags" / "sleeper.yaml"),
-                        "--detach", f"--set=stages.sleep.params.dir={tmp_path}"], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "run",
+            str(TESTS / "airflow_dags" / "sleeper.yaml"),
+            "--detach",
+            f"--set=stages.sleep.params.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
     assert r.returncode == 0, r.stderr
     run_id = r.stdout.split()[0]
     pids = _wait_for_pids(tmp_path, 2, db, run_id)
@@ -303,10 +334,22 @@ def _wait_for_pids(d: Path, n: int, db, run_id: str, timeout: float = 120) -> li
 @pytest.fixture(scope="session")
 def reference_run(af):
     """`phalanx run workflows/etl_to_training.yaml` with the DAG-run conf's sizes: its store session."""
-    r = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(ROOT / "workflows" / "etl_to_training.yaml"),
-                        "--plain", f"--set=stages.generate.params.rows={ETL_CONF['rows']}",
-                        f"--set=stages.train.params.epochs={ETL_CONF['epochs']}"],
-                       capture_output=True, text=True, timeout=600, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "phalanx.cli",
+            "run",
+            str(ROOT / "workflows" / "etl_to_training.yaml"),
+            "--plain",
+            f"--set=stages.generate.params.rows={ETL_CONF['rows']}",
+            f"--set=stages.train.params.epochs={ETL_CONF['epochs']}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r.stdout.split("(store session '")[1].split("'")[0]
 
@@ -331,14 +374,17 @@ def test_example_dag_matches_phalanx_run_byte_for_byte(af, capfd, reference_run,
     runs = {t: xcoms[t]["return_value"]["run_id"] for t in (*STAGE_TASKS, "etl_to_training")}
     assert len(set(runs.values())) == 5
     db = rundb()
-    for task, run_id in runs.items():
+    for run_id in runs.values():
         assert db.run(run_id)["state"] == "succeeded"
         assert f"phalanx status {run_id}" in log  # the task log names the run
     # the stage tasks shared one store session (the DAG run's); downstream read upstream outputs
     sessions = {xcoms[t]["return_value"]["session"] for t in STAGE_TASKS}
     assert len(sessions) == 1
-    stage_outputs = {**xcoms["generate"]["return_value"]["outputs"], **xcoms["features"]["return_value"]["outputs"],
-                     **xcoms["train"]["return_value"]["outputs"]}
+    stage_outputs = {
+        **xcoms["generate"]["return_value"]["outputs"],
+        **xcoms["features"]["return_value"]["outputs"],
+        **xcoms["train"]["return_value"]["outputs"],
+    }
     assert xcoms["generate"]["transactions"] == stage_outputs["transactions"]  # one XCom key per output
     # the same outputs as `phalanx run` of the file, every dataset byte for byte (the features
     # stage sorts its partitions; train_metrics holds no wall-clock time)
@@ -428,12 +474,19 @@ def test_deferred_task_holds_no_worker_slot_while_its_run_goes_on(af, capfd, tmp
         result = real(ti=ti, task=task)
         if result.ti.state == "deferred":  # the worker is done with the task: look before dag.test goes on
             with create_session() as session:
-                row = session.query(TaskInstance).filter_by(dag_id=ti.dag_id, run_id=ti.run_id,
-                                                            task_id=ti.task_id, map_index=ti.map_index).one()
+                row = (
+                    session.query(TaskInstance)
+                    .filter_by(dag_id=ti.dag_id, run_id=ti.run_id, task_id=ti.task_id, map_index=ti.map_index)
+                    .one()
+                )
                 trigger = session.get(Trigger, row.trigger_id)
-                seen.update(state=row.state, trigger=trigger.classpath, kwargs=trigger.kwargs,
-                            occupied={p.pool: p.occupied_slots(session=session) for p in session.query(Pool)},
-                            pids=[int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text().strip()])
+                seen.update(
+                    state=row.state,
+                    trigger=trigger.classpath,
+                    kwargs=trigger.kwargs,
+                    occupied={p.pool: p.occupied_slots(session=session) for p in session.query(Pool)},
+                    pids=[int(p.read_text()) for p in tmp_path.glob("pid.*") if p.read_text().strip()],
+                )
             run_id = seen["kwargs"]["run_id"]
             seen["run_state"] = rundb().run(run_id)["state"]
             (tmp_path / "go").write_text("go")  # now the rank may finish
@@ -468,8 +521,13 @@ def test_task_decorator_and_python_workflow_objects(af, capfd):
 
 
 def test_airflow_dags_test_cli(af):
-    r = subprocess.run([sys.executable, "-m", "airflow", "dags", "test", "px_cli"], capture_output=True, text=True,
-                       timeout=300, env={**os.environ, "PYTHONPATH": str(TESTS)})
+    r = subprocess.run(
+        [sys.executable, "-m", "airflow", "dags", "test", "px_cli"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-5000:]
     assert "DagRun Finished: dag_id=px_cli" in out and "state=success" in out

@@ -27,8 +27,7 @@ def build(name: str = "api") -> px.Workflow:
 
     wf = px.Workflow(name)
     gen = wf.stage(apps.wf_generate, ranks=2, params={"rows": 3000, "seed": 5}, outputs=["tx"])
-    wf.stage(apps.wf_totals, ranks=3, needs=[gen], inputs={"tx": {"dataset": "tx", "by": ["user"]}},
-             outputs=["totals"])
+    wf.stage(apps.wf_totals, ranks=3, needs=[gen], inputs={"tx": {"dataset": "tx", "by": ["user"]}}, outputs=["totals"])
     return wf
 
 
@@ -45,7 +44,8 @@ def test_python_workflow_runs_and_matches_pandas(tmp_path):
 
 def test_python_and_yaml_compile_to_the_same_model(tmp_path):
     f = tmp_path / "api.yaml"
-    f.write_text(textwrap.dedent("""
+    f.write_text(
+        textwrap.dedent("""
         name: api
         stages:
           wf_generate:
@@ -59,7 +59,8 @@ def test_python_and_yaml_compile_to_the_same_model(tmp_path):
             needs: [wf_generate]
             inputs: {tx: {dataset: tx, by: [user]}}
             outputs: [totals]
-    """))
+    """)
+    )
     from phalanx.orchestrator.models import Workflow
     from phalanx.orchestrator.yamlio import load_model
 
@@ -89,7 +90,8 @@ def test_decorator_form_and_errors_before_anything_starts(tmp_path):
 def test_a_function_from_a_scripts_main_runs_on_the_ranks(tmp_path):
     """Notebook and script functions are not importable by ranks: they travel by value."""
     script = tmp_path / "pipeline.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import pyarrow as pa
         import phalanx as px
 
@@ -108,10 +110,12 @@ def test_a_function_from_a_scripts_main_runs_on_the_ranks(tmp_path):
         if __name__ == "__main__":
             r = wf.run(site=px.orchestrator.models.Site(name="two", cores=2))
             print("RESULT", r.ok, px.Store(session=r.session).read("total").column("sum")[0].as_py())
-    """))
+    """)
+    )
     env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state")}
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                         timeout=240, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
     assert f"RESULT True {sum(x * x for x in range(20))}" in out.stdout
 
@@ -137,12 +141,16 @@ def test_a_later_run_reads_an_earlier_runs_output_by_session(tmp_path):
     site4 = Site(name="t4", cores=4)
     first = px.run(build("producer"), site=site4, state=tmp_path / "state", progress=False)
     assert first.ok, first.failed
-    later = px.Workflow("consumer", [px.stage(apps.wf_totals, name="again", ranks=2,
-                                               inputs={"tx": f"{first.session}/tx"}, outputs=["totals"])])
+    later = px.Workflow(
+        "consumer",
+        [px.stage(apps.wf_totals, name="again", ranks=2, inputs={"tx": f"{first.session}/tx"}, outputs=["totals"])],
+    )
     second = px.run(later, site=site4, state=tmp_path / "state", progress=False)
     assert second.ok, second.failed
-    a, b = (px.Store(session=r.session).read("totals").to_pandas().sort_values("user").reset_index(drop=True)
-            for r in (first, second))
+    a, b = (
+        px.Store(session=r.session).read("totals").to_pandas().sort_values("user").reset_index(drop=True)
+        for r in (first, second)
+    )
     pd.testing.assert_frame_equal(a, b)
     missing = px.Workflow("c2", [px.stage(apps.wf_totals, name="x", inputs={"tx": f"{first.session}/nope"})])
     with pytest.raises(ConfigError, match=f"dataset 'nope' is not in store session '{first.session}'"):

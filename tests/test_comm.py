@@ -12,13 +12,11 @@ import shutil
 import time
 
 import pytest
+from conformance.comm_contract import CommContract, app_every_collective_warnings_caught, app_fail_on_rank_1, app_print
 
 import phalanx as px
 from phalanx.errors import RankError
 from phalanx.procs import descendants as _descendants
-from conformance.comm_contract import (CommContract, app_every_collective_warnings_caught, app_fail_on_rank_1,
-                                       app_print)
-
 
 
 def _mpi_missing() -> str | None:
@@ -29,17 +27,19 @@ def _mpi_missing() -> str | None:
     return None
 
 
-UCX_SKIP = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
-                              reason="ucxx not installed (pip install 'phalanx[ucx]')")
+UCX_SKIP = pytest.mark.skipif(
+    importlib.util.find_spec("ucxx") is None, reason="ucxx not installed (pip install 'phalanx[ucx]')"
+)
 MPI_SKIP = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
-CASES = [pytest.param(("tcp", n), id=f"tcp-{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(("tcp-noshm", n), id=f"tcp-noshm-{n}") for n in (2, 3)] + [
-    pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(("gloo-noshm", n), id=f"gloo-noshm-{n}") for n in (2, 3)] + [
-    pytest.param(("shm", n), id=f"shm-{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(("mpi", n), id=f"mpi-{n}", marks=[pytest.mark.mpi, MPI_SKIP]) for n in (1, 2, 3)] + [
-    pytest.param(("ucx", n), id=f"ucx-{n}", marks=[pytest.mark.ucx, UCX_SKIP]) for n in (1, 2, 3)
-]
+CASES = (
+    [pytest.param(("tcp", n), id=f"tcp-{n}") for n in (1, 2, 3, 4)]
+    + [pytest.param(("tcp-noshm", n), id=f"tcp-noshm-{n}") for n in (2, 3)]
+    + [pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)]
+    + [pytest.param(("gloo-noshm", n), id=f"gloo-noshm-{n}") for n in (2, 3)]
+    + [pytest.param(("shm", n), id=f"shm-{n}") for n in (1, 2, 3, 4)]
+    + [pytest.param(("mpi", n), id=f"mpi-{n}", marks=[pytest.mark.mpi, MPI_SKIP]) for n in (1, 2, 3)]
+    + [pytest.param(("ucx", n), id=f"ucx-{n}", marks=[pytest.mark.ucx, UCX_SKIP]) for n in (1, 2, 3)]
+)
 
 
 @pytest.fixture(scope="module", params=CASES)
@@ -48,7 +48,7 @@ def comm_gang(request):
     executor = "mpirun" if communicator == "mpi" else "local"
     mp = pytest.MonkeyPatch()
     if communicator.endswith("-noshm"):  # the communicator's own wire: shared memory turned off
-        communicator = communicator[:-len("-noshm")]
+        communicator = communicator[: -len("-noshm")]
         mp.setenv("PHALANX_SHM", "0")
     g = px.Gang(ranks=ranks, executor=executor, communicator=communicator, echo=False)
     try:
@@ -118,11 +118,10 @@ def app_rank_1_dies_in_alltoallv(env):
     env.comm.alltoallv(np.zeros(sum(counts), dtype=np.uint8), counts)
 
 
-@pytest.mark.parametrize("communicator", [
-    "tcp", "tcp-noshm", pytest.param("ucx", marks=[pytest.mark.ucx, UCX_SKIP])])
+@pytest.mark.parametrize("communicator", ["tcp", "tcp-noshm", pytest.param("ucx", marks=[pytest.mark.ucx, UCX_SKIP])])
 def test_rank_death_fails_the_gang_fast_names_it_and_stops_the_others(communicator, monkeypatch):
     if communicator.endswith("-noshm"):
-        communicator = communicator[:-len("-noshm")]
+        communicator = communicator[: -len("-noshm")]
         monkeypatch.setenv("PHALANX_SHM", "0")
     gang = px.Gang(ranks=3, communicator=communicator, echo=False)
     try:
@@ -162,7 +161,7 @@ def _serve_one(listener, key, box):
     try:
         address = "%s:%d" % listener.getsockname()
         box["peers"] = sorted(accept_peers(listener, address, 1, 0, 2, key, time.monotonic() + 10, "test"))
-    except Exception as exc:  # noqa: BLE001 - the test inspects it
+    except Exception as exc:
         box["error"] = exc
 
 

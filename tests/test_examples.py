@@ -31,15 +31,18 @@ ETL = ROOT / "workflows" / "etl_to_training.yaml"
 TPCH = ROOT / "workflows" / "tpch.yaml"
 
 ROWS, USERS, EPOCHS = 80_000, 4_000, 3
-ETL_SMALL = {"stages.generate.params.rows": ROWS, "stages.generate.params.users": USERS,
-             "stages.train.params.epochs": EPOCHS, "stages.train.params.batch_size": 64,
-             "stages.train.params.lr": 0.01}
+ETL_SMALL = {
+    "stages.generate.params.rows": ROWS,
+    "stages.generate.params.users": USERS,
+    "stages.train.params.epochs": EPOCHS,
+    "stages.train.params.batch_size": 64,
+    "stages.train.params.lr": 0.01,
+}
 SCALE = 0.01
 TPCH_SMALL = {"stages.dbgen.params.scale": SCALE}
 
 
-def run_example(path: Path, overrides: dict, tmp: Path, site_name: str | None = None
-                ) -> tuple[RunDB, str, px.Store]:
+def run_example(path: Path, overrides: dict, tmp: Path, site_name: str | None = None) -> tuple[RunDB, str, px.Store]:
     """Load with overrides, run with a private run database and store root — on this machine,
     or on the site ``site-configs/<site_name>.yaml``."""
     import yaml
@@ -82,9 +85,16 @@ def sorted_frame(table, keys) -> pd.DataFrame:
 
 # ---- validate ---------------------------------------------------------------------------------
 def test_phalanx_validate_accepts_both_workflows():
-    procs = [subprocess.Popen([sys.executable, "-m", "phalanx.cli", "validate", str(p)], cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for p in (ETL, TPCH)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "phalanx.cli", "validate", str(p)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for p in (ETL, TPCH)
+    ]
     for p, proc in zip((ETL, TPCH), procs):
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err
@@ -99,23 +109,35 @@ def test_generate_makes_the_data_it_promises(etl):
     assert sorted(tx["tx_id"].to_pylist()) == list(range(ROWS))
     assert sorted(users["user_id"].to_pylist()) == list(range(USERS))
     assert 0 <= min(tx["user_id"].to_pylist()) and max(tx["user_id"].to_pylist()) < USERS
-    assert 0.01 < tx["amount"].null_count / ROWS < 0.05          # some missing amounts
+    assert 0.01 < tx["amount"].null_count / ROWS < 0.05  # some missing amounts
     assert tx["category"].null_count > 0 and users["age"].null_count > 0
     assert 0.25 < np.mean(users["churned"].to_numpy(zero_copy_only=False)) < 0.75
-    assert store.info("transactions").num_partitions == 2        # one partition per rank
+    assert store.info("transactions").num_partitions == 2  # one partition per rank
     stages = {s["stage"]: s for s in db.stages(run_id)}
     assert {s: v["state"] for s, v in stages.items()} == dict.fromkeys(
-        ["generate", "features", "train", "report"], "succeeded")
+        ["generate", "features", "train", "report"], "succeeded"
+    )
     assert stages["generate"]["outputs"]["transactions"][0] == ROWS
 
 
 def expected_features(tx: pd.DataFrame, users: pd.DataFrame) -> pd.DataFrame:
     """The features stage, recomputed with pandas from the generated datasets."""
     tx = tx.assign(weekend=tx.ts.dt.day_of_week >= 5, online=tx.channel != "store")
-    g = tx.groupby("user_id").agg(
-        n_tx=("tx_id", "count"), total_amount=("amount", "sum"), avg_amount=("amount", "mean"),
-        max_amount=("amount", "max"), n_weekend=("weekend", "sum"), n_online=("online", "sum"),
-        n_refund=("is_refund", "sum"), first_ts=("ts", "min"), last_ts=("ts", "max")).reset_index()
+    g = (
+        tx.groupby("user_id")
+        .agg(
+            n_tx=("tx_id", "count"),
+            total_amount=("amount", "sum"),
+            avg_amount=("amount", "mean"),
+            max_amount=("amount", "max"),
+            n_weekend=("weekend", "sum"),
+            n_online=("online", "sum"),
+            n_refund=("is_refund", "sum"),
+            first_ts=("ts", "min"),
+            last_ts=("ts", "max"),
+        )
+        .reset_index()
+    )
     df = g.merge(users, on="user_id", how="inner")
     days = lambda s: s.astype("datetime64[s]").astype("int64") / 86400  # noqa: E731
     signup = pd.to_datetime(df.signup_date).astype("datetime64[s]").astype("int64") / 86400
@@ -139,17 +161,26 @@ def test_features_match_pandas(etl):
     tx, users = store.read("transactions").to_pandas(), store.read("users").to_pandas()
     want = expected_features(tx, users)
     got = sorted_frame(store.read("features"), "user_id")
-    assert len(got) == tx.user_id.nunique() < USERS + 1             # one row per user with purchases
+    assert len(got) == tx.user_id.nunique() < USERS + 1  # one row per user with purchases
     assert set(synthetic.FEATURES + [synthetic.LABEL]) <= set(got.columns)
     assert set(got.columns) <= set(want.columns)
-    exact = ["user_id", "n_tx", "n_weekend", "n_online", "n_refund", "first_ts", "last_ts",
-             "country", "signup_date", "churned"]
+    exact = [
+        "user_id",
+        "n_tx",
+        "n_weekend",
+        "n_online",
+        "n_refund",
+        "first_ts",
+        "last_ts",
+        "country",
+        "signup_date",
+        "churned",
+    ]
     pd.testing.assert_frame_equal(got[exact], want[exact], check_dtype=False)
     floats = [c for c in got.columns if c not in exact and c != "age"]
     for c in floats:
         assert got[c].notna().all() or c in ("avg_amount", "max_amount"), c
-        np.testing.assert_allclose(got[c].to_numpy(float), want[c].to_numpy(float), rtol=2e-6, atol=1e-6,
-                                   err_msg=c)
+        np.testing.assert_allclose(got[c].to_numpy(float), want[c].to_numpy(float), rtol=2e-6, atol=1e-6, err_msg=c)
     np.testing.assert_array_equal(got.age.to_numpy(float), want.age.to_numpy(float))
     assert (got[synthetic.FEATURES].dtypes == np.float32).all()
 
@@ -159,11 +190,11 @@ def test_training_loss_goes_down(etl):
     m = store.read("train_metrics").to_pandas()
     assert m.epoch.tolist() == list(range(EPOCHS))
     n = store.info("features").num_rows
-    assert (m.rows_seen == math.ceil(n / 2) * 2).all()            # every row each epoch, 2 ranks
+    assert (m.rows_seen == math.ceil(n / 2) * 2).all()  # every row each epoch, 2 ranks
     losses = m.loss.tolist()
     assert losses[0] < 0.75 and all(b < a for a, b in zip(losses, losses[1:])), losses
     assert losses[-1] < losses[0] - 0.03, losses
-    assert m.accuracy.iloc[-1] > 0.65, m.accuracy.tolist()          # better than a coin
+    assert m.accuracy.iloc[-1] > 0.65, m.accuracy.tolist()  # better than a coin
     logs = Path(db.attempts(run_id, "train")[-1]["log_dir"])
     assert "epoch 2: loss" in (logs / "rank-0.log").read_text()
 
@@ -171,11 +202,18 @@ def test_training_loss_goes_down(etl):
 def test_cli_run_reproduces_the_same_data(etl, tmp_path):
     _, _, first = etl
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}
-    env.update(PHALANX_STATE=str(tmp_path / "state"), PHALANX_STORE=str(tmp_path / "store"),
-               PATH="/usr/bin:/bin")  # no venv on PATH: the report stage's `python` still works
+    env.update(
+        PHALANX_STATE=str(tmp_path / "state"), PHALANX_STORE=str(tmp_path / "store"), PATH="/usr/bin:/bin"
+    )  # no venv on PATH: the report stage's `python` still works
     sets = [a for k, v in ETL_SMALL.items() for a in ("--set", f"{k}={v}")]
-    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", "workflows/etl_to_training.yaml", *sets],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", "workflows/etl_to_training.yaml", *sets],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     last = out.stdout.strip().splitlines()[-1]
     assert " succeeded in " in last, out.stdout
@@ -183,7 +221,8 @@ def test_cli_run_reproduces_the_same_data(etl, tmp_path):
     run = db.run(last.split()[1])
     assert run["state"] == "succeeded"
     assert {s["stage"]: s["state"] for s in db.stages(run["id"])} == dict.fromkeys(
-        ["generate", "features", "train", "report"], "succeeded")
+        ["generate", "features", "train", "report"], "succeeded"
+    )
     again = px.Store(tmp_path / "store", run["session"])
     # Every dataset is the same bytes: generate is seeded by (seed, rank), features sorts each
     # partition by user_id, train is seeded and its metrics hold no wall-clock time.
@@ -191,15 +230,22 @@ def test_cli_run_reproduces_the_same_data(etl, tmp_path):
     for name in first.list():
         a, b = first.info(name), again.info(name)
         assert (b.schema, b.partitioning) == (a.schema, a.partitioning), name
-        assert [(p.rows, p.bytes, p.checksum) for p in b.partitions] == \
-            [(p.rows, p.bytes, p.checksum) for p in a.partitions], name
-        assert again.read(name).equals(first.read(name)), name      # and the tables, independently
-    for i in range(first.info("features").num_partitions):          # each partition sorted by user_id
+        assert [(p.rows, p.bytes, p.checksum) for p in b.partitions] == [
+            (p.rows, p.bytes, p.checksum) for p in a.partitions
+        ], name
+        assert again.read(name).equals(first.read(name)), name  # and the tables, independently
+    for i in range(first.info("features").num_partitions):  # each partition sorted by user_id
         ids = first.partition(first.info("features"), i)["user_id"].to_numpy()
         assert (np.diff(ids) > 0).all()
     assert again.read("train_metrics").column_names == ["epoch", "loss", "accuracy", "rows_seen"]
-    status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run["id"]], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=60).stdout
+    status = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "status", run["id"]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert run["id"] in status and f"train_metrics {EPOCHS} rows" in status, status
 
 
@@ -215,16 +261,16 @@ def tables(tpch):
 
 def test_dbgen_tables_follow_the_tpch_rules(tpch, tables):
     q = lambda sql: tables.execute(sql).fetchall()  # noqa: E731
-    (orders, customers), = q("SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM customer)")
+    ((orders, customers),) = q("SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM customer)")
     assert orders == round(1_500_000 * SCALE) and customers == round(150_000 * SCALE)
     assert q("SELECT count(*) FROM nation") == [(25,)]
-    (with_lines, lo, hi, lines), = q("SELECT count(*), min(c), max(c), sum(c) FROM "
-                                     "(SELECT l_orderkey, count(*) c FROM lineitem GROUP BY l_orderkey)")
+    ((with_lines, lo, hi, lines),) = q(
+        "SELECT count(*), min(c), max(c), sum(c) FROM (SELECT l_orderkey, count(*) c FROM lineitem GROUP BY l_orderkey)"
+    )
     assert with_lines == orders and (lo, hi) == (1, 7) and 3.5 * orders < lines < 4.5 * orders
     assert q("SELECT count(*) FROM lineitem l ANTI JOIN orders o ON l.l_orderkey = o.o_orderkey") == [(0,)]
     assert q("SELECT count(DISTINCT o_orderkey) = count(*) FROM orders") == [(True,)]
-    assert q("SELECT count(*) FROM orders WHERE o_custkey % 3 = 0 OR o_custkey > "
-             f"{customers}") == [(0,)]
+    assert q(f"SELECT count(*) FROM orders WHERE o_custkey % 3 = 0 OR o_custkey > {customers}") == [(0,)]
     bad = q("""SELECT count(*) FROM lineitem WHERE
                (l_returnflag = 'N') <> (l_receiptdate > DATE '1995-06-17')
                OR (l_linestatus = 'O') <> (l_shipdate > DATE '1995-06-17')
@@ -240,29 +286,35 @@ def test_dbgen_tables_follow_the_tpch_rules(tpch, tables):
 
 def test_q1_matches_duckdb(tpch, tables):
     _, _, store = tpch
-    want = query(tables, """
+    want = query(
+        tables,
+        """
         SELECT l_returnflag, l_linestatus, sum(l_quantity) AS sum_qty, sum(l_extendedprice) AS sum_base_price,
                sum(l_extendedprice * (1 - l_discount)) AS sum_disc_price,
                sum(l_extendedprice * (1 - l_discount) * (1 + l_tax)) AS sum_charge,
                avg(l_quantity) AS avg_qty, avg(l_extendedprice) AS avg_price, avg(l_discount) AS avg_disc,
                count(*) AS count_order
         FROM lineitem WHERE l_shipdate <= DATE '1998-12-01' - INTERVAL 90 DAY
-        GROUP BY l_returnflag, l_linestatus ORDER BY l_returnflag, l_linestatus""")
-    got = store.read("q1").to_pandas()                           # in the order the stage sorted it
+        GROUP BY l_returnflag, l_linestatus ORDER BY l_returnflag, l_linestatus""",
+    )
+    got = store.read("q1").to_pandas()  # in the order the stage sorted it
     assert list(got.columns) == list(want.columns)
-    assert len(got) == 4                                          # AF, NF, NO, RF as in TPC-H
+    assert len(got) == 4  # AF, NF, NO, RF as in TPC-H
     pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
 
 
 def test_q3_matches_duckdb(tpch, tables):
     _, _, store = tpch
-    want = query(tables, """
+    want = query(
+        tables,
+        """
         SELECT l_orderkey, sum(l_extendedprice * (1 - l_discount)) AS revenue, o_orderdate, o_shippriority
         FROM customer, orders, lineitem
         WHERE c_mktsegment = 'BUILDING' AND c_custkey = o_custkey AND l_orderkey = o_orderkey
           AND o_orderdate < DATE '1995-03-15' AND l_shipdate > DATE '1995-03-15'
         GROUP BY l_orderkey, o_orderdate, o_shippriority
-        ORDER BY revenue DESC, o_orderdate, l_orderkey LIMIT 10""")
+        ORDER BY revenue DESC, o_orderdate, l_orderkey LIMIT 10""",
+    )
     got = store.read("q3").to_pandas()
     assert len(want) == 10
     pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
@@ -270,13 +322,16 @@ def test_q3_matches_duckdb(tpch, tables):
 
 def test_q10_matches_duckdb(tpch, tables):
     _, _, store = tpch
-    want = query(tables, """
+    want = query(
+        tables,
+        """
         SELECT c_custkey, c_name, sum(l_extendedprice * (1 - l_discount)) AS revenue, c_acctbal, n_name
         FROM customer, orders, lineitem, nation
         WHERE c_custkey = o_custkey AND l_orderkey = o_orderkey AND o_orderdate >= DATE '1993-10-01'
           AND o_orderdate < DATE '1994-01-01' AND l_returnflag = 'R' AND c_nationkey = n_nationkey
         GROUP BY c_custkey, c_name, c_acctbal, n_name
-        ORDER BY revenue DESC, c_custkey LIMIT 20""")
+        ORDER BY revenue DESC, c_custkey LIMIT 20""",
+    )
     got = store.read("q10").to_pandas()
     assert len(want) == 20
     pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
@@ -287,8 +342,9 @@ def same_results_as_local(etl, tmp: Path, site_name: str) -> tuple[RunDB, str]:
     _, _, local = etl
     db, run_id, store = run_example(ETL, ETL_SMALL, tmp, site_name=site_name)
     for name, key in (("transactions", "tx_id"), ("users", "user_id"), ("features", "user_id")):
-        pd.testing.assert_frame_equal(sorted_frame(store.read(name), key), sorted_frame(local.read(name), key),
-                                      obj=f"{name} on {site_name}")
+        pd.testing.assert_frame_equal(
+            sorted_frame(store.read(name), key), sorted_frame(local.read(name), key), obj=f"{name} on {site_name}"
+        )
     # Training is not bit-identical across sites (kernel thread counts differ, so do float
     # reduction orders): the loss must fall the same way, within a small margin.
     here, there = (s.read("train_metrics").to_pandas().loss.to_numpy() for s in (local, store))
@@ -301,14 +357,23 @@ def test_the_etl_example_gives_the_same_results_on_slurm(etl, slurm_cluster, tmp
     db, run_id = same_results_as_local(etl, tmp_path, "slurm-local")
     # one job per stage (generate, features, train, report), named after its gang; SLURM keeps
     # finished jobs for MinJobAge (counting all jobs before and after undercounts once old ones expire)
-    names = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%j"], capture_output=True, text=True,
-                           env={**os.environ, "SLURM_CONF": slurm_cluster}, check=True).stdout.split()
+    names = subprocess.run(
+        ["squeue", "-h", "-t", "all", "-o", "%j"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SLURM_CONF": slurm_cluster},
+        check=True,
+    ).stdout.split()
     gangs = {a["gang_id"] for a in db.attempts(run_id) if a["gang_id"]}
     assert len(gangs) >= 4 and all(any(n.endswith(g) for n in names) for g in gangs), (gangs, names)
     placed = [e for e in db.events(run_id) if e["kind"] == "placed"]  # what `phalanx status` shows
     assert placed and all(re.match(r"slurm: job \d+ RUNNING", e["message"]) for e in placed), placed
-    status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run_id, "--state", str(db.state_dir)],
-                            capture_output=True, text=True, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "status", run_id, "--state", str(db.state_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert status.returncode == 0 and "succeeded" in status.stdout, status.stderr
     assert "RUNNING" not in status.stdout  # a finished stage shows no stale placement
 

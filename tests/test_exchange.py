@@ -46,7 +46,7 @@ def rank_table(rank: int, world: int, case: str) -> pa.Table:
         dest = rng.integers(0, world, n)
     null_rate = 0.7 if case == "nulls" else 0.1
     f = pa.array(rng.standard_normal(n), mask=rng.random(n) < null_rate)
-    i = pa.array(rng.integers(-10**15, 10**15, n), mask=rng.random(n) < null_rate)
+    i = pa.array(rng.integers(-(10**15), 10**15, n), mask=rng.random(n) < null_rate)
     if case == "strings":
         lens = rng.integers(0, 200, n)
         words = ["", "é", "日本語", "a" * 1000, "x\x00y"]
@@ -99,11 +99,12 @@ def check(gang, case: str, repeat: int = 1):
 
 
 # ---- gangs ---------------------------------------------------------------------------------
-GANGS = ([pytest.param(("shm", n, None), id=f"shm-{n}") for n in (1, 2, 3, 4)]
-         + [pytest.param(("gloo", 3, None), id="gloo-3"),
-            pytest.param(("gloo-tcp", 2, None), id="gloo-tcp-2"),
-            pytest.param(("shm", 4, "a,a,b,b"), id="shm-hier-4"),
-            pytest.param(("shm", 3, "a,b,a"), id="shm-hier-3")])
+GANGS = [pytest.param(("shm", n, None), id=f"shm-{n}") for n in (1, 2, 3, 4)] + [
+    pytest.param(("gloo", 3, None), id="gloo-3"),
+    pytest.param(("gloo-tcp", 2, None), id="gloo-tcp-2"),
+    pytest.param(("shm", 4, "a,a,b,b"), id="shm-hier-4"),
+    pytest.param(("shm", 3, "a,b,a"), id="shm-hier-3"),
+]
 
 
 def start_gang(communicator: str, ranks: int, env: dict[str, str]) -> px.Gang:
@@ -155,7 +156,7 @@ def test_segments_are_reused_and_results_stay_valid(xgang):
     communicator, ranks, _ = xgang.kind
     results = check(xgang, "random", repeat=6)
     if communicator in ("shm", "gloo") and ranks > 1:
-        for counts, _, stats in results:
+        for _counts, _, stats in results:
             assert stats["segments_created"] <= 3 and stats["exchanges"] == 6
 
 
@@ -203,7 +204,9 @@ def test_segment_files_are_private_and_gone_after_each_exchange():
         store = os.environ["PHALANX_STORE"]
         for file_mode, dir_mode, where in modes:
             assert (file_mode, dir_mode) == ("0o600", "0o700")
-            assert where.startswith(f"{store}/default/.staging/{g.gang_id}-shm-")  # the driver's abort_staging removes it
+            assert where.startswith(
+                f"{store}/default/.staging/{g.gang_id}-shm-"
+            )  # the driver's abort_staging removes it
         check(g, "random")
         assert _leftovers(g.gang_id) == []  # between exchanges: no directory, no file
         gang_id = g.gang_id
@@ -252,8 +255,10 @@ def app_big_exchange(env, rows: int):
 
     n, me = env.world_size, env.rank
     base = np.arange(rows, dtype=np.int64)
-    parts = [pa.table({"v": pa.array(base + me * rows)}) if d != me else pa.table({"v": pa.array(base[:0])})
-             for d in range(n)]
+    parts = [
+        pa.table({"v": pa.array(base + me * rows)}) if d != me else pa.table({"v": pa.array(base[:0])})
+        for d in range(n)
+    ]
     got = exchange_tables(env.comm, parts, parts[0].schema)
     ok = True
     for src, t in enumerate(got):
@@ -265,7 +270,7 @@ def app_big_exchange(env, rows: int):
         pos = 0
         for chunk in t["v"].chunks:
             a = chunk.to_numpy(zero_copy_only=True)
-            ok &= bool(np.array_equal(a, base[pos:pos + a.size] + src * rows))
+            ok &= bool(np.array_equal(a, base[pos : pos + a.size] + src * rows))
             pos += a.size
     shm = getattr(env.comm, "shm", None)
     return ok, None if shm is None else dict(shm.stats)
@@ -282,8 +287,10 @@ BIG_ROWS = (2 << 30) // 8 + (64 << 20) // 8  # 2 GiB + 64 MiB of int64 to the ot
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(_free_bytes()[0] < 6 << 30 or _free_bytes()[1] < 12 << 30,
-                    reason="a > 2 GiB per rank exchange needs 6 GiB free in /dev/shm and 12 GiB of available RAM")
+@pytest.mark.skipif(
+    _free_bytes()[0] < 6 << 30 or _free_bytes()[1] < 12 << 30,
+    reason="a > 2 GiB per rank exchange needs 6 GiB free in /dev/shm and 12 GiB of available RAM",
+)
 def test_more_than_2_gib_per_rank():
     """2 ranks × 2.06 GiB each way: one IPC stream > 2 GiB, one shared-memory segment per rank
     (used once: over the pool's 1 GiB), zero-copy on the receiving side."""

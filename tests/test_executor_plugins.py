@@ -34,10 +34,20 @@ def _register_entry_point(tmp_path: Path) -> Path:
 
 
 def _python(code: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_register_entry_point(tmp_path)), str(PLUGINS),
-                                                         str(ROOT / "tests"), str(ROOT)])}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True,
-                          text=True, env=env, cwd=tmp_path, timeout=240)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(_register_entry_point(tmp_path)), str(PLUGINS), str(ROOT / "tests"), str(ROOT)]
+        ),
+    }
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=240,
+    )
 
 
 def test_scheduler_and_gang_name_no_executor():
@@ -46,15 +56,30 @@ def test_scheduler_and_gang_name_no_executor():
     names = set(executors.names())
     for path in (ROOT / "phalanx/orchestrator/scheduler.py", ROOT / "phalanx/gang.py"):
         tree = ast.parse(path.read_text())
-        docstrings = {id(n.body[0].value) for n in ast.walk(tree)
-                      if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef)) and n.body
-                      and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
-        named = [(n.lineno, n.value) for n in ast.walk(tree) if isinstance(n, ast.Constant)
-                 and isinstance(n.value, str) and id(n) not in docstrings
-                 and any(w in names for w in n.value.replace(":", " ").replace("'", " ").split())]
+        docstrings = {
+            id(n.body[0].value)
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef))
+            and n.body
+            and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)
+        }
+        named = [
+            (n.lineno, n.value)
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant)
+            and isinstance(n.value, str)
+            and id(n) not in docstrings
+            and any(w in names for w in n.value.replace(":", " ").replace("'", " ").split())
+        ]
         assert named == [], f"{path.name} names executors: {named}"
-        imports = [a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
-                   for a in n.names if any(x in names for x in (a.name.split("."), [getattr(n, "module", "") or ""])[0])]
+        imports = [
+            a.name
+            for n in ast.walk(tree)
+            if isinstance(n, (ast.Import, ast.ImportFrom))
+            for a in n.names
+            if any(x in names for x in (a.name.split("."), [getattr(n, "module", "") or ""])[0])
+        ]
         assert imports == [], f"{path.name} imports executor modules: {imports}"
 
 
@@ -63,7 +88,8 @@ def test_an_entry_point_executor_runs_a_workflow_with_its_typed_section(tmp_path
     its stages (BSP and command) run, and the results are right."""
     site = tmp_path / "shell-site.yaml"
     site.write_text("name: sh\nexecutor: shell\nshell:\n  shell: /bin/bash\n  rank_slots: 3\n")
-    out = _python("""
+    out = _python(
+        """
         import sys, tempfile
         import pyarrow as pa
         import phalanx as px
@@ -85,7 +111,10 @@ def test_an_entry_point_executor_runs_a_workflow_with_its_typed_section(tmp_path
         assert result.ok, result.failed
         table = px.Store(site.store.root, result.session).read("r").sort_by("rank")
         print(table.column("rank").to_pylist(), sorted(set(table.column("shell").to_pylist())))
-        """, tmp_path, str(site))
+        """,
+        tmp_path,
+        str(site),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     # every rank ran; a rank's parent is the driver itself (the shell exec'd the worker)
     assert out.stdout.split("\n")[-2].startswith("[0, 1, 2]"), out.stdout
@@ -93,14 +122,18 @@ def test_an_entry_point_executor_runs_a_workflow_with_its_typed_section(tmp_path
 
 def _load_site_error(site: Path, tmp_path: Path) -> str:
     """What loading ``site`` reports, where the shell plug-in is installed."""
-    out = _python("""
+    out = _python(
+        """
         import sys
         from phalanx.orchestrator.validate import load_site
         try:
             load_site(sys.argv[1])
         except Exception as exc:
             print(exc)
-        """, tmp_path, str(site))
+        """,
+        tmp_path,
+        str(site),
+    )
     return out.stdout + out.stderr
 
 
@@ -119,7 +152,8 @@ def test_unknown_executor_lists_the_registered_ones(tmp_path):
 def test_what_an_executor_refuses_fails_that_stage_only(tmp_path):
     """A gang the executor refuses at launch (its check) fails that stage; an independent
     stage still runs and succeeds, and the run says failed (not cancelled)."""
-    out = _python("""
+    out = _python(
+        """
         import sys
         import pyarrow as pa
         import phalanx as px
@@ -143,9 +177,13 @@ def test_what_an_executor_refuses_fails_that_stage_only(tmp_path):
         states = {s["stage"]: s["state"] for s in db.stages(result.run_id)}
         print(result.ok, sorted(result.failed), "over max_ranks 1" in result.failed.get("big", ""),
               sorted(states.items()), db.run(result.run_id)["state"])
-        """, tmp_path, str(tmp_path / "state"))
+        """,
+        tmp_path,
+        str(tmp_path / "state"),
+    )
     assert out.stdout.strip().splitlines()[-1] == (
-        "False ['big'] True [('big', 'failed'), ('small', 'succeeded')] failed"), out.stdout + out.stderr[-3000:]
+        "False ['big'] True [('big', 'failed'), ('small', 'succeeded')] failed"
+    ), out.stdout + out.stderr[-3000:]
 
 
 @pytest.mark.mpi

@@ -16,8 +16,10 @@ def prints(stages: dict, tmp_path) -> dict:
 
 
 def chain(rows: int = 10, **extra) -> dict:
-    return {"gen": Stage(app="apps:wf_generate", params={"rows": rows}, outputs=["tx"], **extra),
-            "use": Stage(app="apps:wf_totals", inputs={"tx": "tx"}, outputs=["totals"])}
+    return {
+        "gen": Stage(app="apps:wf_generate", params={"rows": rows}, outputs=["tx"], **extra),
+        "use": Stage(app="apps:wf_totals", inputs={"tx": "tx"}, outputs=["totals"]),
+    }
 
 
 def test_a_changed_param_changes_the_stage_and_everything_downstream(tmp_path):
@@ -56,4 +58,5 @@ def test_params_json_cannot_hold_are_fingerprinted_by_value(tmp_path):
 
 def test_a_run_without_a_recorded_fingerprint_is_not_trusted():
     assert changes({}, {"hash": "x", "stage": {}, "app": "", "upstream": {}, "external": {}}) == [
-        "no fingerprint was recorded when it ran"]
+        "no fingerprint was recorded when it ran"
+    ]

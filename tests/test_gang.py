@@ -10,11 +10,11 @@ import textwrap
 import time
 from pathlib import Path
 
+import apps
 import pyarrow as pa
 import pytest
 
 import phalanx as px
-import apps
 from phalanx.runtime.protocol import heartbeat_s
 
 HERE = Path(__file__).parent
@@ -109,8 +109,7 @@ def test_bad_arguments_raise_on_every_rank(gang2):
     with pytest.raises(px.RankError) as info:
         gang2.run(app_unknown_column)
     assert info.value.ranks == [0, 1]
-    assert all(f.exc_type == "KeyError" and "groupby" in f.message and "nope" in f.message
-               for f in info.value.failures)
+    assert all(f.exc_type == "KeyError" and "groupby" in f.message and "nope" in f.message for f in info.value.failures)
 
 
 def app_mismatched_keys(env):
@@ -163,16 +162,23 @@ def test_run_timeout_stops_the_ranks(gang2):
 def sleeping_driver(tmp_path, **env: str) -> tuple[subprocess.Popen, list[int]]:
     """A driver process whose gang of 2 sleeps forever, and its ranks' pids."""
     script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(HERE)!r})
         import phalanx as px, apps
         with px.Gang(ranks=2, echo=False) as g:
             print("PIDS", *g.pids, flush=True)
             g.run(apps.sleep_forever)
-    """))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **env})
+    """)
+    )
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **env},
+    )
     line = proc.stdout.readline()
     assert line.startswith("PIDS"), proc.stderr.read()
     return proc, [int(p) for p in line.split()[1:]]

@@ -7,9 +7,9 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
-from reference import assert_same_rows, make_part, whole
 
 
 def app_write_then_read(env, directory):
@@ -70,8 +70,9 @@ def app_csv(env, path, column_types=None):
 def test_read_csv_splits_one_file_at_line_boundaries(gang, tmp_path):
     rng = np.random.default_rng(3)
     n = 20_000
-    frame = pd.DataFrame({"id": np.arange(n), "x": rng.normal(size=n).round(6),
-                          "name": rng.choice(["a", "bb", "c,c", 'd"d', ""], n)})
+    frame = pd.DataFrame(
+        {"id": np.arange(n), "x": rng.normal(size=n).round(6), "name": rng.choice(["a", "bb", "c,c", 'd"d', ""], n)}
+    )
     path = tmp_path / "big.csv"
     frame.to_csv(path, index=False)
     results = gang.run(app_csv, str(path))

@@ -24,7 +24,9 @@ pytestmark = pytest.mark.jupyter
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 MISSING = [m for m in ("ipykernel", "jupyter_client", "nbclient", "nbformat") if importlib.util.find_spec(m) is None]
-needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"{', '.join(MISSING)} not installed (pip install 'phalanx[jupyter]')")
+needs_kernel = pytest.mark.skipif(
+    bool(MISSING), reason=f"{', '.join(MISSING)} not installed (pip install 'phalanx[jupyter]')"
+)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -88,9 +90,11 @@ def nb(tmp_path_factory):
 
     k = Kernel(tmp_path_factory.mktemp("kernel"))
     try:
-        k.execute("import os, jupyter_apps\nimport phalanx as px\n%load_ext phalanx\n"
-                  "from phalanx.integrations.jupyter import settings, kernel as _k\n"
-                  "settings.show_after = 0.0\ngang = px.Gang(2)\ngang.start();")
+        k.execute(
+            "import os, jupyter_apps\nimport phalanx as px\n%load_ext phalanx\n"
+            "from phalanx.integrations.jupyter import settings, kernel as _k\n"
+            "settings.show_after = 0.0\ngang = px.Gang(2)\ngang.start();"
+        )
         yield k
     finally:
         k.shutdown()
@@ -111,10 +115,17 @@ def test_gang_renders_executor_ranks_memory_and_logs(nb):
 
 
 @needs_kernel
-@pytest.mark.parametrize("widgets", [
-    pytest.param(True, marks=pytest.mark.skipif(importlib.util.find_spec("ipywidgets") is None,
-                                                 reason="ipywidgets not installed")),
-    False], ids=["ipywidgets", "html"])
+@pytest.mark.parametrize(
+    "widgets",
+    [
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(importlib.util.find_spec("ipywidgets") is None, reason="ipywidgets not installed"),
+        ),
+        False,
+    ],
+    ids=["ipywidgets", "html"],
+)
 def test_gang_run_shows_each_rank_live_and_its_output_grouped(nb, tmp_path, widgets):
     gate = tmp_path / "gate"
     nb.execute(f"settings.widgets = {widgets}")
@@ -150,8 +161,10 @@ def test_gang_run_shows_each_rank_live_and_its_output_grouped(nb, tmp_path, widg
 @needs_kernel
 def test_failing_rank_shows_its_traceback_and_the_gang_is_usable_again(nb):
     pids = nb.value("gang.pids")
-    nb.execute("def nb_app(env):\n    if env.rank == 1:\n        raise RuntimeError('raised in a notebook cell')\n"
-               "    env.comm.barrier()\n    return env.rank")
+    nb.execute(
+        "def nb_app(env):\n    if env.rank == 1:\n        raise RuntimeError('raised in a notebook cell')\n"
+        "    env.comm.barrier()\n    return env.rank"
+    )
     res = nb.execute("gang.run(nb_app)", ok=False)
     err = res.error
     assert err["ename"] == "RankError"
@@ -241,9 +254,11 @@ def test_px_cell_where_one_rank_raises_and_the_others_hang_stops_the_gang(nb):
 
 @needs_kernel
 def test_px_dataframe_preview_and_driver_side_frame(nb):
-    res = nb.execute("%%px\nimport pyarrow as pa\n"
-                     "df = px.DataFrame.from_arrow(pa.table({'k': [rank] * (3 + rank), 'v': list(range(3 + rank))}), env)\n"
-                     "df")
+    res = nb.execute(
+        "%%px\nimport pyarrow as pa\n"
+        "df = px.DataFrame.from_arrow(pa.table({'k': [rank] * (3 + rank), 'v': list(range(3 + rank))}), env)\n"
+        "df"
+    )
     text, page = res.last("text/plain"), res.last("text/html")
     assert "7 rows × 2 columns on 2 ranks (3, 4)" in text and "<table" in page, text
     assert text.count("phalanx DataFrame") == 1  # one preview for the whole frame, not one per rank
@@ -266,12 +281,14 @@ def test_px_dataframe_preview_and_driver_side_frame(nb):
 @needs_kernel
 def test_px_run_shows_the_stage_table_live_and_the_timeline_at_the_end(nb):
     nb.execute("settings.widgets = False")
-    nb.execute("import pyarrow as pa\nwf = px.Workflow('nbwf')\n"
-               "@wf.stage(ranks=1, outputs=['tx'])\ndef gen(env):\n"
-               "    print('generating on', env.rank)\n"
-               "    return {'tx': px.DataFrame.from_arrow(pa.table({'u': [1, 2, 1], 'a': [1.0, 2.0, 3.0]}), env)}\n"
-               "@wf.stage(ranks=1, needs=[gen], inputs={'tx': 'tx'}, outputs=['tot'])\ndef tot(env):\n"
-               "    return {'tot': env.input('tx').groupby('u').agg({'a': 'sum'})}")
+    nb.execute(
+        "import pyarrow as pa\nwf = px.Workflow('nbwf')\n"
+        "@wf.stage(ranks=1, outputs=['tx'])\ndef gen(env):\n"
+        "    print('generating on', env.rank)\n"
+        "    return {'tx': px.DataFrame.from_arrow(pa.table({'u': [1, 2, 1], 'a': [1.0, 2.0, 3.0]}), env)}\n"
+        "@wf.stage(ranks=1, needs=[gen], inputs={'tx': 'tx'}, outputs=['tot'])\ndef tot(env):\n"
+        "    return {'tot': env.input('tx').groupby('u').agg({'a': 'sum'})}"
+    )
     res = nb.execute("result = px.run(wf, site='local')\nresult.ok")
     assert res.data("text/plain", "execute_result") == ["True"]
     pages = res.data("text/html", "display_data", "update_display_data")
@@ -306,8 +323,9 @@ def test_no_rank_outlives_its_use_a_kernel_restart_or_shutdown(tmp_path):
         old_kernel = k.pid
         k.km.restart_kernel(now=False)  # as the notebook's "Restart kernel": a shutdown request first
         k.kc.wait_for_ready(timeout=120)
-        until(lambda: not any(processes_with_env("PHALANX_GANG_ID", i) for i in ids), "ranks to end at restart",
-              within=15)
+        until(
+            lambda: not any(processes_with_env("PHALANX_GANG_ID", i) for i in ids), "ranks to end at restart", within=15
+        )
         assert not alive(old_kernel)
         # the restarted kernel: a gang, then the kernel killed outright — its ranks go with it
         k.execute("import phalanx as px\ng = px.Gang(1)\ng.start();")
@@ -338,12 +356,12 @@ def test_quickstart_notebook_runs_top_to_bottom(tmp_path):
     assert not [o for o in outputs if o.output_type == "error"]
     pages = [o.data["text/html"] for o in outputs if "text/html" in o.get("data", {})]
     texts = "\n".join(o.get("text", "") or o.get("data", {}).get("text/plain", "") for o in outputs)
-    assert any("phalanx gang" in p and 'data-state="running"' in p for p in pages)          # the gang
-    hello = next(p for p in pages if "gang.run(hello)" in p)                                 # grouped output
+    assert any("phalanx gang" in p and 'data-state="running"' in p for p in pages)  # the gang
+    hello = next(p for p in pages if "gang.run(hello)" in p)  # grouped output
     assert rank_blocks(hello) == {r: [f"rank {r} of 2: step {s}" for s in range(3)] for r in (0, 1)}
     assert "[stdout:0] rank 0 holds" in texts and "50 rows × 2 columns on 2 ranks" in texts  # %%px, preview
-    assert any("<svg" in p and "nb-quickstart" in p for p in pages)                          # the timeline
-    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", texts).groups())        # training
+    assert any("<svg" in p and "nb-quickstart" in p for p in pages)  # the timeline
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", texts).groups())  # training
     assert last < first / 10, (first, last)
-    assert 'data-state="stopped"' in pages[-1]                                                # closed at the end
+    assert 'data-state="stopped"' in pages[-1]  # closed at the end
     until(lambda: not tagged_processes(tag), "the notebook kernel and its ranks to end", within=15)

@@ -95,13 +95,19 @@ class K8s:
         self.cluster, self.shared = cluster, shared
         data = yaml.safe_load((REPO / "site-configs" / "k8s-local.yaml").read_text())
         data["store"] = data.get("store") or {}
-        data["kubernetes"] = {**data["kubernetes"], "kubeconfig": str(cluster.kubeconfig),
-                              "host_paths": [*data["kubernetes"]["host_paths"], str(shared)]}
+        data["kubernetes"] = {
+            **data["kubernetes"],
+            "kubeconfig": str(cluster.kubeconfig),
+            "host_paths": [*data["kubernetes"]["host_paths"], str(shared)],
+        }
         self.base = data
         # the version of scheduling.k8s.io that serves PodGroups (v1 holds only PriorityClasses)
         versions = [v["groupVersion"] for v in cluster.request("GET", "/apis/scheduling.k8s.io")["versions"]]
-        api = next(v for v in versions if any(r["name"] == "podgroups" for r in
-                                              cluster.request("GET", f"/apis/{v}")["resources"]))
+        api = next(
+            v
+            for v in versions
+            if any(r["name"] == "podgroups" for r in cluster.request("GET", f"/apis/{v}")["resources"])
+        )
         self.podgroups = f"/apis/{api}/namespaces/{NS}/podgroups"
 
     def data(self, **update) -> dict:
@@ -136,8 +142,11 @@ class K8s:
             raise
 
     def pods(self, job: str) -> list[dict]:
-        return [p for p in self.cluster.request("GET", f"/api/v1/namespaces/{NS}/pods")["items"]
-                if p["metadata"]["name"].startswith(job + "-")]
+        return [
+            p
+            for p in self.cluster.request("GET", f"/api/v1/namespaces/{NS}/pods")["items"]
+            if p["metadata"]["name"].startswith(job + "-")
+        ]
 
     def objects(self, part: str, deleted: bool = True) -> list[str]:
         """Jobs, pods, Secrets, Services and PodGroups whose name holds ``part`` (a Job's name,
@@ -145,11 +154,18 @@ class K8s:
         its end, a PodGroup whose protection finalizer waits for its pods: gone a moment later)."""
         part = part.lower()
         found = []
-        for kind, path in (("job", f"/apis/batch/v1/namespaces/{NS}/jobs"), ("pod", f"/api/v1/namespaces/{NS}/pods"),
-                           ("secret", f"/api/v1/namespaces/{NS}/secrets"),
-                           ("service", f"/api/v1/namespaces/{NS}/services"), ("podgroup", self.podgroups)):
-            found += [f"{kind} {o['metadata']['name']}" for o in self.cluster.request("GET", path)["items"]
-                      if part in o["metadata"]["name"] and (deleted or not o["metadata"].get("deletionTimestamp"))]
+        for kind, path in (
+            ("job", f"/apis/batch/v1/namespaces/{NS}/jobs"),
+            ("pod", f"/api/v1/namespaces/{NS}/pods"),
+            ("secret", f"/api/v1/namespaces/{NS}/secrets"),
+            ("service", f"/api/v1/namespaces/{NS}/services"),
+            ("podgroup", self.podgroups),
+        ):
+            found += [
+                f"{kind} {o['metadata']['name']}"
+                for o in self.cluster.request("GET", path)["items"]
+                if part in o["metadata"]["name"] and (deleted or not o["metadata"].get("deletionTimestamp"))
+            ]
         return found
 
     def jobs_of(self, gang_id: str) -> list[str]:
@@ -169,8 +185,11 @@ class K8s:
         """Cleanup after a failed test: the Job and everything it owns."""
         from infra.k8s_cluster import ClusterError
 
-        for path in (f"/apis/batch/v1/namespaces/{NS}/jobs/{name}", f"/api/v1/namespaces/{NS}/secrets/{name}",
-                     f"{self.podgroups}/{name}"):
+        for path in (
+            f"/apis/batch/v1/namespaces/{NS}/jobs/{name}",
+            f"/api/v1/namespaces/{NS}/secrets/{name}",
+            f"{self.podgroups}/{name}",
+        ):
             try:
                 self.cluster.request("DELETE", path, {"propagationPolicy": "Background"} if "jobs" in path else None)
             except ClusterError:
@@ -190,9 +209,14 @@ def scheduled(pod: dict) -> dict | None:
 def rank_env(n: int, gang_id: str) -> list[dict[str, str]]:
     """What a gang gives its ranks (phalanx/gang.py ``_rank_env``), less what pods on fake nodes
     never read."""
-    shared = {"PHALANX_WORLD_SIZE": str(n), "PHALANX_GANG_ID": gang_id, "PHALANX_CONTROL": "127.0.0.1:9",
-              "PHALANX_AUTHKEY": secrets.token_hex(16), "PHALANX_RDZV": "tcp://127.0.0.1:10",
-              "PHALANX_COMM": "gloo"}
+    shared = {
+        "PHALANX_WORLD_SIZE": str(n),
+        "PHALANX_GANG_ID": gang_id,
+        "PHALANX_CONTROL": "127.0.0.1:9",
+        "PHALANX_AUTHKEY": secrets.token_hex(16),
+        "PHALANX_RDZV": "tcp://127.0.0.1:10",
+        "PHALANX_COMM": "gloo",
+    }
     return [{**shared, "PHALANX_RANK": str(r)} for r in range(n)]
 
 
@@ -206,15 +230,22 @@ def fake_nodes(k8s):
     made: list[str] = []
 
     class Pool:
-        section = {"cpu": 1, "node_selector": {"phalanx.test/pool": pool},
-                   "tolerations": [{"key": "phalanx.test/pool", "operator": "Equal", "value": pool,
-                                    "effect": "NoSchedule"}]}
+        section = {
+            "cpu": 1,
+            "node_selector": {"phalanx.test/pool": pool},
+            "tolerations": [{"key": "phalanx.test/pool", "operator": "Equal", "value": pool, "effect": "NoSchedule"}],
+        }
 
         @staticmethod
         def add(n: int) -> list[str]:
             names = k8s.cluster.add_kwok_nodes(
-                n, cpu="1", memory="8Gi", prefix=f"{pool}-{len(made)}-", labels={"phalanx.test/pool": pool},
-                taints=[{"key": "phalanx.test/pool", "value": pool, "effect": "NoSchedule"}])
+                n,
+                cpu="1",
+                memory="8Gi",
+                prefix=f"{pool}-{len(made)}-",
+                labels={"phalanx.test/pool": pool},
+                taints=[{"key": "phalanx.test/pool", "value": pool, "effect": "NoSchedule"}],
+            )
             made.extend(names)
             return names
 
@@ -236,8 +267,13 @@ def test_a_gang_waits_whole_until_it_fits_then_is_bound_at_once_and_kill_deletes
     job = launcher.job
     try:
         # the scheduler has tried every pod: PodScheduled=False on all 4
-        pods = wait_until(lambda: len(p := k8s.pods(job)) == 4 and all(
-            (c := scheduled(x)) and c["status"] == "False" for x in p) and p, 30, "the scheduler to try all 4 pods")
+        pods = wait_until(
+            lambda: (
+                len(p := k8s.pods(job)) == 4 and all((c := scheduled(x)) and c["status"] == "False" for x in p) and p
+            ),
+            30,
+            "the scheduler to try all 4 pods",
+        )
         assert [p["spec"].get("nodeName") for p in pods] == [None] * 4
         assert {scheduled(p)["reason"] for p in pods} == {"Unschedulable"}
         # and keeps none bound while it retries (its backoff is 1-2 s: 3 s see it retry)
@@ -265,16 +301,19 @@ def test_a_gang_waits_whole_until_it_fits_then_is_bound_at_once_and_kill_deletes
         assert len({p["spec"]["nodeName"] for p in pods}) == 4  # one a node: each holds 1 CPU
         # together: bound in the same scheduling cycle of the group (timestamps have 1 s resolution)
         times = sorted(scheduled(p)["lastTransitionTime"] for p in pods)
-        spread = (datetime.fromisoformat(times[-1].replace("Z", "+00:00"))
-                  - datetime.fromisoformat(times[0].replace("Z", "+00:00"))).total_seconds()
+        spread = (
+            datetime.fromisoformat(times[-1].replace("Z", "+00:00"))
+            - datetime.fromisoformat(times[0].replace("Z", "+00:00"))
+        ).total_seconds()
         assert spread <= 1, times
 
         launcher.kill()
         k8s.wait_nothing_left(job)
         # checked last, so that a wrong word does not hide the rest: status() says why the gang
         # waits as the scheduler said it of the pod it could not place
-        assert "Insufficient cpu" in status, f"status() does not say why the gang waits: {status!r}; " \
-            f"the scheduler said: {sorted(reasons)}"
+        assert "Insufficient cpu" in status, (
+            f"status() does not say why the gang waits: {status!r}; the scheduler said: {sorted(reasons)}"
+        )
     finally:
         launcher.kill(grace_s=0)
         k8s.delete_job(job)
@@ -331,10 +370,11 @@ def test_a_rank_over_its_memory_limit_is_reported_oomkilled(k8s):
 def run_etl(site: dict, tmp: Path):
     """workflows/etl_to_training.yaml at tests/test_examples.py's small size on ``site``, with a
     run DB and store root of its own."""
+    from test_examples import ETL, ETL_SMALL
+
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
     from phalanx.orchestrator.validate import load_workflow
-    from test_examples import ETL, ETL_SMALL
 
     tmp.mkdir()
     site = {**site, "store": {"root": str(tmp / "store")}}
@@ -352,14 +392,16 @@ def test_the_etl_example_gives_the_same_data_on_k8s_local_as_on_this_machine(k8s
     import pandas as pd
     from test_examples import EPOCHS, sorted_frame
 
-    local = run_etl({"name": "test-local", "executor": "local", "cores": max(2, os.cpu_count() or 1)},
-                    tmp_path / "local")
+    local = run_etl(
+        {"name": "test-local", "executor": "local", "cores": max(2, os.cpu_count() or 1)}, tmp_path / "local"
+    )
     there = run_etl(k8s.data(), tmp_path / "k8s")
     print(f"etl_to_training: local {local[3]:.1f} s, k8s-local {there[3]:.1f} s")  # shown with -s
     (_, _, here, _), (db, run_id, store, _) = local, there
     for name, key in (("transactions", "tx_id"), ("users", "user_id"), ("features", "user_id")):
-        pd.testing.assert_frame_equal(sorted_frame(store.read(name), key), sorted_frame(here.read(name), key),
-                                      obj=f"{name} on k8s-local")
+        pd.testing.assert_frame_equal(
+            sorted_frame(store.read(name), key), sorted_frame(here.read(name), key), obj=f"{name} on k8s-local"
+        )
     # training is not bit-identical from run to run, even on one site (two local runs ended at
     # losses 0.556 and 0.582, and an epoch's loss may rise a little): the same epochs over the
     # same rows, and a loss that falls over them as much as here, give or take that noise
@@ -398,23 +440,36 @@ def test_status_of_a_lost_run_deletes_the_job_its_killed_driver_left(k8s, tmp_pa
     state = tmp_path / "state"
     db = RunDB(state)
     log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen([*PHALANX, "run", str(wf), "--site", str(site), "--state", str(state), "--plain"],
-                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
-                              env={**os.environ, "PYTHONPATH": str(TESTS)})
+    driver = subprocess.Popen(
+        [*PHALANX, "run", str(wf), "--site", str(site), "--state", str(state), "--plain"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
     job = None
     try:
         run_id = wait_until(lambda: db.runs() and db.runs()[0]["id"], 60, "the run")
-        job = wait_until(lambda: next((a["record"]["id"] for a in db.allocations(run_id)), None), 60,
-                         "the Job's record in the run DB")
-        wait_until(lambda: len(p := k8s.pods(job)) == 2 and all(x["status"]["phase"] == "Running" for x in p), 60,
-                   "the stage's 2 pods to run")
+        job = wait_until(
+            lambda: next((a["record"]["id"] for a in db.allocations(run_id)), None),
+            60,
+            "the Job's record in the run DB",
+        )
+        wait_until(
+            lambda: len(p := k8s.pods(job)) == 2 and all(x["status"]["phase"] == "Running" for x in p),
+            60,
+            "the stage's 2 pods to run",
+        )
         assert driver.poll() is None
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=10)
         # (never read the run with db.run()/db.runs() now: reading a lost run releases what it left)
         if kind == "app":
-            wait_until(lambda: all(p["status"]["phase"] in ("Succeeded", "Failed") for p in k8s.pods(job)), 30,
-                       "the ranks to end without their driver")
+            wait_until(
+                lambda: all(p["status"]["phase"] in ("Succeeded", "Failed") for p in k8s.pods(job)),
+                30,
+                "the ranks to end without their driver",
+            )
         else:
             assert all(p["status"]["phase"] == "Running" for p in k8s.pods(job))
         # the driver's death deleted nothing: the Job, its pods, Secret, PodGroup are all there
@@ -429,8 +484,9 @@ def test_status_of_a_lost_run_deletes_the_job_its_killed_driver_left(k8s, tmp_pa
         else:
             assert kinds == ["job", "pod", "pod", "podgroup", "secret"], left
 
-        status = subprocess.run([*PHALANX, "status", "--state", str(state), run_id], capture_output=True,
-                                text=True, timeout=120, cwd=REPO)
+        status = subprocess.run(
+            [*PHALANX, "status", "--state", str(state), run_id], capture_output=True, text=True, timeout=120, cwd=REPO
+        )
         assert status.returncode == 0, status.stderr
         # the Job is gone the moment status returns: status deleted it (its TTL is 600 s), and
         # with it everything else (deleted, if not all gone yet: wait_nothing_left)
@@ -440,9 +496,11 @@ def test_status_of_a_lost_run_deletes_the_job_its_killed_driver_left(k8s, tmp_pa
         # it says so (what else it names varies: the pods, Secret and PodGroup are the Job's, and
         # the garbage collector may delete them before status gets to them)
         released = [line.strip() for line in status.stdout.splitlines() if "released" in line]
-        assert len(released) == 1 and released[0].startswith(
-            "released left by the driver: kubernetes: deleted job") and released[0].endswith(
-            f" of job {NS}/{job}"), status.stdout
+        assert (
+            len(released) == 1
+            and released[0].startswith("released left by the driver: kubernetes: deleted job")
+            and released[0].endswith(f" of job {NS}/{job}")
+        ), status.stdout
         assert db.allocations(run_id) == []
     finally:
         if driver.poll() is None:
@@ -460,15 +518,18 @@ def test_a_failed_rank_fails_the_gang_and_the_retry_runs_on_a_fresh_job(k8s, tmp
     from phalanx.orchestrator.scheduler import run_workflow
 
     site = k8s.model()
-    wf = Workflow(name="k8s-retry", stages={"s": Stage(app="test_kubernetes:fail_rank_1_once", ranks=2, retries=1,
-                                                        params={"dir": str(tmp_path)})})
+    wf = Workflow(
+        name="k8s-retry",
+        stages={"s": Stage(app="test_kubernetes:fail_rank_1_once", ranks=2, retries=1, params={"dir": str(tmp_path)})},
+    )
     db = RunDB(tmp_path / "state")
     outcome: dict = {}
     runner = threading.Thread(target=lambda: outcome.update(r=run_workflow(wf, site, db=db)), daemon=True)
     runner.start()
     try:
-        second = wait_until(lambda: (p := tmp_path / "second-attempt").exists() and p.read_text(), 120,
-                            "the second attempt's ranks")
+        second = wait_until(
+            lambda: (p := tmp_path / "second-attempt").exists() and p.read_text(), 120, "the second attempt's ranks"
+        )
         first = (tmp_path / "rank-1-failed").read_text()
         assert first != second
         # while attempt 2 runs: attempt 1's Job is gone, attempt 2 has one Job of its own
@@ -529,8 +590,10 @@ def test_the_control_key_is_in_the_secret_only_never_in_the_job_or_its_pods(k8s)
             assert key not in json.dumps(pod)
         # it reaches the ranks by reference to the Secret
         env = {e["name"]: e for e in json.loads(job_text)["spec"]["template"]["spec"]["containers"][0]["env"]}
-        assert env["PHALANX_AUTHKEY"] == {"name": "PHALANX_AUTHKEY", "valueFrom": {
-            "secretKeyRef": {"name": job, "key": "authkey"}}}
+        assert env["PHALANX_AUTHKEY"] == {
+            "name": "PHALANX_AUTHKEY",
+            "valueFrom": {"secretKeyRef": {"name": job, "key": "authkey"}},
+        }
     finally:
         gang.close()
     k8s.wait_nothing_left(gang.gang_id)
@@ -544,6 +607,12 @@ def test_a_driver_started_outside_the_source_tree_still_starts_its_ranks(k8s, tm
     site = k8s.write_site(tmp_path / "site.yaml")
     (tmp_path / "wf.yaml").write_text("name: k8s-elsewhere\nstages:\n  one:\n    app: apps:rank_info\n    ranks: 1\n")
     env = {**os.environ, "PYTHONPATH": str(TESTS)}
-    out = subprocess.run([*PHALANX, "run", "wf.yaml", "--site", str(site), "--state", str(tmp_path / "state"),
-                          "--plain"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [*PHALANX, "run", "wf.yaml", "--site", str(site), "--state", str(tmp_path / "state"), "--plain"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout + out.stderr

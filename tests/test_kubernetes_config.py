@@ -18,13 +18,19 @@ from phalanx.orchestrator.yamlio import ConfigError, parse
 
 
 def site(**section) -> Site:
-    return parse(Site, {"name": "k", "executor": "kubernetes", "kubernetes": {"image": "img:1", **section}},
-                 source="test")
+    return parse(
+        Site, {"name": "k", "executor": "kubernetes", "kubernetes": {"image": "img:1", **section}}, source="test"
+    )
 
 
 def spec(**over) -> M.GangSpec:
-    base = dict(name="phalanx-g-ab12", ranks=3, argv=["python3", "-m", "phalanx.runtime.worker"],
-                env={"PHALANX_WORLD_SIZE": "3"}, authkey="0123456789abcdef" * 2)
+    base = dict(
+        name="phalanx-g-ab12",
+        ranks=3,
+        argv=["python3", "-m", "phalanx.runtime.worker"],
+        env={"PHALANX_WORLD_SIZE": "3"},
+        authkey="0123456789abcdef" * 2,
+    )
     return M.GangSpec(**{**base, **over})
 
 
@@ -33,13 +39,16 @@ def test_an_unknown_key_is_named_with_the_nearest_known_one():
         site(namespce="x")
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("gang", "slurm", r"kubernetes\.gang"),
-    ("network", "overlay", r"kubernetes\.network"),
-    ("cpu", 0, r"kubernetes\.cpu.*positive"),
-    ("namespace", "Not_A_Name", r"kubernetes\.namespace"),
-    ("gpus", -1, r"kubernetes\.gpus"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("gang", "slurm", r"kubernetes\.gang"),
+        ("network", "overlay", r"kubernetes\.network"),
+        ("cpu", 0, r"kubernetes\.cpu.*positive"),
+        ("namespace", "Not_A_Name", r"kubernetes\.namespace"),
+        ("gpus", -1, r"kubernetes\.gpus"),
+    ],
+)
 def test_bad_values_are_refused_at_their_key(key, value, message):
     with pytest.raises(ConfigError, match=message):
         site(**{key: value})
@@ -64,8 +73,7 @@ def test_the_job_is_indexed_all_or_nothing_and_fails_on_any_failed_pod():
     assert s["template"]["spec"]["restartPolicy"] == "Never"
     rules = s["podFailurePolicy"]["rules"]
     assert {r["action"] for r in rules} == {"FailJob"}
-    assert any(r.get("onExitCodes", {}).get("operator") == "NotIn" and r["onExitCodes"]["values"] == [0]
-               for r in rules)
+    assert any(r.get("onExitCodes", {}).get("operator") == "NotIn" and r["onExitCodes"]["values"] == [0] for r in rules)
     env = {e["name"]: e for e in s["template"]["spec"]["containers"][0]["env"]}
     assert "job-completion-index" in env["PHALANX_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
 
@@ -81,11 +89,18 @@ def test_the_control_key_is_in_the_secret_only():
 
 def test_memory_limit_defaults_to_the_request_and_the_sites_memory_is_shared_over_its_cores():
     assert M.resources(site(memory="2Gi").kubernetes, spec()) == {
-        "requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
+        "requests": {"cpu": "1", "memory": "2Gi"},
+        "limits": {"memory": "2Gi"},
+    }
     assert M.resources(site(memory="2Gi", memory_limit="3Gi", gpus=1).kubernetes, spec())["limits"] == {
-        "memory": "3Gi", "nvidia.com/gpu": "1"}
-    s = parse(Site, {"name": "k", "executor": "kubernetes", "cores": 4, "memory_gb": 8,
-                     "kubernetes": {"image": "x"}}, source="t")
+        "memory": "3Gi",
+        "nvidia.com/gpu": "1",
+    }
+    s = parse(
+        Site,
+        {"name": "k", "executor": "kubernetes", "cores": 4, "memory_gb": 8, "kubernetes": {"image": "x"}},
+        source="t",
+    )
     launcher = s.create_executor().launcher(2)
     assert launcher.memory == "2048Mi"
     assert M.resources(s.kubernetes, spec(memory=launcher.memory))["limits"] == {"memory": "2048Mi"}
@@ -100,7 +115,9 @@ def test_gang_scheduling_objects_by_mode():
     vjob = M.job(volcano_cfg, spec(gang_api="scheduling.volcano.sh/v1beta1"))
     assert vjob["spec"]["template"]["spec"]["schedulerName"] == "volcano"
     assert M.pod_group(volcano_cfg, spec(gang_api="scheduling.volcano.sh/v1beta1"))["spec"] == {
-        "minMember": 3, "queue": "q"}
+        "minMember": 3,
+        "queue": "q",
+    }
     kueue = M.job(site(gang="kueue", queue="team").kubernetes, spec())
     assert kueue["spec"]["suspend"] is True
     assert kueue["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team"
@@ -128,8 +145,8 @@ def test_host_mounts_share_the_drivers_python_read_only_and_the_store_read_write
     store.mkdir()
     monkeypatch.chdir(tmp_path)
     mounts = dict(host_mounts(_host_paths(["auto", "/usr:ro"]), {"PHALANX_STORE": str(store)}))
-    assert mounts[os.path.realpath(store)] is False          # written by ranks, under a read-only cwd
-    assert mounts[os.path.realpath(tmp_path)] is True         # the working directory
+    assert mounts[os.path.realpath(store)] is False  # written by ranks, under a read-only cwd
+    assert mounts[os.path.realpath(tmp_path)] is True  # the working directory
     assert mounts["/usr"] is True
     import sys
 
@@ -152,8 +169,12 @@ def test_a_config_error_fails_the_rank_but_a_kubelet_cache_sync_timeout_is_waite
     assert hopeless(W(reason="CreateContainerConfigError", message='secret "phalanx-x" not found'))
     assert hopeless(W(reason="ImagePullBackOff", message=None))
     # a loaded kubelet's secret manager: it retries by itself (seen in CI), the start timeout bounds it
-    assert not hopeless(W(reason="CreateContainerConfigError",
-                          message="failed to sync secret cache: timed out waiting for the condition"))
+    assert not hopeless(
+        W(
+            reason="CreateContainerConfigError",
+            message="failed to sync secret cache: timed out waiting for the condition",
+        )
+    )
     assert not hopeless(W(reason="ContainerCreating", message=None))
 
 
@@ -187,8 +208,10 @@ def test_workload_jobset_service_network_names_rank_pods_as_the_jobset_does():
     js = M.jobset(cfg, spec())
     assert js["spec"]["network"] == {"enableDNSHostnames": True, "subdomain": "phalanx-g-ab12"}
     assert M.rank_host(cfg, "phalanx-g-ab12", 0) == "phalanx-g-ab12-r-0-0.phalanx-g-ab12.default.svc"
-    assert M.rank_host(site(network="service").kubernetes, "phalanx-g-ab12", 0) == \
-        "phalanx-g-ab12-0.phalanx-g-ab12.default.svc"
+    assert (
+        M.rank_host(site(network="service").kubernetes, "phalanx-g-ab12", 0)
+        == "phalanx-g-ab12-0.phalanx-g-ab12.default.svc"
+    )
     # the longest gang name still gives rank 9999 a hostname within 63 characters
     name = M.job_name("phalanx", "X" * 80)
     assert len(f"{name}-{M.REPLICATED_JOB}-0-9999") <= 63

@@ -53,8 +53,10 @@ PACKAGE = "phalanx"
 # unit a module falls in decides its layer.  The root package ("phalanx", i.e. its __init__)
 # is a unit of its own: it is not a catch-all for modules nobody placed.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("phalanx.errors", "phalanx._registry", "phalanx.paths", "phalanx.private",
-              "phalanx.redact", "phalanx.procs")),
+    (
+        "base",
+        ("phalanx.errors", "phalanx._registry", "phalanx.paths", "phalanx.private", "phalanx.redact", "phalanx.procs"),
+    ),
     ("runtime", ("phalanx.runtime",)),
     ("operators", ("phalanx.operators",)),
     ("store", ("phalanx.store",)),
@@ -62,8 +64,18 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("executors", ("phalanx.executors",)),
     ("gang", ("phalanx.gang",)),
     ("orchestrator", ("phalanx.orchestrator",)),
-    ("entry points", ("phalanx", "phalanx.cli", "phalanx.api", "phalanx.handle",
-                      "phalanx.orchestrator.api", "phalanx.integrations", "phalanx.examples")),
+    (
+        "entry points",
+        (
+            "phalanx",
+            "phalanx.cli",
+            "phalanx.api",
+            "phalanx.handle",
+            "phalanx.orchestrator.api",
+            "phalanx.integrations",
+            "phalanx.examples",
+        ),
+    ),
 ]
 
 # Violations being fixed by the executor refactor (issue 10; files the lead owns: gang.py,
@@ -80,19 +92,27 @@ PENDING: dict[tuple[str, str], str] = {}
 # Default paths are decided in phalanx/paths.py only: the variables that override them and the
 # places they default to appear nowhere else.  File → why it still does (the same rules as PENDING).
 PATHS_PENDING: dict[str, str] = {}
-PATH_WORDS = {"PHALANX_LOG_DIR", "PHALANX_STATE", "PHALANX_STORE", "PHALANX_STORE_SPILL", "XDG_STATE_HOME",
-              "~/.local/state", "/dev/shm", "/var/tmp"}
+PATH_WORDS = {
+    "PHALANX_LOG_DIR",
+    "PHALANX_STATE",
+    "PHALANX_STORE",
+    "PHALANX_STORE_SPILL",
+    "XDG_STATE_HOME",
+    "~/.local/state",
+    "/dev/shm",
+    "/var/tmp",
+}
 
 
 # ---- the scanner -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Import:
-    source: str       # importing module, dotted
-    file: str         # its path, relative to the scanned root
+    source: str  # importing module, dotted
+    file: str  # its path, relative to the scanned root
     line: int
-    target: str       # imported module, dotted (always a module of the scanned package)
-    at_import: bool   # an import statement that runs when the source is imported (module level)
-    how: str          # "import", "registry target", "import_module"
+    target: str  # imported module, dotted (always a module of the scanned package)
+    at_import: bool  # an import statement that runs when the source is imported (module level)
+    how: str  # "import", "registry target", "import_module"
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:
@@ -110,8 +130,9 @@ _TARGET = re.compile(r"^([A-Za-z_][\w]*(?:\.[A-Za-z_]\w*)*):[A-Za-z_][\w.]*$")  
 
 
 def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
-           (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
 
 
 class _Collector(ast.NodeVisitor):
@@ -127,13 +148,14 @@ class _Collector(ast.NodeVisitor):
         while parts and ".".join(parts) not in self.modules:
             parts.pop()
         if parts:
-            self.found.append(Import(self.name, self.file, node.lineno, ".".join(parts),
-                                     self.depth == 0 and how == "import", how))
+            self.found.append(
+                Import(self.name, self.file, node.lineno, ".".join(parts), self.depth == 0 and how == "import", how)
+            )
 
     def _absolute(self, level: int, module: str | None) -> str:
         base = self.here.split(".")
         if level > 1:
-            base = base[:len(base) - (level - 1)]
+            base = base[: len(base) - (level - 1)]
         return ".".join(base + ([module] if module else []))
 
     # what is imported
@@ -156,8 +178,12 @@ class _Collector(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         func = node.func
         name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
-        if name in ("import_module", "__import__") and node.args and isinstance(node.args[0], ast.Constant) \
-                and isinstance(node.args[0].value, str):
+        if (
+            name in ("import_module", "__import__")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             text = node.args[0].value
             dots = len(text) - len(text.lstrip("."))
             self._add(node, self._absolute(dots, text[dots:] or None) if dots else text, "import_module")
@@ -184,8 +210,7 @@ def scan(root: Path = ROOT, package: str = PACKAGE) -> tuple[dict[str, Path], li
     names = set(files)
     imports = []
     for name, path in files.items():
-        collector = _Collector(name, path.name == "__init__.py", names,
-                               path.relative_to(root).as_posix(), package)
+        collector = _Collector(name, path.name == "__init__.py", names, path.relative_to(root).as_posix(), package)
         collector.visit(ast.parse(path.read_text(), filename=str(path)))
         imports += [i for i in collector.found if i.target != name]
     return files, imports
@@ -204,9 +229,12 @@ def unit_of(module: str, layers=LAYERS, package: str = PACKAGE) -> tuple[int, st
 
 
 def unplaced(files: dict[str, Path], layers=LAYERS) -> list[str]:
-    return [f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({name}) is in no layer: "
-            f"add it to LAYERS in tests/test_layering.py" for name, path in files.items()
-            if unit_of(name, layers) is None]
+    return [
+        f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} ({name}) is in no layer: "
+        f"add it to LAYERS in tests/test_layering.py"
+        for name, path in files.items()
+        if unit_of(name, layers) is None
+    ]
 
 
 def upward(imports: list[Import], layers=LAYERS) -> list[tuple[Import, str]]:
@@ -218,8 +246,13 @@ def upward(imports: list[Import], layers=LAYERS) -> list[tuple[Import, str]]:
             continue
         where = "at import" if imp.at_import else "inside a function"
         kind = "" if imp.how == "import" else f" (a {imp.how})"
-        found.append((imp, f"{imp.file}:{imp.line} imports {imp.target}{kind} {where} "
-                           f"(layer {layers[src[0]][0]} may not import layer {layers[dst[0]][0]})"))
+        found.append(
+            (
+                imp,
+                f"{imp.file}:{imp.line} imports {imp.target}{kind} {where} "
+                f"(layer {layers[src[0]][0]} may not import layer {layers[dst[0]][0]})",
+            )
+        )
     return found
 
 
@@ -284,8 +317,10 @@ def graph(imports: list[Import], node) -> dict[str, dict[str, list[Import]]]:
 
 
 def describe(cycle: list[str], edges: dict[str, dict[str, list[Import]]]) -> str:
-    hops = "\n".join(f"    {a} → {b}: " + ", ".join(dict.fromkeys(f"{i.file}:{i.line}" for i in edges[a][b]))
-                     for a, b in zip(cycle, cycle[1:]))
+    hops = "\n".join(
+        f"    {a} → {b}: " + ", ".join(dict.fromkeys(f"{i.file}:{i.line}" for i in edges[a][b]))
+        for a, b in zip(cycle, cycle[1:])
+    )
     return " → ".join(cycle) + "\n" + hops
 
 
@@ -304,32 +339,35 @@ def test_every_module_is_in_a_layer(scanned):
 def test_no_import_reaches_up_a_layer(scanned):
     _, imports = scanned
     new = [message for imp, message in upward(imports) if not is_pending(imp)]
-    assert not new, ("lower layers never import higher ones (tests/test_layering.py explains the "
-                     "layers; inject what a lower layer needs instead):\n" + "\n".join(new))
+    assert not new, (
+        "lower layers never import higher ones (tests/test_layering.py explains the "
+        "layers; inject what a lower layer needs instead):\n" + "\n".join(new)
+    )
 
 
 def test_no_import_cycle_between_packages(scanned):
     _, imports = scanned
     edges = graph([i for i in imports if not is_pending(i)], lambda m: (unit_of(m) or (0, m))[1])
     found = cycles(edges)
-    assert not found, "import cycles between phalanx's packages:\n" + \
-        "\n".join(describe(c, edges) for c in found)
+    assert not found, "import cycles between phalanx's packages:\n" + "\n".join(describe(c, edges) for c in found)
 
 
 def test_no_import_time_cycle_between_modules(scanned):
     _, imports = scanned
     edges = graph([i for i in imports if i.at_import and not is_pending(i)], lambda m: m)
     found = cycles(edges)
-    assert not found, "modules that import each other when imported:\n" + \
-        "\n".join(describe(c, edges) for c in found)
+    assert not found, "modules that import each other when imported:\n" + "\n".join(describe(c, edges) for c in found)
 
 
 def test_pending_allowances_still_occur(scanned):
     """The allowance list only shrinks: an entry whose import is gone (fixed) must be removed."""
     _, imports = scanned
     violations = {(imp.file, imp.target) for imp, _ in upward(imports)}
-    stale = [f"{file} no longer imports {target} from a higher layer: remove it from PENDING "
-             f"({reason})" for (file, target), reason in PENDING.items() if (file, target) not in violations]
+    stale = [
+        f"{file} no longer imports {target} from a higher layer: remove it from PENDING ({reason})"
+        for (file, target), reason in PENDING.items()
+        if (file, target) not in violations
+    ]
     assert not stale, "\n".join(stale)
 
 
@@ -340,8 +378,13 @@ def path_decisions(files: dict[str, Path], root: Path = ROOT) -> dict[str, list[
         if name == f"{PACKAGE}.paths":
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            word = node.value if isinstance(node, ast.Constant) and node.value in PATH_WORDS else \
-                "tempfile.gettempdir" if isinstance(node, ast.Attribute) and node.attr == "gettempdir" else None
+            word = (
+                node.value
+                if isinstance(node, ast.Constant) and node.value in PATH_WORDS
+                else "tempfile.gettempdir"
+                if isinstance(node, ast.Attribute) and node.attr == "gettempdir"
+                else None
+            )
             if word:
                 found.setdefault(path.relative_to(root).as_posix(), []).append((node.lineno, word))
     return {file: [f"{line}: {word}" for line, word in sorted(set(hits))] for file, hits in found.items()}
@@ -350,10 +393,17 @@ def path_decisions(files: dict[str, Path], root: Path = ROOT) -> dict[str, list[
 def test_default_paths_are_decided_in_one_module(scanned):
     files, _ = scanned
     found = path_decisions(files)
-    new = [f"{file}:{where} (a default path decided outside phalanx/paths.py: use phalanx.paths)"
-           for file, wheres in sorted(found.items()) if file not in PATHS_PENDING for where in wheres]
-    stale = [f"{file} no longer decides a default path: remove it from PATHS_PENDING ({reason})"
-             for file, reason in PATHS_PENDING.items() if file not in found]
+    new = [
+        f"{file}:{where} (a default path decided outside phalanx/paths.py: use phalanx.paths)"
+        for file, wheres in sorted(found.items())
+        if file not in PATHS_PENDING
+        for where in wheres
+    ]
+    stale = [
+        f"{file} no longer decides a default path: remove it from PATHS_PENDING ({reason})"
+        for file, reason in PATHS_PENDING.items()
+        if file not in found
+    ]
     assert not new + stale, "\n".join(new + stale)
 
 
@@ -366,10 +416,12 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 def test_the_scanner_resolves_relative_function_level_and_by_name_imports(tmp_path):
-    _write(tmp_path, {
-        "pkg/__init__.py": "from .low import thing\n",
-        "pkg/low/__init__.py": "",
-        "pkg/low/a.py": """\
+    _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .low import thing\n",
+            "pkg/low/__init__.py": "",
+            "pkg/low/a.py": """\
             from typing import TYPE_CHECKING
             from . import b                      # the submodule pkg.low.b
             from .. import high                  # the module pkg.high
@@ -382,10 +434,11 @@ def test_the_scanner_resolves_relative_function_level_and_by_name_imports(tmp_pa
                 importlib.import_module("..high", __package__)
             TARGET = "pkg.high.deep:Thing"       # a registry target
             """,
-        "pkg/low/b.py": "from . import thing_in_init\n",  # a name of pkg.low's __init__
-        "pkg/high/__init__.py": "",
-        "pkg/high/deep.py": "from ..low.a import f\n",
-    })
+            "pkg/low/b.py": "from . import thing_in_init\n",  # a name of pkg.low's __init__
+            "pkg/high/__init__.py": "",
+            "pkg/high/deep.py": "from ..low.a import f\n",
+        },
+    )
     files, imports = scan(tmp_path, "pkg")
     got = sorted((i.source, i.line, i.target, i.at_import, i.how) for i in imports)
     assert got == [
@@ -401,8 +454,10 @@ def test_the_scanner_resolves_relative_function_level_and_by_name_imports(tmp_pa
     ]
     layers = [("low", ("pkg.low",)), ("high", ("pkg.high",)), ("top", ("pkg",))]
     messages = [m for _, m in upward(imports, layers)]
-    assert "pkg/low/a.py:9 imports pkg.high.deep inside a function (layer low may not import layer high)" \
-        in messages and len(messages) == 5
+    assert (
+        "pkg/low/a.py:9 imports pkg.high.deep inside a function (layer low may not import layer high)" in messages
+        and len(messages) == 5
+    )
     edges = graph(imports, lambda m: (unit_of(m, layers, "pkg") or (0, m))[1])
     assert cycles(edges) == [["pkg.high", "pkg.low", "pkg.high"]]
     assert describe(cycles(edges)[0], edges).splitlines()[0] == "pkg.high → pkg.low → pkg.high"
@@ -443,8 +498,12 @@ def test_default_paths_come_from_one_module_with_their_overrides(tmp_path, monke
     from phalanx import paths
     from phalanx.orchestrator.rundb import RunDB
 
-    for var, fn in (("PHALANX_LOG_DIR", paths.default_log_root), ("PHALANX_STATE", paths.default_state_dir),
-                    ("PHALANX_STORE", paths.default_store_root), ("PHALANX_STORE_SPILL", paths.default_spill_root)):
+    for var, fn in (
+        ("PHALANX_LOG_DIR", paths.default_log_root),
+        ("PHALANX_STATE", paths.default_state_dir),
+        ("PHALANX_STORE", paths.default_store_root),
+        ("PHALANX_STORE_SPILL", paths.default_spill_root),
+    ):
         monkeypatch.setenv(var, str(tmp_path / var))
         assert fn() == tmp_path / var
     monkeypatch.delenv("PHALANX_STATE")

@@ -26,9 +26,9 @@ import phalanx as px
 from phalanx.runtime.env import BSPEnv
 
 SESSION = "ml-tests"
-N = 1003        # divisible by none of 2, 3, 4: every multi-rank gang pads (or trims)
+N = 1003  # divisible by none of 2, 3, 4: every multi-rank gang pads (or trims)
 B = 64
-NREG = 1200     # divisible by 1..4: equal shares, so DDP's mean of means is the full mean
+NREG = 1200  # divisible by 1..4: equal shares, so DDP's mean of means is the full mean
 
 
 def table_ids() -> pa.Table:
@@ -45,18 +45,20 @@ def regression(n: int, seed: int = 0) -> pa.Table:
 
 def table_types(n: int = 400) -> pa.Table:
     rng = np.random.default_rng(2)
-    return pa.table({
-        "i8": pa.array(rng.integers(-100, 100, n), pa.int8()),
-        "u16": pa.array(rng.integers(0, 60000, n), pa.uint16()),
-        "i32": pa.array(rng.integers(-10**6, 10**6, n), pa.int32()),
-        "i64": pa.array(rng.integers(-10**6, 10**6, n), pa.int64()),
-        "f16": pa.array(rng.normal(size=n).astype(np.float16)),
-        "f64": pa.array(rng.normal(size=n)),
-        "flag": pa.array(rng.random(n) < 0.5),
-        "cls": pa.array(rng.integers(0, 5, n), pa.int32()),
-        "nulls": pa.array(rng.normal(size=n), mask=np.arange(n) % 50 == 0),
-        "text": pa.array([f"s{i}" for i in range(n)]),
-    })
+    return pa.table(
+        {
+            "i8": pa.array(rng.integers(-100, 100, n), pa.int8()),
+            "u16": pa.array(rng.integers(0, 60000, n), pa.uint16()),
+            "i32": pa.array(rng.integers(-(10**6), 10**6, n), pa.int32()),
+            "i64": pa.array(rng.integers(-(10**6), 10**6, n), pa.int64()),
+            "f16": pa.array(rng.normal(size=n).astype(np.float16)),
+            "f64": pa.array(rng.normal(size=n)),
+            "flag": pa.array(rng.random(n) < 0.5),
+            "cls": pa.array(rng.integers(0, 5, n), pa.int32()),
+            "nulls": pa.array(rng.normal(size=n), mask=np.arange(n) % 50 == 0),
+            "text": pa.array([f"s{i}" for i in range(n)]),
+        }
+    )
 
 
 FEATURES = ["i8", "u16", "i32", "i64", "f16", "f64", "flag"]
@@ -130,7 +132,7 @@ def test_global_shuffle_covers_every_row_once_per_epoch(gang, store, drop_last):
             assert np.array_equal(np.concatenate(r[epoch]), expected), (rank, epoch)
     first, second, again = (np.concatenate([np.concatenate(r[e]) for r in ranks]) for e in range(3))
     assert not np.array_equal(first, second)  # a new permutation each epoch
-    assert np.array_equal(first, again)       # deterministic for (seed, epoch)
+    assert np.array_equal(first, again)  # deterministic for (seed, epoch)
 
 
 def test_global_shuffle_depends_on_the_seed(gang, store):
@@ -193,7 +195,8 @@ def app_chunked(env, kwargs):
     assert np.array_equal(again, restarted)
     assert [str(w.message) for w in caught] == [
         "px.ml.loader: epoch 1 iterated again with the same order; call loader.set_epoch(epoch) "
-        "before each epoch for a new permutation"]
+        "before each epoch for a new permutation"
+    ]
     chunks = ld.stats["chunks"]
     del ld
     gc.collect()
@@ -258,8 +261,11 @@ def test_dtype_conversion(gang, store):
 def app_errors(env):
     messages = []
     for features, label, kwargs in [
-        (["f64", "nulls"], None, {}), (["f64"], "text", {}), (["missing"], None, {}),
-        (["f64"], None, {"shuffle": "random"}), (["f64"], None, {"batch_size": 0}),
+        (["f64", "nulls"], None, {}),
+        (["f64"], "text", {}),
+        (["missing"], None, {}),
+        (["f64"], None, {"shuffle": "random"}),
+        (["f64"], None, {"batch_size": 0}),
         (["f64"], None, {"dtype": np.float32}),
     ]:
         try:
@@ -300,9 +306,10 @@ def app_ddp_grads(env):
     torch.manual_seed(100 + env.rank)  # different on every rank: DDP must start from rank 0's
     net = Net()
     model = px.ml.ddp(env, net)
-    ld = px.ml.loader(env, "reg", ["x0", "x1", "x2"], label="y", batch_size=NREG, shuffle="global",
-                      seed=4, session=SESSION)
-    (x, y), = list(ld)  # the rank's whole share as one batch
+    ld = px.ml.loader(
+        env, "reg", ["x0", "x1", "x2"], label="y", batch_size=NREG, shuffle="global", seed=4, session=SESSION
+    )
+    ((x, y),) = list(ld)  # the rank's whole share as one batch
     torch.nn.functional.mse_loss(model(x), y).backward()
     grads = [p.grad.numpy().copy() for p in net.parameters()]
     return {k: v.clone() for k, v in net.state_dict().items()}, env.comm.allgather_obj(grads)
@@ -377,8 +384,12 @@ def app_ddp_step(env):
     torch.nn.functional.mse_loss(model(x), x.sum(1)).backward()
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     again = px.ml.ddp(env, Net())  # a second model reuses the group
-    return ([p.detach().numpy().copy() for p in net.parameters()], dist.get_backend(),
-            dist.get_world_size(), isinstance(again, torch.nn.parallel.DistributedDataParallel))
+    return (
+        [p.detach().numpy().copy() for p in net.parameters()],
+        dist.get_backend(),
+        dist.get_world_size(),
+        isinstance(again, torch.nn.parallel.DistributedDataParallel),
+    )
 
 
 def _assert_ddp_step(results, ranks):
@@ -395,16 +406,19 @@ def test_ddp_on_every_communicator(communicator):
         _assert_ddp_step(g.run(app_ddp_step), 2)
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None,
-                    reason="needs mpirun and mpi4py")
+@pytest.mark.skipif(
+    shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None, reason="needs mpirun and mpi4py"
+)
 def test_ddp_on_an_mpi_gang():
     with px.Gang(ranks=2, communicator="mpi", executor="mpirun", echo=False) as g:
         _assert_ddp_step(g.run(app_ddp_step), 2)
 
 
 def test_import_phalanx_does_not_import_torch():
-    code = ("import sys, phalanx as px; assert 'torch' not in sys.modules; "
-            "assert callable(px.ml.loader) and callable(px.ml.ddp); assert 'torch' in sys.modules")
+    code = (
+        "import sys, phalanx as px; assert 'torch' not in sys.modules; "
+        "assert callable(px.ml.loader) and callable(px.ml.ddp); assert 'torch' in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

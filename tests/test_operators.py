@@ -7,10 +7,9 @@ import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-
-import phalanx as px
 from reference import assert_same_rows, gid_table, make_part, whole
 
+import phalanx as px
 
 JOIN_HOT = 0.02  # a hot key on both sides of a join multiplies: keep its output small
 
@@ -62,14 +61,16 @@ def test_from_pandas_agrees_on_schema_with_an_empty_rank(gang):
 # ---- local operators ----------------------------------------------------------------------
 def app_local(env):
     df = frame(env)
-    out = (df.filter(pc.field("w") > 0)
-             .assign(z=pc.field("w") * 2, c=lambda t: pc.add(t["w"], 1), one=1)
-             .filter(lambda t: pc.invert(pc.is_null(t["key"])))
-             .rename({"v": "value"})
-             .drop(["b", "ts"])
-             .add_scalar(10, columns=["w"])
-             .select(["key", "value", "w", "s", "z", "c", "one"])
-             .map_partitions(lambda t: t.to_pandas().assign(w2=lambda p: p["w"] * 2)))
+    out = (
+        df.filter(pc.field("w") > 0)
+        .assign(z=pc.field("w") * 2, c=lambda t: pc.add(t["w"], 1), one=1)
+        .filter(lambda t: pc.invert(pc.is_null(t["key"])))
+        .rename({"v": "value"})
+        .drop(["b", "ts"])
+        .add_scalar(10, columns=["w"])
+        .select(["key", "value", "w", "s", "z", "c", "one"])
+        .map_partitions(lambda t: t.to_pandas().assign(w2=lambda p: p["w"] * 2))
+    )
     return out.collect(root=0)
 
 
@@ -141,8 +142,7 @@ def app_dedup(env, subset, keep):
     return frame(env).drop_duplicates(subset, keep=keep).collect(root=0)
 
 
-@pytest.mark.parametrize("subset,keep", [(["key"], "first"), (["key", "s"], "last"),
-                                         (["s"], False), (None, "first")])
+@pytest.mark.parametrize("subset,keep", [(["key"], "first"), (["key", "s"], "last"), (["s"], False), (None, "first")])
 def test_drop_duplicates_matches_pandas(gang, subset, keep):
     out = gathered(gang.run(app_dedup, subset, keep))
     p = whole(gang.world_size).to_pandas()
@@ -159,8 +159,7 @@ def app_merge(env, how, broadcast, on):
 
 def _null_safe_join_sql(how: str, on: list[str]) -> str:
     cond = " AND ".join(f"l.{k} IS NOT DISTINCT FROM r.{k}" for k in on)
-    keys = ", ".join(f"COALESCE(l.{k}, r.{k}) AS {k}" if how in ("right", "outer") else f"l.{k} AS {k}"
-                     for k in on)
+    keys = ", ".join(f"COALESCE(l.{k}, r.{k}) AS {k}" if how in ("right", "outer") else f"l.{k} AS {k}" for k in on)
     lcols = [c for c in ("key", "s", "v", "w") if c not in on]
     rcols = [c for c in ("key", "s", "v", "b") if c not in on]
     both = set(lcols) & set(rcols)
@@ -224,9 +223,16 @@ FROM T {where} GROUP BY {keys}"""
 
 def app_groupby(env, keys, dropna, combine):
     df = frame(env)
-    return df.groupby(keys, dropna=dropna, combine=combine).agg(
-        {"v": ["sum", "count", "mean", "min", "max", "first", "last"], "w": "sum"},
-        s_min=("s", "min"), ts_max=("ts", "max"), n=(None, "size")).collect(root=0)
+    return (
+        df.groupby(keys, dropna=dropna, combine=combine)
+        .agg(
+            {"v": ["sum", "count", "mean", "min", "max", "first", "last"], "w": "sum"},
+            s_min=("s", "min"),
+            ts_max=("ts", "max"),
+            n=(None, "size"),
+        )
+        .collect(root=0)
+    )
 
 
 @pytest.mark.parametrize("combine", [True, False])
@@ -236,8 +242,19 @@ def test_groupby_matches_duckdb(gang, keys, dropna, combine):
     T = gid_table(whole(gang.world_size))
     where = "WHERE " + " AND ".join(f"{k} IS NOT NULL" for k in keys) if dropna else ""
     expected = sql(AGG_SQL.format(keys=", ".join(keys), where=where), T=T)
-    assert out.column_names == keys + ["v_sum", "v_count", "v_mean", "v_min", "v_max",
-                                       "v_first", "v_last", "w", "s_min", "ts_max", "n"]
+    assert out.column_names == keys + [
+        "v_sum",
+        "v_count",
+        "v_mean",
+        "v_min",
+        "v_max",
+        "v_first",
+        "v_last",
+        "w",
+        "s_min",
+        "ts_max",
+        "n",
+    ]
     assert out.schema.field("w").type == pa.int64() and out.schema.field("n").type == pa.int64()
     assert_same_rows(out, expected)
 
@@ -262,8 +279,10 @@ def app_sort(env, by, ascending):
     return df.collect(root=0), df.local_num_rows
 
 
-@pytest.mark.parametrize("by,ascending", [
-    (["key"], True), (["v"], False), (["s", "key", "ts"], [True, False, True]), (["b", "w"], [False, True])])
+@pytest.mark.parametrize(
+    "by,ascending",
+    [(["key"], True), (["v"], False), (["s", "key", "ts"], [True, False, True]), (["b", "w"], [False, True])],
+)
 def test_sort_values_matches_duckdb(gang, by, ascending):
     results = gang.run(app_sort, by, ascending)
     out = results[0][0]
@@ -285,24 +304,34 @@ def _sort_kernel_input(rows: int = 20_000, chunks: int = 3) -> pa.Table:
     f[rng.random(rows) < 0.05] = np.nan
     words = np.array(["", "a", "ab", "b", "Zebra", "zebra", "é", "a\x00", "ab "], dtype=object)
     s = words[rng.integers(0, len(words), rows)]
-    table = pa.table({
-        "f": pa.array(f, mask=rng.random(rows) < 0.05),
-        "s": pa.array(s, mask=rng.random(rows) < 0.05),
-        "i": pa.array(rng.integers(-3, 3, rows), mask=rng.random(rows) < 0.05),
-        "b": pa.array(rng.random(rows) < 0.5),
-        "d": pa.array(rng.integers(0, 5, rows).astype("datetime64[D]")),
-        "cat": pa.array(s).dictionary_encode(),
-        "u": pa.array([f"k{x}" for x in rng.integers(0, rows, rows)], pa.large_string()),
-        "row": pa.array(np.arange(rows)),
-    })
+    table = pa.table(
+        {
+            "f": pa.array(f, mask=rng.random(rows) < 0.05),
+            "s": pa.array(s, mask=rng.random(rows) < 0.05),
+            "i": pa.array(rng.integers(-3, 3, rows), mask=rng.random(rows) < 0.05),
+            "b": pa.array(rng.random(rows) < 0.5),
+            "d": pa.array(rng.integers(0, 5, rows).astype("datetime64[D]")),
+            "cat": pa.array(s).dictionary_encode(),
+            "u": pa.array([f"k{x}" for x in rng.integers(0, rows, rows)], pa.large_string()),
+            "row": pa.array(np.arange(rows)),
+        }
+    )
     cuts = np.linspace(0, rows, chunks + 1).astype(int)
     return pa.concat_tables([table.slice(a, b - a) for a, b in zip(cuts[:-1], cuts[1:])])
 
 
-@pytest.mark.parametrize("by,descending", [
-    (["s"], [False]), (["u"], [True]), (["f", "s"], [True, False]), (["i", "f"], [False, False]),
-    (["s", "i", "f"], [True, False, True]), (["cat", "b", "d"], [False, True, False]),
-    (["b", "u"], [False, False])])
+@pytest.mark.parametrize(
+    "by,descending",
+    [
+        (["s"], [False]),
+        (["u"], [True]),
+        (["f", "s"], [True, False]),
+        (["i", "f"], [False, False]),
+        (["s", "i", "f"], [True, False, True]),
+        (["cat", "b", "d"], [False, True, False]),
+        (["b", "u"], [False, False]),
+    ],
+)
 def test_sort_kernel_is_the_stable_order(by, descending):
     """The local sort (per-column passes, strings ranked) against DuckDB's ORDER BY with the
     row number as the last key: the stable order, nulls last, NaN above every number."""
@@ -310,14 +339,17 @@ def test_sort_kernel_is_the_stable_order(by, descending):
 
     T = _sort_kernel_input()
     got = kernels.sort(T, by, descending)
-    order = ", ".join(f"{'CAST(cat AS VARCHAR)' if c == 'cat' else c} {'DESC' if d else 'ASC'} NULLS LAST"
-                      for c, d in zip(by, descending))
+    order = ", ".join(
+        f"{'CAST(cat AS VARCHAR)' if c == 'cat' else c} {'DESC' if d else 'ASC'} NULLS LAST"
+        for c, d in zip(by, descending)
+    )
     expected = sql(f"SELECT row FROM T ORDER BY {order}, row", T=T)
     assert got.column("row").to_pylist() == expected.column("row").to_pylist()
     assert got.schema == T.schema
     # what a sample sort receives (sorted runs) gives the same order
-    runs = pa.concat_tables([kernels.sort(T.slice(0, 7000), by, descending),
-                             kernels.sort(T.slice(7000), by, descending)])
+    runs = pa.concat_tables(
+        [kernels.sort(T.slice(0, 7000), by, descending), kernels.sort(T.slice(7000), by, descending)]
+    )
     assert kernels.sort_runs(runs, by, descending).column("row").equals(got.column("row"))
 
 
@@ -332,8 +364,13 @@ def test_sort_spreads_a_skewed_key_over_ranks(gang):
 def app_pipeline(env):
     left = frame(env, seed=3, hot=JOIN_HOT).select(["key", "v"])
     right = frame(env, seed=4, hot=JOIN_HOT).select(["key", "w"])
-    out = (left.merge(right, on="key", how="inner").groupby("key").agg({"v": "sum", "w": "mean"})
-               .sort_values("key").add_scalar(1))
+    out = (
+        left.merge(right, on="key", how="inner")
+        .groupby("key")
+        .agg({"v": "sum", "w": "mean"})
+        .sort_values("key")
+        .add_scalar(1)
+    )
     return out.num_rows, out.collect(root=0)
 
 
@@ -341,8 +378,12 @@ def test_pipeline_join_groupby_sort_add(gang):
     results = gang.run(app_pipeline)
     L = whole(gang.world_size, seed=3, hot=JOIN_HOT).select(["key", "v"])
     R = whole(gang.world_size, seed=4, hot=JOIN_HOT).select(["key", "w"])
-    expected = sql("""SELECT key + 1 AS key, COALESCE(SUM(v), 0) + 1 AS v, AVG(w) + 1 AS w FROM L JOIN R USING (key)
-                      WHERE key IS NOT NULL GROUP BY key ORDER BY key""", L=L, R=R)
+    expected = sql(
+        """SELECT key + 1 AS key, COALESCE(SUM(v), 0) + 1 AS v, AVG(w) + 1 AS w FROM L JOIN R USING (key)
+                      WHERE key IS NOT NULL GROUP BY key ORDER BY key""",
+        L=L,
+        R=R,
+    )
     assert all(r[0] == expected.num_rows for r in results)
     out = results[0][1]
     assert out["key"].to_pylist() == expected["key"].to_pylist()
@@ -352,17 +393,20 @@ def test_pipeline_join_groupby_sort_add(gang):
 # ---- partitioning is tracked, so operators on the same keys skip their shuffle -----------
 def app_partition_tracking(env):
     df = frame(env).select(["key", "v", "w"]).shuffle("key")
-    claims = {"shuffle": df.partitioned_by,
-              "filter": df.filter(pc.field("w") > 0).partitioned_by,
-              "rename": df.rename({"key": "k2"}).partitioned_by,
-              "key changed": df.add_scalar(1, columns=["key"]).partitioned_by,
-              "key dropped": df.drop("key").partitioned_by,
-              "sorted": df.sort_values("v").partitioned_by,
-              "outer, different key names": df.merge(
-                  df.rename({"key": "k2", "v": "v2", "w": "w2"}), left_on="key", right_on="k2",
-                  how="outer", broadcast=False).partitioned_by,
-              "inner": df.merge(frame(env, seed=5, hot=JOIN_HOT).select(["key", "s"]), on="key",
-                                broadcast=False).partitioned_by}
+    claims = {
+        "shuffle": df.partitioned_by,
+        "filter": df.filter(pc.field("w") > 0).partitioned_by,
+        "rename": df.rename({"key": "k2"}).partitioned_by,
+        "key changed": df.add_scalar(1, columns=["key"]).partitioned_by,
+        "key dropped": df.drop("key").partitioned_by,
+        "sorted": df.sort_values("v").partitioned_by,
+        "outer, different key names": df.merge(
+            df.rename({"key": "k2", "v": "v2", "w": "w2"}), left_on="key", right_on="k2", how="outer", broadcast=False
+        ).partitioned_by,
+        "inner": df.merge(
+            frame(env, seed=5, hot=JOIN_HOT).select(["key", "s"]), on="key", broadcast=False
+        ).partitioned_by,
+    }
     same_keys = df.groupby("key").agg({"v": "sum", "w": "max"}).collect(root=0)
     moved_keys = df.add_scalar(1, columns=["key"]).groupby("key").agg({"w": "max"}).collect(root=0)
     dedup = df.drop_duplicates("key").collect(root=0)
@@ -371,14 +415,24 @@ def app_partition_tracking(env):
 
 def test_partitioning_is_tracked_and_results_stay_correct(gang):
     claims, same_keys, moved_keys, dedup = gathered(gang.run(app_partition_tracking))
-    assert claims == {"shuffle": ("key",), "filter": ("key",), "rename": ("k2",), "key changed": None,
-                      "key dropped": None, "sorted": None, "outer, different key names": None,
-                      "inner": ("key",)}
+    assert claims == {
+        "shuffle": ("key",),
+        "filter": ("key",),
+        "rename": ("k2",),
+        "key changed": None,
+        "key dropped": None,
+        "sorted": None,
+        "outer, different key names": None,
+        "inner": ("key",),
+    }
     T = whole(gang.world_size).select(["key", "v", "w"])
-    assert_same_rows(same_keys, sql("SELECT key, COALESCE(SUM(v), 0) AS v, MAX(w) AS w FROM T "
-                                    "WHERE key IS NOT NULL GROUP BY key", T=T))
-    assert_same_rows(moved_keys, sql("SELECT key + 1 AS key, MAX(w) AS w FROM T WHERE key IS NOT NULL "
-                                     "GROUP BY key", T=T))
+    assert_same_rows(
+        same_keys,
+        sql("SELECT key, COALESCE(SUM(v), 0) AS v, MAX(w) AS w FROM T WHERE key IS NOT NULL GROUP BY key", T=T),
+    )
+    assert_same_rows(
+        moved_keys, sql("SELECT key + 1 AS key, MAX(w) AS w FROM T WHERE key IS NOT NULL GROUP BY key", T=T)
+    )
     assert dedup.num_rows == len(set(T["key"].to_pylist()))
 
 
@@ -386,11 +440,13 @@ def test_partitioning_is_tracked_and_results_stay_correct(gang):
 def app_sparse(env, rows_on_rank0):
     t = make_part(env.rank, env.world_size, rows=rows_on_rank0 if env.rank == 0 else 0)
     df = px.DataFrame.from_arrow(t, env).select(["key", "v", "w", "s"])
-    out = {"sort": df.sort_values(["s", "key"], ascending=[False, True]),
-           "merge": df.merge(df.select(["key", "w"]), on="key", how="outer", broadcast=False),
-           "groupby": df.select(["key", "v", "w"]).groupby("key").sum(),
-           "drop_duplicates": df.drop_duplicates("key", keep="last"),
-           "head": df.head(3)}
+    out = {
+        "sort": df.sort_values(["s", "key"], ascending=[False, True]),
+        "merge": df.merge(df.select(["key", "w"]), on="key", how="outer", broadcast=False),
+        "groupby": df.select(["key", "v", "w"]).groupby("key").sum(),
+        "drop_duplicates": df.drop_duplicates("key", keep="last"),
+        "head": df.head(3),
+    }
     return {name: result.collect(root=0) for name, result in out.items()}
 
 
@@ -421,10 +477,14 @@ def test_hash_partition_kernel_keeps_order_and_colocates_equal_keys():
     rng = __import__("numpy").random.default_rng(7)
     n = 5000
     key = rng.integers(-50, 50, n)
-    t = pa.table({"k": pa.array(key, pa.int64(), mask=rng.random(n) < 0.1),
-                  "k2": pa.array(rng.integers(0, 3, n), pa.int64()),
-                  "s": pa.array(rng.choice(["a", "b", "", "ε"], n), mask=rng.random(n) < 0.1),
-                  "pos": pa.array(range(n), pa.int64())})
+    t = pa.table(
+        {
+            "k": pa.array(key, pa.int64(), mask=rng.random(n) < 0.1),
+            "k2": pa.array(rng.integers(0, 3, n), pa.int64()),
+            "s": pa.array(rng.choice(["a", "b", "", "ε"], n), mask=rng.random(n) < 0.1),
+            "pos": pa.array(range(n), pa.int64()),
+        }
+    )
     for keys in (["k"], ["k", "k2"], ["s"], ["s", "k"]):
         for nparts in (2, 3, 7, 300):
             parts = kernels.hash_partition(t, keys, nparts)
@@ -452,11 +512,15 @@ def app_shuffle_cases(env):
 
     rng = np.random.default_rng(env.rank)
     rows = 0 if (env.world_size >= 3 and env.rank == 1) else 3000
-    t = pa.table({"a": pa.array(rng.integers(0, 40, rows), pa.int32(), mask=rng.random(rows) < 0.1),
-                  "b": pa.array(rng.integers(0, 3, rows), pa.int64()),
-                  "s": pa.array(rng.choice(["x", "y", "zz", ""], rows), mask=rng.random(rows) < 0.1),
-                  "same": pa.array(np.full(rows, 9), pa.int64()),
-                  "gid": pa.array(np.arange(rows) + env.rank * 10**6, pa.int64())})
+    t = pa.table(
+        {
+            "a": pa.array(rng.integers(0, 40, rows), pa.int32(), mask=rng.random(rows) < 0.1),
+            "b": pa.array(rng.integers(0, 3, rows), pa.int64()),
+            "s": pa.array(rng.choice(["x", "y", "zz", ""], rows), mask=rng.random(rows) < 0.1),
+            "same": pa.array(np.full(rows, 9), pa.int64()),
+            "gid": pa.array(np.arange(rows) + env.rank * 10**6, pa.int64()),
+        }
+    )
     df = px.DataFrame.from_arrow(t, env)
     out = {}
     for on in (["a"], ["a", "b"], ["s"], ["s", "a"], ["same"]):
@@ -490,30 +554,48 @@ def app_sort_numeric(env, column, ascending, skew):
     f[rng.random(rows) < 0.05] = np.nan
     f[rng.random(rows) < 0.05] = -0.0
     i = rng.integers(-20, 20, rows) if not skew else np.full(rows, 3)
-    t = pa.table({
-        "i": pa.array(i, pa.int64(), mask=rng.random(rows) < 0.05),
-        "i8": pa.array(rng.integers(-100, 100, rows), pa.int8()),
-        "u": pa.array(rng.integers(0, 2**63, rows, dtype=np.uint64) * 2, pa.uint64()),
-        "f": pa.array(f, pa.float64(), mask=rng.random(rows) < 0.05),
-        "ts": pa.array(rng.integers(-10**6, 10**6, rows).astype("datetime64[s]"), pa.timestamp("s"),
-                       mask=rng.random(rows) < 0.05),
-        "d": pa.array(rng.integers(-1000, 1000, rows).astype("datetime64[D]"), pa.date32()),
-        "s": pa.array(rng.choice(["x", "y", "zz", "", "é"], rows), mask=rng.random(rows) < 0.1),
-        "c": pa.array(["same"] * rows, pa.string()),
-        "gid": pa.array(np.arange(rows) + env.rank * 10**6, pa.int64()),
-    })
+    t = pa.table(
+        {
+            "i": pa.array(i, pa.int64(), mask=rng.random(rows) < 0.05),
+            "i8": pa.array(rng.integers(-100, 100, rows), pa.int8()),
+            "u": pa.array(rng.integers(0, 2**63, rows, dtype=np.uint64) * 2, pa.uint64()),
+            "f": pa.array(f, pa.float64(), mask=rng.random(rows) < 0.05),
+            "ts": pa.array(
+                rng.integers(-(10**6), 10**6, rows).astype("datetime64[s]"),
+                pa.timestamp("s"),
+                mask=rng.random(rows) < 0.05,
+            ),
+            "d": pa.array(rng.integers(-1000, 1000, rows).astype("datetime64[D]"), pa.date32()),
+            "s": pa.array(rng.choice(["x", "y", "zz", "", "é"], rows), mask=rng.random(rows) < 0.1),
+            "c": pa.array(["same"] * rows, pa.string()),
+            "gid": pa.array(np.arange(rows) + env.rank * 10**6, pa.int64()),
+        }
+    )
     df = px.DataFrame.from_arrow(t, env).sort_values(column, ascending=ascending)
     return t, df.collect(root=0), df.local_num_rows
 
 
-@pytest.mark.parametrize("column,ascending,skew", [
-    ("i", True, False), ("i", False, False), ("i", True, True), ("i8", False, False),
-    ("u", True, False), ("f", True, False), ("f", False, False), ("ts", False, False),
-    ("d", True, False),
-    # several columns / strings: range-partitioned first by compare passes over splitter rows
-    ("s", False, False), (["s", "f"], [True, False], False), (["f", "s"], [False, True], False),
-    (["i", "s", "ts"], [True, False, True], True), (["s", "i"], [False, False], True),
-    (["i", "c"], [True, False], True)])  # every row ties: only the frame position spreads them
+@pytest.mark.parametrize(
+    "column,ascending,skew",
+    [
+        ("i", True, False),
+        ("i", False, False),
+        ("i", True, True),
+        ("i8", False, False),
+        ("u", True, False),
+        ("f", True, False),
+        ("f", False, False),
+        ("ts", False, False),
+        ("d", True, False),
+        # several columns / strings: range-partitioned first by compare passes over splitter rows
+        ("s", False, False),
+        (["s", "f"], [True, False], False),
+        (["f", "s"], [False, True], False),
+        (["i", "s", "ts"], [True, False, True], True),
+        (["s", "i"], [False, False], True),
+        (["i", "c"], [True, False], True),
+    ],
+)  # every row ties: only the frame position spreads them
 def test_sort_range_first_is_the_stable_global_order(gang, column, ascending, skew):
     """The range-partition-first paths: nulls last, NaN as DuckDB/polars, -0.0 == 0.0, ties in
     frame order (a stable sort), a key shared by every row still spread over the ranks."""
@@ -561,8 +643,12 @@ def test_range_ids_compare_passes_equal_the_binary_search():
 # ---- global aggregate, semi/anti join, top-k ----------------------------------------------
 def app_agg_all(env, rows):
     df = frame(env, rows=rows)
-    out = df.agg({"v": ["sum", "count", "mean", "min", "max", "first", "last"], "w": "sum"},
-                 s_min=("s", "min"), ts_max=("ts", "max"), n=(None, "size"))
+    out = df.agg(
+        {"v": ["sum", "count", "mean", "min", "max", "first", "last"], "w": "sum"},
+        s_min=("s", "min"),
+        ts_max=("ts", "max"),
+        n=(None, "size"),
+    )
     return out.collect(root=0), out.local_num_rows
 
 
@@ -573,13 +659,36 @@ def test_a_global_aggregate_is_one_row_on_rank_0_equal_to_duckdb(gang, rows):
     assert [r[1] for r in results] == [1] + [0] * (gang.world_size - 1)
     T = gid_table(whole(gang.world_size, rows=rows))
     expected = sql("SELECT " + AGG_SQL.split("SELECT {keys},", 1)[1].split("FROM")[0] + " FROM T", T=T)
-    assert out.column_names == ["v_sum", "v_count", "v_mean", "v_min", "v_max", "v_first", "v_last",
-                                "w", "s_min", "ts_max", "n"]
+    assert out.column_names == [
+        "v_sum",
+        "v_count",
+        "v_mean",
+        "v_min",
+        "v_max",
+        "v_first",
+        "v_last",
+        "w",
+        "s_min",
+        "ts_max",
+        "n",
+    ]
     assert out.schema.field("n").type == pa.int64() and out.schema.field("ts_max").type == T.schema.field("ts").type
     if rows == 0:  # sums and counts of nothing are 0; min, max, mean, first of nothing are null
-        assert out.to_pylist() == [{"v_sum": 0.0, "v_count": 0, "v_mean": None, "v_min": None, "v_max": None,
-                                    "v_first": None, "v_last": None, "w": 0, "s_min": None, "ts_max": None,
-                                    "n": 0}]
+        assert out.to_pylist() == [
+            {
+                "v_sum": 0.0,
+                "v_count": 0,
+                "v_mean": None,
+                "v_min": None,
+                "v_max": None,
+                "v_first": None,
+                "v_last": None,
+                "w": 0,
+                "s_min": None,
+                "ts_max": None,
+                "n": 0,
+            }
+        ]
     assert_same_rows(out, expected.cast(out.schema) if rows else out)
     if rows:
         assert out["n"][0].as_py() == T.num_rows
@@ -588,8 +697,12 @@ def test_a_global_aggregate_is_one_row_on_rank_0_equal_to_duckdb(gang, rows):
 def app_agg_errors(env):
     df = frame(env)
     errors = []
-    for call in (lambda: df.agg({"nope": "sum"}), lambda: df.agg({"v": "median"}), lambda: df.agg(),
-                 lambda: df.agg({"v": "sum"}, v=("w", "max"))):
+    for call in (
+        lambda: df.agg({"nope": "sum"}),
+        lambda: df.agg({"v": "median"}),
+        lambda: df.agg(),
+        lambda: df.agg({"v": "sum"}, v=("w", "max")),
+    ):
         try:
             call()
         except (KeyError, ValueError, TypeError) as exc:
@@ -633,9 +746,16 @@ def app_top_k(env, by, ascending, k, rows):
     return top.collect(root=0), top.local_num_rows, df.nlargest(k, "v").collect(root=0)
 
 
-@pytest.mark.parametrize("by,ascending,k", [
-    (["key"], True, 25), (["v"], False, 7), (["s", "key", "ts"], [True, False, True], 40), (["w"], True, 0),
-    (["w"], False, 100000)])
+@pytest.mark.parametrize(
+    "by,ascending,k",
+    [
+        (["key"], True, 25),
+        (["v"], False, 7),
+        (["s", "key", "ts"], [True, False, True], 40),
+        (["w"], True, 0),
+        (["w"], False, 100000),
+    ],
+)
 def test_top_k_equals_sort_then_head_ties_in_frame_order(gang, by, ascending, k):
     rows = 3000
     results = gang.run(app_top_k, by, ascending, k, rows)

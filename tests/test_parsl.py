@@ -40,26 +40,30 @@ ROWS, SEED = 3000, 11
 
 # ---- no Parsl needed ---------------------------------------------------------------------------
 def test_import_phalanx_never_imports_parsl():
-    code = ("import sys, phalanx as px\n"
-            "px.Workflow, px.submit, px.Gang\n"
-            "import phalanx.integrations.parsl as p\n"
-            "from phalanx.integrations.parsl import DatasetRef, BSPResult, output\n"
-            "import phalanx.integrations.parsl._rank\n"
-            "print(sorted(m for m in sys.modules if m == 'parsl' or m.startswith('parsl.')))\n")
+    code = (
+        "import sys, phalanx as px\n"
+        "px.Workflow, px.submit, px.Gang\n"
+        "import phalanx.integrations.parsl as p\n"
+        "from phalanx.integrations.parsl import DatasetRef, BSPResult, output\n"
+        "import phalanx.integrations.parsl._rank\n"
+        "print(sorted(m for m in sys.modules if m == 'parsl' or m.startswith('parsl.')))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
 
 
 def test_resource_specification_derived_and_checked():
-    from phalanx.integrations.parsl import (ResourceSpecError, check_resource_specification,
-                                            resource_specification)
+    from phalanx.integrations.parsl import ResourceSpecError, check_resource_specification, resource_specification
 
     assert resource_specification(2) == {"num_nodes": 1, "ranks_per_node": 2, "num_ranks": 2}
     assert resource_specification(3, ranks_per_node=2) == {"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 3}
     # ranks_per_node filled in as an integer (Parsl would write -ppn 1.5)
-    assert check_resource_specification({"num_nodes": 2, "num_ranks": 3}, 3) == \
-        {"num_nodes": 2, "ranks_per_node": 2, "num_ranks": 3}
+    assert check_resource_specification({"num_nodes": 2, "num_ranks": 3}, 3) == {
+        "num_nodes": 2,
+        "ranks_per_node": 2,
+        "num_ranks": 3,
+    }
     with pytest.raises(ResourceSpecError, match=r"no 'num_nodes'.*hang|no 'num_nodes'.*never returns"):
         check_resource_specification({"num_ranks": 2}, 2)
     with pytest.raises(ResourceSpecError, match="asks 4 ranks"):
@@ -90,8 +94,10 @@ def _expected(rows: int = ROWS, seed: int = SEED):
     con = duckdb.connect()
     con.register("tx", tx)
     con.register("users", users)
-    by_region = con.execute("SELECT region, sum(amount) AS amount, count(tx.user) AS n FROM tx JOIN users "
-                            "USING (user) GROUP BY region ORDER BY region").fetchall()
+    by_region = con.execute(
+        "SELECT region, sum(amount) AS amount, count(tx.user) AS n FROM tx JOIN users "
+        "USING (user) GROUP BY region ORDER BY region"
+    ).fetchall()
     totals = con.execute("SELECT user, sum(amount) FROM tx GROUP BY user ORDER BY user").fetchall()
     return by_region, totals
 
@@ -160,7 +166,7 @@ class TestHighThroughputExecutor:
         top = bsp_app(ranks=2, outputs=["top"], persistent=True)(parsl_apps.top_regions)
         a = gen(ROWS, SEED)
         b = mg(output(a, "tx"), users=output(a, "users").result().hashed("user"))
-        c = top(b, 3)                                   # a future with one output: its reference
+        c = top(b, 3)  # a future with one output: its reference
         first, second = _assert_chain(a, b, "site")
         expected_regions, _ = _expected()
         best = sorted(expected_regions, key=lambda r: -r[1])[:3]
@@ -180,10 +186,9 @@ class TestHighThroughputExecutor:
 
         gen = bsp_app(ranks=2, outputs=["tx", "users"], persistent=True)(parsl_apps.generate)
         wf = px.Workflow("parsl-totals")
-        wf.stage(ranks=2, inputs={"tx": {"dataset": "tx", "by": ["user"]}}, outputs=["totals"])(
-            parsl_apps.totals_stage)
+        wf.stage(ranks=2, inputs={"tx": {"dataset": "tx", "by": ["user"]}}, outputs=["totals"])(parsl_apps.totals_stage)
         run = wf.as_parsl_app(site="local", state=tmp_path)
-        fut = run(tx=output(gen(ROWS, SEED), "tx"))    # a workflow: one node of the Parsl DAG
+        fut = run(tx=output(gen(ROWS, SEED), "tx"))  # a workflow: one node of the Parsl DAG
         result = fut.result(timeout=240)
         assert isinstance(result, WorkflowResult)
         _, expected_totals = _expected()
@@ -200,10 +205,10 @@ class TestHighThroughputExecutor:
         wf = px.Workflow("parsl-broken")
         wf.stage(ranks=1, outputs=["x"])(parsl_apps.failing_stage)
         exc = wf.as_parsl_app(site="local", state=tmp_path)().exception(timeout=240)
-        assert isinstance(exc, JoinError)                 # Parsl's wrapper of a join app's failure
+        assert isinstance(exc, JoinError)  # Parsl's wrapper of a join app's failure
         cause = exc.dependent_exceptions_tids[0][0]
         assert isinstance(cause, WorkflowFailed)
-        for text in (str(exc), str(cause)):               # run, stage and the rank's error, both ways
+        for text in (str(exc), str(cause)):  # run, stage and the rank's error, both ways
             assert "stage failing_stage failed" in text and "RuntimeError: stage boom" in text
 
 
@@ -223,7 +228,8 @@ class TestMPIExecutorHere:
 
         gen = bsp_app(ranks=2, communicator="mpi", outputs=["tx", "users"])(parsl_apps.generate)
         mg = bsp_app(ranks=2, communicator="mpi", outputs=["by_region"], launcher="mpiexec")(
-            parsl_apps.merge_groupby)                  # $PARSL_MPIEXEC_PREFIX, here the same launcher
+            parsl_apps.merge_groupby
+        )  # $PARSL_MPIEXEC_PREFIX, here the same launcher
         a = gen(ROWS, SEED)
         b = mg(output(a, "tx"), output(a, "users"))
         assert a.task_record["resource_specification"] == {"num_nodes": 1, "ranks_per_node": 2, "num_ranks": 2}
@@ -271,8 +277,9 @@ class TestSlurmProviderMPI:
         from phalanx.integrations.parsl import bsp_app, output
 
         gen = bsp_app(ranks=2, ranks_per_node=2, communicator="mpi", outputs=["tx", "users"])(parsl_apps.generate)
-        mg = bsp_app(ranks=2, ranks_per_node=2, communicator="mpi", launcher="srun",
-                     outputs=["by_region"])(parsl_apps.merge_groupby)
+        mg = bsp_app(ranks=2, ranks_per_node=2, communicator="mpi", launcher="srun", outputs=["by_region"])(
+            parsl_apps.merge_groupby
+        )
         a = gen(ROWS, SEED)
         b = mg(output(a, "tx"), output(a, "users"))
         _assert_chain(a, b, "mpi")
@@ -313,8 +320,9 @@ class TestSlurmProvider:
         _, jobs = self._job(dfk_for)
         assert jobs
         for job in jobs:
-            steps = subprocess.run(["squeue", "-h", "-s", "-j", str(job), "-o", "%i"], env=env,
-                                   capture_output=True, text=True, timeout=30).stdout.split()
+            steps = subprocess.run(
+                ["squeue", "-h", "-s", "-j", str(job), "-o", "%i"], env=env, capture_output=True, text=True, timeout=30
+            ).stdout.split()
             assert not [s for s in steps if re.fullmatch(rf"{job}\.\d+", s)], f"steps left: {steps}"
 
     def test_block_job_ends_with_the_dataflow_kernel(self, dfk_for, slurm_cluster):
@@ -328,8 +336,13 @@ class TestSlurmProvider:
         env = {**os.environ, "SLURM_CONF": slurm_cluster}
         deadline = time.monotonic() + 30
         while True:
-            states = subprocess.run(["squeue", "-h", "-t", "all", "-j", ",".join(map(str, jobs)), "-o", "%T"],
-                                    env=env, capture_output=True, text=True, timeout=30).stdout.split()
+            states = subprocess.run(
+                ["squeue", "-h", "-t", "all", "-j", ",".join(map(str, jobs)), "-o", "%T"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.split()
             live = [s for s in states if s in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED")]
             if not live or time.monotonic() > deadline:
                 break

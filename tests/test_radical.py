@@ -22,13 +22,12 @@ import uuid
 from pathlib import Path
 
 import pytest
+from infra import radical as rinfra
 
 import phalanx as px
 from phalanx.errors import GangError
 from phalanx.executors.radical.config import RadicalConfig
 from phalanx.executors.radical.launcher import _WRAPPER, dq
-
-from infra import radical as rinfra
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -77,8 +76,11 @@ def test_the_rank_wrapper_gets_every_argument_as_written(tmp_path):
     (``$`` and backquotes left to the shell): argv travels in the environment, escaped, and
     arrives unchanged — exactly as RP's exec script does it."""
     argv = ["/bin/sh", "-c", 'printf "%s\\n" "$0" "$@"; exit 3', "$HOME", 'a"b\\c', "`id`", "", "it's"]
-    env = {"PHALANX_RP_WRAPPER": dq(_WRAPPER), "PHALANX_RP_ARGC": str(len(argv)),
-           **{f"PHALANX_RP_ARG_{i}": dq(a) for i, a in enumerate(argv)}}
+    env = {
+        "PHALANX_RP_WRAPPER": dq(_WRAPPER),
+        "PHALANX_RP_ARGC": str(len(argv)),
+        **{f"PHALANX_RP_ARG_{i}": dq(a) for i, a in enumerate(argv)},
+    }
     script = "".join(f'export {k}="{v}"\n' for k, v in env.items())
     script += f'export RP_TASK_SANDBOX={tmp_path} RP_RANK=1\n/bin/sh "-c" "$PHALANX_RP_WRAPPER" "phalanx-rank"\n'
     assert subprocess.run(["bash", "-c", script]).returncode == 3
@@ -126,8 +128,9 @@ def _listeners(pids: set[int], skip: set[str] = frozenset()) -> list[tuple[int, 
             if parts[3] == "0A" and parts[9] in inodes:  # LISTEN
                 hexaddr = parts[1].split(":")[0]
                 if v6:  # four little-endian 32-bit words
-                    addr = socket.inet_ntop(socket.AF_INET6, b"".join(
-                        bytes.fromhex(hexaddr[i:i + 8])[::-1] for i in range(0, 32, 8)))
+                    addr = socket.inet_ntop(
+                        socket.AF_INET6, b"".join(bytes.fromhex(hexaddr[i : i + 8])[::-1] for i in range(0, 32, 8))
+                    )
                 else:
                     addr = socket.inet_ntoa(bytes.fromhex(hexaddr)[::-1])
                 found.append((inodes[parts[9]], addr))
@@ -148,9 +151,10 @@ def _under(root: Path) -> set[int]:
 
 
 def _env_of(app_env):
-    return {k: os.environ.get(k) for k in ("RP_RANK", "RP_TASK_ID", "RP_PILOT_ID", "RP_CORES_PER_RANK",
-                                           "PHALANX_THREADS", "PHALANX_GANG_ID")} | {"rank": app_env.rank,
-                                                                                      "pid": os.getpid()}
+    return {
+        k: os.environ.get(k)
+        for k in ("RP_RANK", "RP_TASK_ID", "RP_PILOT_ID", "RP_CORES_PER_RANK", "PHALANX_THREADS", "PHALANX_GANG_ID")
+    } | {"rank": app_env.rank, "pid": os.getpid()}
 
 
 @needs_rp
@@ -169,7 +173,9 @@ def test_ranks_come_from_rp_rank_and_every_rp_endpoint_is_on_loopback(site, sand
         pids = _under(sandbox) | {f["pid"] for f in facts} | {os.getpid()}
         listening = _listeners(pids, skip=earlier)
         assert len(listening) > 10, listening  # RP's endpoints were found at all
-        wide = [(pid, addr, _name(pid)) for pid, addr in listening if addr not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")]
+        wide = [
+            (pid, addr, _name(pid)) for pid, addr in listening if addr not in ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+        ]
         assert [w for w in wide if w[2] not in ("mpiexec", "orterun")] == [], wide
 
 
@@ -201,11 +207,21 @@ def test_a_stage_section_sets_its_gangs_cores_and_command_arguments_arrive_as_wr
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
 
-    probe = ("import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'rank': os.environ['PHALANX_RANK'], "
-             "'cores': os.environ['RP_CORES_PER_RANK']}))")
-    wf = Workflow(name="radical-stage", stages={
-        "cmd": Stage(kind="command", command=["python", "-c", probe, "$HOME", 'a"b', "`id`"], ranks=2,
-                     radical={"cores_per_rank": 2})})
+    probe = (
+        "import json, os, sys; print(json.dumps({'argv': sys.argv[1:], 'rank': os.environ['PHALANX_RANK'], "
+        "'cores': os.environ['RP_CORES_PER_RANK']}))"
+    )
+    wf = Workflow(
+        name="radical-stage",
+        stages={
+            "cmd": Stage(
+                kind="command",
+                command=["python", "-c", probe, "$HOME", 'a"b', "`id`"],
+                ranks=2,
+                radical={"cores_per_rank": 2},
+            )
+        },
+    )
     db = RunDB(tmp_path / "state")
     result = run_workflow(wf, site, db=db)
     assert result.ok, result.failed
@@ -226,8 +242,12 @@ def test_a_pilot_rp_cannot_start_fails_the_gang_with_rps_words(sandbox):
     with pytest.raises(GangError) as info:
         px.Gang(1, site=site, echo=False, start_timeout=60).start()
     assert time.monotonic() - t0 < 60
-    assert re.search(r"radical: pilot .* FAILED before it became active.*RP.s pilot launcher: RuntimeError: missing "
-                     r"resource manager", str(info.value), re.S), str(info.value)
+    assert re.search(
+        r"radical: pilot .* FAILED before it became active.*RP.s pilot launcher: RuntimeError: missing "
+        r"resource manager",
+        str(info.value),
+        re.S,
+    ), str(info.value)
 
 
 _DRIVER = textwrap.dedent("""
@@ -259,8 +279,10 @@ def _marked(mark: str) -> list[int]:
     out = []
     for entry in os.scandir("/proc"):
         try:
-            if entry.name.isdigit() and f"PHALANX_TEST_MARK={mark}".encode() in \
-                    open(f"/proc/{entry.name}/environ", "rb").read():
+            if (
+                entry.name.isdigit()
+                and f"PHALANX_TEST_MARK={mark}".encode() in open(f"/proc/{entry.name}/environ", "rb").read()
+            ):
                 out.append(int(entry.name))
         except OSError:
             pass
@@ -280,9 +302,12 @@ def test_a_killed_drivers_pilot_ends_by_its_watcher_or_by_release(tmp_path, watc
 
     mark = f"phalanx-radical-test-{uuid.uuid4().hex}"
     records = tmp_path / "records.jsonl"
-    proc = subprocess.Popen([sys.executable, "-c", _DRIVER, str(tmp_path / "rp"), str(records), str(REPO / "tests"),
-                             str(REPO)], env={**os.environ, "PHALANX_TEST_MARK": mark}, stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _DRIVER, str(tmp_path / "rp"), str(records), str(REPO / "tests"), str(REPO)],
+        env={**os.environ, "PHALANX_TEST_MARK": mark},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "ready", "the driver did not start its gang"
         held: dict[str, dict] = {}
@@ -294,9 +319,12 @@ def test_a_killed_drivers_pilot_ends_by_its_watcher_or_by_release(tmp_path, watc
         pilots = [r for r in held.values() if r["kind"] == "pilot"]
         assert len(pilots) == 1 and [r["kind"] for r in held.values()].count("task") == 1, held
         sandbox = Path(pilots[0]["sandbox"])
-        watchers = [p for p in _under(sandbox)  # python .../radical/watch.py HOST PORT (not the bootstrap)
-                    if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:2] == [
-                        str(REPO / "phalanx" / "executors" / "radical" / "watch.py").encode()]]
+        watchers = [
+            p
+            for p in _under(sandbox)  # python .../radical/watch.py HOST PORT (not the bootstrap)
+            if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[1:2]
+            == [str(REPO / "phalanx" / "executors" / "radical" / "watch.py").encode()]
+        ]
         assert len(watchers) == 1, "the pilot has no watcher"
         if watcher == "no-watcher":
             os.kill(watchers[0], signal.SIGKILL)
@@ -329,9 +357,14 @@ def test_the_etl_example_gives_the_same_data_on_radical_as_locally(tmp_path):
     env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state")}
     sessions = {}
     for name in ("local", "radical-local"):
-        r = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", "workflows/etl_to_training.yaml",
-                            "--site", name, "--plain"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=900)
+        r = subprocess.run(
+            [sys.executable, "-m", "phalanx.cli", "run", "workflows/etl_to_training.yaml", "--site", name, "--plain"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         assert r.returncode == 0, f"{name}: {r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         sessions[name] = _session_of(env)
     local, remote = (px.Store(session=sessions[n]) for n in ("local", "radical-local"))

@@ -33,9 +33,15 @@ def app_where(env):
     import ray as _ray
 
     ctx = _ray.get_runtime_context()
-    return {"rank": env.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-            "env_node_id": os.environ.get("PHALANX_RAY_NODE_ID"), "actor_id": ctx.get_actor_id(),
-            "threads": env.threads, "polars_threads": __import__("polars").thread_pool_size()}
+    return {
+        "rank": env.rank,
+        "pid": os.getpid(),
+        "node_id": ctx.get_node_id(),
+        "env_node_id": os.environ.get("PHALANX_RAY_NODE_ID"),
+        "actor_id": ctx.get_actor_id(),
+        "threads": env.threads,
+        "polars_threads": __import__("polars").thread_pool_size(),
+    }
 
 
 def app_allgather(env):
@@ -47,8 +53,7 @@ def app_allgather(env):
 def app_alltoallv(env):
     n = env.world_size
     counts = [(env.rank + 1) * dest for dest in range(n)]  # uneven, zeros to rank 0
-    send = np.concatenate([np.full(c, 16 * env.rank + dest, dtype=np.uint8)
-                           for dest, c in enumerate(counts)])
+    send = np.concatenate([np.full(c, 16 * env.rank + dest, dtype=np.uint8) for dest, c in enumerate(counts)])
     recv, recv_counts = env.comm.alltoallv(send, counts)
     return [int(c) for c in recv_counts], recv.tobytes()
 
@@ -103,8 +108,11 @@ def live_groups(gang: px.Gang) -> list[str]:
     """States of the gang's placement groups (named phalanx-<gang id>) that Ray still keeps."""
     from ray.util.placement_group import placement_group_table
 
-    return [t["state"] for t in placement_group_table().values()
-            if t["name"] == f"phalanx-{gang.gang_id}" and t["state"] != "REMOVED"]
+    return [
+        t["state"]
+        for t in placement_group_table().values()
+        if t["name"] == f"phalanx-{gang.gang_id}" and t["state"] != "REMOVED"
+    ]
 
 
 def wait_until(cond, within=10.0) -> bool:
@@ -177,7 +185,6 @@ class TestPersistentSpreadGang:
         # and, with echo, to the driver, prefixed by rank
         assert wait_until(lambda: "[rank 2] rank 2 says hello 2" in spread_gang.echoed, 5)
 
-
     def test_a_reused_gang_writes_to_the_next_stages_log_dir(self, spread_gang, tmp_path):
         old = spread_gang.log_dir
         assert spread_gang.redirect_logs(tmp_path / "next")
@@ -187,12 +194,27 @@ class TestPersistentSpreadGang:
         assert wait_until(lambda: "[rank 1] rank 1 says hello 7" in spread_gang.echoed, 5)
 
 
-@pytest.mark.parametrize("ranks, kw, reasons", [
-    (4, {"strategy": "STRICT_SPREAD"},
-     ["4×{CPU: 1} STRICT_SPREAD", "Ray says INFEASIBLE", "cluster has 3 nodes", "STRICT_SPREAD needs 4 distinct nodes"]),
-    (2, {"strategy": "PACK", "resources": {"node_a": 1}},
-     ["2×{CPU: 1, node_a: 1} PACK", "1 of them can hold a bundle", "the gang needs {CPU: 2, node_a: 2}"]),
-], ids=["strict-spread-4-on-3-nodes", "two-ranks-need-node_a"])
+@pytest.mark.parametrize(
+    "ranks, kw, reasons",
+    [
+        (
+            4,
+            {"strategy": "STRICT_SPREAD"},
+            [
+                "4×{CPU: 1} STRICT_SPREAD",
+                "Ray says INFEASIBLE",
+                "cluster has 3 nodes",
+                "STRICT_SPREAD needs 4 distinct nodes",
+            ],
+        ),
+        (
+            2,
+            {"strategy": "PACK", "resources": {"node_a": 1}},
+            ["2×{CPU: 1, node_a: 1} PACK", "1 of them can hold a bundle", "the gang needs {CPU: 2, node_a: 2}"],
+        ),
+    ],
+    ids=["strict-spread-4-on-3-nodes", "two-ranks-need-node_a"],
+)
 def test_unplaceable_gang_fails_within_its_timeout_and_leaves_no_group(ray_cluster, ranks, kw, reasons):
     gang = px.Gang(ranks, executor=launcher(ray_cluster, ranks, ready_timeout_s=2, **kw), echo=False)
     t0 = time.monotonic()
@@ -254,8 +276,9 @@ def test_a_command_runs_as_a_child_of_each_rank_actor(ray_cluster, tmp_path):
     """A command stage's program (not the phalanx worker): one per rank, exit codes per rank."""
     lch = launcher(ray_cluster, 2, strategy="SPREAD")
     code = "import os, sys; print('rank', os.environ['PHALANX_RANK'], os.getcwd()); sys.exit(3 * int(os.environ['PHALANX_RANK']))"
-    env = [{"PHALANX_RANK": str(r), "PHALANX_WORLD_SIZE": "2", "PHALANX_GANG_ID": f"cmd-{os.getpid()}"}
-           for r in range(2)]
+    env = [
+        {"PHALANX_RANK": str(r), "PHALANX_WORLD_SIZE": "2", "PHALANX_GANG_ID": f"cmd-{os.getpid()}"} for r in range(2)
+    ]
     try:
         lch.launch([sys.executable, "-c", code], env, tmp_path)
         assert wait_until(lambda: None not in lch.exitcodes(), 30), lch.status()
@@ -271,14 +294,26 @@ def test_a_workflow_stage_whose_actor_dies_is_retried_on_a_fresh_gang(ray_cluste
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
 
-    site = Site(name="ray-wf", executor="ray", cores=3,
-                ray={"address": ray_cluster.address, "strategy": "SPREAD", "ready_timeout_s": 30})
-    wf = Workflow(name="ray-tot", stages={
-        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 3000, "seed": 5}, outputs=["tx"]),
-        "totals": Stage(app="test_ray:app_totals_killed_once", ranks=3, retries=1,
-                        inputs={"tx": {"dataset": "tx", "by": ["user"]}}, outputs=["totals"],
-                        params={"marker": str(tmp_path / "killed")}),
-    })
+    site = Site(
+        name="ray-wf",
+        executor="ray",
+        cores=3,
+        ray={"address": ray_cluster.address, "strategy": "SPREAD", "ready_timeout_s": 30},
+    )
+    wf = Workflow(
+        name="ray-tot",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 3000, "seed": 5}, outputs=["tx"]),
+            "totals": Stage(
+                app="test_ray:app_totals_killed_once",
+                ranks=3,
+                retries=1,
+                inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                outputs=["totals"],
+                params={"marker": str(tmp_path / "killed")},
+            ),
+        },
+    )
     db = RunDB(tmp_path / "state")
     result = run_workflow(wf, site, db=db)
     assert result.ok, result.failed
@@ -311,12 +346,19 @@ def test_a_gangs_placement_group_is_announced_and_released_from_another_process(
     ex.open_run(hook=(hook := Hook()))
     lch = ex.launcher(2)  # tells the run's hook
     with px.Gang(2, executor=lch, echo=False) as gang:
-        record = {"executor": "ray", "kind": "placement_group", "id": f"phalanx-{gang.gang_id}",
-                  "ranks": 2, "address": ray_cluster.address, "namespace": ray.get_runtime_context().namespace}
+        record = {
+            "executor": "ray",
+            "kind": "placement_group",
+            "id": f"phalanx-{gang.gang_id}",
+            "ranks": 2,
+            "address": ray_cluster.address,
+            "namespace": ray.get_runtime_context().namespace,
+        }
         assert hook == [("held", record)]
         code = "import json, sys; from phalanx.executors import release; print(release(json.loads(sys.argv[1])))"
-        out = subprocess.run([sys.executable, "-c", code, json.dumps(record)], capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", code, json.dumps(record)], capture_output=True, text=True, timeout=120
+        )
         assert out.stdout.strip() == f"ray: removed placement group {record['id']} and killed 2 rank actor(s)", out
         assert wait_until(lambda: not any(alive(p) for p in gang.pids))
         assert wait_until(lambda: not live_groups(gang))
@@ -337,8 +379,10 @@ def test_missing_ray_names_the_extra(monkeypatch):
 
 def test_the_executor_builds_launchers_from_the_site_section_and_a_stages():
     """What a site's ``ray:`` section and a stage's own section over it give a gang."""
-    ex = RayExecutor({"address": "ray://head:10001", "strategy": "strict_spread", "cpus_per_rank": 2,
-                      "resources": {"GPU": 1}}, site="gpu")
+    ex = RayExecutor(
+        {"address": "ray://head:10001", "strategy": "strict_spread", "cpus_per_rank": 2, "resources": {"GPU": 1}},
+        site="gpu",
+    )
     lch = ex.launcher(3)
     assert lch.site == "gpu" and lch.config.strategy == "STRICT_SPREAD" and lch.config.address == "ray://head:10001"
     assert lch.bundles(3) == [{"CPU": 2.0, "GPU": 1.0}] * 3

@@ -26,20 +26,30 @@ def errors(section: dict) -> list[str]:
     return text.removeprefix("site 's' (ray): ").split("; ray.")
 
 
-@pytest.mark.parametrize("section, expected", [
-    ({"cpus": 2}, "ray.cpus: unknown key; known: address, namespace, strategy, cpus_per_rank, resources, "
-                  "ready_timeout_s, runtime_env, init"),
-    ({"stratgy": "PACK"}, "ray.stratgy: unknown key (did you mean 'strategy'?)"),
-    ({"strategy": "SIDEWAYS"}, "ray.strategy: unknown strategy 'SIDEWAYS'; known: STRICT_PACK, PACK, SPREAD, "
-                               "STRICT_SPREAD"),
-    ({"strategy": "spred"}, "ray.strategy: unknown strategy 'spred' (did you mean 'SPREAD'?)"),
-    ({"namespace": []}, "ray.namespace: must be a string or null"),
-    ({"cpus_per_rank": 0}, "ray.cpus_per_rank: Input should be greater than 0"),
-    ({"resources": 3}, "ray.resources: must be a mapping (added to every bundle) or a list of mappings "
-                       "(one per rank)"),
-    ({"resources": [{"node_a": 1}, {"node_b": "x"}]}, "ray.resources.1.node_b: must be a number"),
-    ({"resources": {"GPU": -1}}, "ray.resources.GPU: must be a finite number ≥ 0"),
-])
+@pytest.mark.parametrize(
+    "section, expected",
+    [
+        (
+            {"cpus": 2},
+            "ray.cpus: unknown key; known: address, namespace, strategy, cpus_per_rank, resources, "
+            "ready_timeout_s, runtime_env, init",
+        ),
+        ({"stratgy": "PACK"}, "ray.stratgy: unknown key (did you mean 'strategy'?)"),
+        (
+            {"strategy": "SIDEWAYS"},
+            "ray.strategy: unknown strategy 'SIDEWAYS'; known: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD",
+        ),
+        ({"strategy": "spred"}, "ray.strategy: unknown strategy 'spred' (did you mean 'SPREAD'?)"),
+        ({"namespace": []}, "ray.namespace: must be a string or null"),
+        ({"cpus_per_rank": 0}, "ray.cpus_per_rank: Input should be greater than 0"),
+        (
+            {"resources": 3},
+            "ray.resources: must be a mapping (added to every bundle) or a list of mappings (one per rank)",
+        ),
+        ({"resources": [{"node_a": 1}, {"node_b": "x"}]}, "ray.resources.1.node_b: must be a number"),
+        ({"resources": {"GPU": -1}}, "ray.resources.GPU: must be a finite number ≥ 0"),
+    ],
+)
 def test_a_bad_section_names_its_key(section, expected):
     assert errors(section)[0] == expected
 
@@ -47,15 +57,18 @@ def test_a_bad_section_names_its_key(section, expected):
 def test_every_bad_key_is_named_at_once():
     assert errors({"strategy": "x", "ready_timeout_s": -1}) == [
         "ray.strategy: unknown strategy 'x'; known: STRICT_PACK, PACK, SPREAD, STRICT_SPREAD",
-        "ready_timeout_s: Input should be greater than 0"]
+        "ready_timeout_s: Input should be greater than 0",
+    ]
 
 
 def test_the_section_model_is_the_registrys_and_needs_no_ray():
     """``phalanx validate`` and the JSON Schema read the section where Ray is not installed."""
-    code = ("import sys; sys.modules['ray'] = None\n"
-            "from phalanx.executors import config_model, create\n"
-            "m = config_model('ray'); ex = create('ray', {'strategy': 'spread'}, site='s')\n"
-            "print(m.__name__, ex.config.strategy, ex.capacity(), 'ray' in sys.modules and sys.modules['ray'])")
+    code = (
+        "import sys; sys.modules['ray'] = None\n"
+        "from phalanx.executors import config_model, create\n"
+        "m = config_model('ray'); ex = create('ray', {'strategy': 'spread'}, site='s')\n"
+        "print(m.__name__, ex.config.strategy, ex.capacity(), 'ray' in sys.modules and sys.modules['ray'])"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.split() == ["RayConfig", "SPREAD", "None", "None"], out.stderr
     assert config_model("ray") is RayConfig
@@ -99,17 +112,24 @@ def test_capacity_is_the_sites_cores_else_unknown_before_connecting(monkeypatch)
 
 
 def test_why_a_group_cannot_be_placed():
-    nodes = [{"Resources": {"CPU": 1.0, "node_head": 1.0}}, {"Resources": {"CPU": 1.0, "node_a": 1.0}},
-             {"Resources": {"CPU": 1.0, "node_b": 1.0}}]
+    nodes = [
+        {"Resources": {"CPU": 1.0, "node_head": 1.0}},
+        {"Resources": {"CPU": 1.0, "node_a": 1.0}},
+        {"Resources": {"CPU": 1.0, "node_b": 1.0}},
+    ]
     assert diagnose("INFEASIBLE", nodes, [{"CPU": 1.0}] * 4, "STRICT_SPREAD") == (
-        "Ray says INFEASIBLE; cluster has 3 nodes; total {CPU: 3}; STRICT_SPREAD needs 4 distinct nodes")
+        "Ray says INFEASIBLE; cluster has 3 nodes; total {CPU: 3}; STRICT_SPREAD needs 4 distinct nodes"
+    )
     assert diagnose("INFEASIBLE", nodes, [{"CPU": 1.0}] * 2, "STRICT_PACK") == (
-        "Ray says INFEASIBLE; cluster has 3 nodes; total {CPU: 3}; STRICT_PACK needs one node with {CPU: 2}")
+        "Ray says INFEASIBLE; cluster has 3 nodes; total {CPU: 3}; STRICT_PACK needs one node with {CPU: 2}"
+    )
     assert diagnose("PENDING", nodes, [{"CPU": 1.0, "node_a": 1.0}] * 2, "PACK") == (
         "Ray says PENDING; cluster has 3 nodes; 1 of them can hold a bundle; total {CPU: 3, node_a: 1}; "
-        "the gang needs {CPU: 2, node_a: 2}")
+        "the gang needs {CPU: 2, node_a: 2}"
+    )
     assert diagnose("PENDING", nodes, [{"CPU": 1.0}] * 2, "PACK").endswith(
-        "the resources are busy (other placement groups, actors or tasks)")
+        "the resources are busy (other placement groups, actors or tasks)"
+    )
 
 
 def rank_env(control: str, rdzv: str, n: int = 2) -> list[dict[str, str]]:
@@ -119,8 +139,13 @@ def rank_env(control: str, rdzv: str, n: int = 2) -> list[dict[str, str]]:
 def test_a_loopback_rendezvous_moves_to_rank_0s_node():
     nodes = [{"host": "node1", "node_ip": "10.0.0.5"}, {"host": "here", "node_ip": "10.0.0.1"}]
     ports: list[str] = []
-    env = reachable_env(rank_env("10.0.0.1:4000", "tcp://127.0.0.1:5000"), nodes, here="here",
-                        free_port=lambda ip: ports.append(ip) or 6000, driver_ip=lambda: "10.0.0.1")
+    env = reachable_env(
+        rank_env("10.0.0.1:4000", "tcp://127.0.0.1:5000"),
+        nodes,
+        here="here",
+        free_port=lambda ip: ports.append(ip) or 6000,
+        driver_ip=lambda: "10.0.0.1",
+    )
     assert ports == ["10.0.0.5"] and [e[P.ENV_RDZV] for e in env] == ["tcp://10.0.0.5:6000"] * 2
     assert [e[P.ENV_RANK] for e in env] == ["0", "1"]
     # every rank on this host, or a rendezvous that is not loopback TCP: left as it is
@@ -133,11 +158,20 @@ def test_a_loopback_rendezvous_moves_to_rank_0s_node():
 
 def test_ranks_elsewhere_cannot_reach_a_driver_on_loopback():
     nodes = [{"host": "here", "node_ip": "10.0.0.1"}, {"host": "node2", "node_ip": "10.0.0.7"}]
-    with pytest.raises(px.GangError, match=r"site 'r' \(ray\): ranks were placed on other hosts \(10\.0\.0\.7\) "
-                                           r"but the driver listens on 127\.0\.0\.1 only; set the site's "
-                                           r"driver_host .* 10\.0\.0\.1\)"):
-        reachable_env(rank_env("127.0.0.1:4000", "tcp://127.0.0.1:5000"), nodes, here="here", site="r",
-                      free_port=None, driver_ip=lambda: "10.0.0.1")
+    with pytest.raises(
+        px.GangError,
+        match=r"site 'r' \(ray\): ranks were placed on other hosts \(10\.0\.0\.7\) "
+        r"but the driver listens on 127\.0\.0\.1 only; set the site's "
+        r"driver_host .* 10\.0\.0\.1\)",
+    ):
+        reachable_env(
+            rank_env("127.0.0.1:4000", "tcp://127.0.0.1:5000"),
+            nodes,
+            here="here",
+            site="r",
+            free_port=None,
+            driver_ip=lambda: "10.0.0.1",
+        )
 
 
 def test_rank_runtime_env_carries_the_thread_share():
@@ -147,7 +181,13 @@ def test_rank_runtime_env_carries_the_thread_share():
     env = rank_runtime_env(user, {"PHALANX_THREADS": "2"})
     assert env["pip"] == ["x"]
     # the rank's share wins over a pool size the site set: it sizes every pool at import
-    assert env["env_vars"] == {"FOO": "1", "PHALANX_THREADS": "2", "POLARS_MAX_THREADS": "2",
-                               "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"}
+    assert env["env_vars"] == {
+        "FOO": "1",
+        "PHALANX_THREADS": "2",
+        "POLARS_MAX_THREADS": "2",
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+        "OPENBLAS_NUM_THREADS": "2",
+    }
     assert user["env_vars"]["POLARS_MAX_THREADS"] == "8"  # the site's config is not changed
     assert rank_runtime_env(None, {}) == {}

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from phalanx.orchestrator import scheduler
 from phalanx.orchestrator.models import Site, Stage, Workflow
 from phalanx.orchestrator.report import LABEL_W, RIGHT, WIDTH, UnknownRun, summary, write_report
 from phalanx.orchestrator.rundb import RunDB
-from phalanx.orchestrator import scheduler
 
 SVG = "{http://www.w3.org/2000/svg}"
 WORKFLOW = "report-demo"
@@ -34,7 +34,7 @@ def totals_failing_with_markup(env):
 
 # ---- a small DOM from html.parser ----------------------------------------------------------
 class Node:
-    def __init__(self, tag: str, attrs: dict[str, str], parent: "Node | None"):
+    def __init__(self, tag: str, attrs: dict[str, str], parent: Node | None):
         self.tag, self.attrs, self.parent, self.children = tag, attrs, parent, []
 
     def text(self) -> str:
@@ -43,17 +43,20 @@ class Node:
     def classes(self) -> set[str]:
         return set(self.attrs.get("class", "").split())
 
-    def all(self, tag: str | None = None, cls: str | None = None, **attrs: str) -> list["Node"]:
+    def all(self, tag: str | None = None, cls: str | None = None, **attrs: str) -> list[Node]:
         found = []
         for c in self.children:
             if isinstance(c, Node):
-                if (tag is None or c.tag == tag) and (cls is None or cls in c.classes()) and \
-                        all(c.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items()):
+                if (
+                    (tag is None or c.tag == tag)
+                    and (cls is None or cls in c.classes())
+                    and all(c.attrs.get(k.replace("_", "-")) == v for k, v in attrs.items())
+                ):
                     found.append(c)
                 found += c.all(tag, cls, **attrs)
         return found
 
-    def one(self, *args, **kwargs) -> "Node":
+    def one(self, *args, **kwargs) -> Node:
         found = self.all(*args, **kwargs)
         assert len(found) == 1, (args, kwargs, len(found))
         return found[0]
@@ -105,12 +108,20 @@ def retried(tmp_path_factory):
     """Small gangs and no backoff: starting ranks is most of this module's time."""
     tmp = tmp_path_factory.mktemp("report")
     db = RunDB(tmp / "state")
-    wf = Workflow(name=WORKFLOW, stages={
-        GEN: Stage(app="apps:wf_generate", ranks=1, params={"rows": 4000, "seed": 3}, outputs=["tx"]),
-        "totals": Stage(app="test_report:totals_failing_with_markup", ranks=2, retries=1,
-                        inputs={"tx": {"dataset": "tx", "by": ["user"]}}, outputs=["totals"],
-                        params={"fail_marker": str(tmp / "marker"), "fail_times": 1}),
-    })
+    wf = Workflow(
+        name=WORKFLOW,
+        stages={
+            GEN: Stage(app="apps:wf_generate", ranks=1, params={"rows": 4000, "seed": 3}, outputs=["tx"]),
+            "totals": Stage(
+                app="test_report:totals_failing_with_markup",
+                ranks=2,
+                retries=1,
+                inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                outputs=["totals"],
+                params={"fail_marker": str(tmp / "marker"), "fail_times": 1},
+            ),
+        },
+    )
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(scheduler, "BACKOFF_S", (0.0,))
         result = scheduler.run_workflow(wf, Site(name="test4", cores=4), db=db)
@@ -154,15 +165,17 @@ def test_one_bar_per_attempt_and_per_rank_of_each_succeeded_attempt(retried):
     for st in db.stages(run_id):
         attempts = db.attempts(run_id, st["stage"])
         bars = [g for g in lanes[st["stage"]].iter(f"{SVG}g") if "attempt" in g.get("class", "").split()]
-        assert [(int(g.get("data-attempt")), g.get("class").split()[1]) for g in bars] == \
-            [(a["attempt"], a["state"]) for a in attempts]
+        assert [(int(g.get("data-attempt")), g.get("class").split()[1]) for g in bars] == [
+            (a["attempt"], a["state"]) for a in attempts
+        ]
         succeeded = sum(a["state"] == "succeeded" for a in attempts)
         ranks = [r for r in lanes[st["stage"]].iter(f"{SVG}rect") if r.get("class") == "rank"]
         assert len(ranks) == st["ranks"] * succeeded
         for g in bars:  # each rank once per succeeded attempt, with its pid and host in the tooltip
             mine = [r for r in g.iter(f"{SVG}rect") if r.get("class") == "rank"]
-            assert sorted(int(r.get("data-rank")) for r in mine) == \
-                (list(range(st["ranks"])) if g.get("class") == "attempt succeeded" else [])
+            assert sorted(int(r.get("data-rank")) for r in mine) == (
+                list(range(st["ranks"])) if g.get("class") == "attempt succeeded" else []
+            )
             attempt = next(a for a in attempts if a["attempt"] == int(g.get("data-attempt")))
             info = {r["rank"]: r for r in attempt["rank_info"]}
             for r in mine:
@@ -178,15 +191,20 @@ def test_rows_bytes_and_repartition_paths_are_the_run_dbs(retried):
     page, root, _ = parse(path)
     for st in db.stages(run_id):
         sec = root.one("section", data_stage=st["stage"])
-        shown = {tr.attrs["data-name"]: (number(tr.one("td", cls="rows").text()),
-                                          number(tr.one("td", cls="bytes").text()))
-                 for tr in sec.all("tr", cls="output")}
+        shown = {
+            tr.attrs["data-name"]: (number(tr.one("td", cls="rows").text()), number(tr.one("td", cls="bytes").text()))
+            for tr in sec.all("tr", cls="output")
+        }
         assert shown == {k: tuple(v) for k, v in st["outputs"].items()} and shown
-        inputs = {tr.attrs["data-name"]: {"dataset": tr.one("td", cls="dataset").text(),
-                                           "rows": number(tr.one("td", cls="rows").text()),
-                                           "bytes": number(tr.one("td", cls="bytes").text()),
-                                           "plan": tr.one("td", cls="plan").text()}
-                  for tr in sec.all("tr", cls="input")}
+        inputs = {
+            tr.attrs["data-name"]: {
+                "dataset": tr.one("td", cls="dataset").text(),
+                "rows": number(tr.one("td", cls="rows").text()),
+                "bytes": number(tr.one("td", cls="bytes").text()),
+                "plan": tr.one("td", cls="plan").text(),
+            }
+            for tr in sec.all("tr", cls="input")
+        }
         assert inputs == st["inputs"]
         facts = {tr.one("th").text(): tr.one("td").text() for tr in sec.one("table", cls="kv").all("tr")}
         assert facts["state"] == st["state"] and int(facts["ranks"]) == st["ranks"]
@@ -273,9 +291,16 @@ def test_reused_skipped_failed_and_lost_stages(tmp_path):
     db = RunDB(tmp_path / "state")
     run_id, _ = db.new_run("hand", "wf.yaml", "here", None, {"made": 2, "broke": 1, "after": 1, "hung": 1})
     db.start_attempt(run_id, "made", 1, "g1", "/logs")
-    db.end_attempt(run_id, "made", 1, "succeeded", ranks=[
-        {"rank": 0, "pid": 11, "host": "h<0>", "started": 1003.0, "ended": 1007.0},
-        {"rank": 1, "pid": 12, "host": "h<0>", "started": 1003.5, "ended": 1006.0}])
+    db.end_attempt(
+        run_id,
+        "made",
+        1,
+        "succeeded",
+        ranks=[
+            {"rank": 0, "pid": 11, "host": "h<0>", "started": 1003.0, "ended": 1007.0},
+            {"rank": 1, "pid": 12, "host": "h<0>", "started": 1003.5, "ended": 1006.0},
+        ],
+    )
     db.set_stage(run_id, "made", "succeeded", started=1001.0, ended=1008.0, outputs={"x": [10, 80]})
     db.event(run_id, "reused", "outputs sealed by an earlier attempt: not run again", "made")
     db.set_stage(run_id, "broke", "failed", started=1001.0, ended=1002.0, error="gang <img src=x> never started")
@@ -289,10 +314,15 @@ def test_reused_skipped_failed_and_lost_stages(tmp_path):
         con.execute("UPDATE attempts SET started=1004.0 WHERE stage='hung'")
     page, root, svg = parse(write_report(db, run_id))
     lanes = {g.get("data-stage"): g for g in svg.iter(f"{SVG}g") if g.get("class") == "lane"}
-    notes = {k: "".join(t.text for t in g.iter(f"{SVG}text") if t.get("class") == "lane-note")
-             for k, g in lanes.items()}
-    assert notes == {"made": "", "broke": "failed: no attempt recorded (gang <img src=x> never started)",
-                     "after": "skipped: an upstream stage failed", "hung": ""}
+    notes = {
+        k: "".join(t.text for t in g.iter(f"{SVG}text") if t.get("class") == "lane-note") for k, g in lanes.items()
+    }
+    assert notes == {
+        "made": "",
+        "broke": "failed: no attempt recorded (gang <img src=x> never started)",
+        "after": "skipped: an upstream stage failed",
+        "hung": "",
+    }
     tags = [(k, t.text) for k, g in lanes.items() for t in g.iter(f"{SVG}text") if t.get("class") == "lane-tag"]
     assert tags == [("made", "reused")]  # its bars are from the run's earlier invocation
     hung = next(g for g in lanes["hung"].iter(f"{SVG}g") if g.get("data-attempt") == "1")
@@ -301,8 +331,9 @@ def test_reused_skipped_failed_and_lost_stages(tmp_path):
     made = next(g for g in lanes["made"].iter(f"{SVG}g") if g.get("data-attempt") == "1")
     bar, *ranks = [r for r in made.iter(f"{SVG}rect")]
     assert (float(bar.get("x")), float(bar.get("width"))) == pytest.approx((LABEL_W + 2 * scale, 6 * scale), abs=0.06)
-    assert [float(r.get(k)) for r in ranks for k in ("x", "width")] == \
-        pytest.approx([LABEL_W + 3 * scale, 4 * scale, LABEL_W + 3.5 * scale, 2.5 * scale], abs=0.06)
+    assert [float(r.get(k)) for r in ranks for k in ("x", "width")] == pytest.approx(
+        [LABEL_W + 3 * scale, 4 * scale, LABEL_W + 3.5 * scale, 2.5 * scale], abs=0.06
+    )
     span = next(r for r in lanes["made"].iter(f"{SVG}rect") if r.get("class") == "stage-span")
     assert float(span.get("x")) == pytest.approx(LABEL_W + scale, abs=0.06)  # placed 1 s before the bar
     assert [t.text for t in svg.iter(f"{SVG}text") if t.get("class") == "tick-label"] == [f"{i}s" for i in range(11)]
@@ -321,7 +352,9 @@ def test_credentials_in_the_run_db_are_masked_on_the_page(tmp_path):
         con.execute("UPDATE runs SET site=?, file=?", (url, f"s3://b/wf.yaml?secret_key={secret}"))
         con.execute("UPDATE stages SET state='failed', error=?", (f"gang could not start (rendezvous {url!r})",))
         con.execute("UPDATE attempts SET state='failed', error=?", (f"ConnectionError: {url}\nPASSWORD={secret}",))
-        con.execute("INSERT INTO events VALUES (?,?,?,?,?)", (run_id, 1.0, "s", "failed", f"{{'password': '{secret}'}}"))
+        con.execute(
+            "INSERT INTO events VALUES (?,?,?,?,?)", (run_id, 1.0, "s", "failed", f"{{'password': '{secret}'}}")
+        )
     page = write_report(db, run_id).read_text()
     assert secret not in page
     assert page.count("redis://app:***@10.0.0.5:6379/0") >= 3 and "secret_key=***" in page

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import re
+import subprocess
 import sys
 import textwrap
 import time
@@ -36,17 +36,26 @@ def generated(rows: int, ranks: int, seed: int = 0) -> pd.DataFrame:
     parts = []
     for r in range(ranks):
         rng = np.random.default_rng([seed, r])
-        parts.append(pd.DataFrame({"user": rng.integers(0, 50, rows // ranks),
-                                   "amount": rng.integers(1, 100, rows // ranks)}))
+        parts.append(
+            pd.DataFrame({"user": rng.integers(0, 50, rows // ranks), "amount": rng.integers(1, 100, rows // ranks)})
+        )
     return pd.concat(parts)
 
 
 def pipeline(**totals_params) -> Workflow:
-    return Workflow(name="tot", stages={
-        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 4000, "seed": 3}, outputs=["tx"]),
-        "totals": Stage(app="apps:wf_totals", ranks=3, inputs={"tx": {"dataset": "tx", "by": ["user"]}},
-                        outputs=["totals"], params=totals_params),
-    })
+    return Workflow(
+        name="tot",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 4000, "seed": 3}, outputs=["tx"]),
+            "totals": Stage(
+                app="apps:wf_totals",
+                ranks=3,
+                inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                outputs=["totals"],
+                params=totals_params,
+            ),
+        },
+    )
 
 
 def test_pipeline_results_match_pandas(db):
@@ -62,11 +71,14 @@ def test_pipeline_results_match_pandas(db):
 
 def test_independent_stages_run_at_the_same_time_and_a_big_one_waits(db, tmp_path):
     params = lambda peer: {"dir": str(tmp_path), "peer": peer}  # noqa: E731
-    wf = Workflow(name="conc", stages={
-        "a": Stage(app="apps:wf_meet", ranks=2, params=params("b")),
-        "b": Stage(app="apps:wf_meet", ranks=2, params=params("a")),
-        "c": Stage(app="apps:wf_mark", ranks=3, params={"dir": str(tmp_path)}),
-    })
+    wf = Workflow(
+        name="conc",
+        stages={
+            "a": Stage(app="apps:wf_meet", ranks=2, params=params("b")),
+            "b": Stage(app="apps:wf_meet", ranks=2, params=params("a")),
+            "c": Stage(app="apps:wf_mark", ranks=3, params={"dir": str(tmp_path)}),
+        },
+    )
     result = run_workflow(wf, site(4), db=db)
     assert result.ok, result.failed  # a and b each waited for the other: they overlapped
     att = {a["stage"]: a for a in db.attempts(result.run_id)}
@@ -108,10 +120,13 @@ def test_resume_reuses_sealed_outputs_and_reruns_the_rest(db, tmp_path):
 
 
 def test_downstream_of_a_failed_stage_is_skipped(db):
-    wf = Workflow(name="skip", stages={
-        "bad": Stage(app="apps:no_such_function_here", ranks=1, outputs=["x"]),
-        "after": Stage(app="apps:wf_mark", ranks=1, inputs={"x": "x"}, params={"dir": "/tmp"}),
-    })
+    wf = Workflow(
+        name="skip",
+        stages={
+            "bad": Stage(app="apps:no_such_function_here", ranks=1, outputs=["x"]),
+            "after": Stage(app="apps:wf_mark", ranks=1, inputs={"x": "x"}, params={"dir": "/tmp"}),
+        },
+    )
     result = run_workflow(wf, site(2), db=db)
     assert not result.ok and result.skipped == ["after"]
     assert "no_such_function_here" in result.failed["bad"]
@@ -119,7 +134,8 @@ def test_downstream_of_a_failed_stage_is_skipped(db):
 
 def test_cli_run_and_status(tmp_path):
     wf = tmp_path / "wf.yaml"
-    wf.write_text(textwrap.dedent("""
+    wf.write_text(
+        textwrap.dedent("""
         name: cli-demo
         stages:
           generate:
@@ -132,25 +148,46 @@ def test_cli_run_and_status(tmp_path):
             ranks: 2
             inputs: {tx: tx}
             outputs: [totals]
-    """))
-    env = {"PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state"), "PATH": "/usr/bin:/bin",
-           **{k: v for k, v in os.environ.items() if k.startswith("PHALANX_STORE")}}
-    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(wf), "--set", "stages.generate.params.rows=2000"],
-                         capture_output=True, text=True, env=env, timeout=300)
+    """)
+    )
+    env = {
+        "PYTHONPATH": str(HERE),
+        "PHALANX_STATE": str(tmp_path / "state"),
+        "PATH": "/usr/bin:/bin",
+        **{k: v for k, v in os.environ.items() if k.startswith("PHALANX_STORE")},
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", str(wf), "--set", "stages.generate.params.rows=2000"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.strip().splitlines()[-1].split()[1]
-    status = subprocess.run([sys.executable, "-m", "phalanx.cli", "status", run_id], capture_output=True,
-                            text=True, env=env, timeout=60)
+    status = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "status", run_id], capture_output=True, text=True, env=env, timeout=60
+    )
     assert "succeeded" in status.stdout and "totals" in status.stdout
     assert "generate" in status.stdout and "tx 2,000 rows" in status.stdout
     assert "← tx: tx 2,000 rows" in status.stdout  # rows read over all ranks, with the plan
-    report = subprocess.run([sys.executable, "-m", "phalanx.cli", "report", run_id, "-o", str(tmp_path / "r.html")],
-                            capture_output=True, text=True, env=env, timeout=60)
+    report = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "report", run_id, "-o", str(tmp_path / "r.html")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert report.returncode == 0, report.stderr
     page = (tmp_path / "r.html").read_text()
     assert "<svg" in page and "totals" in page and "balanced, zero-copy" in page
-    bad = subprocess.run([sys.executable, "-m", "phalanx.cli", "report", "no-such-run"],
-                         capture_output=True, text=True, env=env, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "report", "no-such-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
     assert bad.returncode == 1 and "no run 'no-such-run'" in bad.stderr
 
 
@@ -175,17 +212,24 @@ def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how, driver)
     import signal
 
     wf = tmp_path / "wf.yaml"
-    wf.write_text("name: forever\nstages:\n  loop:\n    app: apps:wf_seal_then_sleep\n    ranks: 2\n"
-                  "    outputs: [early]\n")
+    wf.write_text(
+        "name: forever\nstages:\n  loop:\n    app: apps:wf_seal_then_sleep\n    ranks: 2\n    outputs: [early]\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
-    proc = driver([sys.executable, "-m", "phalanx.cli", "run", str(wf)], env=env,
-                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = driver(
+        [sys.executable, "-m", "phalanx.cli", "run", str(wf)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     db = RunDB(tmp_path / "state")
     pids, deadline, store = [], time.monotonic() + 60, None
     while len(pids) < 2 or store is None or not store.exists("early"):  # ranks started, output sealed
         assert time.monotonic() < deadline and proc.poll() is None, "the stage never sealed its output"
-        pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
-                              capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"], capture_output=True, text=True
+        ).stdout.split()
         runs = db.runs()
         store = px.Store(session=runs[0]["session"]) if runs else None
         time.sleep(0.05)
@@ -194,8 +238,9 @@ def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how, driver)
     if how == "ctrl-c":
         proc.send_signal(signal.SIGINT)
     else:
-        out = subprocess.run([sys.executable, "-m", "phalanx.cli", "cancel", run_id], env=env,
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [sys.executable, "-m", "phalanx.cli", "cancel", run_id], env=env, capture_output=True, text=True, timeout=60
+        )
         assert out.returncode == 0, out.stderr
         assert f"run {run_id} cancelled" in out.stdout
     assert proc.wait(timeout=30) == 130
@@ -218,8 +263,12 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
     wf = tmp_path / "wf.yaml"
     wf.write_text("name: crashy\nstages:\n  loop:\n    app: apps:sleep_forever\n    ranks: 2\n")
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
-    proc = driver([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
-                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = driver(
+        [sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     db = RunDB(tmp_path / "state")
     pids, deadline = [], time.monotonic() + 60
 
@@ -229,8 +278,9 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
 
     while len(pids) < 2 or not gang_started():  # (warm ranks are workers before any gang)
         assert time.monotonic() < deadline, "the stage's ranks never started"
-        pids = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"],
-                              capture_output=True, text=True).stdout.split()
+        pids = subprocess.run(
+            ["pgrep", "-P", str(proc.pid), "-f", "phalanx.runtime.worker"], capture_output=True, text=True
+        ).stdout.split()
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
@@ -240,8 +290,9 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
     run = db.runs()[0]
     assert run["state"] == "lost"
     assert [s["state"] for s in db.stages(run["id"])] == ["lost"]
-    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "cancel", run["id"]], env=env,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "cancel", run["id"]], env=env, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and "already lost" in out.stdout
     # what a put of the dead gang left unsealed goes on resume; the stage then runs again
     store = px.Store(session=run["session"])
@@ -249,10 +300,16 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
     orphan = Path(store.tier.staging(store.session, "", f"{gang_id}-0123456789ab"))
     orphan.mkdir(parents=True)
     (orphan / "part-0.arrow").write_bytes(b"half a partition")
-    wf.write_text("name: crashy\nstages:\n  loop:\n    app: apps:wf_mark\n    ranks: 2\n"
-                  f"    params: {{dir: {tmp_path}}}\n")
-    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf), "--resume", run["id"]],
-                         env=env, capture_output=True, text=True, timeout=120)
+    wf.write_text(
+        f"name: crashy\nstages:\n  loop:\n    app: apps:wf_mark\n    ranks: 2\n    params: {{dir: {tmp_path}}}\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf), "--resume", run["id"]],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert not orphan.exists()
     assert sorted(p.name for p in tmp_path.glob("loop.*")) == ["loop.0", "loop.1"]
@@ -260,12 +317,19 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
 
 
 def test_command_stage_runs_a_program_on_every_rank(db, tmp_path):
-    code = ("import os; d = os.environ['PHALANX_PARAM_DIR']; "
-            "open(os.path.join(d, os.environ['PHALANX_RANK'] + '-of-' + os.environ['PHALANX_WORLD_SIZE']), 'w')"
-            ".write(os.environ['PHALANX_RDZV'])")
-    wf = Workflow(name="cmd", stages={
-        "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2,
-                        params={"dir": str(tmp_path)})})
+    code = (
+        "import os; d = os.environ['PHALANX_PARAM_DIR']; "
+        "open(os.path.join(d, os.environ['PHALANX_RANK'] + '-of-' + os.environ['PHALANX_WORLD_SIZE']), 'w')"
+        ".write(os.environ['PHALANX_RDZV'])"
+    )
+    wf = Workflow(
+        name="cmd",
+        stages={
+            "native": Stage(
+                kind="command", command=[sys.executable, "-c", code], ranks=2, params={"dir": str(tmp_path)}
+            )
+        },
+    )
     result = run_workflow(wf, site(2), db=db)
     assert result.ok, result.failed
     assert sorted(p.name for p in tmp_path.glob("*-of-*")) == ["0-of-2", "1-of-2"]
@@ -273,10 +337,13 @@ def test_command_stage_runs_a_program_on_every_rank(db, tmp_path):
 
 
 def test_command_stage_fails_fast_when_a_rank_exits_non_zero(db, tmp_path):
-    code = ("import os, sys, time; r = int(os.environ['PHALANX_RANK']); print('rank', r, 'says bye', flush=True); "
-            "sys.exit(3) if r == 1 else time.sleep(600)")
-    wf = Workflow(name="cmdfail", stages={
-        "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2)})
+    code = (
+        "import os, sys, time; r = int(os.environ['PHALANX_RANK']); print('rank', r, 'says bye', flush=True); "
+        "sys.exit(3) if r == 1 else time.sleep(600)"
+    )
+    wf = Workflow(
+        name="cmdfail", stages={"native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2)}
+    )
     t0 = time.monotonic()
     result = run_workflow(wf, site(2), db=db)
     assert time.monotonic() - t0 < 30  # rank 0's sleep was cut short
@@ -289,16 +356,20 @@ def test_command_stage_fails_fast_when_a_rank_exits_non_zero(db, tmp_path):
 
 def test_command_stage_timeout_names_the_ranks_that_did_not_finish(db):
     code = "import os, time; time.sleep(600) if os.environ['PHALANX_RANK'] == '1' else None"
-    wf = Workflow(name="cmdslow", stages={
-        "native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2, timeout=2)})
+    wf = Workflow(
+        name="cmdslow",
+        stages={"native": Stage(kind="command", command=[sys.executable, "-c", code], ranks=2, timeout=2)},
+    )
     result = run_workflow(wf, site(2), db=db)
-    assert re.fullmatch(r"gang \S+: rank 1 did not manage to finish within the stage timeout \(timeout=2s\); "
-                        r"rank 0 finished; logs in .*", result.failed["native"]), result.failed
+    assert re.fullmatch(
+        r"gang \S+: rank 1 did not manage to finish within the stage timeout \(timeout=2s\); "
+        r"rank 0 finished; logs in .*",
+        result.failed["native"],
+    ), result.failed
 
 
 def test_command_stage_with_a_missing_program(db):
-    wf = Workflow(name="cmdmissing", stages={
-        "native": Stage(kind="command", command=["/no/such/program"], ranks=1)})
+    wf = Workflow(name="cmdmissing", stages={"native": Stage(kind="command", command=["/no/such/program"], ranks=1)})
     result = run_workflow(wf, site(2), db=db)
     assert result.failed["native"].startswith("cannot start '/no/such/program'")
 
@@ -306,33 +377,48 @@ def test_command_stage_with_a_missing_program(db):
 def test_cli_logs_shows_each_ranks_output(tmp_path):
     code = "import os; print('hello from', os.environ['PHALANX_RANK'])"
     wf = tmp_path / "wf.yaml"
-    wf.write_text(textwrap.dedent(f"""
+    wf.write_text(
+        textwrap.dedent(f"""
         name: logs-demo
         stages:
           say:
             kind: command
             command: [{sys.executable!r}, -c, {code!r}]
             ranks: 2
-    """))
+    """)
+    )
     env = {"PHALANX_STATE": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", str(wf)], capture_output=True,
-                         text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", str(wf)], capture_output=True, text=True, env=env, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     run_id = out.stdout.strip().splitlines()[-1].split()[1]
-    logs = subprocess.run([sys.executable, "-m", "phalanx.cli", "logs", run_id, "--state", str(tmp_path / "state")],
-                          capture_output=True, text=True, env=env, timeout=60).stdout.splitlines()
+    logs = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "logs", run_id, "--state", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    ).stdout.splitlines()
     assert "[say attempt 1 rank 0] hello from 0" in logs and "[say attempt 1 rank 1] hello from 1" in logs
-    one = subprocess.run([sys.executable, "-m", "phalanx.cli", "logs", run_id, "say", "--rank", "1",
-                          "--state", str(tmp_path / "state")], capture_output=True, text=True, env=env).stdout
+    one = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "logs", run_id, "say", "--rank", "1", "--state", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout
     assert one.strip() == "[say attempt 1 rank 1] hello from 1"
 
 
 def chain(**site_options) -> tuple[Workflow, Site]:
-    wf = Workflow(name="chain", stages={
-        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 1000}, outputs=["tx"]),
-        "second": Stage(app="apps:wf_say", ranks=2, inputs={"tx": "tx"}, outputs=["tx2"]),
-        "third": Stage(app="apps:wf_say", ranks=2, inputs={"tx": "tx2"}),
-    })
+    wf = Workflow(
+        name="chain",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 1000}, outputs=["tx"]),
+            "second": Stage(app="apps:wf_say", ranks=2, inputs={"tx": "tx"}, outputs=["tx2"]),
+            "third": Stage(app="apps:wf_say", ranks=2, inputs={"tx": "tx2"}),
+        },
+    )
     return wf, Site(name="t2", cores=2, **site_options)
 
 
@@ -346,8 +432,10 @@ def test_stages_of_the_same_size_reuse_the_gang_with_their_own_logs(db):
     for stage in ("second", "third"):  # each stage's output in its own attempt's log dir
         logs = sorted(Path(att[stage]["log_dir"]).glob("rank-*.log"))
         assert [p.read_text().strip() for p in logs] == [f"stage {stage} on rank {r}" for r in (0, 1)]
-    assert not list(Path(att["generate"]["log_dir"]).glob("rank-*.log")) or \
-        "stage second" not in Path(att["generate"]["log_dir"], "rank-0.log").read_text()
+    assert (
+        not list(Path(att["generate"]["log_dir"]).glob("rank-*.log"))
+        or "stage second" not in Path(att["generate"]["log_dir"], "rank-0.log").read_text()
+    )
     stages = {s["stage"]: s for s in db.stages(result.run_id)}
     assert list(stages["third"]["inputs"]) == ["tx"] and stages["third"]["inputs"]["tx"]["dataset"] == "tx2"
     from test_gang import wait_dead
@@ -368,7 +456,7 @@ def test_reuse_can_be_turned_off_and_a_retry_never_reuses(db, tmp_path):
     assert result.ok, result.failed
     first, second = db.attempts(result.run_id, "totals")
     gen = {r["pid"] for r in db.attempts(result.run_id, "generate")[0]["rank_info"]}
-    assert {r["pid"] for r in first["rank_info"]} == gen      # attempt 1 reused generate's gang
+    assert {r["pid"] for r in first["rank_info"]} == gen  # attempt 1 reused generate's gang
     assert not {r["pid"] for r in second["rank_info"]} & gen  # the retry got a fresh one
 
 
@@ -376,8 +464,13 @@ def test_cli_run_failure_names_stage_rank_and_the_traceback(tmp_path):
     wf = tmp_path / "wf.yaml"
     wf.write_text("name: boom\nstages:\n  bad:\n    app: apps:wf_divide_by_zero\n    ranks: 2\n")
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
-    out = subprocess.run([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 1
     assert "stage 'bad' failed: 1 rank(s) failed (ranks 1); first: rank 1: ZeroDivisionError" in out.stderr
     assert "rank 1, last lines of its traceback:" in out.stderr
@@ -401,9 +494,13 @@ def test_a_site_names_where_the_store_catalogue_lives(db, tmp_path):
 def test_a_stage_the_site_can_never_place_fails_at_once(db):
     """Bypassing validation (run_workflow directly), a gang larger than the site fails with the
     reason instead of the run returning ok with the stage never started."""
-    wf = Workflow(name="toobig", stages={
-        "big": Stage(app="apps:rank_info", ranks=5),
-        "after": Stage(app="apps:rank_info", ranks=1, needs=["big"])})
+    wf = Workflow(
+        name="toobig",
+        stages={
+            "big": Stage(app="apps:rank_info", ranks=5),
+            "after": Stage(app="apps:rank_info", ranks=1, needs=["big"]),
+        },
+    )
     result = run_workflow(wf, site(2), db=db)
     assert not result.ok and result.skipped == ["after"]
     assert result.failed == {"big": "5 ranks, but site 'test2' (local) can give at most 2 at once"}

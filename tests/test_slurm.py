@@ -18,12 +18,11 @@ import threading
 import time
 from pathlib import Path
 
+import apps
 import pytest
-
 import yaml
 
 import phalanx as px
-import apps
 from phalanx.executors.slurm import SlurmExecutor, SlurmLauncher, SlurmPilot, SlurmStepLauncher
 
 pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
@@ -52,8 +51,7 @@ def load_site(name: str):
 
 
 def slurm(*args: str, check: bool = True) -> str:
-    r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": CONF},
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": CONF}, capture_output=True, text=True, timeout=60)
     if check and r.returncode:
         raise RuntimeError(f"{' '.join(args)}: {r.stderr}")
     return r.stdout
@@ -80,11 +78,16 @@ def wait_until(pred, within: float, what: str):
 def where(env):
     import socket
 
-    return {"rank": env.rank, "node": os.environ.get("SLURMD_NODENAME"),
-            "nodeid": os.environ.get("SLURM_NODEID"), "job": os.environ.get("SLURM_JOB_ID"),
-            "procid": os.environ.get("SLURM_PROCID"), "host": socket.gethostname(),
-            "rank_var": os.environ.get("PHALANX_RANK"),
-            "ranks": env.comm.allgather_obj(env.rank)}
+    return {
+        "rank": env.rank,
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "nodeid": os.environ.get("SLURM_NODEID"),
+        "job": os.environ.get("SLURM_JOB_ID"),
+        "procid": os.environ.get("SLURM_PROCID"),
+        "host": socket.gethostname(),
+        "rank_var": os.environ.get("PHALANX_RANK"),
+        "ranks": env.comm.allgather_obj(env.rank),
+    }
 
 
 def alltoallv(env):
@@ -110,8 +113,12 @@ def rank0_exits(env):
 
 def check_spread_and_comm(gang: px.Gang, launcher: SlurmLauncher, ranks: int) -> list[dict]:
     info = gang.run(where)
-    assert [i["rank"] for i in info] == [i["rank_var"] and int(i["rank_var"]) for i in info] \
-        == [int(i["procid"]) for i in info] == list(range(ranks))
+    assert (
+        [i["rank"] for i in info]
+        == [i["rank_var"] and int(i["rank_var"]) for i in info]
+        == [int(i["procid"]) for i in info]
+        == list(range(ranks))
+    )
     # one rank per slurmd node: distinct NodeNames and node ids (all on this one host)
     assert len({i["node"] for i in info}) == ranks, info
     assert len({i["nodeid"] for i in info}) == ranks, info
@@ -137,7 +144,6 @@ def gang(launcher):
 
 
 class TestPerStage:
-
     def test_ranks_spread_over_nodes_and_use_the_communicator(self, gang, launcher):
         check_spread_and_comm(gang, launcher, 3)
         assert re.fullmatch(r"slurm: job \d+ RUNNING on n\[1-3\]", launcher.status())
@@ -188,15 +194,24 @@ def rank_env(n: int, **extra: str) -> list[dict[str, str]]:
 
 
 def wait_codes(launcher: SlurmLauncher, within: float = 30.0) -> list[int]:
-    return wait_until(lambda: (c := launcher.exitcodes()) and all(x is not None for x in c) and c,
-                      within, "the ranks to exit")
+    return wait_until(
+        lambda: (c := launcher.exitcodes()) and all(x is not None for x in c) and c, within, "the ranks to exit"
+    )
 
 
 def test_command_ranks_get_their_rank_log_and_exit_code(tmp_path):
     echoed: list[str] = []
     launcher = executor("slurm-local").launcher(3, echo=echoed.append)
-    launcher.launch(["sh", "-c", 'echo "rank $PHALANX_RANK of $PHALANX_WORLD_SIZE on $SLURMD_NODENAME $GREETING"; '
-                     'echo oops >&2; exit $PHALANX_RANK'], rank_env(3, GREETING="hi"), tmp_path)
+    launcher.launch(
+        [
+            "sh",
+            "-c",
+            'echo "rank $PHALANX_RANK of $PHALANX_WORLD_SIZE on $SLURMD_NODENAME $GREETING"; '
+            "echo oops >&2; exit $PHALANX_RANK",
+        ],
+        rank_env(3, GREETING="hi"),
+        tmp_path,
+    )
     assert wait_codes(launcher) == [0, 1, 2]
     nodes = set()
     for r in range(3):
@@ -218,8 +233,11 @@ def test_status_while_pending_and_kill_leaves_no_job(tmp_path):
         wait_until(lambda: "RUNNING" in slurm("squeue", "-h", "-j", blocker, "-o", "%T"), 20, "the blocker")
         launcher = executor("slurm-local").launcher(2)
         launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
-        status = wait_until(lambda: re.fullmatch(r"slurm: job \d+ PENDING \((Resources|Priority)\)",
-                                                 s := launcher.status()) and s, 20, "PENDING (Resources)")
+        status = wait_until(
+            lambda: re.fullmatch(r"slurm: job \d+ PENDING \((Resources|Priority)\)", s := launcher.status()) and s,
+            20,
+            "PENDING (Resources)",
+        )
         assert status == f"slurm: job {launcher.job_id} PENDING (Resources)" or "Priority" in status
         assert launcher.exitcodes() == [None, None]
         t0 = time.monotonic()
@@ -250,10 +268,13 @@ def test_a_stages_own_slurm_options_override_the_sites(tmp_path):
 
     site = load_site("slurm-local")
     site.store.root = str(tmp_path / "store")
-    wf = Workflow(name="override", stages={
-        "fine": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, outputs=["tx"]),
-        "gpu": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, slurm={"partition": "gpu"}),
-    })
+    wf = Workflow(
+        name="override",
+        stages={
+            "fine": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, outputs=["tx"]),
+            "gpu": Stage(app="apps:wf_generate", ranks=2, params={"rows": 100}, slurm={"partition": "gpu"}),
+        },
+    )
     result = run_workflow(wf, site, db=RunDB(tmp_path / "state"))
     assert list(result.failed) == ["gpu"]
     assert "partition 'gpu' does not exist" in result.failed["gpu"]
@@ -269,8 +290,11 @@ def test_a_job_that_can_never_start_fails_with_slurms_reason():
         px.Gang(2, executor=launcher, echo=False).start()
     assert time.monotonic() - t0 < 20
     # SLURM says PartitionConfig or PartitionNodeLimit, depending on when it looks
-    assert re.match(r"slurm: job \d+ PENDING \((PartitionNodeLimit|PartitionConfig)\): .*partition 'small'.* "
-                    r"\(site 'slurm-local'\)$", str(info.value)), str(info.value)
+    assert re.match(
+        r"slurm: job \d+ PENDING \((PartitionNodeLimit|PartitionConfig)\): .*partition 'small'.* "
+        r"\(site 'slurm-local'\)$",
+        str(info.value),
+    ), str(info.value)
     assert active_jobs(launcher.job_id) == []
 
 
@@ -308,8 +332,9 @@ class Hook(list):
 def release_elsewhere(record: dict) -> str:
     """``phalanx.executors.release`` in another process (as ``phalanx status`` of a lost run)."""
     code = "import json, sys; from phalanx.executors import release; print(release(json.loads(sys.argv[1])))"
-    return subprocess.run([sys.executable, "-c", code, json.dumps(record)], capture_output=True,
-                          text=True, timeout=120, check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code, json.dumps(record)], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.strip()
 
 
 def test_a_job_is_announced_before_sbatch_and_released_by_name_from_another_process(tmp_path):
@@ -334,8 +359,11 @@ def test_a_pilot_and_its_steps_are_announced_and_released_from_another_process(t
     try:
         launcher.launch(["sleep", "300"], rank_env(2), tmp_path)
         records = [r for what, r in hook if what == "held"]
-        assert [(r["kind"], r["job"]) for r in records] == [("pilot", None), ("pilot", pilot.job_id),
-                                                           ("step", pilot.job_id)]
+        assert [(r["kind"], r["job"]) for r in records] == [
+            ("pilot", None),
+            ("pilot", pilot.job_id),
+            ("step", pilot.job_id),
+        ]
         step = records[-1]
         wait_until(lambda: "RUNNING" in launcher.status(), 30, "the step to run")
         assert re.fullmatch(rf"slurm: scancel step {pilot.job_id}\.\d+ \({step['id']}\)", release_elsewhere(step))
@@ -400,8 +428,10 @@ class TestPilot:
         assert re.fullmatch(r"slurm: pilot job \d+ RUNNING on n\[1-3\]", pilot.status())
         assert pilot_launcher.job_id == pilot.job_id
         check_spread_and_comm(pilot_gang, pilot_launcher, 2)
-        assert re.fullmatch(rf"slurm: step {pilot.job_id}\.\d+ RUNNING \(pilot job {pilot.job_id} on n\[1-3\]\)",
-                            pilot_launcher.status()), pilot_launcher.status()
+        assert re.fullmatch(
+            rf"slurm: step {pilot.job_id}\.\d+ RUNNING \(pilot job {pilot.job_id} on n\[1-3\]\)",
+            pilot_launcher.status(),
+        ), pilot_launcher.status()
 
     def test_a_rank_that_exits_fails_the_gang_and_the_pilot_lives_on(self, pilot, pilot_gang):
         t0 = time.monotonic()
@@ -411,8 +441,11 @@ class TestPilot:
         assert info.value.ranks[0] == 0 and "exited with code 3" in str(info.value)
         assert pilot.status().startswith(f"slurm: pilot job {pilot.job_id} RUNNING")
         # the gang's step is gone, the pilot's batch step (the holder) remains
-        wait_until(lambda: slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split()
-                   == [f"{pilot.job_id}.batch"], 10, "the step to go")
+        wait_until(
+            lambda: slurm("squeue", "-h", "-s", "-j", pilot.job_id, "-o", "%i").split() == [f"{pilot.job_id}.batch"],
+            10,
+            "the step to go",
+        )
 
     def test_steps_share_the_pilot_and_wait_for_a_free_share(self, pilot_executor, pilot, tmp_path):
         assert pilot_executor.capacity() == 6  # the pilot's ntasks
@@ -422,8 +455,7 @@ class TestPilot:
         wait_until(lambda: "RUNNING" in full.status(), 20, "the first step")
         late = pilot_executor.launcher(2)
         late.launch(["sh", "-c", "exit 0"], rank_env(2), tmp_path / "late")
-        status = wait_until(lambda: "waiting for a share" in (s := late.status()) and s, 20,
-                            "the second step to wait")
+        status = wait_until(lambda: "waiting for a share" in (s := late.status()) and s, 20, "the second step to wait")
         assert status.endswith(f"waiting for a share of pilot job {pilot.job_id}")
         assert late.exitcodes() == [None, None]
         full.kill(grace_s=1.0)
@@ -499,9 +531,14 @@ def test_a_node_failure_under_a_stage_retries_it_on_the_nodes_left(tmp_path):
 
     site = load_site("slurm-local")
     site.store.root = str(tmp_path / "store")
-    wf = Workflow(name="nodefail", stages={"s": Stage(
-        app="test_slurm:wait_for_node_failure_then_finish", ranks=3, retries=1,
-        params={"dir": str(tmp_path)})})  # spread_job: the 3 ranks over the 3 nodes
+    wf = Workflow(
+        name="nodefail",
+        stages={
+            "s": Stage(
+                app="test_slurm:wait_for_node_failure_then_finish", ranks=3, retries=1, params={"dir": str(tmp_path)}
+            )
+        },
+    )  # spread_job: the 3 ranks over the 3 nodes
     db = RunDB(tmp_path / "state")
     outcome = {}
     runner = threading.Thread(target=lambda: outcome.update(r=run_workflow(wf, site, db=db)))

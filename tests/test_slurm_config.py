@@ -9,11 +9,16 @@ from pydantic import ValidationError
 
 import phalanx as px
 from phalanx.executors import capabilities, config_model, create
-from phalanx.executors.slurm import (SlurmConfig, SlurmExecutor, SlurmJobLauncher, SlurmPilot,
-                                     SlurmStepLauncher)
+from phalanx.executors.slurm import SlurmConfig, SlurmExecutor, SlurmJobLauncher, SlurmPilot, SlurmStepLauncher
 
-PILOT = {"allocation": "pilot", "partition": "debug", "time": "1:00:00", "nodes": 9, "cpus_per_task": 2,
-         "pilot": {"nodes": 3, "ntasks": 6}}
+PILOT = {
+    "allocation": "pilot",
+    "partition": "debug",
+    "time": "1:00:00",
+    "nodes": 9,
+    "cpus_per_task": 2,
+    "pilot": {"nodes": 3, "ntasks": 6},
+}
 
 
 def errors(section: dict) -> list[tuple[tuple, str]]:
@@ -23,25 +28,47 @@ def errors(section: dict) -> list[tuple[tuple, str]]:
     return [(err["loc"] + tuple(err.get("ctx", {}).get("keys", ())), err["msg"]) for err in info.value.errors()]
 
 
-@pytest.mark.parametrize("section,expected", [
-    ({"partiton": "debug"}, [(("partiton",), "unknown key (did you mean 'partition'?)")]),
-    ({"pilot": {"nodes": 2, "nodez": 2}}, [(("pilot", "nodez"), "unknown key (did you mean 'nodes'?)")]),
-    ({"partition": ["a", "b"]},
-     [(("partition",), "must be a string, number or true/false (sbatch --partition=VALUE)")]),
-    ({"pilot": {"time": {"h": 1}}}, [(("pilot", "time"), "must be a string, number or true/false (sbatch --time=VALUE)")]),
-    ({"mem-per-cpu": None}, [(("mem-per-cpu",), "must be a string, number or true/false (sbatch --mem-per-cpu=VALUE)")]),
-    ({"mem-per-cpu": "1G", "mem_per_cpu": "2G"}, [(("mem_per_cpu",), "given twice (as 'mem-per-cpu' and 'mem_per_cpu')")]),
-    ({"ranks-per-nod": 2}, [(("ranks-per-nod",), "unknown key (did you mean 'ranks_per_node'?)")]),
-    ({"ntasks": 4}, [(("ntasks",), "unknown key: a gang's tasks are its ranks (the stage's ranks:); a pilot's "
-                                   "are pilot.ntasks")]),
-])
+@pytest.mark.parametrize(
+    "section,expected",
+    [
+        ({"partiton": "debug"}, [(("partiton",), "unknown key (did you mean 'partition'?)")]),
+        ({"pilot": {"nodes": 2, "nodez": 2}}, [(("pilot", "nodez"), "unknown key (did you mean 'nodes'?)")]),
+        (
+            {"partition": ["a", "b"]},
+            [(("partition",), "must be a string, number or true/false (sbatch --partition=VALUE)")],
+        ),
+        (
+            {"pilot": {"time": {"h": 1}}},
+            [(("pilot", "time"), "must be a string, number or true/false (sbatch --time=VALUE)")],
+        ),
+        (
+            {"mem-per-cpu": None},
+            [(("mem-per-cpu",), "must be a string, number or true/false (sbatch --mem-per-cpu=VALUE)")],
+        ),
+        (
+            {"mem-per-cpu": "1G", "mem_per_cpu": "2G"},
+            [(("mem_per_cpu",), "given twice (as 'mem-per-cpu' and 'mem_per_cpu')")],
+        ),
+        ({"ranks-per-nod": 2}, [(("ranks-per-nod",), "unknown key (did you mean 'ranks_per_node'?)")]),
+        (
+            {"ntasks": 4},
+            [
+                (
+                    ("ntasks",),
+                    "unknown key: a gang's tasks are its ranks (the stage's ranks:); a pilot's are pilot.ntasks",
+                )
+            ],
+        ),
+    ],
+)
 def test_a_bad_key_or_option_is_named_at_its_key(section, expected):
     assert errors(section) == expected
 
 
 def test_phalanx_keys_are_typed():
-    assert [(loc, t) for loc, t in ((e["loc"], e["type"]) for e in _raw({"mpi": {"pmix": True}}))] == \
-        [(("mpi",), "string_type")]  # "slurm.mpi: must be a string"
+    assert [(loc, t) for loc, t in ((e["loc"], e["type"]) for e in _raw({"mpi": {"pmix": True}}))] == [
+        (("mpi",), "string_type")
+    ]  # "slurm.mpi: must be a string"
     assert [e["type"] for e in _raw({"prologue": "module load x"})] == ["list_type"]
     assert [e["type"] for e in _raw({"allocation": "pilots"})] == ["literal_error"]
     assert [e["type"] for e in _raw({"pilot": {"ntasks": "4"}})] == ["int_type"]
@@ -58,12 +85,24 @@ def _raw(section: dict) -> list[dict]:
 def test_spellings_aliases_and_the_pilots_options():
     cfg = SlurmConfig.model_validate({**PILOT, "ranks-per-node": 2, "spread-job": True, "exclusive": False})
     assert cfg.model_dump(exclude_unset=True)["ntasks_per_node"] == 2
-    assert cfg.options() == {"partition": "debug", "time": "1:00:00", "nodes": 9, "cpus-per-task": 2,
-                             "ntasks-per-node": 2, "spread-job": True, "exclusive": False}
+    assert cfg.options() == {
+        "partition": "debug",
+        "time": "1:00:00",
+        "nodes": 9,
+        "cpus-per-task": 2,
+        "ntasks-per-node": 2,
+        "spread-job": True,
+        "exclusive": False,
+    }
     # the pilot: the section's options less those sizing one gang, under its own keys
     pilot = cfg.pilot_config()
-    assert pilot.options() == {"partition": "debug", "time": "1:00:00", "spread-job": True, "exclusive": False,
-                               "nodes": 3}
+    assert pilot.options() == {
+        "partition": "debug",
+        "time": "1:00:00",
+        "spread-job": True,
+        "exclusive": False,
+        "nodes": 3,
+    }
     assert pilot.ntasks == 6 and cfg.slots() == 6
     assert SlurmConfig.model_validate({**PILOT, "allocation": "per-stage"}).slots() is None
     assert SlurmConfig.model_validate({"allocation": "pilot", "pilot": {"nodes": 2, "ranks_per_node": 4}}).slots() == 8
@@ -81,8 +120,13 @@ def test_capacity_is_the_pilots_ntasks_and_cores_may_not_exceed_it():
     with pytest.raises(ValueError, match=r"cores: 8 is more than the 6 tasks the pilot holds \(slurm.pilot.ntasks\)"):
         create("slurm", PILOT, cores=8)
     caps = capabilities("slurm")
-    assert (caps.reuse_gangs, caps.pins_cpus, caps.runs_commands, caps.mpi_world, caps.remote_ranks) == \
-        (False, False, True, True, True)
+    assert (caps.reuse_gangs, caps.pins_cpus, caps.runs_commands, caps.mpi_world, caps.remote_ranks) == (
+        False,
+        False,
+        True,
+        True,
+        True,
+    )
 
 
 def test_check_refuses_what_a_launch_would_without_starting_anything():
@@ -101,8 +145,7 @@ def test_check_refuses_what_a_launch_would_without_starting_anything():
 
 def test_launchers_get_the_gangs_options_and_the_runs_hook():
     hook = object()
-    ex = SlurmExecutor({"partition": "debug", "ranks_per_node": 2, "cpus_per_task": 2}, site="hpc",
-                       rank_memory=3 << 30)
+    ex = SlurmExecutor({"partition": "debug", "ranks_per_node": 2, "cpus_per_task": 2}, site="hpc", rank_memory=3 << 30)
     ex.open_run(hook=hook)
     job = ex.launcher(5)
     assert isinstance(job, SlurmJobLauncher) and job.allocation_hook is hook and job.site == "hpc"

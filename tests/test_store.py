@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
 from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError
 from phalanx.operators import kernels
 from phalanx.store.repartition import hash_partitioning
-from reference import assert_same_rows, make_part, whole
 
 SIZES = (1, 2, 3, 4)
 
@@ -31,22 +31,26 @@ def store(request):
 def every_type_table(n: int = 500) -> pa.Table:
     rng = np.random.default_rng(1)
     mask = rng.random(n) < 0.2
-    return pa.table({
-        "i8": pa.array(rng.integers(-100, 100, n), pa.int8(), mask=mask),
-        "i64": pa.array(rng.integers(-2**62, 2**62, n), pa.int64(), mask=mask),
-        "u32": pa.array(rng.integers(0, 2**32 - 1, n), pa.uint32()),
-        "f32": pa.array(rng.random(n), pa.float32(), mask=mask),
-        "f64": pa.array(np.where(rng.random(n) < 0.1, np.nan, rng.normal(size=n))),
-        "bool": pa.array(rng.random(n) < 0.5, mask=mask),
-        "str": pa.array([None if m else f"s{i}-ü" * (i % 4) for i, m in enumerate(mask)]),
-        "large_str": pa.array([f"L{i}" for i in range(n)], pa.large_string()),
-        "ts": pa.array([datetime.datetime(2024, 1, 1) + datetime.timedelta(seconds=int(i)) for i in range(n)],
-                       pa.timestamp("us", tz="UTC")),
-        "date": pa.array([datetime.date(2020, 1, 1) + datetime.timedelta(days=i) for i in range(n)]),
-        "dec": pa.array([decimal.Decimal(i) / 100 for i in range(n)], pa.decimal128(10, 2)),
-        "list": pa.array([[i, i + 1] if i % 3 else None for i in range(n)], pa.list_(pa.int64())),
-        "dict": pa.array(["a", "b", None, "c"] * (n // 4)).dictionary_encode(),
-    })
+    return pa.table(
+        {
+            "i8": pa.array(rng.integers(-100, 100, n), pa.int8(), mask=mask),
+            "i64": pa.array(rng.integers(-(2**62), 2**62, n), pa.int64(), mask=mask),
+            "u32": pa.array(rng.integers(0, 2**32 - 1, n), pa.uint32()),
+            "f32": pa.array(rng.random(n), pa.float32(), mask=mask),
+            "f64": pa.array(np.where(rng.random(n) < 0.1, np.nan, rng.normal(size=n))),
+            "bool": pa.array(rng.random(n) < 0.5, mask=mask),
+            "str": pa.array([None if m else f"s{i}-ü" * (i % 4) for i, m in enumerate(mask)]),
+            "large_str": pa.array([f"L{i}" for i in range(n)], pa.large_string()),
+            "ts": pa.array(
+                [datetime.datetime(2024, 1, 1) + datetime.timedelta(seconds=int(i)) for i in range(n)],
+                pa.timestamp("us", tz="UTC"),
+            ),
+            "date": pa.array([datetime.date(2020, 1, 1) + datetime.timedelta(days=i) for i in range(n)]),
+            "dec": pa.array([decimal.Decimal(i) / 100 for i in range(n)], pa.decimal128(10, 2)),
+            "list": pa.array([[i, i + 1] if i % 3 else None for i in range(n)], pa.list_(pa.int64())),
+            "dict": pa.array(["a", "b", None, "c"] * (n // 4)).dictionary_encode(),
+        }
+    )
 
 
 def same_table(a: pa.Table, b: pa.Table) -> bool:
@@ -56,8 +60,10 @@ def same_table(a: pa.Table, b: pa.Table) -> bool:
     for name in a.column_names:
         x, y = a[name], b[name]
         if pa.types.is_floating(x.type):
-            if not (np.array_equal(x.is_null().to_numpy(zero_copy_only=False), y.is_null().to_numpy(zero_copy_only=False))
-                    and np.array_equal(x.fill_null(0).to_numpy(), y.fill_null(0).to_numpy(), equal_nan=True)):
+            if not (
+                np.array_equal(x.is_null().to_numpy(zero_copy_only=False), y.is_null().to_numpy(zero_copy_only=False))
+                and np.array_equal(x.fill_null(0).to_numpy(), y.fill_null(0).to_numpy(), equal_nan=True)
+            ):
                 return False
         elif not x.equals(y):
             return False
@@ -98,9 +104,9 @@ def test_put_checksum_is_the_files_own_xxh3_and_the_file_is_arrows_ipc(store):
         sink = pa.BufferOutputStream()
         with pa.ipc.new_file(sink, t.schema) as w:
             w.write_table(t)
-        assert data == sink.getvalue().to_pybytes(), k          # Arrow's bytes, exactly
+        assert data == sink.getvalue().to_pybytes(), k  # Arrow's bytes, exactly
         assert part.checksum == xxhash.xxh3_64_hexdigest(data) and part.bytes == len(data), k
-        back = store.read(f"p{k}")                               # its checksum verified on read
+        back = store.read(f"p{k}")  # its checksum verified on read
         assert back.schema == t.schema and back.num_rows == t.num_rows, k
 
 
@@ -122,8 +128,11 @@ def test_a_put_failing_inside_the_ipc_writer_leaves_nothing(store, monkeypatch):
         real(fd, view)
 
     monkeypatch.setattr(tiers, "_write_all", full)
-    with pytest.raises(StoreError, match=r"put 'f' partition 0: writing .*part-00000.arrow failed: "
-                                         r"\[Errno 28\] No space left on device"):
+    with pytest.raises(
+        StoreError,
+        match=r"put 'f' partition 0: writing .*part-00000.arrow failed: "
+        r"\[Errno 28\] No space left on device",
+    ):
         store.put("f", pa.table({"a": np.arange(1_000_000)}))
     assert written and not store.exists("f")
     assert [u for u in store.unsealed() if u.session == store.session] == []
@@ -321,8 +330,10 @@ def gang2_store():
 
 def app_write_fails_on_rank_1_but_is_caught(env, name):
     if env.rank == 1:
+
         def broken(*args, **kwargs):
             raise OSError(28, "No space left on device")
+
         env.store.store.stage_partition = broken
     try:
         env.store.put(name, pa.table({"a": [env.rank]}))
@@ -336,16 +347,20 @@ def test_a_write_failing_on_one_rank_fails_the_put_on_every_rank():
         outcomes = g.run(app_write_fails_on_rank_1_but_is_caught, "one-rank-fails", timeout=60)
         assert outcomes[1] == "OSError: [Errno 28] No space left on device"
         for r in (0, 2):
-            assert outcomes[r].startswith("PhalanxError: put 'one-rank-fails': writing partitions failed on rank(s) [1]")
+            assert outcomes[r].startswith(
+                "PhalanxError: put 'one-rank-fails': writing partitions failed on rank(s) [1]"
+            )
         assert not px.Store().exists("one-rank-fails")
         assert list(px.Store().root.glob("*/.staging/*")) == []
 
 
 def app_get_columns(env, session, name):
     rs = env.store.for_session(session)
-    return [rs.get(name, columns=["v", "w"]).collect(root=0),
-            rs.get(name, by="key", columns=["w"]).collect(root=0),
-            rs.get(name, shuffle="random", seed=3, columns=["s"]).collect(root=0)]
+    return [
+        rs.get(name, columns=["v", "w"]).collect(root=0),
+        rs.get(name, by="key", columns=["w"]).collect(root=0),
+        rs.get(name, shuffle="random", seed=3, columns=["s"]).collect(root=0),
+    ]
 
 
 def test_get_reads_only_the_columns_asked_for(gang, store):
@@ -385,8 +400,12 @@ def test_cli_store_sessions_ls_rm_and_rm_all(tmp_path):
             s.put(n, pa.table({"v": list(range(10))}))
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "phalanx.cli", "store", "--root", str(root), *args],
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "phalanx.cli", "store", "--root", str(root), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     out = cli("sessions")
     assert out.returncode == 0 and [l.split()[:2] for l in out.stdout.splitlines()] == [["run-a", "2"], ["run-b", "1"]]

@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conformance.store_contract import MetadataContract, TierContract
+from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
+from phalanx.runtime.rendezvous import free_port
 from phalanx.store.metadata import SQLiteMetadata, open_metadata
 from phalanx.store.store import parse_bytes
-from phalanx.runtime.rendezvous import free_port
 from phalanx.store.tiers import serialize
-from reference import assert_same_rows, make_part, whole
-from conformance.store_contract import MetadataContract, TierContract
 
 BUCKET = "phalanx-test"
 
@@ -35,8 +35,11 @@ def s3_endpoint():
     import pyarrow.fs as pafs
 
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     try:
         deadline = time.monotonic() + 30
@@ -51,8 +54,9 @@ def s3_endpoint():
         # Credentials travel as the usual AWS variables: ranks inherit them from the driver.
         os.environ.update(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test")
         endpoint = f"http://127.0.0.1:{port}"
-        pafs.S3FileSystem(endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1",
-                          allow_bucket_creation=True).create_dir(BUCKET)
+        pafs.S3FileSystem(
+            endpoint_override=f"127.0.0.1:{port}", scheme="http", region="us-east-1", allow_bucket_creation=True
+        ).create_dir(BUCKET)
         yield endpoint
     finally:
         for k, v in saved.items():
@@ -77,8 +81,9 @@ def s3_keys(store: px.Store, under: str = "") -> list[str]:
     import pyarrow.fs as pafs
 
     tier = store.tier
-    infos = tier.fs.get_file_info(pafs.FileSelector(f"{tier.base}/{under}".rstrip("/"), recursive=True,
-                                                    allow_not_found=True))
+    infos = tier.fs.get_file_info(
+        pafs.FileSelector(f"{tier.base}/{under}".rstrip("/"), recursive=True, allow_not_found=True)
+    )
     return [i.path for i in infos if i.type == pafs.FileType.File]
 
 
@@ -120,8 +125,7 @@ def test_s3_reads_download_and_objects_are_laid_out_by_session_name_version(s3_e
     store = px.Store(s3_root(s3_endpoint, "layout"), session="lay", metadata=str(tmp_path / "m.sqlite"))
     info = store.put("ds", [pa.table({"a": [1, 2]}), pa.table({"a": [3]})])
     assert info.location == f"s3://{BUCKET}/layout/lay/ds/{info.version}"
-    assert sorted(s3_keys(store)) == [f"{BUCKET}/layout/lay/ds/{info.version}/part-0000{i}.arrow"
-                                      for i in range(2)]
+    assert sorted(s3_keys(store)) == [f"{BUCKET}/layout/lay/ds/{info.version}/part-0000{i}.arrow" for i in range(2)]
     assert not store.tier.mmap and store.read("ds")["a"].to_pylist() == [1, 2, 3]
     assert store.rank_env()["PHALANX_STORE"] == s3_root(s3_endpoint, "layout")
     store.delete_session()
@@ -158,8 +162,13 @@ def table_of(nbytes: int, seed: int) -> pa.Table:
 @pytest.fixture
 def budget_store(tmp_path):
     size = serialize(table_of(80_000, 0)).size
-    s = px.Store(tmp_path / "shm", session="budget", metadata=str(tmp_path / "meta.sqlite"),
-                 memory_budget=int(2.5 * size), spill=tmp_path / "disk")
+    s = px.Store(
+        tmp_path / "shm",
+        session="budget",
+        metadata=str(tmp_path / "meta.sqlite"),
+        memory_budget=int(2.5 * size),
+        spill=tmp_path / "disk",
+    )
     yield s
     s.delete_session()
 
@@ -170,13 +179,13 @@ def test_lru_dataset_spills_to_disk_and_comes_back_on_get(budget_store):
     s.put("a", tables["a"])
     s.put("b", tables["b"])
     assert s.memory_usage() == s.info("a").nbytes + s.info("b").nbytes <= s.memory_budget
-    s.read("a")                        # a is now more recently used than b
-    s.put("c", tables["c"])            # over budget: b (least recently used) goes to disk
+    s.read("a")  # a is now more recently used than b
+    s.put("c", tables["c"])  # over budget: b (least recently used) goes to disk
     assert [s.spilled(n) for n in "abc"] == [False, True, False]
     assert s.memory_usage() <= s.memory_budget
     spilled = s.info("b")
     assert s.spill_tier.owns(spilled.location) and Path(spilled.location).is_dir()
-    assert s.read("b").equals(tables["b"])   # a get brings it back, and a (LRU now) spills
+    assert s.read("b").equals(tables["b"])  # a get brings it back, and a (LRU now) spills
     assert [s.spilled(n) for n in "abc"] == [True, False, False]
     assert not Path(spilled.location).exists()
     for n in "abc":
@@ -189,15 +198,15 @@ def test_pinned_dataset_never_spills(budget_store):
     s.put("a", tables["a"])
     s.pin("a")
     s.put("b", tables["b"])
-    s.put("c", tables["c"])            # a is the oldest but pinned: b spills
+    s.put("c", tables["c"])  # a is the oldest but pinned: b spills
     assert [s.spilled(n) for n in "abc"] == [False, True, False]
     s.read("b")
     s.put("d", tables["d"])
     assert not s.spilled("a") and s.info("a").pinned
     s.unpin("a")
     s.read("b"), s.read("c"), s.read("d")
-    assert s.spilled("a")              # unpinned and least recently used
-    s.pin("a")                         # pinning a spilled dataset brings it back
+    assert s.spilled("a")  # unpinned and least recently used
+    s.pin("a")  # pinning a spilled dataset brings it back
     assert not s.spilled("a") and s.read("a").equals(tables["a"])
 
 
@@ -205,13 +214,13 @@ def test_moving_keeps_readers_safe(budget_store):
     s = budget_store
     data = table_of(80_000, 1)
     s.put("a", data)
-    held = s.read("a")                 # buffers mapped from the memory tier
-    stale = s.info("a")                # a location about to go away
+    held = s.read("a")  # buffers mapped from the memory tier
+    stale = s.info("a")  # a location about to go away
     s.put("b", table_of(80_000, 2))
     s.read("b")
     s.put("c", table_of(80_000, 3))
     assert s.spilled("a") and not Path(stale.location).exists()
-    assert held.equals(data)           # unlinked while mapped: the pages stay valid
+    assert held.equals(data)  # unlinked while mapped: the pages stay valid
     assert s.partition(stale, 0).equals(data)  # a stale location follows the metadata
 
 
@@ -231,8 +240,15 @@ def app_put_get(env, name):
     plan = env.store.last_plan
     balanced = env.store.get(name)
     st = env.store.store
-    return (info.summary(), plan, back.collect(root=0), balanced.to_arrow().num_rows,
-            st.tier.kind, st.meta.url, st.memory_budget)
+    return (
+        info.summary(),
+        plan,
+        back.collect(root=0),
+        balanced.to_arrow().num_rows,
+        st.tier.kind,
+        st.meta.url,
+        st.memory_budget,
+    )
 
 
 def test_gang_put_and_get_with_the_store_on_s3(s3_endpoint, tmp_path):
@@ -254,6 +270,7 @@ def test_gang_put_and_get_with_the_store_on_s3(s3_endpoint, tmp_path):
 
 def app_put_fails_after_rank0_wrote(env, name):
     if env.rank == 1:
+
         def broken(*args, **kwargs):
             # let rank 0's partition reach S3 first, then fail this rank's write
             deadline = time.monotonic() + 20
@@ -289,12 +306,13 @@ def test_gang_with_redis_metadata_and_a_memory_budget(redis_url, tmp_path):
     url = f"{redis_url}?prefix=t-{uuid.uuid4().hex[:8]}:"
     size = 40_000
     per_dataset = 2 * serialize(table_of(size, 0)).size
-    store = px.Store(tmp_path / "shm", session="rgang", metadata=url,
-                     memory_budget=int(2.5 * per_dataset), spill=tmp_path / "disk")
+    store = px.Store(
+        tmp_path / "shm", session="rgang", metadata=url, memory_budget=int(2.5 * per_dataset), spill=tmp_path / "disk"
+    )
     with px.Gang(ranks=2, echo=False, store=store) as g:
         results = g.run(app_put_three_get_first, size)
     spilled_after, rows, meta_url, budget, spill = results[0]
-    assert spilled_after == [False, False, True, False]   # c pushed a out; get a brought it back
+    assert spilled_after == [False, False, True, False]  # c pushed a out; get a brought it back
     assert rows == size // 8 and meta_url == url
     assert budget == store.memory_budget and spill == str(tmp_path / "disk")
     assert [store.spilled(n) for n in "abc"] == [False, True, False]

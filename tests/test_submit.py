@@ -27,7 +27,6 @@ from phalanx.procs import descendants
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import apps  # noqa: E402
-import submit_apps  # noqa: E402
 from test_gang import wait_dead  # noqa: E402
 from test_scheduler import generated  # noqa: E402
 
@@ -44,11 +43,23 @@ def until(condition, what: str, within: float = 120.0) -> None:
 
 def gated(d: Path) -> Path:
     """A workflow file: generate (2 ranks, waits for d/go) → totals (2 ranks), per-user sums."""
-    spec = {"name": "gated", "stages": {
-        "generate": {"app": "submit_apps:gated_generate", "ranks": 2, "outputs": ["tx"],
-                     "params": {"rows": ROWS, "seed": SEED, "dir": str(d)}},
-        "totals": {"app": "apps:wf_totals", "ranks": 2, "inputs": {"tx": {"dataset": "tx", "by": ["user"]}},
-                   "outputs": ["totals"]}}}
+    spec = {
+        "name": "gated",
+        "stages": {
+            "generate": {
+                "app": "submit_apps:gated_generate",
+                "ranks": 2,
+                "outputs": ["tx"],
+                "params": {"rows": ROWS, "seed": SEED, "dir": str(d)},
+            },
+            "totals": {
+                "app": "apps:wf_totals",
+                "ranks": 2,
+                "inputs": {"tx": {"dataset": "tx", "by": ["user"]}},
+                "outputs": ["totals"],
+            },
+        },
+    }
     path = d / "wf.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return path
@@ -144,7 +155,8 @@ def test_ctrl_c_in_px_run_or_leaving_the_interpreter_cancels_the_run(tmp_path, p
     """px.run keeps its Ctrl-C (the run is cancelled, KeyboardInterrupt raised); a process that
     exits while a handle's run goes on cancels it (gangs stopped at once, not "lost")."""
     script = tmp_path / "pipeline.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(HERE)!r})
         import phalanx as px
@@ -163,10 +175,16 @@ def test_ctrl_c_in_px_run_or_leaving_the_interpreter_cancels_the_run(tmp_path, p
         except KeyboardInterrupt:
             print("interrupted", flush=True)
             sys.exit(130)
-    """))
+    """)
+    )
     env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state")}
-    proc = subprocess.Popen([sys.executable, str(script), how.split()[0]], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), how.split()[0]],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     procs.append(proc.pid)
     pids = rank_pids(tmp_path)
     if how.startswith("ctrl-c"):
@@ -194,6 +212,7 @@ def phalanx(tmp_path, capsys, monkeypatch):
         code = main(list(argv))
         out, err = capsys.readouterr()
         return code, out, err
+
     return run
 
 
@@ -201,8 +220,13 @@ def detach(tmp_path: Path, procs: list[int]) -> tuple[str, int]:
     """`phalanx run --detach`, a real command started in a terminal session of its own that then
     ends: the run id and the driver's pid."""
     env = {**os.environ, "PYTHONPATH": str(HERE), "PHALANX_STATE": str(tmp_path / "state")}
-    terminal = subprocess.Popen(["setsid", sys.executable, "-m", "phalanx.cli", "run", str(gated(tmp_path)), "--detach"],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    terminal = subprocess.Popen(
+        ["setsid", sys.executable, "-m", "phalanx.cli", "run", str(gated(tmp_path)), "--detach"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = terminal.communicate(timeout=300)
     assert terminal.returncode == 0, err
     run_id = out.strip()

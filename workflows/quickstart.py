@@ -22,8 +22,7 @@ import phalanx as px
 def make_part(rank: int, rows: int, world: int, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng([seed, rank])
     n = rows // world
-    return pa.table({"key": rng.integers(0, rows // 2, n), "v": rng.random(n),
-                     "w": rng.integers(0, 100, n)})
+    return pa.table({"key": rng.integers(0, rows // 2, n), "v": rng.random(n), "w": rng.integers(0, 100, n)})
 
 
 def write_right(env, rows: int, directory: str) -> str:
@@ -35,9 +34,7 @@ def write_right(env, rows: int, directory: str) -> str:
 def app(env, rows: int, right_dir: str):
     left = px.DataFrame.from_arrow(make_part(env.rank, rows, env.world_size), env)
     right = px.read_parquet(f"{right_dir}/*.parquet", env)
-    out = (left.merge(right, on="key", how="inner")
-               .groupby("key").agg({"v": "sum", "w": "mean"})
-               .sort_values("key"))
+    out = left.merge(right, on="key", how="inner").groupby("key").agg({"v": "sum", "w": "mean"}).sort_values("key")
     env.log.info("holds %d of the sorted rows", out.local_num_rows)
     return out.num_rows, out.head(3).collect(root=0)
 
@@ -60,10 +57,11 @@ def main() -> None:
             print(f"{rows:>10,} rows: {num_rows:,} groups in {took:.2f}s on the same gang")
 
             # independent check with DuckDB on the same data
-            L = pa.concat_tables([make_part(r, rows, args.ranks) for r in range(args.ranks)])
-            R = duckdb.read_parquet(f"{right_dir}/*.parquet").to_arrow_table()
-            ref = duckdb.sql("SELECT key, SUM(v) AS v, AVG(w) AS w FROM L JOIN R USING (key) "
-                             "GROUP BY key ORDER BY key LIMIT 3").to_arrow_table()
+            L = pa.concat_tables([make_part(r, rows, args.ranks) for r in range(args.ranks)])  # noqa: F841 (DuckDB reads L and R by name)
+            R = duckdb.read_parquet(f"{right_dir}/*.parquet").to_arrow_table()  # noqa: F841
+            ref = duckdb.sql(
+                "SELECT key, SUM(v) AS v, AVG(w) AS w FROM L JOIN R USING (key) GROUP BY key ORDER BY key LIMIT 3"
+            ).to_arrow_table()
             expected = duckdb.sql("SELECT COUNT(DISTINCT key) FROM L JOIN R USING (key)").fetchall()[0][0]
             assert num_rows == expected, (num_rows, expected)
             assert head["key"].equals(ref["key"]) and np.allclose(head["v"], ref["v"])

@@ -25,8 +25,7 @@ FEATURES = [f"x{i}" for i in range(8)]
 def make_data(rows: int, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(rows, len(FEATURES))).astype(np.float32)
-    y = (np.sin(2 * x[:, 0]) + x[:, 1] * x[:, 2] + 0.5 * x[:, 3] - 0.3 * x[:, 4] ** 2
-         + 0.1 * rng.normal(size=rows))
+    y = np.sin(2 * x[:, 0]) + x[:, 1] * x[:, 2] + 0.5 * x[:, 3] - 0.3 * x[:, 4] ** 2 + 0.1 * rng.normal(size=rows)
     return pa.table({**{f: x[:, i] for i, f in enumerate(FEATURES)}, "y": y.astype(np.float32)})
 
 
@@ -34,9 +33,12 @@ class MLP(torch.nn.Module):
     def __init__(self, inputs: int, hidden: int = 64):
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(inputs, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-            torch.nn.Linear(hidden, 1))
+            torch.nn.Linear(inputs, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 1),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x).squeeze(1)
@@ -44,27 +46,27 @@ class MLP(torch.nn.Module):
 
 def train(env, dataset: str, epochs: int, batch_size: int, lr: float):
     torch.manual_seed(0)
-    model = px.ml.ddp(env, MLP(len(FEATURES)))          # DDP over the gang's Gloo group
+    model = px.ml.ddp(env, MLP(len(FEATURES)))  # DDP over the gang's Gloo group
     opt = torch.optim.Adam(model.parameters(), lr=lr)
-    loader = px.ml.loader(env, dataset, features=FEATURES, label="y",
-                          batch_size=batch_size, shuffle="global", seed=0)
+    loader = px.ml.loader(env, dataset, features=FEATURES, label="y", batch_size=batch_size, shuffle="global", seed=0)
     history = []
     for epoch in range(epochs):
-        loader.set_epoch(epoch)                          # a new global permutation
+        loader.set_epoch(epoch)  # a new global permutation
         t0 = time.perf_counter()
         total, count = 0.0, 0
         for x, y in loader:
             opt.zero_grad()
             loss = torch.nn.functional.mse_loss(model(x), y)
-            loss.backward()                              # gradients averaged over the ranks
+            loss.backward()  # gradients averaged over the ranks
             opt.step()
             total += loss.item() * len(y)
             count += len(y)
         seconds = time.perf_counter() - t0
         mean_loss = env.comm.allreduce_scalar(total) / env.comm.allreduce_scalar(count)
         s = loader.stats
-        history.append({"loss": mean_loss, "seconds": seconds, "rows": s["rows"],
-                        "build_s": s["build_s"], "wait_s": s["wait_s"]})
+        history.append(
+            {"loss": mean_loss, "seconds": seconds, "rows": s["rows"], "build_s": s["build_s"], "wait_s": s["wait_s"]}
+        )
     state = {k: v.clone() for k, v in model.module.state_dict().items()}
     return history, state if env.rank == 0 else None
 
@@ -92,10 +94,16 @@ def main() -> None:
     store = px.Store(session=SESSION)
     data = make_data(args.rows)
     cut = [args.rows * i // 3 for i in range(4)]  # three producer partitions, any gang size reads them
-    store.put("regression", [data.slice(cut[i], cut[i + 1] - cut[i]) for i in range(3)], replace=True,
-              producer="train_mlp.make_data")
-    print(f"dataset 'regression': {args.rows:,} rows, {len(FEATURES)} features, "
-          f"{store.info('regression').num_partitions} partitions in {store.root}")
+    store.put(
+        "regression",
+        [data.slice(cut[i], cut[i + 1] - cut[i]) for i in range(3)],
+        replace=True,
+        producer="train_mlp.make_data",
+    )
+    print(
+        f"dataset 'regression': {args.rows:,} rows, {len(FEATURES)} features, "
+        f"{store.info('regression').num_partitions} partitions in {store.root}"
+    )
     try:
         with px.Gang(ranks=args.ranks, session=SESSION, echo=False) as gang:
             results = gang.run(train, "regression", args.epochs, args.batch_size, args.lr)
@@ -104,11 +112,15 @@ def main() -> None:
         store.delete_session()
 
     history = results[0][0]
-    print(f"\n{'epoch':>5} {'train MSE':>10} {'epoch s':>8} {'rows/rank':>10} "
-          f"{'loader build rows/s':>20} {'waited on loader s':>19}")
+    print(
+        f"\n{'epoch':>5} {'train MSE':>10} {'epoch s':>8} {'rows/rank':>10} "
+        f"{'loader build rows/s':>20} {'waited on loader s':>19}"
+    )
     for e, h in enumerate(history):
-        print(f"{e:>5} {h['loss']:>10.4f} {h['seconds']:>8.2f} {h['rows']:>10,} "
-              f"{h['rows'] / max(h['build_s'], 1e-9):>20,.0f} {h['wait_s']:>19.3f}")
+        print(
+            f"{e:>5} {h['loss']:>10.4f} {h['seconds']:>8.2f} {h['rows']:>10,} "
+            f"{h['rows'] / max(h['build_s'], 1e-9):>20,.0f} {h['wait_s']:>19.3f}"
+        )
     losses = [h["loss"] for h in history]
     print("\nloader alone (no training), rows/s per rank: " + ", ".join(f"{v:,.0f}" for v in feed))
 

@@ -21,16 +21,27 @@ import phalanx as px
 
 CATEGORIES = ["grocery", "electronics", "fashion", "travel", "home", "games"]
 COUNTRIES = ["US", "DE", "FR", "GB", "IN", "BR", "JP", "NG"]
-TX_START = dt.datetime(2024, 1, 1)       # transactions fall in 2024
-SIGNUP_START = dt.date(2019, 1, 1)       # users signed up in 2019–2023
-NULL_AMOUNT = 0.03                       # share of transactions with a missing amount
+TX_START = dt.datetime(2024, 1, 1)  # transactions fall in 2024
+SIGNUP_START = dt.date(2019, 1, 1)  # users signed up in 2019–2023
+NULL_AMOUNT = 0.03  # share of transactions with a missing amount
 NULL_CATEGORY = 0.02
 NULL_AGE = 0.05
 YEAR_S = 365.25 * 86400
 
 # The columns the model trains on (all float32, no nulls) and its label.
-FEATURES = ["n_tx_log", "total_log", "avg_log", "max_log", "weekend_share", "online_share",
-            "refund_share", "active_years", "tenure_years", "age_scaled", "age_missing"]
+FEATURES = [
+    "n_tx_log",
+    "total_log",
+    "avg_log",
+    "max_log",
+    "weekend_share",
+    "online_share",
+    "refund_share",
+    "active_years",
+    "tenure_years",
+    "age_scaled",
+    "age_missing",
+]
 LABEL = "label"
 
 
@@ -50,44 +61,50 @@ def make_transactions(rows: int, users: int, seed: int, rank: int, world: int) -
     n = hi - lo
     rng = np.random.default_rng([seed, rank])
     trait = user_traits(users, seed)
-    weight = 0.25 + trait                           # active users buy more often
+    weight = 0.25 + trait  # active users buy more often
     user_id = rng.choice(users, size=n, p=weight / weight.sum()).astype(np.int64)
     t = trait[user_id]
-    amount = np.round(np.exp(rng.normal(2.5 + 1.5 * t, 0.7)), 2)   # big spenders buy bigger
+    amount = np.round(np.exp(rng.normal(2.5 + 1.5 * t, 0.7)), 2)  # big spenders buy bigger
     seconds = rng.integers(0, 366 * 86400, n)
     category = rng.integers(0, len(CATEGORIES), n).astype(np.int32)
     online = rng.random(n) < 0.3 + 0.4 * t
     channel = np.where(online, np.where(rng.random(n) < 0.5, 1, 2), 0).astype(np.int32)
     refund = rng.random(n) < 0.06 - 0.04 * t
     base = int(TX_START.replace(tzinfo=dt.timezone.utc).timestamp())
-    return pa.table({
-        "tx_id": pa.array(np.arange(lo, hi, dtype=np.int64)),
-        "user_id": pa.array(user_id),
-        "amount": pa.array(amount, mask=rng.random(n) < NULL_AMOUNT),
-        "ts": pa.array(base + seconds, pa.int64()).cast(pa.timestamp("s")),
-        "category": pa.DictionaryArray.from_arrays(
-            pa.array(category, mask=rng.random(n) < NULL_CATEGORY), CATEGORIES).cast(pa.string()),
-        "channel": pa.DictionaryArray.from_arrays(channel, ["store", "web", "app"]).cast(pa.string()),
-        "is_refund": pa.array(refund),
-    })
+    return pa.table(
+        {
+            "tx_id": pa.array(np.arange(lo, hi, dtype=np.int64)),
+            "user_id": pa.array(user_id),
+            "amount": pa.array(amount, mask=rng.random(n) < NULL_AMOUNT),
+            "ts": pa.array(base + seconds, pa.int64()).cast(pa.timestamp("s")),
+            "category": pa.DictionaryArray.from_arrays(
+                pa.array(category, mask=rng.random(n) < NULL_CATEGORY), CATEGORIES
+            ).cast(pa.string()),
+            "channel": pa.DictionaryArray.from_arrays(channel, ["store", "web", "app"]).cast(pa.string()),
+            "is_refund": pa.array(refund),
+        }
+    )
 
 
 def make_users(users: int, seed: int, rank: int, world: int) -> pa.Table:
     """Rank ``rank``'s users (a contiguous range of ids), with the ``churned`` label."""
     lo, hi = _share(users, rank, world)
     n = hi - lo
-    rng = np.random.default_rng([seed, rank, 1])    # (seed, rank), apart from the transactions
+    rng = np.random.default_rng([seed, rank, 1])  # (seed, rank), apart from the transactions
     t = user_traits(users, seed)[lo:hi]
-    churn_p = 1 / (1 + np.exp(-(2.0 - 5.0 * t)))    # low-trait users churn
+    churn_p = 1 / (1 + np.exp(-(2.0 - 5.0 * t)))  # low-trait users churn
     signup = (np.datetime64(SIGNUP_START) + rng.integers(0, 5 * 365, n)).astype("datetime64[D]")
-    return pa.table({
-        "user_id": pa.array(np.arange(lo, hi, dtype=np.int64)),
-        "country": pa.DictionaryArray.from_arrays(
-            rng.integers(0, len(COUNTRIES), n).astype(np.int32), COUNTRIES).cast(pa.string()),
-        "signup_date": pa.array(signup, pa.date32()),
-        "age": pa.array(rng.integers(18, 81, n), pa.int64(), mask=rng.random(n) < NULL_AGE),
-        "churned": pa.array(rng.random(n) < churn_p),
-    })
+    return pa.table(
+        {
+            "user_id": pa.array(np.arange(lo, hi, dtype=np.int64)),
+            "country": pa.DictionaryArray.from_arrays(
+                rng.integers(0, len(COUNTRIES), n).astype(np.int32), COUNTRIES
+            ).cast(pa.string()),
+            "signup_date": pa.array(signup, pa.date32()),
+            "age": pa.array(rng.integers(18, 81, n), pa.int64(), mask=rng.random(n) < NULL_AGE),
+            "churned": pa.array(rng.random(n) < churn_p),
+        }
+    )
 
 
 def generate(env):
@@ -121,14 +138,14 @@ def features(env):
     by the groupby — moves no rows).  Users without transactions get no row.
     """
     tx = env.input("tx").assign(
-        weekend=(pc.day_of_week(_f("ts")) >= 5).cast(pa.int64()),     # Mon=0 ... Sat=5, Sun=6
+        weekend=(pc.day_of_week(_f("ts")) >= 5).cast(pa.int64()),  # Mon=0 ... Sat=5, Sun=6
         online=(_f("channel") != "store").cast(pa.int64()),
         refund=_f("is_refund").cast(pa.int64()),
     )
     per_user = tx.groupby("user_id").agg(
         n_tx=("tx_id", "count"),
-        total_amount=("amount", "sum"),        # nulls skipped; all-null → 0
-        avg_amount=("amount", "mean"),         # all-null → null
+        total_amount=("amount", "sum"),  # nulls skipped; all-null → 0
+        avg_amount=("amount", "mean"),  # all-null → null
         max_amount=("amount", "max"),
         n_weekend=("weekend", "sum"),
         n_online=("online", "sum"),
@@ -168,9 +185,13 @@ def _mlp(inputs: int, hidden: int):
     import torch
 
     return torch.nn.Sequential(
-        torch.nn.Linear(inputs, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 1), torch.nn.Flatten(0))
+        torch.nn.Linear(inputs, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+        torch.nn.Flatten(0),
+    )
 
 
 def train(env):
@@ -190,33 +211,51 @@ def train(env):
     lr, hidden = float(p.get("lr", 3e-3)), int(p.get("hidden", 32))
     spec = env.inputs["data"]
     torch.manual_seed(int(p.get("seed", 0)))
-    model = px.ml.ddp(env, _mlp(len(FEATURES), hidden))   # DDP over the gang's Gloo group
+    model = px.ml.ddp(env, _mlp(len(FEATURES), hidden))  # DDP over the gang's Gloo group
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     history = []
-    with px.ml.loader(env, spec["dataset"], features=FEATURES, label=LABEL, batch_size=batch_size,
-                      shuffle="global", seed=spec.get("seed", 0)) as loader:
+    with px.ml.loader(
+        env,
+        spec["dataset"],
+        features=FEATURES,
+        label=LABEL,
+        batch_size=batch_size,
+        shuffle="global",
+        seed=spec.get("seed", 0),
+    ) as loader:
         for epoch in range(epochs):
-            loader.set_epoch(epoch)                       # a new global permutation
+            loader.set_epoch(epoch)  # a new global permutation
             t0 = time.perf_counter()
             total, count, correct = 0.0, 0, 0
             for x, y in loader:
                 opt.zero_grad()
                 logits = model(x)
                 loss = loss_fn(logits, y)
-                loss.backward()                           # gradients averaged over the ranks
+                loss.backward()  # gradients averaged over the ranks
                 opt.step()
                 total += loss.item() * len(y)
                 count += len(y)
                 correct += int(((logits > 0) == (y > 0.5)).sum())
             count = int(env.comm.allreduce_scalar(count))
-            row = {"epoch": epoch, "loss": env.comm.allreduce_scalar(total) / count,
-                   "accuracy": env.comm.allreduce_scalar(correct) / count, "rows_seen": count}
+            row = {
+                "epoch": epoch,
+                "loss": env.comm.allreduce_scalar(total) / count,
+                "accuracy": env.comm.allreduce_scalar(correct) / count,
+                "rows_seen": count,
+            }
             history.append(row)
-            env.log.info("epoch %d: loss %.4f accuracy %.3f (%d rows, %.1fs)", epoch, row["loss"],
-                         row["accuracy"], count, time.perf_counter() - t0)
+            env.log.info(
+                "epoch %d: loss %.4f accuracy %.3f (%d rows, %.1fs)",
+                epoch,
+                row["loss"],
+                row["accuracy"],
+                count,
+                time.perf_counter() - t0,
+            )
     if "train_metrics" in env.outputs:
-        schema = pa.schema([("epoch", pa.int64()), ("loss", pa.float64()), ("accuracy", pa.float64()),
-                            ("rows_seen", pa.int64())])
+        schema = pa.schema(
+            [("epoch", pa.int64()), ("loss", pa.float64()), ("accuracy", pa.float64()), ("rows_seen", pa.int64())]
+        )
         table = pa.Table.from_pylist(history, schema) if env.rank == 0 else schema.empty_table()
         env.output("train_metrics", px.DataFrame.from_arrow(table, env))

@@ -8,7 +8,8 @@ entry point in the group ``phalanx.executors`` — and a site file naming it.  T
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from .._registry import Registry
 from .base import AllocationHook, Capabilities, Executor, ExecutorConfig, Launcher
@@ -17,19 +18,28 @@ executors = Registry("executor", group="phalanx.executors")
 # config=: the model of the site's section, importable without the backend's extra (so a
 # site file can be validated where ray is not installed)
 executors.register("local", "phalanx.executors.local:LocalExecutor", config="phalanx.executors.local:LocalConfig")
-executors.register("mpirun", "phalanx.executors.mpirun:MPIRunExecutor",
-                   config="phalanx.executors.mpirun:MPIRunConfig")
-executors.register("slurm", "phalanx.executors.slurm:SlurmExecutor",
-                   config="phalanx.executors.slurm.config:SlurmConfig")
-executors.register("ray", "phalanx.executors.ray:RayExecutor", extra="ray",
-                   config="phalanx.executors.ray.config:RayConfig")
-executors.register("kubernetes", "phalanx.executors.kubernetes:KubernetesExecutor", extra="kubernetes",
-                   config="phalanx.executors.kubernetes.config:KubernetesConfig")
-executors.register("radical", "phalanx.executors.radical:RadicalExecutor", extra="radical",
-                   config="phalanx.executors.radical.config:RadicalConfig")
+executors.register("mpirun", "phalanx.executors.mpirun:MPIRunExecutor", config="phalanx.executors.mpirun:MPIRunConfig")
+executors.register(
+    "slurm", "phalanx.executors.slurm:SlurmExecutor", config="phalanx.executors.slurm.config:SlurmConfig"
+)
+executors.register(
+    "ray", "phalanx.executors.ray:RayExecutor", extra="ray", config="phalanx.executors.ray.config:RayConfig"
+)
+executors.register(
+    "kubernetes",
+    "phalanx.executors.kubernetes:KubernetesExecutor",
+    extra="kubernetes",
+    config="phalanx.executors.kubernetes.config:KubernetesConfig",
+)
+executors.register(
+    "radical",
+    "phalanx.executors.radical:RadicalExecutor",
+    extra="radical",
+    config="phalanx.executors.radical.config:RadicalConfig",
+)
 
-DEFAULT = "local"        # a gang or site that names no executor
-DEFAULT_MPI = "mpirun"   # ... with communicator mpi: MPI ranks must be started by an MPI launcher
+DEFAULT = "local"  # a gang or site that names no executor
+DEFAULT_MPI = "mpirun"  # ... with communicator mpi: MPI ranks must be started by an MPI launcher
 
 
 def config_model(name: str) -> type[ExecutorConfig]:
@@ -41,7 +51,7 @@ def capabilities(name: str) -> Capabilities:
     return executors.load(name).capabilities
 
 
-def create(name: str, config: "ExecutorConfig | Mapping[str, Any] | None" = None, **kwargs: Any) -> Executor:
+def create(name: str, config: ExecutorConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> Executor:
     """Executor ``name`` with the site section ``config`` (``kwargs``: site, cores, rank_memory)."""
     return executors.load(name)(config, **kwargs)
 
@@ -52,5 +62,17 @@ def release(record: dict) -> str:
     return executors.load(record["executor"]).release(record)
 
 
-__all__ = ["AllocationHook", "Capabilities", "DEFAULT", "DEFAULT_MPI", "Executor", "ExecutorConfig",
-           "Launcher", "capabilities", "config_model", "create", "executors", "release"]
+__all__ = [
+    "AllocationHook",
+    "Capabilities",
+    "DEFAULT",
+    "DEFAULT_MPI",
+    "Executor",
+    "ExecutorConfig",
+    "Launcher",
+    "capabilities",
+    "config_model",
+    "create",
+    "executors",
+    "release",
+]

@@ -17,13 +17,13 @@ A record is a JSON-able dict: ``executor``, ``id`` (unique for that executor) an
 from __future__ import annotations
 
 import atexit
-import os
 import logging
 import threading
 from abc import ABC, abstractmethod
-from pathlib import Path
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Mapping, Protocol, Sequence
+from pathlib import Path
+from typing import Any, ClassVar, Protocol
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
@@ -40,7 +40,7 @@ class AllocationHook(Protocol):
     def released(self, record: dict) -> None: ...
 
 
-_held_here: dict[tuple[str, str], dict] = {}   # (executor, id) → record: held by this process
+_held_here: dict[tuple[str, str], dict] = {}  # (executor, id) → record: held by this process
 _held_lock = threading.Lock()
 
 
@@ -129,12 +129,12 @@ class Launcher(ABC):
 class Capabilities:
     """What an executor can do; the scheduler asks these instead of naming executors."""
 
-    reuse_gangs: bool = False    # a succeeded stage's gang (processes, communicator) may serve the next
-    pins_cpus: bool = False      # the site's slots are this machine's CPUs: gangs get disjoint CPU sets
-    warm_pool: bool = False      # takes pre-started rank processes (executors.pool.WarmPool)
-    runs_commands: bool = True   # starts any program as a rank (command stages)
-    mpi_world: bool = False      # the ranks of a gang are one MPI_COMM_WORLD (communicator: mpi)
-    remote_ranks: bool = False   # ranks may run on other hosts: logs and the store must be shared
+    reuse_gangs: bool = False  # a succeeded stage's gang (processes, communicator) may serve the next
+    pins_cpus: bool = False  # the site's slots are this machine's CPUs: gangs get disjoint CPU sets
+    warm_pool: bool = False  # takes pre-started rank processes (executors.pool.WarmPool)
+    runs_commands: bool = True  # starts any program as a rank (command stages)
+    mpi_world: bool = False  # the ranks of a gang are one MPI_COMM_WORLD (communicator: mpi)
+    remote_ranks: bool = False  # ranks may run on other hosts: logs and the store must be shared
 
 
 class ExecutorConfig(BaseModel):
@@ -163,8 +163,11 @@ class ExecutorConfig(BaseModel):
             known = cls.known_keys()
             for key in data:
                 if cls.normalize_key(str(key)) not in known:
-                    raise PydanticCustomError("section", "{message}", {
-                        "keys": (key,), "message": "unknown key" + suggest(cls.normalize_key(str(key)), known)})
+                    raise PydanticCustomError(
+                        "section",
+                        "{message}",
+                        {"keys": (key,), "message": "unknown key" + suggest(cls.normalize_key(str(key)), known)},
+                    )
         return data
 
     def slots(self) -> int | None:
@@ -173,7 +176,7 @@ class ExecutorConfig(BaseModel):
 
 
 def suggest(value: str, known: Sequence[str]) -> str:
-    """" (did you mean 'x'?)" for a near miss, else "; known: a, b, c"."""
+    """ " (did you mean 'x'?)" for a near miss, else "; known: a, b, c"."""
     import difflib
 
     close = difflib.get_close_matches(value, known, n=1)
@@ -194,21 +197,29 @@ class Executor(ABC):
     config_model: ClassVar[type[ExecutorConfig]] = ExecutorConfig
     capabilities: ClassVar[Capabilities] = Capabilities()
 
-    def __init__(self, config: "ExecutorConfig | Mapping[str, Any] | None" = None, *, site: str | None = None,
-                 cores: int | None = None, rank_memory: int | None = None):
+    def __init__(
+        self,
+        config: ExecutorConfig | Mapping[str, Any] | None = None,
+        *,
+        site: str | None = None,
+        cores: int | None = None,
+        rank_memory: int | None = None,
+    ):
         """``config``: the site's section (validated here if a mapping); ``cores``: the site's
         rank slots when it caps them; ``rank_memory``: bytes each rank may hold, enforced
         where the executor can."""
-        self.config = config if isinstance(config, ExecutorConfig) else \
-            self.config_model.model_validate(dict(config or {}))
+        self.config = (
+            config if isinstance(config, ExecutorConfig) else self.config_model.model_validate(dict(config or {}))
+        )
         self.site = site or self.name
         self.cores = cores
         self.rank_memory = rank_memory
         self.hook: AllocationHook | None = None  # the run's, set by open_run
 
     # ---- run scope --------------------------------------------------------------------------
-    def open_run(self, hook: AllocationHook | None = None, demand: Callable[[], int] | None = None,
-                 warm: int = 0) -> None:
+    def open_run(
+        self, hook: AllocationHook | None = None, demand: Callable[[], int] | None = None, warm: int = 0
+    ) -> None:
         """A run (or a standalone gang) begins: ``hook`` hears of every allocation the run
         holds; executors that can (``capabilities.warm_pool``) keep ``warm`` rank processes
         started, never more than ``demand()``: the ranks stages not yet started will ask for."""
@@ -217,7 +228,7 @@ class Executor(ABC):
     def close_run(self) -> None:
         """The run ended: free what ``open_run`` or later gangs made for the whole run."""
 
-    def __enter__(self) -> "Executor":
+    def __enter__(self) -> Executor:
         self.open_run()
         return self
 
@@ -236,7 +247,7 @@ class Executor(ABC):
         driver left; a human line saying what was done."""
         raise NotImplementedError(f"executor {record.get('executor')!r} records no allocations")
 
-    def stage_config(self, override: "ExecutorConfig | Mapping[str, Any] | None" = None) -> ExecutorConfig:
+    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> ExecutorConfig:
         """The site's config with a stage's own section of the same name over it."""
         if not override:
             return self.config
@@ -249,8 +260,9 @@ class Executor(ABC):
         scheduler call it before a stage starts."""
 
     @abstractmethod
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> Launcher:
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> Launcher:
         """A launcher for one gang of ``ranks`` on the scheduler's ``slots`` (indices below
         ``capacity``), with ``config`` (default: the site's), telling ``self.hook``."""
 

@@ -33,10 +33,9 @@ class ControlServer:
         self.world_size = world_size
         self.authkey = secrets.token_bytes(16)
         self.listener = Listener((host, 0), authkey=self.authkey)
-        self.events: "queue.Queue[tuple[int, tuple]]" = queue.Queue()
+        self.events: queue.Queue[tuple[int, tuple]] = queue.Queue()
         self.conns: dict[int, Connection] = {}
-        self.driver_timeout = float(driver_timeout or os.environ.get(P.ENV_DRIVER_TIMEOUT)
-                                    or P.DRIVER_TIMEOUT_S)
+        self.driver_timeout = float(driver_timeout or os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S)
         # one writer at a time per connection: the gang's sends and the heartbeat thread's
         self._send_locks: dict[int, threading.Lock] = {}
         self._closed = False
@@ -51,8 +50,11 @@ class ControlServer:
         return f"{host}:{port}"
 
     def rank_env(self) -> dict[str, str]:
-        return {P.ENV_CONTROL: self.address, P.ENV_AUTHKEY: self.authkey.hex(),
-                P.ENV_DRIVER_TIMEOUT: f"{self.driver_timeout:g}"}
+        return {
+            P.ENV_CONTROL: self.address,
+            P.ENV_AUTHKEY: self.authkey.hex(),
+            P.ENV_DRIVER_TIMEOUT: f"{self.driver_timeout:g}",
+        }
 
     def _accept(self) -> None:
         while not self._closed:
@@ -67,8 +69,9 @@ class ControlServer:
             self._send_locks[rank] = threading.Lock()
             self.conns[rank] = conn
             self.events.put((rank, hello))
-            threading.Thread(target=self._read, args=(rank, conn), daemon=True,
-                             name=f"phalanx-control-rank{rank}").start()
+            threading.Thread(
+                target=self._read, args=(rank, conn), daemon=True, name=f"phalanx-control-rank{rank}"
+            ).start()
 
     def _read(self, rank: int, conn: Connection) -> None:
         while True:
@@ -80,8 +83,16 @@ class ControlServer:
             except Exception as exc:  # a result that cannot be unpickled on the driver
                 from ..errors import RankFailure
 
-                self.events.put((rank, ("error", None, RankFailure(
-                    rank, type(exc).__name__, f"could not read the rank's message: {exc}"))))
+                self.events.put(
+                    (
+                        rank,
+                        (
+                            "error",
+                            None,
+                            RankFailure(rank, type(exc).__name__, f"could not read the rank's message: {exc}"),
+                        ),
+                    )
+                )
                 continue
             self.events.put((rank, msg))
 

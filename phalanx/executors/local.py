@@ -8,8 +8,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
 WORKER_ARGV = (sys.executable, "-m", "phalanx.runtime.worker")  # what gangs start on every rank
 _SAMPLE_S = 0.1  # how often the driver reads each rank's memory (≈30 µs a rank)
 _GIB = 1 << 30
-
 
 
 def usable_cpus() -> list[int]:
@@ -41,7 +41,7 @@ def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None)
     for r in range(world_size):
         env = {"PHALANX_THREADS": str(threads)}
         if pin and world_size <= len(cpus):
-            env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads:(r + 1) * threads]))
+            env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads : (r + 1) * threads]))
         out.append(env)
     return out
 
@@ -57,8 +57,12 @@ def slot_cpus(capacity: int, pin: bool, slots: Sequence[int]) -> tuple[bool, lis
 class LocalConfig(ExecutorConfig):
     """The ``local:`` section of a site file (all optional)."""
 
-    pin: bool = Field(True, strict=True, description="pin each rank to its own CPUs when the site's slots fit "
-                      "this machine's cores (gangs side by side get disjoint CPUs)")
+    pin: bool = Field(
+        True,
+        strict=True,
+        description="pin each rank to its own CPUs when the site's slots fit "
+        "this machine's cores (gangs side by side get disjoint CPUs)",
+    )
 
 
 class LocalExecutor(Executor):
@@ -70,7 +74,7 @@ class LocalExecutor(Executor):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._pool: "WarmPool | None" = None
+        self._pool: WarmPool | None = None
 
     def capacity(self) -> int:
         return self.cores or len(usable_cpus())
@@ -87,8 +91,9 @@ class LocalExecutor(Executor):
         if pool is not None:
             pool.close()
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> "LocalLauncher":
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> LocalLauncher:
         pin, mine = slot_cpus(self.capacity(), (config or self.config).pin, slots)
         launcher = LocalLauncher(echo=echo, pin=pin, cpus=mine, pool=self._pool, mem_limit_bytes=self.rank_memory)
         launcher.allocation_hook = self.hook
@@ -98,8 +103,14 @@ class LocalExecutor(Executor):
 class LocalLauncher(Launcher):
     name = "local"
 
-    def __init__(self, echo: Echo = True, pin: bool = True, cpus: Sequence[int] | None = None,
-                 pool: "WarmPool | None" = None, mem_limit_bytes: int | None = None):
+    def __init__(
+        self,
+        echo: Echo = True,
+        pin: bool = True,
+        cpus: Sequence[int] | None = None,
+        pool: WarmPool | None = None,
+        mem_limit_bytes: int | None = None,
+    ):
         """``mem_limit_bytes``: each rank's share of memory; a rank whose private resident
         memory (RssAnon) goes over it is killed by the driver (see ``MemoryWatch``)."""
         self.echo = echo
@@ -127,13 +138,15 @@ class LocalLauncher(Launcher):
                 hand_over(proc, extra)
             else:
                 proc = subprocess.Popen(
-                    list(argv), env={**os.environ, **extra, "PYTHONUNBUFFERED": "1"}, stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                    list(argv),
+                    env={**os.environ, **extra, "PYTHONUNBUFFERED": "1"},
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
                     start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
                 )
             self.procs.append(proc)
-            self._pumps.append(start_pump(proc.stdout, self._output, whole_lines(rank),
-                                          name=f"phalanx-log-rank{rank}"))
+            self._pumps.append(start_pump(proc.stdout, self._output, whole_lines(rank), name=f"phalanx-log-rank{rank}"))
         self._watch = MemoryWatch(self.procs, self.mem_limit_bytes)
 
     def memory_note(self, rank: int) -> str:
@@ -212,11 +225,16 @@ class MemoryWatch:
         grew since launch), or neither."""
         peak = f"peak RSS {self.peak[rank] / _GIB:.2f} GiB of {_mem_total() / _GIB:.1f} GiB"
         if rank in self.over:
-            return (f" — over its memory limit of {self.limit / _GIB:g} GiB (private resident "
-                    f"memory {self.over[rank] / _GIB:.2f} GiB; {peak})")
+            return (
+                f" — over its memory limit of {self.limit / _GIB:g} GiB (private resident "
+                f"memory {self.over[rank] / _GIB:.2f} GiB; {peak})"
+            )
         before, after = self.oom_before[rank], oom_kills(self.cgroups[rank])
-        grown = [where for where, b, a in zip((f"its cgroup ({self.cgroups[rank]})", "this machine"),
-                                              before, after) if b is not None and a is not None and a > b]
+        grown = [
+            where
+            for where, b, a in zip((f"its cgroup ({self.cgroups[rank]})", "this machine"), before, after)
+            if b is not None and a is not None and a > b
+        ]
         if grown:
             return f" — out of memory: the kernel's OOM killer ran in {grown[0]} ({peak})"
         if before[1] is None:  # no record to read (not Linux)

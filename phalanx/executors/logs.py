@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import IO, Any, Callable, Iterable, Sequence
+from typing import IO, Any
 
 from ..private import makedirs, opener
 from .base import Echo
 
 
-def echo_line(echo: Echo, rank: int | None, line: "bytes | str") -> None:
+def echo_line(echo: Echo, rank: int | None, line: bytes | str) -> None:
     """Show one rank line, prefixed ``[rank R]`` (``[launcher]``: the launcher's own)."""
     prefix = f"[rank {rank}] " if rank is not None else "[launcher] "
     text = (line.decode(errors="replace") if isinstance(line, bytes) else line).rstrip("\n")

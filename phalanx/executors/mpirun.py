@@ -16,8 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from pydantic import Field
 
@@ -75,8 +75,10 @@ DEFAULT_MCA = {
 
 # A command stage's program learns its rank as PHALANX_RANK, and leaves its exit code where the
 # driver reads it (mpirun reports one code for the whole job).
-_COMMAND_WRAPPER = ('d=$1; shift; PHALANX_RANK=$OMPI_COMM_WORLD_RANK; export PHALANX_RANK; "$@"; rc=$?; '
-                    'f="$d/rank-$PHALANX_RANK.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc')
+_COMMAND_WRAPPER = (
+    'd=$1; shift; PHALANX_RANK=$OMPI_COMM_WORLD_RANK; export PHALANX_RANK; "$@"; rc=$?; '
+    'f="$d/rank-$PHALANX_RANK.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc'
+)
 
 
 class MPIRunConfig(ExecutorConfig):
@@ -85,8 +87,9 @@ class MPIRunConfig(ExecutorConfig):
     mpirun: str = Field("mpirun", description="the mpirun program (Open MPI)")
     mca: dict[str, str] = Field(default_factory=dict, description="--mca KEY VALUE pairs over phalanx's defaults")
     args: list[str] = Field(default_factory=list, description="further mpirun arguments, verbatim")
-    pin: bool = Field(True, strict=True, description="pin each rank to its own CPUs when the site's slots fit "
-                      "this machine's cores")
+    pin: bool = Field(
+        True, strict=True, description="pin each rank to its own CPUs when the site's slots fit this machine's cores"
+    )
 
 
 class MPIRunExecutor(Executor):
@@ -99,12 +102,12 @@ class MPIRunExecutor(Executor):
     def capacity(self) -> int:
         return self.cores or len(usable_cpus())
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> "MPIRunLauncher":
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> MPIRunLauncher:
         cfg = config or self.config
         pin, cpus = slot_cpus(self.capacity(), cfg.pin, slots)
-        launcher = MPIRunLauncher(echo=echo, pin=pin, cpus=cpus, mpirun=cfg.mpirun, mca=cfg.mca,
-                                  extra_args=cfg.args)
+        launcher = MPIRunLauncher(echo=echo, pin=pin, cpus=cpus, mpirun=cfg.mpirun, mca=cfg.mca, extra_args=cfg.args)
         launcher.allocation_hook = self.hook
         return launcher
 
@@ -112,9 +115,15 @@ class MPIRunExecutor(Executor):
 class MPIRunLauncher(Launcher):
     name = "mpirun"
 
-    def __init__(self, echo: Echo = True, pin: bool = True, mpirun: str = "mpirun",
-                 mca: dict[str, str] | None = None, extra_args: Sequence[str] = (),
-                 cpus: Sequence[int] | None = None):
+    def __init__(
+        self,
+        echo: Echo = True,
+        pin: bool = True,
+        mpirun: str = "mpirun",
+        mca: dict[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        cpus: Sequence[int] | None = None,
+    ):
         """``cpus``: the CPUs this gang may use (a scheduler's share); default all usable."""
         self.echo = echo
         self.pin = pin
@@ -136,10 +145,18 @@ class MPIRunLauncher(Launcher):
         exe = shutil.which(self.mpirun)
         if exe is None:
             raise MissingDependencyError(
-                f"executor 'mpirun' needs {self.mpirun!r} on PATH (e.g. apt-get install openmpi-bin)")
-        cmd = [exe, "--allow-run-as-root", "--oversubscribe", "-np", str(world_size),
-               "--tag-output",
-               "--bind-to", "none"]  # phalanx pins ranks itself (PHALANX_CPUS_BY_RANK)
+                f"executor 'mpirun' needs {self.mpirun!r} on PATH (e.g. apt-get install openmpi-bin)"
+            )
+        cmd = [
+            exe,
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            str(world_size),
+            "--tag-output",
+            "--bind-to",
+            "none",
+        ]  # phalanx pins ranks itself (PHALANX_CPUS_BY_RANK)
         for key, value in self.mca.items():
             cmd += ["--mca", key, str(value)]
         for var in sorted(common):  # names only: values (the authkey) stay out of `ps`
@@ -162,8 +179,11 @@ class MPIRunLauncher(Launcher):
         cmd = self.command(argv, common, self.world_size)
         self._output = RankOutput(log_dir, self.echo)
         self.proc = subprocess.Popen(
-            cmd, env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
         )
         self._pump = start_pump(self.proc.stdout, self._output, TagOutputRouter(), "phalanx-log-mpirun")

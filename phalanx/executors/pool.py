@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 WARM_ARGV = (sys.executable, "-m", "phalanx.runtime.worker", "--warm")
 
@@ -27,8 +27,12 @@ class WarmPool:
     not started yet): the pool never warms more than that, so no import is wasted at the end.
     """
 
-    def __init__(self, size: int, demand: Callable[[], int] | None = None,
-                 preload: Sequence[str] = ("pyarrow", "polars", "phalanx.runtime.comm.tcp")):
+    def __init__(
+        self,
+        size: int,
+        demand: Callable[[], int] | None = None,
+        preload: Sequence[str] = ("pyarrow", "polars", "phalanx.runtime.comm.tcp"),
+    ):
         self.size = size
         self.demand = demand or (lambda: size)
         self.preload = list(preload)
@@ -38,10 +42,20 @@ class WarmPool:
         self._fill()
 
     def _spawn(self) -> subprocess.Popen:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "PHALANX_PDEATHSIG": "1",
-               "PHALANX_PRELOAD": ",".join(self.preload)}
-        return subprocess.Popen(list(WARM_ARGV), env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "PHALANX_PDEATHSIG": "1",
+            "PHALANX_PRELOAD": ",".join(self.preload),
+        }
+        return subprocess.Popen(
+            list(WARM_ARGV),
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def _fill(self) -> None:
         with self._lock:

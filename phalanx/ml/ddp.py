@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..runtime.env import BSPEnv
 
 
-def ddp(env: "BSPEnv", model: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
+def ddp(env: BSPEnv, model: torch.nn.Module, **kwargs: Any) -> DistributedDataParallel:
     """Wrap ``model`` in ``DistributedDataParallel`` on the gang's Gloo group (collective).
 
     Every rank calls it with the same architecture; DDP copies rank 0's parameters and buffers
@@ -30,7 +30,8 @@ def ddp(env: "BSPEnv", model: torch.nn.Module, **kwargs: Any) -> DistributedData
     if not all(hasattr(env, a) for a in ("rank", "world_size", "comm")):
         raise RuntimeError(
             f"px.ml.ddp needs the env of a gang rank (the first argument of an app run by "
-            f"gang.run), got {type(env).__name__}: DDP runs inside a px.Gang, not in the driver")
+            f"gang.run), got {type(env).__name__}: DDP runs inside a px.Gang, not in the driver"
+        )
     if isinstance(model, DistributedDataParallel):
         raise TypeError("px.ml.ddp: the model is already wrapped in DistributedDataParallel")
     if not isinstance(model, torch.nn.Module):
@@ -41,14 +42,16 @@ def ddp(env: "BSPEnv", model: torch.nn.Module, **kwargs: Any) -> DistributedData
     return DistributedDataParallel(model, **kwargs)
 
 
-def _gloo_group(env: "BSPEnv") -> None:
+def _gloo_group(env: BSPEnv) -> None:
     """Make sure torch's default process group is a Gloo group of exactly the gang's ranks."""
     if not dist.is_available():
         raise RuntimeError("px.ml.ddp: this torch build has no torch.distributed")
     if not dist.is_initialized():
         if getattr(env.comm, "name", None) == "gloo":
-            raise RuntimeError("px.ml.ddp: torch.distributed's default process group is not initialised "
-                               "in this process, yet the gang's communicator is gloo")
+            raise RuntimeError(
+                "px.ml.ddp: torch.distributed's default process group is not initialised "
+                "in this process, yet the gang's communicator is gloo"
+            )
         _join_group(env)
     backend = dist.get_backend()
     if backend != "gloo":
@@ -56,10 +59,11 @@ def _gloo_group(env: "BSPEnv") -> None:
     if dist.get_world_size() != env.world_size or dist.get_rank() != env.rank:
         raise RuntimeError(
             f"px.ml.ddp: torch.distributed is rank {dist.get_rank()} of {dist.get_world_size()}, "
-            f"the gang says rank {env.rank} of {env.world_size}")
+            f"the gang says rank {env.rank} of {env.world_size}"
+        )
 
 
-def _join_group(env: "BSPEnv") -> None:
+def _join_group(env: BSPEnv) -> None:
     import datetime
     import os
 
@@ -84,5 +88,6 @@ def _join_group(env: "BSPEnv") -> None:
     finally:
         for sock in reservation:
             sock.close()
-    dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=datetime.timedelta(seconds=timeout_s)
+    )

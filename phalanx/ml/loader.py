@@ -18,8 +18,9 @@ import queue
 import threading
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -31,21 +32,39 @@ if TYPE_CHECKING:
     from ..store.store import Store
 
 SHUFFLES = ("global", "local", None)
-CHUNK_BYTES = 256 << 20      # a rank's share is built in chunks of at most this many bytes
-_BLOCK_BYTES = 1 << 21       # rows transposed per step: a block that stays in cache
+CHUNK_BYTES = 256 << 20  # a rank's share is built in chunks of at most this many bytes
+_BLOCK_BYTES = 1 << 21  # rows transposed per step: a block that stays in cache
 
 _NUMPY_DTYPE = {
-    torch.float16: np.float16, torch.float32: np.float32, torch.float64: np.float64,
-    torch.int8: np.int8, torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64,
-    torch.uint8: np.uint8, torch.bool: np.bool_,
+    torch.float16: np.float16,
+    torch.float32: np.float32,
+    torch.float64: np.float64,
+    torch.int8: np.int8,
+    torch.int16: np.int16,
+    torch.int32: np.int32,
+    torch.int64: np.int64,
+    torch.uint8: np.uint8,
+    torch.bool: np.bool_,
 }
 
 
-def loader(env: "BSPEnv", dataset: str, features: str | Sequence[str], label: str | None = None, *,
-           batch_size: int = 1024, shuffle: str | None = "global", seed: int = 0,
-           drop_last: bool = False, dtype: torch.dtype = torch.float32,
-           label_dtype: torch.dtype | None = None, prefetch: int = 2, session: str | None = None,
-           verify: bool = True, chunk_bytes: int = CHUNK_BYTES) -> "Loader":
+def loader(
+    env: BSPEnv,
+    dataset: str,
+    features: str | Sequence[str],
+    label: str | None = None,
+    *,
+    batch_size: int = 1024,
+    shuffle: str | None = "global",
+    seed: int = 0,
+    drop_last: bool = False,
+    dtype: torch.dtype = torch.float32,
+    label_dtype: torch.dtype | None = None,
+    prefetch: int = 2,
+    session: str | None = None,
+    verify: bool = True,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Loader:
     """Batches ``(x, y)`` (or ``x`` without a label) of stored dataset ``dataset`` for this rank.
 
     Collective: every rank of the gang calls it with the same arguments.  ``x`` has shape
@@ -69,9 +88,22 @@ def loader(env: "BSPEnv", dataset: str, features: str | Sequence[str], label: st
     """
     if session is None and "/" in dataset:
         session, _, dataset = dataset.rpartition("/")
-    return Loader(env, dataset, features, label, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                  drop_last=drop_last, dtype=dtype, label_dtype=label_dtype, prefetch=prefetch,
-                  session=session, verify=verify, chunk_bytes=chunk_bytes)
+    return Loader(
+        env,
+        dataset,
+        features,
+        label,
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+        dtype=dtype,
+        label_dtype=label_dtype,
+        prefetch=prefetch,
+        session=session,
+        verify=verify,
+        chunk_bytes=chunk_bytes,
+    )
 
 
 # ---- which rows ---------------------------------------------------------------------------
@@ -79,8 +111,9 @@ def samples_per_rank(num_rows: int, world_size: int, drop_last: bool) -> int:
     return num_rows // world_size if drop_last else -(-num_rows // world_size)
 
 
-def rank_rows(num_rows: int, world_size: int, rank: int, shuffle: str | None, seed: int,
-              epoch: int, drop_last: bool) -> np.ndarray:
+def rank_rows(
+    num_rows: int, world_size: int, rank: int, shuffle: str | None, seed: int, epoch: int, drop_last: bool
+) -> np.ndarray:
     """This rank's global row numbers for one epoch, in the order they are yielded."""
     per = samples_per_rank(num_rows, world_size, drop_last)
     total = per * world_size
@@ -103,7 +136,7 @@ def rank_rows(num_rows: int, world_size: int, rank: int, shuffle: str | None, se
 class _Columns:
     """The dataset's feature (and label) columns: one segment per record batch of each partition."""
 
-    def __init__(self, store: "Store", info: "DatasetInfo", names: Sequence[str]):
+    def __init__(self, store: Store, info: DatasetInfo, names: Sequence[str]):
         starts = [0]
         self.segments: list[list[np.ndarray]] = []
         for i, part in enumerate(info.partitions):
@@ -113,8 +146,7 @@ class _Columns:
             for batch in table.to_batches():
                 if batch.num_rows == 0:
                     continue
-                self.segments.append([_numpy_view(batch.column(j), name, info.name, i)
-                                      for j, name in enumerate(names)])
+                self.segments.append([_numpy_view(batch.column(j), name, info.name, i) for j, name in enumerate(names)])
                 starts.append(starts[-1] + batch.num_rows)
         self.starts = np.array(starts, dtype=np.int64)
 
@@ -127,7 +159,8 @@ def _numpy_view(arr: pa.Array, name: str, dataset: str, partition: int) -> np.nd
     if arr.null_count:
         raise ValueError(
             f"px.ml.loader: dataset {dataset!r} column {name!r} has {arr.null_count} null(s) "
-            f"(partition {partition}); fill or drop them before training (fill_null, filter)")
+            f"(partition {partition}); fill or drop them before training (fill_null, filter)"
+        )
     if pa.types.is_boolean(arr.type):
         return arr.to_numpy(zero_copy_only=False)  # bit-packed in Arrow: one byte a row here
     return arr.to_numpy(zero_copy_only=True)
@@ -135,12 +168,15 @@ def _numpy_view(arr: pa.Array, name: str, dataset: str, partition: int) -> np.nd
 
 def _check_column_type(schema: pa.Schema, name: str, dataset: str, role: str) -> pa.DataType:
     if schema.get_field_index(name) < 0:
-        raise ValueError(f"px.ml.loader: dataset {dataset!r} has no {role} column {name!r} "
-                       f"(columns: {', '.join(schema.names)})")
+        raise ValueError(
+            f"px.ml.loader: dataset {dataset!r} has no {role} column {name!r} (columns: {', '.join(schema.names)})"
+        )
     t = schema.field(name).type
     if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-        raise TypeError(f"px.ml.loader: {role} column {name!r} of dataset {dataset!r} has type {t}; "
-                        "the loader takes numeric or bool columns (encode others before putting them)")
+        raise TypeError(
+            f"px.ml.loader: {role} column {name!r} of dataset {dataset!r} has type {t}; "
+            "the loader takes numeric or bool columns (encode others before putting them)"
+        )
     return t
 
 
@@ -164,8 +200,9 @@ def _take(col: np.ndarray, idx: np.ndarray, out: np.ndarray) -> None:
         out[...] = np.take(col, idx, mode="clip")
 
 
-def build_chunk(cols: _Columns, rows: np.ndarray, nfeatures: int, xdtype: np.dtype,
-                ydtype: np.dtype | None) -> tuple[np.ndarray, np.ndarray | None]:
+def build_chunk(
+    cols: _Columns, rows: np.ndarray, nfeatures: int, xdtype: np.dtype, ydtype: np.dtype | None
+) -> tuple[np.ndarray, np.ndarray | None]:
     """``X[i] = features of row rows[i]`` (row-major ``[n, F]``) and ``y[i]`` its label."""
     n, F = len(rows), nfeatures
     src, order = _sort_rows(rows, cols.num_rows)
@@ -194,7 +231,7 @@ def build_chunk(cols: _Columns, rows: np.ndarray, nfeatures: int, xdtype: np.dty
                 local = src[lo:hi] - cols.starts[s]
                 columns = cols.segments[s]
                 for j in range(F):
-                    _take(columns[j], local, tmp[j, lo - a:hi - a])
+                    _take(columns[j], local, tmp[j, lo - a : hi - a])
                 if y is not None:
                     _take(columns[F], local, ys[lo:hi])
             s += 1
@@ -214,7 +251,7 @@ def build_chunk(cols: _Columns, rows: np.ndarray, nfeatures: int, xdtype: np.dty
 class _Chunk:
     epoch: int
     index: int
-    count: int                   # chunks in this epoch
+    count: int  # chunks in this epoch
     x: torch.Tensor
     y: torch.Tensor | None
     build_s: float
@@ -223,9 +260,17 @@ class _Chunk:
 class _Source:
     """Plans an epoch's chunks and builds them (what the prefetch thread holds)."""
 
-    def __init__(self, columns: _Columns, rows_args: tuple, chunk_rows: int, nfeatures: int,
-                 xdtype: np.dtype, ydtype: np.dtype | None, x_to: torch.dtype | None,
-                 y_to: torch.dtype | None):
+    def __init__(
+        self,
+        columns: _Columns,
+        rows_args: tuple,
+        chunk_rows: int,
+        nfeatures: int,
+        xdtype: np.dtype,
+        ydtype: np.dtype | None,
+        x_to: torch.dtype | None,
+        y_to: torch.dtype | None,
+    ):
         self.columns, self.rows_args, self.chunk_rows = columns, rows_args, chunk_rows
         self.nfeatures, self.xdtype, self.ydtype, self.x_to, self.y_to = nfeatures, xdtype, ydtype, x_to, y_to
 
@@ -235,7 +280,7 @@ class _Source:
 
     def plan(self, epoch: int) -> list[np.ndarray]:
         rows = self.rows(epoch)
-        return [rows[i:i + self.chunk_rows] for i in range(0, len(rows), self.chunk_rows)]
+        return [rows[i : i + self.chunk_rows] for i in range(0, len(rows), self.chunk_rows)]
 
     def build(self, epoch: int, index: int, count: int, rows: np.ndarray) -> _Chunk:
         t0 = time.perf_counter()
@@ -254,15 +299,14 @@ class _Source:
 class _Pipeline:
     """A thread building chunks of epochs start, start+1, ... at most ``prefetch`` ahead."""
 
-    def __init__(self, source: "_Source", start_epoch: int, prefetch: int):
+    def __init__(self, source: _Source, start_epoch: int, prefetch: int):
         self._source = source
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._permits = threading.Semaphore(prefetch)
         self._stop = threading.Event()
-        self.next = (start_epoch, 0)   # the chunk the consumer gets next
+        self.next = (start_epoch, 0)  # the chunk the consumer gets next
         self.closed = False
-        self._thread = threading.Thread(target=self._run, args=(start_epoch,), daemon=True,
-                                        name="phalanx-ml-loader")
+        self._thread = threading.Thread(target=self._run, args=(start_epoch,), daemon=True, name="phalanx-ml-loader")
         self._thread.start()
 
     def _run(self, epoch: int) -> None:
@@ -311,15 +355,30 @@ class _Pipeline:
 class Loader:
     """Iterable over this rank's batches of the current epoch; see :func:`loader`."""
 
-    def __init__(self, env: "BSPEnv", dataset: str, features: str | Sequence[str], label: str | None = None,
-                 *, batch_size: int = 1024, shuffle: str | None = "global", seed: int = 0,
-                 drop_last: bool = False, dtype: torch.dtype = torch.float32,
-                 label_dtype: torch.dtype | None = None, prefetch: int = 2, session: str | None = None,
-                 verify: bool = True, chunk_bytes: int = CHUNK_BYTES):
+    def __init__(
+        self,
+        env: BSPEnv,
+        dataset: str,
+        features: str | Sequence[str],
+        label: str | None = None,
+        *,
+        batch_size: int = 1024,
+        shuffle: str | None = "global",
+        seed: int = 0,
+        drop_last: bool = False,
+        dtype: torch.dtype = torch.float32,
+        label_dtype: torch.dtype | None = None,
+        prefetch: int = 2,
+        session: str | None = None,
+        verify: bool = True,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
         for attr in ("rank", "world_size", "comm", "store"):
             if not hasattr(env, attr):
-                raise TypeError(f"px.ml.loader needs the env of a gang rank (the first argument of an "
-                                f"app run by gang.run), got {type(env).__name__}")
+                raise TypeError(
+                    f"px.ml.loader needs the env of a gang rank (the first argument of an "
+                    f"app run by gang.run), got {type(env).__name__}"
+                )
         features = [features] if isinstance(features, str) else list(features)
         if not features:
             raise ValueError("px.ml.loader: give at least one feature column")
@@ -344,9 +403,11 @@ class Loader:
         everyone = env.comm.allgather_obj(mine)
         for r, theirs in enumerate(everyone):
             if theirs != everyone[0]:
-                raise ValueError(f"px.ml.loader is collective: rank {r} called it with "
-                                 f"(dataset, version, features, label, batch_size, shuffle, seed, "
-                                 f"drop_last) = {theirs}, rank 0 with {everyone[0]}")
+                raise ValueError(
+                    f"px.ml.loader is collective: rank {r} called it with "
+                    f"(dataset, version, features, label, batch_size, shuffle, seed, "
+                    f"drop_last) = {theirs}, rank 0 with {everyone[0]}"
+                )
         self.info = info
         for f in features:
             _check_column_type(info.schema, f, dataset, "feature")
@@ -368,17 +429,23 @@ class Loader:
 
         self.num_rows = info.num_rows
         self.num_samples = samples_per_rank(self.num_rows, self.world_size, self.drop_last)
-        self._rows_per_epoch = (self.num_samples // batch_size * batch_size if self.drop_last
-                                else self.num_samples)
+        self._rows_per_epoch = self.num_samples // batch_size * batch_size if self.drop_last else self.num_samples
         row_bytes = len(features) * self._xdtype.itemsize + (self._ydtype.itemsize if label else 0)
         self.chunk_rows = max(batch_size, chunk_bytes // row_bytes // batch_size * batch_size)
         # what the prefetch thread needs, without a reference to the loader (so that dropping
         # the loader stops the thread)
-        self._source = _Source(columns, self._rows_args(), self.chunk_rows, len(features), self._xdtype,
-                               self._ydtype, self.dtype if self._xconvert else None,
-                               self.label_dtype if self._yconvert else None)
+        self._source = _Source(
+            columns,
+            self._rows_args(),
+            self.chunk_rows,
+            len(features),
+            self._xdtype,
+            self._ydtype,
+            self.dtype if self._xconvert else None,
+            self.label_dtype if self._yconvert else None,
+        )
         self._pipeline: _Pipeline | None = None
-        self._completed: int | None = None   # the last epoch iterated to its end
+        self._completed: int | None = None  # the last epoch iterated to its end
         self._warned = False
         self.stats: dict[str, Any] = {}
 
@@ -396,18 +463,35 @@ class Loader:
         return self._source.rows(self.epoch if epoch is None else epoch)
 
     def _rows_args(self) -> tuple:
-        return (self.num_rows, self.world_size, self.rank, self.shuffle, self.seed, self.drop_last,
-                self._rows_per_epoch)
+        return (
+            self.num_rows,
+            self.world_size,
+            self.rank,
+            self.shuffle,
+            self.seed,
+            self.drop_last,
+            self._rows_per_epoch,
+        )
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self.epoch
         if self._completed == epoch and self.shuffle is not None and not self._warned:
-            warnings.warn(f"px.ml.loader: epoch {epoch} iterated again with the same order; call "
-                          "loader.set_epoch(epoch) before each epoch for a new permutation", stacklevel=2)
+            warnings.warn(
+                f"px.ml.loader: epoch {epoch} iterated again with the same order; call "
+                "loader.set_epoch(epoch) before each epoch for a new permutation",
+                stacklevel=2,
+            )
             self._warned = True
         if self._rows_per_epoch == 0:  # drop_last with fewer rows per rank than one batch
-            self.stats = {"epoch": epoch, "rows": 0, "batches": 0, "chunks": 0, "build_s": 0.0,
-                          "wait_s": 0.0, "seconds": 0.0}
+            self.stats = {
+                "epoch": epoch,
+                "rows": 0,
+                "batches": 0,
+                "chunks": 0,
+                "build_s": 0.0,
+                "wait_s": 0.0,
+                "seconds": 0.0,
+            }
             self._completed = epoch
             return iter(())
         if self.prefetch == 0:
@@ -424,7 +508,7 @@ class Loader:
             self._pipeline.close()
             self._pipeline = None
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -437,9 +521,11 @@ class Loader:
             pass
 
     def __repr__(self) -> str:
-        return (f"<px.ml.Loader {self.dataset!r} rank {self.rank}/{self.world_size} rows={self.num_rows} "
-                f"per_rank={self.num_samples} batch_size={self.batch_size} shuffle={self.shuffle!r} "
-                f"epoch={self.epoch}>")
+        return (
+            f"<px.ml.Loader {self.dataset!r} rank {self.rank}/{self.world_size} rows={self.num_rows} "
+            f"per_rank={self.num_samples} batch_size={self.batch_size} shuffle={self.shuffle!r} "
+            f"epoch={self.epoch}>"
+        )
 
     def _batches(self, pipeline: _Pipeline | None, epoch: int) -> Iterator[Any]:
         B, labelled = self.batch_size, self.label is not None
@@ -455,8 +541,9 @@ class Loader:
                 waited = time.perf_counter() - t0
             else:
                 if pipeline.closed or pipeline is not self._pipeline:
-                    raise RuntimeError("px.ml.loader: this iterator was superseded by a newer "
-                                       "iteration of the same loader")
+                    raise RuntimeError(
+                        "px.ml.loader: this iterator was superseded by a newer iteration of the same loader"
+                    )
                 chunk, waited = pipeline.get()
                 assert (chunk.epoch, chunk.index) == (epoch, index), (chunk.epoch, chunk.index, epoch, index)
             count = chunk.count

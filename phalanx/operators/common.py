@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from ..runtime.comm.base import Communicator
-from .exchange import serialize, deserialize
+from .exchange import deserialize, serialize
 
 ROWID = "__px_rowid"
 _RANK_SHIFT = 40  # rank << 40 | local index: a global row id that orders rows like the frame
@@ -26,8 +26,7 @@ def check_columns(schema: pa.Schema, cols: Sequence[str], op: str) -> None:
     """Raise the same KeyError on every rank (the schema is agreed) before any collective."""
     missing = [c for c in cols if c not in schema.names]
     if missing:
-        raise KeyError(f"{op}: unknown column(s) {', '.join(map(repr, missing))}; "
-                       f"columns are {schema.names}")
+        raise KeyError(f"{op}: unknown column(s) {', '.join(map(repr, missing))}; columns are {schema.names}")
 
 
 def agree_schema(comm: Communicator, table: pa.Table, what: str) -> pa.Table:
@@ -38,8 +37,7 @@ def agree_schema(comm: Communicator, table: pa.Table, what: str) -> pa.Table:
     """
     if comm.world_size == 1:
         return table
-    schemas = [deserialize(b).schema for b in
-               comm.allgather_bytes(serialize(table.schema.empty_table()))]
+    schemas = [deserialize(b).schema for b in comm.allgather_bytes(serialize(table.schema.empty_table()))]
     if all(s.equals(schemas[0]) for s in schemas):
         return table
     names = schemas[0].names

@@ -7,7 +7,8 @@ num_rows) are collective: every rank of the gang must call them, in the same ord
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -28,7 +29,7 @@ TableFn = Callable[[pa.Table], Any]
 class DataFrame:
     """A distributed table: ``to_arrow()`` is this rank's partition, ``collect()`` the whole."""
 
-    def __init__(self, table: pa.Table, env: "BSPEnv", partitioned_by: Sequence[str] | None = None):
+    def __init__(self, table: pa.Table, env: BSPEnv, partitioned_by: Sequence[str] | None = None):
         self._table = table
         self.env = env
         # Set when rows are hash-partitioned by these columns (after a shuffle, a shuffled
@@ -37,7 +38,7 @@ class DataFrame:
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_arrow(cls, table: pa.Table | pa.RecordBatch, env: "BSPEnv") -> "DataFrame":
+    def from_arrow(cls, table: pa.Table | pa.RecordBatch, env: BSPEnv) -> DataFrame:
         """This rank's partition from an Arrow table (collective: ranks agree on the schema)."""
         if isinstance(table, pa.RecordBatch):
             table = pa.Table.from_batches([table])
@@ -46,14 +47,15 @@ class DataFrame:
         return cls(agree_schema(env.comm, table, "from_arrow"), env)
 
     @classmethod
-    def from_pandas(cls, frame: "pd.DataFrame", env: "BSPEnv", preserve_index: bool = False) -> "DataFrame":
+    def from_pandas(cls, frame: pd.DataFrame, env: BSPEnv, preserve_index: bool = False) -> DataFrame:
         return cls.from_arrow(pa.Table.from_pandas(frame, preserve_index=preserve_index), env)
 
-    def _new(self, table: pa.Table, partitioned_by: Sequence[str] | None = None) -> "DataFrame":
+    def _new(self, table: pa.Table, partitioned_by: Sequence[str] | None = None) -> DataFrame:
         return DataFrame(table, self.env, partitioned_by)
 
-    def _keeping(self, table: pa.Table, changed: Iterable[str] = (),
-                 renames: Mapping[str, str] | None = None) -> "DataFrame":
+    def _keeping(
+        self, table: pa.Table, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
+    ) -> DataFrame:
         """A frame whose rows stayed on their ranks: still partitioned unless a key changed."""
         keys = self.partitioned_by
         if keys is None or set(keys) & set(changed):
@@ -89,7 +91,7 @@ class DataFrame:
         """This rank's partition."""
         return self._table
 
-    def to_pandas(self) -> "pd.DataFrame":
+    def to_pandas(self) -> pd.DataFrame:
         """This rank's partition as pandas."""
         return self._table.to_pandas()
 
@@ -106,29 +108,30 @@ class DataFrame:
         return gather_tables(comm, self._table, root)
 
     def __repr__(self) -> str:
-        return (f"<phalanx.DataFrame rank {self.env.rank}/{self.env.world_size}: "
-                f"{self._table.num_rows} local rows, columns {self.columns}>")
+        return (
+            f"<phalanx.DataFrame rank {self.env.rank}/{self.env.world_size}: "
+            f"{self._table.num_rows} local rows, columns {self.columns}>"
+        )
 
     # ---- local operators ----------------------------------------------------------------
-    def select(self, columns: str | Sequence[str]) -> "DataFrame":
+    def select(self, columns: str | Sequence[str]) -> DataFrame:
         cols = as_list(columns)
         check_columns(self.schema, cols, "select")
         return self._keeping(self._table.select(cols))
 
-    def __getitem__(self, columns: str | Sequence[str]) -> "DataFrame":
+    def __getitem__(self, columns: str | Sequence[str]) -> DataFrame:
         return self.select(columns)
 
-    def drop(self, columns: str | Sequence[str]) -> "DataFrame":
+    def drop(self, columns: str | Sequence[str]) -> DataFrame:
         cols = as_list(columns)
         check_columns(self.schema, cols, "drop")
         return self._keeping(self._table.drop_columns(cols))
 
-    def rename(self, columns: Mapping[str, str]) -> "DataFrame":
+    def rename(self, columns: Mapping[str, str]) -> DataFrame:
         check_columns(self.schema, list(columns), "rename")
-        return self._keeping(self._table.rename_columns([columns.get(c, c) for c in self.columns]),
-                             renames=columns)
+        return self._keeping(self._table.rename_columns([columns.get(c, c) for c in self.columns]), renames=columns)
 
-    def filter(self, condition: pc.Expression | TableFn) -> "DataFrame":
+    def filter(self, condition: pc.Expression | TableFn) -> DataFrame:
         """Keep rows where ``condition`` holds: an Arrow expression (``pc.field("x") > 3``)
         or a callable returning a boolean mask for the local table."""
         if isinstance(condition, pc.Expression):
@@ -140,7 +143,7 @@ class DataFrame:
             return self._keeping(self._table.filter(condition(self._table)))
         raise TypeError(f"filter needs a pyarrow.compute.Expression or a callable, got {condition!r}")
 
-    def assign(self, **columns: pc.Expression | TableFn | Any) -> "DataFrame":
+    def assign(self, **columns: pc.Expression | TableFn | Any) -> DataFrame:
         """Add or replace columns: Arrow expressions, callables on the local table, arrays
         of the local length, or scalars."""
         table = self._table
@@ -158,39 +161,40 @@ class DataFrame:
             table = table.set_column(idx, name, value) if idx >= 0 else table.append_column(name, value)
         return self._keeping(table, changed=columns)
 
-    def head(self, n: int = 5) -> "DataFrame":
+    def head(self, n: int = 5) -> DataFrame:
         """The first ``n`` rows of the whole frame, in rank order (collective)."""
         counts = self.partition_sizes()
         before = sum(counts[: self.env.rank])
         keep = max(0, min(self._table.num_rows, n - before))
         return self._keeping(self._table.slice(0, keep))
 
-    def map_partitions(self, fn: Callable[[pa.Table], Any]) -> "DataFrame":
+    def map_partitions(self, fn: Callable[[pa.Table], Any]) -> DataFrame:
         """Apply ``fn`` to the local partition; it may return Arrow, pandas or polars."""
         return self._new(_to_table(fn(self._table)))
 
     # arithmetic with scalars, pandas-style: every numeric column unless ``columns`` is given
-    def _arith(self, fn: Callable, value: Any, columns: str | Sequence[str] | None, op: str) -> "DataFrame":
-        cols = as_list(columns) or [f.name for f in self.schema
-                                    if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)]
+    def _arith(self, fn: Callable, value: Any, columns: str | Sequence[str] | None, op: str) -> DataFrame:
+        cols = as_list(columns) or [
+            f.name for f in self.schema if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
+        ]
         check_columns(self.schema, cols, op)
         table = self._table
         for c in cols:
             table = table.set_column(table.schema.get_field_index(c), c, fn(table[c], value))
         return self._keeping(table, changed=cols)
 
-    def add(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+    def add(self, value: Any, columns: str | Sequence[str] | None = None) -> DataFrame:
         return self._arith(pc.add, value, columns, "add")
 
     add_scalar = add  # CylonFlow's name
 
-    def sub(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+    def sub(self, value: Any, columns: str | Sequence[str] | None = None) -> DataFrame:
         return self._arith(pc.subtract, value, columns, "sub")
 
-    def mul(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+    def mul(self, value: Any, columns: str | Sequence[str] | None = None) -> DataFrame:
         return self._arith(pc.multiply, value, columns, "mul")
 
-    def truediv(self, value: Any, columns: str | Sequence[str] | None = None) -> "DataFrame":
+    def truediv(self, value: Any, columns: str | Sequence[str] | None = None) -> DataFrame:
         return self._arith(lambda a, v: pc.divide(pc.cast(a, pa.float64()), v), value, columns, "truediv")
 
     __add__ = add
@@ -199,7 +203,7 @@ class DataFrame:
     __truediv__ = truediv
 
     # ---- distributed operators ----------------------------------------------------------
-    def shuffle(self, on: str | Sequence[str]) -> "DataFrame":
+    def shuffle(self, on: str | Sequence[str]) -> DataFrame:
         """Hash-partition rows by ``on``: equal keys end on the same rank (collective)."""
         from .shuffle import shuffle_table
 
@@ -207,7 +211,7 @@ class DataFrame:
         check_columns(self.schema, keys, "shuffle")
         return self._new(shuffle_table(self.env.comm, self._table, keys), keys)
 
-    def repartition(self) -> "DataFrame":
+    def repartition(self) -> DataFrame:
         """Balance rows over the ranks, keeping the global row order (collective)."""
         comm = self.env.comm
         counts = np.array(self.partition_sizes(), dtype=np.int64)
@@ -220,25 +224,32 @@ class DataFrame:
             parts.append(self._table.slice(lo - start, max(0, hi - lo)))
         return self._new(concat(exchange_tables(comm, parts, self.schema), self.schema))
 
-    def merge(self, right: "DataFrame", on: str | Sequence[str] | None = None, how: str = "inner",
-              left_on: str | Sequence[str] | None = None, right_on: str | Sequence[str] | None = None,
-              suffixes: tuple[str, str] = ("_x", "_y"),
-              broadcast: bool | None = None) -> "DataFrame":
+    def merge(
+        self,
+        right: DataFrame,
+        on: str | Sequence[str] | None = None,
+        how: str = "inner",
+        left_on: str | Sequence[str] | None = None,
+        right_on: str | Sequence[str] | None = None,
+        suffixes: tuple[str, str] = ("_x", "_y"),
+        broadcast: bool | None = None,
+    ) -> DataFrame:
         """pandas-style join (collective); see ``phalanx.operators.join``.  ``how``: inner, left,
         right, outer; or semi / anti: the left's rows that have / have no match (SQL's IN / NOT IN
         a subquery), the left's columns only, null keys matching each other as in every merge."""
         from .join import merge
 
-        table, partitioned_by = merge(self, right, on=on, how=how, left_on=left_on, right_on=right_on,
-                                      suffixes=suffixes, broadcast=broadcast)
+        table, partitioned_by = merge(
+            self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
+        )
         return self._new(table, partitioned_by)
 
-    def groupby(self, by: str | Sequence[str], dropna: bool = True, combine: bool | None = None) -> "GroupBy":
+    def groupby(self, by: str | Sequence[str], dropna: bool = True, combine: bool | None = None) -> GroupBy:
         from .groupby import GroupBy
 
         return GroupBy(self, as_list(by), dropna=dropna, combine=combine)
 
-    def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> "DataFrame":
+    def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> DataFrame:
         """Aggregates over the whole frame, without keys (collective): a one-row frame held by
         rank 0.  ``spec`` and ``named`` as in ``groupby(...).agg``: ``agg({"v": "sum"})``,
         ``agg(revenue=("price", "sum"), n=(None, "size"))``."""
@@ -249,8 +260,9 @@ class DataFrame:
         check_outputs(aggs, [], "agg")
         return self._new(aggregate_all(self, aggs))
 
-    def sort_values(self, by: str | Sequence[str], ascending: bool | Sequence[bool] = True,
-                    limit: int | None = None) -> "DataFrame":
+    def sort_values(
+        self, by: str | Sequence[str], ascending: bool | Sequence[bool] = True, limit: int | None = None
+    ) -> DataFrame:
         """Global sort by sample sort: rank 0 holds the smallest rows (collective).
 
         ``limit=k`` keeps only the first k rows of the sorted frame — the same rows as
@@ -264,15 +276,15 @@ class DataFrame:
             return self._new(top_k(self, as_list(by), ascending, limit))
         return self._new(sort_values(self, as_list(by), ascending))
 
-    def nlargest(self, n: int, columns: str | Sequence[str]) -> "DataFrame":
+    def nlargest(self, n: int, columns: str | Sequence[str]) -> DataFrame:
         """The ``n`` rows with the largest ``columns`` (pandas' nlargest, keep='first'), on rank 0."""
         return self.sort_values(columns, ascending=False, limit=n)
 
-    def nsmallest(self, n: int, columns: str | Sequence[str]) -> "DataFrame":
+    def nsmallest(self, n: int, columns: str | Sequence[str]) -> DataFrame:
         """The ``n`` rows with the smallest ``columns`` (pandas' nsmallest, keep='first'), on rank 0."""
         return self.sort_values(columns, ascending=True, limit=n)
 
-    def drop_duplicates(self, subset: str | Sequence[str] | None = None, keep: str | bool = "first") -> "DataFrame":
+    def drop_duplicates(self, subset: str | Sequence[str] | None = None, keep: str | bool = "first") -> DataFrame:
         """Remove duplicate rows over the whole frame (collective); ``keep`` as in pandas."""
         from .shuffle import drop_duplicates
 
@@ -312,8 +324,10 @@ def _expression_error(exc: Exception, op: str, schema: pa.Schema) -> Exception:
 def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
     import pyarrow.acero as acero  # imported on first use: it pulls in pandas (~0.2 s)
 
-    decl = acero.Declaration.from_sequence([
-        acero.Declaration("table_source", acero.TableSourceNodeOptions(table)),
-        acero.Declaration("project", acero.ProjectNodeOptions([expr], ["__px_value"])),
-    ])
+    decl = acero.Declaration.from_sequence(
+        [
+            acero.Declaration("table_source", acero.TableSourceNodeOptions(table)),
+            acero.Declaration("project", acero.ProjectNodeOptions([expr], ["__px_value"])),
+        ]
+    )
     return decl.to_table(use_threads=False).column(0)

@@ -8,8 +8,9 @@ shuffling raw rows (mostly unique keys: a local pass would not shrink anything).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -50,52 +51,59 @@ def parse_spec(spec: Mapping[str, Any] | None, named: Mapping[str, Any]) -> list
         raise ValueError("agg: no aggregations given")
     for a in aggs:
         if a.func not in FUNCS:
-            raise ValueError(f"agg: unknown function {a.func!r} for column {a.column!r}; "
-                             f"supported: {', '.join(FUNCS)}")
+            raise ValueError(f"agg: unknown function {a.func!r} for column {a.column!r}; supported: {', '.join(FUNCS)}")
     return [Agg(a.out, None if a.func == "size" else a.column, a.func) for a in aggs]
 
 
 class GroupBy:
-    def __init__(self, df: "DataFrame", keys: list[str], dropna: bool = True, combine: bool | None = None):
+    def __init__(self, df: DataFrame, keys: list[str], dropna: bool = True, combine: bool | None = None):
         if not keys:
             raise ValueError("groupby: give at least one key column")
         check_columns(df.schema, keys, "groupby")
         self.df, self.keys, self.dropna, self.combine = df, keys, dropna, combine
 
-    def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> "DataFrame":
+    def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> DataFrame:
         aggs = parse_spec(spec, named)
         check_columns(self.df.schema, [a.column for a in aggs if a.column], "groupby.agg")
         check_outputs(aggs, self.keys, "groupby.agg")
         return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine), self.keys)
 
-    def _all(self, func: str, numeric_only: bool) -> "DataFrame":
-        cols = [f.name for f in self.df.schema if f.name not in self.keys and (
-            not numeric_only or pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
-            or pa.types.is_boolean(f.type))]
+    def _all(self, func: str, numeric_only: bool) -> DataFrame:
+        cols = [
+            f.name
+            for f in self.df.schema
+            if f.name not in self.keys
+            and (
+                not numeric_only
+                or pa.types.is_integer(f.type)
+                or pa.types.is_floating(f.type)
+                or pa.types.is_boolean(f.type)
+            )
+        ]
         return self.agg({c: func for c in cols})
 
-    def sum(self) -> "DataFrame":
+    def sum(self) -> DataFrame:
         return self._all("sum", True)
 
-    def mean(self) -> "DataFrame":
+    def mean(self) -> DataFrame:
         return self._all("mean", True)
 
-    def min(self) -> "DataFrame":
+    def min(self) -> DataFrame:
         return self._all("min", False)
 
-    def max(self) -> "DataFrame":
+    def max(self) -> DataFrame:
         return self._all("max", False)
 
-    def count(self) -> "DataFrame":
+    def count(self) -> DataFrame:
         return self._all("count", False)
 
-    def first(self) -> "DataFrame":
+    def first(self) -> DataFrame:
         return self._all("first", False)
 
-    def last(self) -> "DataFrame":
+    def last(self) -> DataFrame:
         return self._all("last", False)
 
-    def size(self) -> "DataFrame":
+    def size(self) -> DataFrame:
         return self.agg(size=(None, "size"))
 
 
@@ -148,8 +156,7 @@ def _final_sql(a: Agg, src: pa.Schema) -> str:
 def _output_schema(keys: list[str], aggs: list[Agg], src: pa.Schema) -> pa.Schema:
     """Keys and min/max/first/last keep their column's type (DuckDB returns its own)."""
     fields = [src.field(k) for k in keys]
-    fields += [pa.field(a.out, src.field(a.column).type) for a in aggs
-               if a.func in ("min", "max", "first", "last")]
+    fields += [pa.field(a.out, src.field(a.column).type) for a in aggs if a.func in ("min", "max", "first", "last")]
     return pa.schema(fields)
 
 
@@ -157,11 +164,13 @@ def check_outputs(aggs: list[Agg], keys: Sequence[str], op: str) -> None:
     outs = [a.out for a in aggs]
     clash = sorted({o for o in outs if o in keys or outs.count(o) > 1})
     if clash:
-        raise ValueError(f"{op}: output column(s) {clash} clash with a group key or "
-                         "each other; name them, e.g. agg(v_min=('v', 'min'))")
+        raise ValueError(
+            f"{op}: output column(s) {clash} clash with a group key or "
+            "each other; name them, e.g. agg(v_min=('v', 'min'))"
+        )
 
 
-def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
+def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
     """Aggregates over the whole frame (no keys): one row, on rank 0; other ranks hold none.
 
     Each rank reduces its partition to one row of partials; rank 0 receives the P rows and
@@ -175,8 +184,9 @@ def aggregate_all(df: "DataFrame", aggs: list[Agg]) -> pa.Table:
     table = table.select(needed)
     if any(a.func in ("first", "last") for a in aggs):
         table = with_rowid(table, comm.rank)
-    partial = kernels.run_sql(f"SELECT {', '.join(e for a in aggs for e in _partial_sql(a, table.schema))} "
-                              "FROM __px_t", __px_t=table)
+    partial = kernels.run_sql(
+        f"SELECT {', '.join(e for a in aggs for e in _partial_sql(a, table.schema))} FROM __px_t", __px_t=table
+    )
     partials = gather_tables(comm, partial, root=0)
     query = f"SELECT {', '.join(_final_sql(a, table.schema) for a in aggs)} FROM __px_partial"
     # rank > 0: the same query over no rows, for the result's types
@@ -218,8 +228,7 @@ def _partial_sql(a: Agg, src: pa.Schema) -> list[str]:
     return [f"{pick}({c}, {q(ROWID)}) {nn} AS {name('v')}", f"{edge}({q(ROWID)}) {nn} AS {name('rid')}"]
 
 
-def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
-              combine: bool | None) -> pa.Table:
+def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, combine: bool | None) -> pa.Table:
     comm = df.env.comm
     table = df.to_arrow()
     needed = list(dict.fromkeys(keys + [a.column for a in aggs if a.column]))
@@ -228,8 +237,10 @@ def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
         table = with_rowid(table, comm.rank)
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
     where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
-    rows = f"SELECT {keys_sql}, {', '.join(e for a in aggs for e in _row_partial_sql(a, table.schema))} " \
-           f"FROM __px_t{where}"  # pandas drops groups whose key is null unless dropna=False
+    rows = (
+        f"SELECT {keys_sql}, {', '.join(e for a in aggs for e in _row_partial_sql(a, table.schema))} "
+        f"FROM __px_t{where}"
+    )  # pandas drops groups whose key is null unless dropna=False
     finals = ", ".join(_final_sql(a, table.schema) for a in aggs)
     # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
     # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
@@ -240,11 +251,9 @@ def aggregate(df: "DataFrame", keys: list[str], aggs: list[Agg], dropna: bool,
         combine = _use_combine(comm, table, keys)
     if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
         parts = ", ".join(e for a in aggs for e in _partial_sql(a, table.schema))
-        partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}",
-                                  __px_t=table)
+        partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}", __px_t=table)
     else:  # mostly distinct keys: a local pass would not shrink anything
         partial = kernels.run_sql(rows, __px_t=table)
     partial = shuffle_table(comm, kernels.restore_types(partial, table.schema), keys)  # keys' types as given
-    final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM __px_partial GROUP BY {keys_sql}",
-                            __px_partial=partial)
+    final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM __px_partial GROUP BY {keys_sql}", __px_partial=partial)
     return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -76,7 +77,7 @@ def _plan_parquet(path, columns, nparts):
     return units, _split_units(rows, nparts), schema
 
 
-def read_parquet(path, env: "BSPEnv", columns: Sequence[str] | None = None) -> "DataFrame":
+def read_parquet(path, env: BSPEnv, columns: Sequence[str] | None = None) -> DataFrame:
     """Parquet files (a path, directory, glob or list) split across ranks by row groups."""
     from .dataframe import DataFrame
 
@@ -126,14 +127,14 @@ def _read_csv_range(f: str, start: int, stop: int, size: int, options: dict) -> 
     parse = pacsv.ParseOptions(**options.get("parse_options", {}))
     convert = pacsv.ConvertOptions(**options.get("convert_options", {}))
     try:
-        return pacsv.read_csv(pa.BufferReader(data), read_options=read, parse_options=parse,
-                              convert_options=convert)
+        return pacsv.read_csv(pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert)
     except pa.ArrowInvalid as exc:
         raise ValueError(f"read_csv: {f!r} (bytes {start}-{stop}): {exc}") from None
 
 
-def read_csv(path, env: "BSPEnv", column_types: dict[str, pa.DataType] | None = None,
-             delimiter: str = ",", **options: Any) -> "DataFrame":
+def read_csv(
+    path, env: BSPEnv, column_types: dict[str, pa.DataType] | None = None, delimiter: str = ",", **options: Any
+) -> DataFrame:
     """CSV files split across ranks by byte ranges at line boundaries (quoted fields must not
     contain newlines when a file is split); ranks agree on column types afterwards."""
     from .dataframe import DataFrame
@@ -154,7 +155,7 @@ def read_csv(path, env: "BSPEnv", column_types: dict[str, pa.DataType] | None = 
 
 
 # ---- output -------------------------------------------------------------------------------
-def write_parquet(df: "DataFrame", directory: str | os.PathLike, **options: Any) -> str:
+def write_parquet(df: DataFrame, directory: str | os.PathLike, **options: Any) -> str:
     env = df.env
     out = Path(directory)
     if env.rank == 0:

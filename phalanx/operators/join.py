@@ -9,7 +9,8 @@ distinct keys.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
@@ -30,20 +31,26 @@ def _key_type(lt: pa.DataType, rt: pa.DataType, name: str) -> pa.DataType:
     """The common type both sides' key is cast to, or a TypeError naming the key."""
     if lt == rt:
         return lt
-    kinds = [(pa.types.is_integer, "int"), (pa.types.is_floating, "float"),
-             (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "string"),
-             (pa.types.is_timestamp, "timestamp"), (pa.types.is_boolean, "bool"),
-             (pa.types.is_date, "date")]
+    kinds = [
+        (pa.types.is_integer, "int"),
+        (pa.types.is_floating, "float"),
+        (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t), "string"),
+        (pa.types.is_timestamp, "timestamp"),
+        (pa.types.is_boolean, "bool"),
+        (pa.types.is_date, "date"),
+    ]
+
     def kind(t):
         for test, k in kinds:
             if test(t):
                 return "number" if k in ("int", "float") else k
         return str(t)
+
     if kind(lt) != kind(rt):
-        raise TypeError(f"merge: key {name!r} is {lt} on the left but {rt} on the right; "
-                        "cast one side first")
-    return pa.unify_schemas([pa.schema([("k", lt)]), pa.schema([("k", rt)])],
-                            promote_options="permissive").field("k").type
+        raise TypeError(f"merge: key {name!r} is {lt} on the left but {rt} on the right; cast one side first")
+    return (
+        pa.unify_schemas([pa.schema([("k", lt)]), pa.schema([("k", rt)])], promote_options="permissive").field("k").type
+    )
 
 
 def _cast_keys(table: pa.Table, keys: Sequence[str], types: Sequence[pa.DataType]) -> pa.Table:
@@ -57,8 +64,9 @@ def _suffix(table: pa.Table, overlap: set[str], suffix: str) -> pa.Table:
     return table.rename_columns([c + suffix if c in overlap else c for c in table.column_names])
 
 
-def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, suffixes,
-          broadcast: bool | None) -> tuple[pa.Table, tuple[str, ...] | None]:
+def merge(
+    left: DataFrame, right: DataFrame, *, on, how, left_on, right_on, suffixes, broadcast: bool | None
+) -> tuple[pa.Table, tuple[str, ...] | None]:
     """The local partition of the result, and the keys it is hash-partitioned by (if any)."""
     if how not in _HOWS:
         raise ValueError(f"merge: how must be one of {_HOWS}, got {how!r}")
@@ -108,8 +116,17 @@ def merge(left: "DataFrame", right: "DataFrame", *, on, how, left_on, right_on, 
     return kernels.join(lt, rt, lk, rk, how), partitioned_by
 
 
-def _semi_join(left: "DataFrame", lt: pa.Table, rt: pa.Table, lk: list[str], rk: list[str], how: str,
-               l_placed: bool, r_placed: bool, broadcast: bool | None) -> tuple[pa.Table, tuple[str, ...] | None]:
+def _semi_join(
+    left: DataFrame,
+    lt: pa.Table,
+    rt: pa.Table,
+    lk: list[str],
+    rk: list[str],
+    how: str,
+    l_placed: bool,
+    r_placed: bool,
+    broadcast: bool | None,
+) -> tuple[pa.Table, tuple[str, ...] | None]:
     """The left's rows with (``semi``) or without (``anti``) a matching key on the right, each
     once, the left's columns only.  Only the right's distinct keys move: broadcast when small,
     else both sides are co-partitioned by key."""
@@ -132,8 +149,14 @@ def _broadcast_side(comm, lt: pa.Table, rt: pa.Table, how: str, broadcast: bool 
     if broadcast is False:
         return None
     sizes = comm.allreduce(np.array([lt.nbytes, rt.nbytes], dtype=np.int64))
-    allowed = {"inner": ("left", "right"), "left": ("right",), "right": ("left",), "outer": (),
-               "semi": ("right",), "anti": ("right",)}[how]
+    allowed = {
+        "inner": ("left", "right"),
+        "left": ("right",),
+        "right": ("left",),
+        "outer": (),
+        "semi": ("right",),
+        "anti": ("right",),
+    }[how]
     limit = np.inf if broadcast else BROADCAST_BYTES
     candidates = [(sizes[0 if s == "left" else 1], s) for s in allowed]
     candidates = [(n, s) for n, s in candidates if n <= limit]

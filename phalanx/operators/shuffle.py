@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import pyarrow as pa
 
@@ -22,8 +22,9 @@ def shuffle_table(comm: Communicator, table: pa.Table, keys: Sequence[str]) -> p
 _KEEP = {"first": "first", "last": "last", False: "none"}
 
 
-def drop_duplicates(comm: Communicator, table: pa.Table, subset: Sequence[str], keep: str | bool,
-                    colocated: bool = False) -> pa.Table:
+def drop_duplicates(
+    comm: Communicator, table: pa.Table, subset: Sequence[str], keep: str | bool, colocated: bool = False
+) -> pa.Table:
     if keep not in _KEEP:
         raise ValueError(f"drop_duplicates: keep must be 'first', 'last' or False, got {keep!r}")
     # Shuffled pieces arrive in source-rank order, each in its original order, so "first"

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +40,7 @@ OVERSAMPLE = 32  # samples per destination rank from every rank
 _SRC, _IDX, _W = "__px_src", "__px_idx", "__px_weight"
 
 
-def _descending(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]) -> list[bool]:
+def _descending(df: DataFrame, by: list[str], ascending: bool | Sequence[bool]) -> list[bool]:
     if not by:
         raise ValueError("sort_values: give at least one column")
     check_columns(df.schema, by, "sort_values")
@@ -49,7 +50,7 @@ def _descending(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]
     return [not a for a in asc]
 
 
-def top_k(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool], k: int) -> pa.Table:
+def top_k(df: DataFrame, by: list[str], ascending: bool | Sequence[bool], k: int) -> pa.Table:
     """The first ``k`` rows of the sorted frame, on rank 0 (see ``DataFrame.sort_values``).
     Each rank's best k (a stable top-k) go to rank 0 in rank order, so a stable sort there
     breaks ties by (rank, position): the frame's order, as sort-then-head gives."""
@@ -63,7 +64,7 @@ def top_k(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool], k: i
     return kernels.top_k(best, by, desc, k) if best is not None else local.slice(0, 0)
 
 
-def sort_values(df: "DataFrame", by: list[str], ascending: bool | Sequence[bool]) -> pa.Table:
+def sort_values(df: DataFrame, by: list[str], ascending: bool | Sequence[bool]) -> pa.Table:
     desc = _descending(df, by, ascending)
     comm = df.env.comm
     table = df.to_arrow()
@@ -93,8 +94,7 @@ _TAG_SHIFT = 40  # rank << 40 | row index: a global position that orders rows li
 
 
 def _codable(t: pa.DataType) -> bool:
-    return (pa.types.is_integer(t) or pa.types.is_temporal(t)
-            or pa.types.is_float32(t) or pa.types.is_float64(t))
+    return pa.types.is_integer(t) or pa.types.is_temporal(t) or pa.types.is_float32(t) or pa.types.is_float64(t)
 
 
 def _sort_codes(arr: pa.Array, descending: bool) -> tuple[np.ndarray, np.ndarray | None]:
@@ -125,18 +125,19 @@ def _sort_codes(arr: pa.Array, descending: bool) -> tuple[np.ndarray, np.ndarray
 
 def _range_sort(comm, table: pa.Table, column: str, descending: bool) -> pa.Table:
     col = table.column(column)
-    code, nulls = _sort_codes(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks(),
-                              descending)
+    code, nulls = _sort_codes(col.chunk(0) if col.num_chunks == 1 else col.combine_chunks(), descending)
     n = len(code)
     rank = comm.rank
     # a sample of this rank's rows: (null?, code, global position), each standing for n/k rows
     idx = _random_sample(n, rank, comm.world_size)
-    sample = pa.table({
-        "null": pa.array(nulls[idx] if nulls is not None else np.zeros(len(idx), dtype=bool)),
-        "code": pa.array(code[idx]),
-        "tag": pa.array((np.int64(rank) << _TAG_SHIFT) + idx.astype(np.int64)),
-        "w": pa.array(np.full(len(idx), n / len(idx) if len(idx) else 0.0)),
-    })
+    sample = pa.table(
+        {
+            "null": pa.array(nulls[idx] if nulls is not None else np.zeros(len(idx), dtype=bool)),
+            "code": pa.array(code[idx]),
+            "tag": pa.array((np.int64(rank) << _TAG_SHIFT) + idx.astype(np.int64)),
+            "w": pa.array(np.full(len(idx), n / len(idx) if len(idx) else 0.0)),
+        }
+    )
     every = concat(allgather_tables(comm, sample), sample.schema)
     if every.num_rows == 0:  # no rank has a row
         return table
@@ -164,10 +165,13 @@ def _random_sample(n: int, rank: int, world_size: int) -> np.ndarray:
 def _tagged_sample(table: pa.Table, by: list[str], idx: np.ndarray, rank: int) -> pa.Table:
     """The sort columns of rows ``idx``, tagged with (rank, index) and the rows each stands for."""
     k, n = len(idx), table.num_rows
-    return (table.select(by).take(pa.array(idx))
-                 .append_column(_SRC, pa.array(np.full(k, rank, dtype=np.int64)))
-                 .append_column(_IDX, pa.array(idx))
-                 .append_column(_W, pa.array(np.full(k, n / k if k else 0.0))))
+    return (
+        table.select(by)
+        .take(pa.array(idx))
+        .append_column(_SRC, pa.array(np.full(k, rank, dtype=np.int64)))
+        .append_column(_IDX, pa.array(idx))
+        .append_column(_W, pa.array(np.full(k, n / k if k else 0.0)))
+    )
 
 
 def _quantiles(weights: np.ndarray, nparts: int) -> np.ndarray:
@@ -178,8 +182,15 @@ def _quantiles(weights: np.ndarray, nparts: int) -> np.ndarray:
     return np.minimum(np.searchsorted(cum, targets), len(cum) - 1).astype(np.int64)
 
 
-def _range_ids(code: np.ndarray, nulls: np.ndarray | None, rank: int, sp_null: np.ndarray,
-               sp_code: np.ndarray, sp_tag: np.ndarray, nparts: int) -> np.ndarray:
+def _range_ids(
+    code: np.ndarray,
+    nulls: np.ndarray | None,
+    rank: int,
+    sp_null: np.ndarray,
+    sp_code: np.ndarray,
+    sp_tag: np.ndarray,
+    nparts: int,
+) -> np.ndarray:
     """Destination of every row: the number of splitters that sort before it, comparing
     (null?, code, global position) lexicographically.  Splitters are sorted that way."""
     dtype = kernels._id_dtype(nparts)
@@ -308,7 +319,7 @@ class _Desc:
     def __init__(self, v: Any):
         self.v = v
 
-    def __lt__(self, other: "_Desc") -> bool:
+    def __lt__(self, other: _Desc) -> bool:
         return other.v < self.v
 
     def __eq__(self, other: object) -> bool:

@@ -18,10 +18,12 @@ or a script's ``__main__`` works (it travels to the ranks by value with cloudpic
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
-from .models import Site, Stage, Workflow as WorkflowModel
+from .models import Site
+from .models import Workflow as WorkflowModel
 from .yamlio import ConfigError, parse
 
 if TYPE_CHECKING:
@@ -43,17 +45,33 @@ class StageFn:
         return f"<phalanx stage {self.name!r} ranks={self.spec.get('ranks', 1)}>"
 
 
-def stage(fn: Callable | None = None, *, name: str | None = None, ranks: int = 1, kind: str = "bsp",
-          needs: Iterable["StageFn | str"] = (), inputs: dict[str, Any] | None = None,
-          outputs: Sequence[str] = (), params: dict[str, Any] | None = None, retries: int = 0,
-          timeout: float | None = None) -> Any:
+def stage(
+    fn: Callable | None = None,
+    *,
+    name: str | None = None,
+    ranks: int = 1,
+    kind: str = "bsp",
+    needs: Iterable[StageFn | str] = (),
+    inputs: dict[str, Any] | None = None,
+    outputs: Sequence[str] = (),
+    params: dict[str, Any] | None = None,
+    retries: int = 0,
+    timeout: float | None = None,
+) -> Any:
     """Mark ``fn(env)`` as a stage: ``@px.stage(ranks=2, needs=[generate], outputs=["x"])``."""
 
     def mark(f: Callable) -> StageFn:
-        spec = {"kind": kind, "app": f"{f.__module__}:{f.__qualname__}", "ranks": ranks,
-                "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
-                "inputs": dict(inputs or {}), "outputs": list(outputs), "params": dict(params or {}),
-                "retries": retries, "timeout": timeout}
+        spec = {
+            "kind": kind,
+            "app": f"{f.__module__}:{f.__qualname__}",
+            "ranks": ranks,
+            "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
+            "inputs": dict(inputs or {}),
+            "outputs": list(outputs),
+            "params": dict(params or {}),
+            "retries": retries,
+            "timeout": timeout,
+        }
         return StageFn(f, name or f.__name__, spec)
 
     return mark(fn) if fn is not None else mark
@@ -80,26 +98,43 @@ class Workflow:
             return self.add(stage(fn, **options))
         return lambda f: self.add(stage(f, **options))
 
-    def command(self, name: str, command: Sequence[str], *, ranks: int = 1,
-                needs: Iterable[StageFn | str] = (), params: dict[str, Any] | None = None,
-                retries: int = 0, timeout: float | None = None) -> StageFn:
+    def command(
+        self,
+        name: str,
+        command: Sequence[str],
+        *,
+        ranks: int = 1,
+        needs: Iterable[StageFn | str] = (),
+        params: dict[str, Any] | None = None,
+        retries: int = 0,
+        timeout: float | None = None,
+    ) -> StageFn:
         """An external program on every rank (kind: command)."""
-        spec = {"kind": "command", "command": list(command), "ranks": ranks,
-                "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
-                "params": dict(params or {}), "retries": retries, "timeout": timeout}
+        spec = {
+            "kind": "command",
+            "command": list(command),
+            "ranks": ranks,
+            "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
+            "params": dict(params or {}),
+            "retries": retries,
+            "timeout": timeout,
+        }
         return self.add(StageFn(None, name, spec))
 
     def model(self) -> WorkflowModel:
-        data = {"name": self.name, "site": self.site,
-                "stages": {n: {k: v for k, v in s.spec.items() if v is not None} for n, s in self.stages.items()}}
+        data = {
+            "name": self.name,
+            "site": self.site,
+            "stages": {n: {k: v for k, v in s.spec.items() if v is not None} for n, s in self.stages.items()},
+        }
         wf = parse(WorkflowModel, data, source=f"workflow {self.name!r}")
         wf.apps.update({n: s.fn for n, s in self.stages.items() if s.fn is not None})
         return wf
 
-    def run(self, site: "str | Path | Site | None" = None, **options: Any):
+    def run(self, site: str | Path | Site | None = None, **options: Any):
         return run(self, site=site, **options)
 
-    def as_parsl_app(self, site: "str | Path | Site | None" = None, **options: Any) -> Any:
+    def as_parsl_app(self, site: str | Path | Site | None = None, **options: Any) -> Any:
         """This workflow as one node of a Parsl DAG: a join app (``phalanx[parsl]``; see
         ``phalanx.integrations.parsl.workflow_app``)."""
         from ..integrations.parsl import workflow_app  # Parsl only when asked for
@@ -107,9 +142,15 @@ class Workflow:
         return workflow_app(self, site=site, **options)
 
 
-def submit(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None" = None, *,
-           resume: str | None = None, state: str | Path | None = None, progress: bool = False,
-           existing: set[str] | None = None) -> "RunHandle":
+def submit(
+    workflow: Workflow | WorkflowModel | str | Path,
+    site: str | Path | Site | None = None,
+    *,
+    resume: str | None = None,
+    state: str | Path | None = None,
+    progress: bool = False,
+    existing: set[str] | None = None,
+) -> RunHandle:
     """Start a workflow (a ``px.Workflow``, a model, or a YAML file) and return at once.
 
     The ``RunHandle`` has ``run_id`` and ``session`` from the start, ``status()``, ``wait()``,
@@ -125,9 +166,15 @@ def submit(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path 
     return RunHandle.start(wf, site_model, db=RunDB(state), file=file, resume=resume, on_event=on_event)
 
 
-def run(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None" = None, *,
-        resume: str | None = None, state: str | Path | None = None, progress: bool = True,
-        existing: set[str] | None = None):
+def run(
+    workflow: Workflow | WorkflowModel | str | Path,
+    site: str | Path | Site | None = None,
+    *,
+    resume: str | None = None,
+    state: str | Path | None = None,
+    progress: bool = True,
+    existing: set[str] | None = None,
+):
     """Run a workflow (a ``px.Workflow``, a model, or a YAML file) and wait for it:
     ``submit(...).result()``.
 
@@ -144,23 +191,24 @@ def run(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | S
         raise
 
 
-def _checked(workflow: "Workflow | WorkflowModel | str | Path", site: "str | Path | Site | None",
-             existing: set[str] | None) -> tuple[WorkflowModel, Site, str]:
+def _checked(
+    workflow: Workflow | WorkflowModel | str | Path, site: str | Path | Site | None, existing: set[str] | None
+) -> tuple[WorkflowModel, Site, str]:
     """The workflow's model, its site and the file it came from, checked (``ConfigError``)."""
     from .validate import check, load_site, load_workflow
 
     file = "<python>"
     if isinstance(workflow, (str, Path)):
         file = str(workflow)
-        wf, site_model = load_workflow(workflow, site=site if isinstance(site, (str, Path)) or site is None
-                                       else None, existing=existing)
+        wf, site_model = load_workflow(
+            workflow, site=site if isinstance(site, (str, Path)) or site is None else None, existing=existing
+        )
         if isinstance(site, Site):
             site_model = site
     else:
         wf = workflow.model() if isinstance(workflow, Workflow) else workflow
         site_model = site if isinstance(site, Site) else load_site(str(site or wf.site))
-        problems = check(wf, site_model, source=f"workflow {wf.name!r}", existing=existing,
-                         check_imports=False)
+        problems = check(wf, site_model, source=f"workflow {wf.name!r}", existing=existing, check_imports=False)
         if problems:
             raise ConfigError(problems)
     return wf, site_model, file

@@ -66,8 +66,12 @@ def fingerprints(wf: Workflow, deps: dict[str, set[str]], store: Store) -> dict[
         for spec in st.inputs.values():
             if spec.dataset not in produced:
                 external[spec.dataset] = _stored_version(store, spec.dataset)
-        parts = {"stage": definition, "app": app_identity(wf.app_of(name)) if st.app or name in wf.apps else "",
-                 "upstream": {d: visit(d)["hash"] for d in sorted(deps[name])}, "external": external}
+        parts = {
+            "stage": definition,
+            "app": app_identity(wf.app_of(name)) if st.app or name in wf.apps else "",
+            "upstream": {d: visit(d)["hash"] for d in sorted(deps[name])},
+            "external": external,
+        }
         out[name] = {"hash": _digest(parts), **parts}
         return out[name]
 
@@ -116,4 +120,4 @@ def _flat_diff(a: Any, b: Any, prefix: str = "") -> list[tuple[str, tuple[Any, A
 
 def _short(value: Any, limit: int = 40) -> str:
     text = json.dumps(value, default=repr) if value is not None else "(none)"
-    return text if len(text) <= limit else text[:limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

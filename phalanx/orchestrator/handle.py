@@ -22,8 +22,9 @@ import socket
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..executors.base import pid_alive
 from .rundb import FINAL, RunDB
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 CANCEL_TIMEOUT_S = 60.0
 _SLICE_S = 0.2
-_live: "weakref.WeakSet[RunHandle]" = weakref.WeakSet()
+_live: weakref.WeakSet[RunHandle] = weakref.WeakSet()
 # How a run shows in Jupyter — ``_repr_html_``, a stage table updating while it runs, its timeline
 # at the end: phalanx.integrations.jupyter's hooks, injected by ``phalanx/__init__`` so that this
 # layer imports neither the integration nor IPython.
@@ -48,7 +49,7 @@ def set_notebook(hooks: Any) -> None:
 
 @dataclass
 class StageStatus:
-    state: str                      # pending, running, succeeded, failed, skipped, cancelled, lost
+    state: str  # pending, running, succeeded, failed, skipped, cancelled, lost
     ranks: int | None
     attempts: int
     rows: dict[str, int] = field(default_factory=dict)  # output dataset → rows sealed
@@ -61,7 +62,7 @@ class StageStatus:
 class RunStatus:
     run_id: str
     workflow: str
-    state: str                      # running, succeeded, failed, cancelled, lost
+    state: str  # running, succeeded, failed, cancelled, lost
     session: str
     stages: dict[str, StageStatus] = field(default_factory=dict)
 
@@ -75,23 +76,31 @@ def run_status(db: RunDB, run_id: str) -> RunStatus | None:
     run = db.run(run_id)
     if run is None:
         return None
-    stages = {s["stage"]: StageStatus(s["state"], s["ranks"], s["attempts"],
-                                      {name: out[0] for name, out in s["outputs"].items()},
-                                      s["error"], s["started"], s["ended"])
-              for s in db.stages(run_id)}
+    stages = {
+        s["stage"]: StageStatus(
+            s["state"],
+            s["ranks"],
+            s["attempts"],
+            {name: out[0] for name, out in s["outputs"].items()},
+            s["error"],
+            s["started"],
+            s["ended"],
+        )
+        for s in db.stages(run_id)
+    }
     return RunStatus(run["id"], run["workflow"], run["state"], run["session"], stages)
 
 
 class RunHandle:
     """A run driven by a thread of this process (made by ``px.submit`` or ``RunHandle.start``)."""
 
-    def __init__(self, scheduler: "Scheduler", db: RunDB, cancelled: threading.Event):
+    def __init__(self, scheduler: Scheduler, db: RunDB, cancelled: threading.Event):
         self._sched, self._db, self._cancelled = scheduler, db, cancelled
         self.run_id: str = scheduler.run_id
         self.session: str = scheduler.store.session
         self._started = time.time()
         self._finished = threading.Event()
-        self._result: "RunResult | None" = None
+        self._result: RunResult | None = None
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._drive, name=f"phalanx-run-{self.run_id}", daemon=True)
         _live.add(self)
@@ -99,8 +108,16 @@ class RunHandle:
         self._view = _notebook.handle_view(self) if _notebook is not None else None  # live in a notebook
 
     @classmethod
-    def start(cls, wf: "Workflow", site: "Site", *, db: RunDB | None = None, file: str = "<python>",
-              resume: str | None = None, on_event: Callable[[str, str, str], None] | None = None) -> "RunHandle":
+    def start(
+        cls,
+        wf: Workflow,
+        site: Site,
+        *,
+        db: RunDB | None = None,
+        file: str = "<python>",
+        resume: str | None = None,
+        on_event: Callable[[str, str, str], None] | None = None,
+    ) -> RunHandle:
         """Start running ``wf`` (a checked model) on ``site``; returns once the run is in the run
         DB.  Raises ``RunLockedError`` when ``resume`` names a run another driver holds."""
         from .scheduler import prepare_run
@@ -112,8 +129,7 @@ class RunHandle:
             if isinstance(on_event, RunProgress):  # in a notebook the live stage table replaces its lines
                 on_event = None
         cancelled = threading.Event()
-        scheduler = prepare_run(wf, site, file=file, db=db, resume=resume,
-                                on_event=on_event)
+        scheduler = prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event)
         return cls(scheduler, db, cancelled)
 
     def _drive(self) -> None:
@@ -157,7 +173,7 @@ class RunHandle:
             self._view.join(timeout=10.0)
         return True
 
-    def result(self, timeout: float | None = None) -> "RunResult":
+    def result(self, timeout: float | None = None) -> RunResult:
         """The ``RunResult`` once the run finished (``ok`` False for a failed or cancelled run);
         re-raises an exception the run raised; ``TimeoutError`` if still running after ``timeout``."""
         if not self.wait(timeout):
@@ -188,9 +204,13 @@ class RunHandle:
     def _rank_pids(self) -> list[int]:
         """Rank processes on this host of the attempts this handle ran (their records)."""
         here = socket.gethostname()
-        return [r["pid"] for a in self._db.attempts(self.run_id)
-                if (a["started"] or 0) >= self._started - 1
-                for r in a["rank_info"] if r.get("pid") and r.get("host", here) in (here, "", None)]
+        return [
+            r["pid"]
+            for a in self._db.attempts(self.run_id)
+            if (a["started"] or 0) >= self._started - 1
+            for r in a["rank_info"]
+            if r.get("pid") and r.get("host", here) in (here, "", None)
+        ]
 
     def __repr__(self) -> str:
         state = "finished" if self.done() else "running"

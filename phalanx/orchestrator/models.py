@@ -9,19 +9,30 @@ models is published in docs/ for editors.
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, Optional, Sequence
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, Optional
 from urllib.parse import urlparse
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, PrivateAttr, Strict, ValidationInfo,
-                      WithJsonSchema, create_model, field_validator, model_validator)
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    Strict,
+    ValidationInfo,
+    WithJsonSchema,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from ..executors.base import Executor, suggest
-
 from .yamlio import Located
 
-MAX_NAME = 100           # a workflow's name names its store session and directories
-MAX_SESSION = 128        # a run's session is "<workflow>-<run id>"
-MAX_SLOTS = 1_000_000    # ranks of a gang, slots of a site
+MAX_NAME = 100  # a workflow's name names its store session and directories
+MAX_SESSION = 128  # a run's session is "<workflow>-<run id>"
+MAX_SLOTS = 1_000_000  # ranks of a gang, slots of a site
 MAX_RETRIES = 100
 MAX_SECONDS = 366 * 86400  # a year: timeouts beyond that are typos (and overflow timers)
 MAX_MEMORY_GB = 1e9
@@ -33,14 +44,16 @@ Seconds = Annotated[float, Strict(), Field(gt=0, le=MAX_SECONDS, allow_inf_nan=F
 
 
 def _short(value: str, limit: int = 32) -> str:
-    return repr(value if len(value) <= limit else value[:limit - 1] + "…")
+    return repr(value if len(value) <= limit else value[: limit - 1] + "…")
 
 
 def check_name(value: str, what: str = "name", limit: int = MAX_NAME) -> str:
     """A stage, dataset or workflow name: safe as a file name, a key and a session."""
     if len(value) > limit or not _NAME.fullmatch(value):
-        raise ValueError(f"{_short(value)} is not a {what}: 1 to {limit} letters, digits, '_', '.' or '-', "
-                         "starting with a letter or digit")
+        raise ValueError(
+            f"{_short(value)} is not a {what}: 1 to {limit} letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
     return value
 
 
@@ -57,10 +70,14 @@ def _schema(pattern: str, limit: int) -> WithJsonSchema:
 
 
 Name = Annotated[str, AfterValidator(check_name), _schema(f"^{_NAME.pattern}$", MAX_NAME)]
-Session = Annotated[str, AfterValidator(lambda v: check_name(v, "store session", MAX_SESSION)),
-                    _schema(f"^{_NAME.pattern}$", MAX_SESSION)]
-Dataset = Annotated[str, AfterValidator(_check_dataset),
-                    _schema(f"^({_NAME.pattern}/)?{_NAME.pattern}$", MAX_SESSION + 1 + MAX_NAME)]
+Session = Annotated[
+    str,
+    AfterValidator(lambda v: check_name(v, "store session", MAX_SESSION)),
+    _schema(f"^{_NAME.pattern}$", MAX_SESSION),
+]
+Dataset = Annotated[
+    str, AfterValidator(_check_dataset), _schema(f"^({_NAME.pattern}/)?{_NAME.pattern}$", MAX_SESSION + 1 + MAX_NAME)
+]
 
 
 def _one_of(kind: str, value: str, known: Sequence[str]) -> None:
@@ -74,8 +91,10 @@ def _executor_sections(what: str) -> dict[str, Any]:
     is validated — and in the JSON Schema — like a built-in's."""
     from ..executors import config_model, executors
 
-    return {name: (Optional[config_model(name)], Field(None, description=f"{what} ({name} executor)"))
-            for name in executors.names()}
+    return {
+        name: (Optional[config_model(name)], Field(None, description=f"{what} ({name} executor)"))
+        for name in executors.names()
+    }
 
 
 class _Strict(BaseModel):
@@ -89,12 +108,13 @@ class InputSpec(_Strict):
     dataset: Dataset = Field(description="name of a dataset in the store; SESSION/NAME: another run's")
     by: Optional[list[str]] = Field(None, description="hash-partition by these columns for the stage's ranks")
     shuffle: Optional[Literal["random", "global"]] = Field(
-        None, description="random: a seeded permutation of all rows; global: for the ML loader, per epoch")
+        None, description="random: a seeded permutation of all rows; global: for the ML loader, per epoch"
+    )
     seed: Int = Field(0, ge=0, le=2**63 - 1)
     columns: Optional[list[str]] = None
 
     @model_validator(mode="after")
-    def _by_or_shuffle(self) -> "InputSpec":
+    def _by_or_shuffle(self) -> InputSpec:
         if self.by and self.shuffle:
             raise ValueError("give by or shuffle, not both")
         return self
@@ -109,11 +129,13 @@ class _StageFields(_Strict):
     ranks: Int = Field(1, ge=1, le=MAX_SLOTS, description="gang size: all ranks start together or not at all")
     needs: list[str] = Field(default_factory=list, description="stages that must finish first")
     inputs: dict[str, InputSpec] = Field(
-        default_factory=dict, description="local name → dataset name, or a dataset with a repartition mode")
+        default_factory=dict, description="local name → dataset name, or a dataset with a repartition mode"
+    )
     outputs: list[Name] = Field(default_factory=list, description="datasets this stage seals in the store")
     params: dict[str, Any] = Field(default_factory=dict, description="env.params of the app")
-    retries: Int = Field(0, ge=0, le=MAX_RETRIES, description=f"reruns on a fresh gang after a failure "
-                         f"(at most {MAX_RETRIES})")
+    retries: Int = Field(
+        0, ge=0, le=MAX_RETRIES, description=f"reruns on a fresh gang after a failure (at most {MAX_RETRIES})"
+    )
     timeout: Optional[Seconds] = Field(None, description="seconds before the stage is stopped")
 
     @field_validator("inputs", mode="before")
@@ -125,7 +147,7 @@ class _StageFields(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _kind_needs_its_entry(self) -> "Stage":
+    def _kind_needs_its_entry(self) -> Stage:
         if self.kind == "command":
             if not self.command:
                 raise ValueError("a command stage needs command: [program, args...]")
@@ -137,8 +159,10 @@ class _StageFields(_Strict):
             raise ValueError(f"app must look like 'package.module:function', got {self.app!r}")
         for key in self.params if self.kind == "command" else ():
             if not _ENV_NAME.fullmatch(key):
-                raise ValueError(f"param {key!r} cannot be an environment variable "
-                                 f"(PHALANX_PARAM_{key.upper()}): use letters, digits and '_'")
+                raise ValueError(
+                    f"param {key!r} cannot be an environment variable "
+                    f"(PHALANX_PARAM_{key.upper()}): use letters, digits and '_'"
+                )
         return self
 
     def executor_section(self, executor: str) -> Any:
@@ -147,15 +171,18 @@ class _StageFields(_Strict):
 
 
 # A stage's executor sections override keys of the site's section of the same name for it
-Stage = create_model("Stage", __base__=_StageFields, __module__=__name__,
-                     **_executor_sections("this stage's keys over the site's section"))
+Stage = create_model(
+    "Stage",
+    __base__=_StageFields,
+    __module__=__name__,
+    **_executor_sections("this stage's keys over the site's section"),
+)
 
 
 class Workflow(_Strict, Located):
     """A DAG of stages, run on one site."""
 
-    name: Name = Field(description=f"letters, digits, '_', '.', '-', at most {MAX_NAME} (names the store "
-                       "session)")
+    name: Name = Field(description=f"letters, digits, '_', '.', '-', at most {MAX_NAME} (names the store session)")
     site: str = Field("local", description="a name from site-configs/ or a path to a site file")
     stages: dict[Name, Stage] = Field(min_length=1)
     # Python workflows (px.Workflow): stage → the function itself, sent to ranks by value, so
@@ -175,8 +202,10 @@ class StoreConfig(_Strict):
     root: Optional[str] = Field(None, description="store directory (default: /dev/shm/phalanx-$USER/store)")
     session: Optional[Session] = Field(None, description="namespace; default: the workflow's name and the run id")
     metadata: Optional[str] = Field(
-        None, description="where the store's catalogue lives: sqlite:///path or redis://host:port/db (ranks on "
-        "several hosts); default: $PHALANX_STORE_METADATA, else SQLite beside the store root")
+        None,
+        description="where the store's catalogue lives: sqlite:///path or redis://host:port/db (ranks on "
+        "several hosts); default: $PHALANX_STORE_METADATA, else SQLite beside the store root",
+    )
 
     @field_validator("root", "metadata")
     @classmethod
@@ -185,8 +214,9 @@ class StoreConfig(_Strict):
         from ..store.metadata import metadata_backends
         from ..store.tiers import tiers
 
-        kind, registry = (("store tier", tiers) if info.field_name == "root" else
-                          ("store metadata backend", metadata_backends))
+        kind, registry = (
+            ("store tier", tiers) if info.field_name == "root" else ("store metadata backend", metadata_backends)
+        )
         if value and "://" in value:
             _one_of(kind, value.split("://", 1)[0], registry.names())
         return value
@@ -197,27 +227,45 @@ class _SiteFields(_Strict, Located):
     so the orchestrator needs to know only ``executor`` and the capacity."""
 
     name: str
-    executor: str = Field("local", description="local | mpirun | slurm | ray, or a plug-in's name (the "
-                          "executors registry)")
-    cores: Optional[Int] = Field(None, ge=1, le=MAX_SLOTS, description="slots for ranks; default: what the "
-                                 "executor holds (this machine's cores, a SLURM pilot's ntasks, a Ray "
-                                 "cluster's CPUs)")
+    executor: str = Field(
+        "local", description="local | mpirun | slurm | ray, or a plug-in's name (the executors registry)"
+    )
+    cores: Optional[Int] = Field(
+        None,
+        ge=1,
+        le=MAX_SLOTS,
+        description="slots for ranks; default: what the "
+        "executor holds (this machine's cores, a SLURM pilot's ntasks, a Ray "
+        "cluster's CPUs)",
+    )
     memory_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True)
-    communicator: str = Field("tcp", description="tcp (the default: no torch in the ranks) | shm | gloo | mpi | "
-                              "ucx, or a plug-in's name (the communicators registry)")
+    communicator: str = Field(
+        "tcp",
+        description="tcp (the default: no torch in the ranks) | shm | gloo | mpi | "
+        "ucx, or a plug-in's name (the communicators registry)",
+    )
     rendezvous: str = Field("tcp", description="tcp | file | file:///dir | redis://host:port/db")
     store: StoreConfig = Field(default_factory=StoreConfig)
     driver_host: str = Field(
-        "127.0.0.1", description="address ranks use to reach the driver; 'auto': this host's address "
-        "(ranks on other machines: SLURM compute nodes, a Ray cluster)")
+        "127.0.0.1",
+        description="address ranks use to reach the driver; 'auto': this host's address "
+        "(ranks on other machines: SLURM compute nodes, a Ray cluster)",
+    )
     start_timeout: Seconds = Field(
-        300, description="seconds a gang may take to start, queue wait included (batch sites: raise it)")
+        300, description="seconds a gang may take to start, queue wait included (batch sites: raise it)"
+    )
     reuse_gangs: bool = Field(
-        True, description="executors that can (local, ray): a succeeded stage's gang (processes + communicator) "
-        "runs the next stage of the same size; retries always get a fresh gang")
+        True,
+        description="executors that can (local, ray): a succeeded stage's gang (processes + communicator) "
+        "runs the next stage of the same size; retries always get a fresh gang",
+    )
     warm_ranks: Optional[Int] = Field(
-        None, ge=0, le=MAX_SLOTS, description="executors that can (local): rank processes kept started, imports "
-        "done, so a stage's gang starts in a fraction of a second; 0 turns it off; default: the site's slots")
+        None,
+        ge=0,
+        le=MAX_SLOTS,
+        description="executors that can (local): rank processes kept started, imports "
+        "done, so a stage's gang starts in a fraction of a second; 0 turns it off; default: the site's slots",
+    )
 
     @field_validator("store", mode="before")
     @classmethod
@@ -242,8 +290,10 @@ class _SiteFields(_Strict, Located):
         executor = info.data.get("executor")  # absent when it was invalid itself
         if value == "mpi" and executor and not capabilities(executor).mpi_world:
             mpi = [n for n in executors.names() if capabilities(n).mpi_world]
-            raise ValueError(f"'mpi' needs executor {' or '.join(map(repr, mpi))} (MPI ranks must be "
-                             f"started by an MPI launcher), not {executor!r}")
+            raise ValueError(
+                f"'mpi' needs executor {' or '.join(map(repr, mpi))} (MPI ranks must be "
+                f"started by an MPI launcher), not {executor!r}"
+            )
         return value
 
     @field_validator("rendezvous")
@@ -251,10 +301,9 @@ class _SiteFields(_Strict, Located):
     def _known_rendezvous(cls, value: str) -> str:
         from ..runtime.rendezvous import rendezvous_backends
 
-        _one_of("rendezvous", value.split("://", 1)[0] if "://" in value else value,
-                rendezvous_backends.names())
+        _one_of("rendezvous", value.split("://", 1)[0] if "://" in value else value, rendezvous_backends.names())
         try:
-            urlparse(value).port
+            _ = urlparse(value).port  # raises on a port that is no number
         except ValueError as exc:  # a port that is no number, or out of range
             raise ValueError(f"{value!r}: {exc}") from None
         return value
@@ -280,5 +329,6 @@ class _SiteFields(_Strict, Located):
 
 
 # The site's executor sections: slurm:, ray:..., one per registered executor
-Site = create_model("Site", __base__=_SiteFields, __module__=__name__,
-                    **_executor_sections("settings of the executor of this name"))
+Site = create_model(
+    "Site", __base__=_SiteFields, __module__=__name__, **_executor_sections("settings of the executor of this name")
+)

@@ -12,8 +12,16 @@ from typing import TextIO
 from ..redact import redact
 from .models import Workflow
 
-_STYLE = {"pending": "dim", "running": "bold yellow", "succeeded": "green", "reused": "cyan",
-          "failed": "bold red", "retrying": "yellow", "skipped": "dim red", "cancelled": "red"}
+_STYLE = {
+    "pending": "dim",
+    "running": "bold yellow",
+    "succeeded": "green",
+    "reused": "cyan",
+    "failed": "bold red",
+    "retrying": "yellow",
+    "skipped": "dim red",
+    "cancelled": "red",
+}
 
 
 @dataclass
@@ -42,13 +50,14 @@ class RunProgress:
             self.live = self.out.isatty()
         self._live = None
 
-    def __enter__(self) -> "RunProgress":
+    def __enter__(self) -> RunProgress:
         if self.live:
             from rich.console import Console
             from rich.live import Live
 
-            self._live = Live(get_renderable=self._table, console=Console(file=self.out),
-                              refresh_per_second=4, transient=False)
+            self._live = Live(
+                get_renderable=self._table, console=Console(file=self.out), refresh_per_second=4, transient=False
+            )
             self._live.__enter__()
         return self
 
@@ -84,6 +93,12 @@ class RunProgress:
             took = ""
             if row.started is not None:
                 took = f"{(row.ended or now) - row.started:.1f}s"
-            table.add_row(name, f"[{_STYLE.get(row.state, '')}]{row.state}[/]", str(row.ranks),
-                          str(row.attempt or ""), took, row.note[:80])
+            table.add_row(
+                name,
+                f"[{_STYLE.get(row.state, '')}]{row.state}[/]",
+                str(row.ranks),
+                str(row.attempt or ""),
+                took,
+                row.note[:80],
+            )
         return table

@@ -23,13 +23,20 @@ from ..private import makedirs
 from ..redact import redact
 from .rundb import FINAL, RunDB
 
-COLOURS = {"succeeded": "#2f9e55", "failed": "#d64545", "cancelled": "#e39b2d", "running": "#3b7dd8",
-           "lost": "#8c8c8c", "skipped": "#c9a3a3", "pending": "#c8c8c8"}
+COLOURS = {
+    "succeeded": "#2f9e55",
+    "failed": "#d64545",
+    "cancelled": "#e39b2d",
+    "running": "#3b7dd8",
+    "lost": "#8c8c8c",
+    "skipped": "#c9a3a3",
+    "pending": "#c8c8c8",
+}
 
 # Timeline geometry, in SVG user units (= CSS pixels at 100 %).
-WIDTH, LABEL_W, RIGHT = 1000, 180, 36   # picture width, stage-name column, right margin
+WIDTH, LABEL_W, RIGHT = 1000, 180, 36  # picture width, stage-name column, right margin
 TOP, LANE_H, GAP, BOTTOM = 34, 34, 6, 12  # axis band, lane height, space between lanes, bottom margin
-PAD = 3                                  # attempt bar inside its lane; rank bars inside the attempt bar
+PAD = 3  # attempt bar inside its lane; rank bars inside the attempt bar
 
 
 class UnknownRun(KeyError):
@@ -92,26 +99,42 @@ def write_report(db: RunDB, run_id: str, out: str | Path | None = None) -> Path:
 
 def render(s: dict) -> str:
     run = s["run"]
-    body = [_header(s), "<h2>Timeline</h2>", timeline_svg(s), _legend(),
-            "<h2>Stages</h2>", *(_stage_section(st, i, s["t0"]) for i, st in enumerate(s["stages"])),
-            _failures(s), _events(s)]
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<title>phalanx run {esc(run["id"])} — {esc(run["workflow"])}</title>\n'
-            f"<style>{_CSS}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n")
+    body = [
+        _header(s),
+        "<h2>Timeline</h2>",
+        timeline_svg(s),
+        _legend(),
+        "<h2>Stages</h2>",
+        *(_stage_section(st, i, s["t0"]) for i, st in enumerate(s["stages"])),
+        _failures(s),
+        _events(s),
+    ]
+    return (
+        f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
+        f"<title>phalanx run {esc(run['id'])} — {esc(run['workflow'])}</title>\n"
+        f"<style>{_CSS}</style>\n</head>\n<body>\n" + "\n".join(body) + "\n</body>\n</html>\n"
+    )
 
 
 def _header(s: dict) -> str:
     run = s["run"]
     took = (run["ended"] or time.time()) - run["started"]
-    rows = [("workflow", esc(run["workflow"])), ("run id", esc(run["id"])), ("state", _badge(run["state"])),
-            ("file", esc(run["file"] or "-")), ("site", esc(run["site"] or "-")),
-            ("session", esc(run["session"])), ("started", esc(_clock(run["started"]))),
-            ("ended", esc(_clock(run["ended"]) if run["ended"] else "-")),
-            ("total time", esc(_duration(took) + ("" if run["ended"] else " so far"))),
-            ("driver", esc(f"pid {run.get('pid') or '-'} on {run.get('host') or '-'}"))]
+    rows = [
+        ("workflow", esc(run["workflow"])),
+        ("run id", esc(run["id"])),
+        ("state", _badge(run["state"])),
+        ("file", esc(run["file"] or "-")),
+        ("site", esc(run["site"] or "-")),
+        ("session", esc(run["session"])),
+        ("started", esc(_clock(run["started"]))),
+        ("ended", esc(_clock(run["ended"]) if run["ended"] else "-")),
+        ("total time", esc(_duration(took) + ("" if run["ended"] else " so far"))),
+        ("driver", esc(f"pid {run.get('pid') or '-'} on {run.get('host') or '-'}")),
+    ]
     table = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in rows)
-    return (f'<h1>phalanx run <span class="mono">{esc(run["id"])}</span></h1>\n'
-            f'<table class="kv" id="run">{table}</table>')
+    return (
+        f'<h1>phalanx run <span class="mono">{esc(run["id"])}</span></h1>\n<table class="kv" id="run">{table}</table>'
+    )
 
 
 def _badge(state: str) -> str:
@@ -120,10 +143,14 @@ def _badge(state: str) -> str:
 
 
 def _legend() -> str:
-    items = "".join(f'<span><i style="background:{COLOURS[k]}"></i>{k}</span>'
-                    for k in ("succeeded", "failed", "cancelled", "running", "lost"))
-    return (f'<p class="legend">{items}<span><i class="rank"></i>a rank running the app</span>'
-            '<span><i class="span"></i>stage: placed → done (gang start, retries)</span></p>')
+    items = "".join(
+        f'<span><i style="background:{COLOURS[k]}"></i>{k}</span>'
+        for k in ("succeeded", "failed", "cancelled", "running", "lost")
+    )
+    return (
+        f'<p class="legend">{items}<span><i class="rank"></i>a rank running the app</span>'
+        '<span><i class="span"></i>stage: placed → done (gang start, retries)</span></p>'
+    )
 
 
 # ---- the timeline ------------------------------------------------------------------------------
@@ -143,9 +170,11 @@ class Axis:
 def timeline_svg(s: dict) -> str:
     axis = Axis(s["t0"], max(s["t1"] - s["t0"], 1e-3))
     height = TOP + len(s["stages"]) * (LANE_H + GAP) + BOTTOM
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{WIDTH}" height="{height}" '
-             f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
-             _ticks_svg(axis, height)]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{WIDTH}" height="{height}" '
+        f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
+        _ticks_svg(axis, height),
+    ]
     parts += [_lane_svg(st, i, axis) for i, st in enumerate(s["stages"])]
     return "\n".join(parts + ["</svg>"])
 
@@ -178,10 +207,13 @@ def _ticks_svg(axis: Axis, height: float) -> str:
     for i in range(int(axis.span / step + 1e-9) + 1):
         t = i * step
         x = axis.x(axis.t0 + t)
-        parts.append(f'<line class="tick" x1="{x:.1f}" y1="{TOP - 6}" x2="{x:.1f}" y2="{height - BOTTOM}" '
-                     f'stroke="#e3e3e3"/>')
-        parts.append(f'<text class="tick-label" x="{x:.1f}" y="{TOP - 12}" text-anchor="middle" '
-                     f'fill="#555">{_tick_label(t, step)}</text>')
+        parts.append(
+            f'<line class="tick" x1="{x:.1f}" y1="{TOP - 6}" x2="{x:.1f}" y2="{height - BOTTOM}" stroke="#e3e3e3"/>'
+        )
+        parts.append(
+            f'<text class="tick-label" x="{x:.1f}" y="{TOP - 12}" text-anchor="middle" '
+            f'fill="#555">{_tick_label(t, step)}</text>'
+        )
     return "\n".join(parts + ["</g>"])
 
 
@@ -189,20 +221,25 @@ def _lane_svg(st: dict, i: int, axis: Axis) -> str:
     name, y = st["stage"], TOP + i * (LANE_H + GAP)
     short = name if len(name) <= 26 else name[:25] + "…"
     label_y = y + LANE_H / 2 + (0 if st["reused"] else 4)
-    parts = [f'<g class="lane" data-stage="{esc(name)}" data-state="{esc(st["state"])}">',
-             f'<rect class="lane-bg" x="0" y="{y}" width="{WIDTH}" height="{LANE_H}" fill="#eeeeee" '
-             f'fill-opacity="0.5"/>',
-             f'<text class="stage-label" x="{LABEL_W - 8}" y="{label_y}" text-anchor="end">'
-             f'<title>{esc(name)}</title>{esc(short)}</text>']
+    parts = [
+        f'<g class="lane" data-stage="{esc(name)}" data-state="{esc(st["state"])}">',
+        f'<rect class="lane-bg" x="0" y="{y}" width="{WIDTH}" height="{LANE_H}" fill="#eeeeee" fill-opacity="0.5"/>',
+        f'<text class="stage-label" x="{LABEL_W - 8}" y="{label_y}" text-anchor="end">'
+        f"<title>{esc(name)}</title>{esc(short)}</text>",
+    ]
     if st["reused"]:  # under its name: its bars (if any) are from an earlier invocation of the run
-        parts.append(f'<text class="lane-tag" x="{LABEL_W - 8}" y="{label_y + 12}" text-anchor="end" '
-                     f'fill="#666" font-size="10" font-style="italic">reused</text>')
+        parts.append(
+            f'<text class="lane-tag" x="{LABEL_W - 8}" y="{label_y + 12}" text-anchor="end" '
+            f'fill="#666" font-size="10" font-style="italic">reused</text>'
+        )
     if st["started"]:
         parts.append(_stage_span(st, y, axis))
     parts += [_attempt_svg(st, a, y, axis) for a in st["attempt_list"]]
     if not st["attempt_list"]:  # an empty lane says why
-        parts.append(f'<text class="lane-note" x="{axis.x0 + 6:.1f}" y="{y + LANE_H / 2 + 4}" fill="#666" '
-                     f'font-style="italic">{esc(_lane_note(st))}</text>')
+        parts.append(
+            f'<text class="lane-note" x="{axis.x0 + 6:.1f}" y="{y + LANE_H / 2 + 4}" fill="#666" '
+            f'font-style="italic">{esc(_lane_note(st))}</text>'
+        )
     return "\n".join(parts + ["</g>"])
 
 
@@ -220,73 +257,103 @@ def _stage_span(st: dict, y: float, axis: Axis) -> str:
     end = st["ended"] or max([a["until"] for a in st["attempt_list"]] + [st["started"]])
     x1, x2 = axis.x(st["started"]), axis.x(end)
     tip = f"stage {st['stage']}: {_duration(end - st['started'])} from placement to end"
-    return (f'<rect class="stage-span" x="{x1:.1f}" y="{y + LANE_H - PAD + 0.5}" width="{max(x2 - x1, 1):.1f}" '
-            f'height="2" fill="#9a9a9a"><title>{esc(tip)}</title></rect>')
+    return (
+        f'<rect class="stage-span" x="{x1:.1f}" y="{y + LANE_H - PAD + 0.5}" width="{max(x2 - x1, 1):.1f}" '
+        f'height="2" fill="#9a9a9a"><title>{esc(tip)}</title></rect>'
+    )
 
 
 def _attempt_svg(st: dict, a: dict, y: float, axis: Axis) -> str:
     colour = COLOURS.get(a["state"], "#999")
     x1, x2 = axis.x(a["started"]), axis.x(a["until"])
     top, h = y + PAD, LANE_H - 2 * PAD
-    tip = (f"stage {st['stage']} · attempt {a['attempt']} · {a['state']} · "
-           f"{_duration(a['until'] - a['started'])}" + (f"\n{_first_line(a['error'])}" if a["error"] else ""))
-    parts = [f'<g class="attempt {esc(a["state"])}" data-attempt="{a["attempt"]}">',
-             f'<rect class="attempt-bar" x="{x1:.1f}" y="{top}" width="{max(x2 - x1, 1):.1f}" height="{h}" '
-             f'fill="{colour}" fill-opacity="0.3" stroke="{colour}"><title>{esc(tip)}</title></rect>']
+    tip = f"stage {st['stage']} · attempt {a['attempt']} · {a['state']} · {_duration(a['until'] - a['started'])}" + (
+        f"\n{_first_line(a['error'])}" if a["error"] else ""
+    )
+    parts = [
+        f'<g class="attempt {esc(a["state"])}" data-attempt="{a["attempt"]}">',
+        f'<rect class="attempt-bar" x="{x1:.1f}" y="{top}" width="{max(x2 - x1, 1):.1f}" height="{h}" '
+        f'fill="{colour}" fill-opacity="0.3" stroke="{colour}"><title>{esc(tip)}</title></rect>',
+    ]
     ranks = [r for r in a["rank_info"] if r.get("started") and r.get("ended")]
     band = (h - 2 * PAD) / max(len(ranks), 1)  # one band per rank inside the attempt bar
     for j, r in enumerate(sorted(ranks, key=lambda r: r["rank"])):
         rx1, rx2 = axis.x(r["started"]), axis.x(r["ended"])
-        tip = (f"stage {st['stage']} · attempt {a['attempt']} · rank {r['rank']} · pid {r.get('pid')} · "
-               f"host {r.get('host')} · app ran {_duration(r['ended'] - r['started'])}")
-        parts.append(f'<rect class="rank" data-rank="{esc(r["rank"])}" x="{rx1:.1f}" y="{top + PAD + j * band:.2f}" '
-                     f'width="{max(rx2 - rx1, 1):.1f}" height="{max(band * 0.75, 0.5):.2f}" fill="{colour}">'
-                     f'<title>{esc(tip)}</title></rect>')
+        tip = (
+            f"stage {st['stage']} · attempt {a['attempt']} · rank {r['rank']} · pid {r.get('pid')} · "
+            f"host {r.get('host')} · app ran {_duration(r['ended'] - r['started'])}"
+        )
+        parts.append(
+            f'<rect class="rank" data-rank="{esc(r["rank"])}" x="{rx1:.1f}" y="{top + PAD + j * band:.2f}" '
+            f'width="{max(rx2 - rx1, 1):.1f}" height="{max(band * 0.75, 0.5):.2f}" fill="{colour}">'
+            f"<title>{esc(tip)}</title></rect>"
+        )
     return "\n".join(parts + ["</g>"])
 
 
 # ---- tables --------------------------------------------------------------------------------
 def _stage_section(st: dict, i: int, t0: float) -> str:
     took = _duration(st["ended"] - st["started"]) if st["started"] and st["ended"] else "-"
-    facts = [("state", _badge(st["state"]) + (" (reused)" if st["reused"] else "")),
-             ("ranks", esc(st["ranks"] or "-")), ("attempts", esc(st["attempts"])), ("duration", esc(took))]
+    facts = [
+        ("state", _badge(st["state"]) + (" (reused)" if st["reused"] else "")),
+        ("ranks", esc(st["ranks"] or "-")),
+        ("attempts", esc(st["attempts"])),
+        ("duration", esc(took)),
+    ]
     if st["error"]:
         facts.append(("error", f'<span class="mono">{esc(_first_line(st["error"]))}</span>'))
     kv = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
-    return (f'<section class="stage" id="stage-{i}" data-stage="{esc(st["stage"])}">\n'
-            f'<h3 class="stage-name">{esc(st["stage"])}</h3>\n<table class="kv">{kv}</table>\n'
-            f"{_outputs_table(st['outputs'])}\n{_inputs_table(st['inputs'])}\n{_attempts_table(st, t0)}\n</section>")
+    return (
+        f'<section class="stage" id="stage-{i}" data-stage="{esc(st["stage"])}">\n'
+        f'<h3 class="stage-name">{esc(st["stage"])}</h3>\n<table class="kv">{kv}</table>\n'
+        f"{_outputs_table(st['outputs'])}\n{_inputs_table(st['inputs'])}\n{_attempts_table(st, t0)}\n</section>"
+    )
 
 
 def _outputs_table(outputs: dict[str, list[int]]) -> str:
     if not outputs:
         return '<p class="muted">no outputs recorded</p>'
-    rows = "".join(f'<tr class="output" data-name="{esc(name)}"><td class="name">{esc(name)}</td>'
-                   f'{_rows_cell(rows)}{_bytes_cell(nbytes)}</tr>' for name, (rows, nbytes) in outputs.items())
-    return (f'<table class="io outputs"><caption>outputs</caption>'
-            f"<tr><th>dataset</th><th>rows</th><th>bytes</th></tr>{rows}</table>")
+    rows = "".join(
+        f'<tr class="output" data-name="{esc(name)}"><td class="name">{esc(name)}</td>'
+        f"{_rows_cell(rows)}{_bytes_cell(nbytes)}</tr>"
+        for name, (rows, nbytes) in outputs.items()
+    )
+    return (
+        f'<table class="io outputs"><caption>outputs</caption>'
+        f"<tr><th>dataset</th><th>rows</th><th>bytes</th></tr>{rows}</table>"
+    )
 
 
 def _inputs_table(inputs: dict[str, dict]) -> str:
     if not inputs:
         return '<p class="muted">no inputs read</p>'
-    rows = "".join(f'<tr class="input" data-name="{esc(local)}"><td class="name">{esc(local)}</td>'
-                   f'<td class="dataset">{esc(i["dataset"])}</td>{_rows_cell(i["rows"])}{_bytes_cell(i["bytes"])}'
-                   f'<td class="plan">{esc(i["plan"])}</td></tr>' for local, i in inputs.items())
-    return (f'<table class="io inputs"><caption>inputs</caption><tr><th>as</th><th>dataset</th><th>rows</th>'
-            f"<th>bytes</th><th>repartition</th></tr>{rows}</table>")
+    rows = "".join(
+        f'<tr class="input" data-name="{esc(local)}"><td class="name">{esc(local)}</td>'
+        f'<td class="dataset">{esc(i["dataset"])}</td>{_rows_cell(i["rows"])}{_bytes_cell(i["bytes"])}'
+        f'<td class="plan">{esc(i["plan"])}</td></tr>'
+        for local, i in inputs.items()
+    )
+    return (
+        f'<table class="io inputs"><caption>inputs</caption><tr><th>as</th><th>dataset</th><th>rows</th>'
+        f"<th>bytes</th><th>repartition</th></tr>{rows}</table>"
+    )
 
 
 def _attempts_table(st: dict, t0: float) -> str:
     if not st["attempt_list"]:
         return ""
-    rows = "".join(f'<tr class="attempt" data-attempt="{a["attempt"]}"><td class="num">{a["attempt"]}</td>'
-                   f'<td>{esc(a["state"])}</td><td class="num">+{a["started"] - t0:.1f}s</td>'
-                   f'<td class="num">{_duration(a["until"] - a["started"])}</td>'
-                   f'<td class="mono">{esc(a["gang_id"] or "-")}</td>'
-                   f'<td class="mono">{esc(a["log_dir"] or "-")}</td></tr>' for a in st["attempt_list"])
-    return (f'<table class="attempts"><caption>attempts</caption><tr><th>#</th><th>state</th><th>started</th>'
-            f"<th>took</th><th>gang</th><th>logs</th></tr>{rows}</table>")
+    rows = "".join(
+        f'<tr class="attempt" data-attempt="{a["attempt"]}"><td class="num">{a["attempt"]}</td>'
+        f'<td>{esc(a["state"])}</td><td class="num">+{a["started"] - t0:.1f}s</td>'
+        f'<td class="num">{_duration(a["until"] - a["started"])}</td>'
+        f'<td class="mono">{esc(a["gang_id"] or "-")}</td>'
+        f'<td class="mono">{esc(a["log_dir"] or "-")}</td></tr>'
+        for a in st["attempt_list"]
+    )
+    return (
+        f'<table class="attempts"><caption>attempts</caption><tr><th>#</th><th>state</th><th>started</th>'
+        f"<th>took</th><th>gang</th><th>logs</th></tr>{rows}</table>"
+    )
 
 
 def _rows_cell(rows: int) -> str:
@@ -304,9 +371,14 @@ def _failures(s: dict) -> str:
     for st in s["stages"]:
         failed = [a for a in st["attempt_list"] if a["state"] == "failed" or a["error"]]
         for a in failed:
-            blocks.append(_failure(st["stage"], f"attempt {a['attempt']} {a['state']} after "
-                                   f"{_duration(a['until'] - a['started'])}", a["error"] or "(no error text)",
-                                   a["attempt"]))
+            blocks.append(
+                _failure(
+                    st["stage"],
+                    f"attempt {a['attempt']} {a['state']} after {_duration(a['until'] - a['started'])}",
+                    a["error"] or "(no error text)",
+                    a["attempt"],
+                )
+            )
         if st["state"] == "failed" and st["error"] and not failed:
             blocks.append(_failure(st["stage"], "failed", st["error"], None))
     if not blocks:
@@ -316,16 +388,22 @@ def _failures(s: dict) -> str:
 
 def _failure(stage: str, what: str, error: str, attempt: int | None) -> str:
     data = f' data-attempt="{attempt}"' if attempt is not None else ""
-    return (f'<div class="failure" data-stage="{esc(stage)}"{data}><h3>{esc(stage)} — {esc(what)}</h3>'
-            f'<pre class="error">{esc(error)}</pre></div>')
+    return (
+        f'<div class="failure" data-stage="{esc(stage)}"{data}><h3>{esc(stage)} — {esc(what)}</h3>'
+        f'<pre class="error">{esc(error)}</pre></div>'
+    )
 
 
 def _events(s: dict) -> str:
-    rows = "".join(f'<tr class="event"><td class="num">+{e["ts"] - s["t0"]:.1f}s</td><td>{esc(_clock(e["ts"]))}</td>'
-                   f'<td>{esc(e["stage"] or "")}</td><td>{esc(e["kind"])}</td><td>{esc(e["message"] or "")}</td></tr>'
-                   for e in s["events"])
-    return (f'<h2>Events</h2>\n<table class="events"><tr><th>since start</th><th>time</th><th>stage</th>'
-            f"<th>event</th><th>message</th></tr>{rows}</table>")
+    rows = "".join(
+        f'<tr class="event"><td class="num">+{e["ts"] - s["t0"]:.1f}s</td><td>{esc(_clock(e["ts"]))}</td>'
+        f"<td>{esc(e['stage'] or '')}</td><td>{esc(e['kind'])}</td><td>{esc(e['message'] or '')}</td></tr>"
+        for e in s["events"]
+    )
+    return (
+        f'<h2>Events</h2>\n<table class="events"><tr><th>since start</th><th>time</th><th>stage</th>'
+        f"<th>event</th><th>message</th></tr>{rows}</table>"
+    )
 
 
 # ---- formatting ------------------------------------------------------------------------------

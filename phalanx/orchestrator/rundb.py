@@ -8,13 +8,14 @@ import socket
 import sqlite3
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .. import paths
 from ..errors import PhalanxError
-from ..executors.base import pid_alive  # noqa: F401  (callers import it from here too)
+from ..executors.base import pid_alive
 from ..private import create_private
 from ..redact import redact_opt
 
@@ -38,8 +39,13 @@ CREATE TABLE IF NOT EXISTS allocations (
     PRIMARY KEY (run_id, executor, ident));
 """
 # Columns added after the first release: (table, column, type); added to older databases on open.
-_ADDED = [("runs", "pid", "INTEGER"), ("runs", "host", "TEXT"), ("stages", "inputs", "TEXT"),
-          ("attempts", "rank_info", "TEXT"), ("stages", "fingerprint", "TEXT")]
+_ADDED = [
+    ("runs", "pid", "INTEGER"),
+    ("runs", "host", "TEXT"),
+    ("stages", "inputs", "TEXT"),
+    ("attempts", "rank_info", "TEXT"),
+    ("stages", "fingerprint", "TEXT"),
+]
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 
@@ -69,30 +75,39 @@ class RunDB:
         return self.state_dir / "logs" / run_id / stage / f"attempt-{attempt}"
 
     # ---- writes -------------------------------------------------------------------------
-    def new_run(self, workflow: str, file: str, site: str, session: str | None,
-                stages: dict[str, int]) -> tuple[str, str]:
+    def new_run(
+        self, workflow: str, file: str, site: str, session: str | None, stages: dict[str, int]
+    ) -> tuple[str, str]:
         run_id = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
         session = session or f"{workflow}-{run_id}"
         with self._con() as con:
-            con.execute("INSERT INTO runs (id, workflow, file, site, session, state, started, pid, host) "
-                        "VALUES (?,?,?,?,?,?,?,?,?)", (run_id, workflow, file, site, session, "running",
-                                                      time.time(), os.getpid(), socket.gethostname()))
-            con.executemany("INSERT INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
-                            [(run_id, s, "pending", r) for s, r in stages.items()])
+            con.execute(
+                "INSERT INTO runs (id, workflow, file, site, session, state, started, pid, host) "
+                "VALUES (?,?,?,?,?,?,?,?,?)",
+                (run_id, workflow, file, site, session, "running", time.time(), os.getpid(), socket.gethostname()),
+            )
+            con.executemany(
+                "INSERT INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
+                [(run_id, s, "pending", r) for s, r in stages.items()],
+            )
         return run_id, session
 
     def add_stages(self, run_id: str, stages: dict[str, int]) -> None:
         """Rows for stages a resumed run's workflow has and the run did not (an edited file)."""
         with self._con() as con:
-            con.executemany("INSERT OR IGNORE INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
-                            [(run_id, s, "pending", r) for s, r in stages.items()])
+            con.executemany(
+                "INSERT OR IGNORE INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
+                [(run_id, s, "pending", r) for s, r in stages.items()],
+            )
 
     def set_run(self, run_id: str, state: str) -> None:
         ended = time.time() if state in FINAL else None
         with self._con() as con:
             if state == "running":  # (re)started by this process: cancel and liveness find it here
-                con.execute("UPDATE runs SET state=?, ended=NULL, pid=?, host=? WHERE id=?",
-                            (state, os.getpid(), socket.gethostname(), run_id))
+                con.execute(
+                    "UPDATE runs SET state=?, ended=NULL, pid=?, host=? WHERE id=?",
+                    (state, os.getpid(), socket.gethostname(), run_id),
+                )
             else:
                 con.execute("UPDATE runs SET state=?, ended=? WHERE id=?", (state, ended, run_id))
 
@@ -108,24 +123,44 @@ class RunDB:
 
     def start_attempt(self, run_id: str, stage: str, attempt: int, gang_id: str, log_dir: str) -> None:
         with self._con() as con:
-            con.execute("INSERT OR REPLACE INTO attempts (run_id, stage, attempt, state, started, ended, gang_id, "
-                        "log_dir, error) VALUES (?,?,?,?,?,?,?,?,?)",
-                        (run_id, stage, attempt, "running", time.time(), None, gang_id, log_dir, None))
+            con.execute(
+                "INSERT OR REPLACE INTO attempts (run_id, stage, attempt, state, started, ended, gang_id, "
+                "log_dir, error) VALUES (?,?,?,?,?,?,?,?,?)",
+                (run_id, stage, attempt, "running", time.time(), None, gang_id, log_dir, None),
+            )
             con.execute("UPDATE stages SET attempts=? WHERE run_id=? AND stage=?", (attempt, run_id, stage))
 
     def set_attempt_gang(self, run_id: str, stage: str, attempt: int, gang_id: str) -> None:
         with self._con() as con:
-            con.execute("UPDATE attempts SET gang_id=? WHERE run_id=? AND stage=? AND attempt=?",
-                        (gang_id, run_id, stage, attempt))
+            con.execute(
+                "UPDATE attempts SET gang_id=? WHERE run_id=? AND stage=? AND attempt=?",
+                (gang_id, run_id, stage, attempt),
+            )
 
-    def end_attempt(self, run_id: str, stage: str, attempt: int, state: str, error: str | None = None,
-                    ranks: list[dict] | None = None) -> None:
+    def end_attempt(
+        self,
+        run_id: str,
+        stage: str,
+        attempt: int,
+        state: str,
+        error: str | None = None,
+        ranks: list[dict] | None = None,
+    ) -> None:
         """``ranks``: per rank {rank, pid, host, started, ended} (what the report draws)."""
         with self._con() as con:
-            con.execute("UPDATE attempts SET state=?, ended=?, error=?, rank_info=COALESCE(?, rank_info) "
-                        "WHERE run_id=? AND stage=? AND attempt=?",
-                        (state, time.time(), redact_opt(error), json.dumps(ranks) if ranks is not None else None,
-                         run_id, stage, attempt))
+            con.execute(
+                "UPDATE attempts SET state=?, ended=?, error=?, rank_info=COALESCE(?, rank_info) "
+                "WHERE run_id=? AND stage=? AND attempt=?",
+                (
+                    state,
+                    time.time(),
+                    redact_opt(error),
+                    json.dumps(ranks) if ranks is not None else None,
+                    run_id,
+                    stage,
+                    attempt,
+                ),
+            )
 
     # ---- allocations: what a driver holds on a resource manager (jobs, steps, pilots, groups) --
     def add_allocation(self, run_id: str, stage: str | None, record: dict) -> None:
@@ -133,13 +168,17 @@ class RunDB:
         id and whatever ``phalanx.executors.release`` needs to free it), so a driver killed
         without a word leaves the next ``status``/``cancel``/``--resume`` enough to free it."""
         with self._con() as con:
-            con.execute("INSERT OR REPLACE INTO allocations VALUES (?,?,?,?,?,?,NULL)",
-                        (run_id, stage, record["executor"], str(record["id"]), json.dumps(record), time.time()))
+            con.execute(
+                "INSERT OR REPLACE INTO allocations VALUES (?,?,?,?,?,?,NULL)",
+                (run_id, stage, record["executor"], str(record["id"]), json.dumps(record), time.time()),
+            )
 
     def release_allocation(self, run_id: str, record: dict) -> None:
         with self._con() as con:
-            con.execute("UPDATE allocations SET released=? WHERE run_id=? AND executor=? AND ident=?",
-                        (time.time(), run_id, record["executor"], str(record["id"])))
+            con.execute(
+                "UPDATE allocations SET released=? WHERE run_id=? AND executor=? AND ident=?",
+                (time.time(), run_id, record["executor"], str(record["id"])),
+            )
 
     def allocations(self, run_id: str, live: bool = True) -> list[dict]:
         """Per allocation: its record plus stage, created, released; ``live``: unreleased only."""
@@ -149,8 +188,9 @@ class RunDB:
 
     def event(self, run_id: str, kind: str, message: str, stage: str | None = None) -> None:
         with self._con() as con:
-            con.execute("INSERT INTO events VALUES (?,?,?,?,?)",
-                        (run_id, time.time(), stage, kind, redact_opt(message)))
+            con.execute(
+                "INSERT INTO events VALUES (?,?,?,?,?)", (run_id, time.time(), stage, kind, redact_opt(message))
+            )
 
     # ---- reads --------------------------------------------------------------------------
     def run(self, run_id: str) -> dict | None:
@@ -167,11 +207,17 @@ class RunDB:
         """A run whose driver died without a word (SIGKILL, a crashed node) is "lost", not
         "running" forever: what it still held on a resource manager (jobs, pilots, placement
         groups) is released, and it can be resumed."""
-        if run["state"] == "running" and run.get("pid") and run.get("host") == socket.gethostname() \
-                and not pid_alive(run["pid"]):
+        if (
+            run["state"] == "running"
+            and run.get("pid")
+            and run.get("host") == socket.gethostname()
+            and not pid_alive(run["pid"])
+        ):
             with self._con() as con:  # one process marks it lost (and reports it), not every reader
-                marked = con.execute("UPDATE runs SET state='lost', ended=? WHERE id=? AND state='running' "
-                                     "AND pid=?", (time.time(), run["id"], run["pid"])).rowcount
+                marked = con.execute(
+                    "UPDATE runs SET state='lost', ended=? WHERE id=? AND state='running' AND pid=?",
+                    (time.time(), run["id"], run["pid"]),
+                ).rowcount
             if marked:
                 self.event(run["id"], "lost", f"driver process {run['pid']} is gone")
                 for s in self.stages(run["id"]):
@@ -191,8 +237,9 @@ class RunDB:
 
                 line = release(alloc["record"])
             except Exception as exc:  # the resource manager unreachable: try again next time
-                self.event(run_id, "release", f"could not release {alloc['executor']} {alloc['ident']}: {exc}",
-                           alloc["stage"])
+                self.event(
+                    run_id, "release", f"could not release {alloc['executor']} {alloc['ident']}: {exc}", alloc["stage"]
+                )
                 continue
             self.release_allocation(run_id, alloc["record"])
             self.event(run_id, "release", f"left by the driver: {line}", alloc["stage"])
@@ -214,8 +261,7 @@ class RunDB:
             if row["state"] == "running" and holder != me:
                 con.execute("ROLLBACK")
                 raise RunLockedError(run_id, *holder)
-            con.execute("UPDATE runs SET state='running', ended=NULL, pid=?, host=? WHERE id=?",
-                        (*me, run_id))
+            con.execute("UPDATE runs SET state='running', ended=NULL, pid=?, host=? WHERE id=?", (*me, run_id))
             con.execute("COMMIT")
         return {**row, "state": "running", "pid": me[0], "host": me[1]}
 
@@ -239,10 +285,12 @@ class RunLockedError(PhalanxError):
 
     def __init__(self, run_id: str, pid: int, host: str):
         here = host == socket.gethostname()
-        hint = (f"wait for it, or stop it with: phalanx cancel {run_id}" if here else
-                f"it runs on another host: stop it there (phalanx cancel {run_id})")
-        super().__init__(f"run {run_id} is being driven by process {pid} on host {host!r}; "
-                         f"one driver per run — {hint}")
+        hint = (
+            f"wait for it, or stop it with: phalanx cancel {run_id}"
+            if here
+            else f"it runs on another host: stop it there (phalanx cancel {run_id})"
+        )
+        super().__init__(f"run {run_id} is being driven by process {pid} on host {host!r}; one driver per run — {hint}")
         self.run_id, self.pid, self.host = run_id, pid, host
 
 

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..errors import GangError, RankError
 from ..gang import Gang
 from ..store import Store
 from .fingerprint import changes, fingerprints
-from .models import Site, Stage, Workflow
+from .models import Site, Workflow
 from .rundb import RunDB
 from .validate import dependencies
 
@@ -35,12 +35,19 @@ class RunResult:
     session: str
     ok: bool
     failed: dict[str, str] = field(default_factory=dict)  # stage → error summary
-    skipped: list[str] = field(default_factory=list)      # never ran: an upstream stage failed
+    skipped: list[str] = field(default_factory=list)  # never ran: an upstream stage failed
 
 
 class Scheduler:
-    def __init__(self, wf: Workflow, site: Site, db: RunDB, run_id: str, session: str,
-                 on_event: Callable[[str, str, str], None] | None = None):
+    def __init__(
+        self,
+        wf: Workflow,
+        site: Site,
+        db: RunDB,
+        run_id: str,
+        session: str,
+        on_event: Callable[[str, str, str], None] | None = None,
+    ):
         self.wf, self.site, self.db, self.run_id = wf, site, db, run_id
         self.store = Store(site.store.root, session, metadata=site.store.metadata)
         self.on_event = on_event or (lambda stage, kind, msg: None)
@@ -48,7 +55,7 @@ class Scheduler:
         self.caps = self.executor.capabilities
         self.capacity = self.executor.capacity() or UNBOUNDED_SLOTS
         self._free = list(range(self.capacity))
-        self._gangs: dict[str, Gang] = {}   # stage → its running gang (BSP or command)
+        self._gangs: dict[str, Gang] = {}  # stage → its running gang (BSP or command)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._pending: list[str] = []  # stages not started yet
@@ -70,8 +77,9 @@ class Scheduler:
             if a["gang_id"]:
                 self.store.abort_staging(a["gang_id"])
         self.fingerprints = fingerprints(self.wf, deps, self.store)
-        done = {s for s in self.wf.stages if prior.get(s, {}).get("state") == "succeeded"
-                and self._reusable(s, prior[s])}
+        done = {
+            s for s in self.wf.stages if prior.get(s, {}).get("state") == "succeeded" and self._reusable(s, prior[s])
+        }
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
         self._pending = pending
@@ -79,8 +87,11 @@ class Scheduler:
         if not any(self.wf.stages[s].kind != "command" for s in pending):
             warm = 0
         # what lives as long as the run (a pilot allocation, warm processes) ends with it
-        self.executor.open_run(hook=RunAllocations(self.db, self.run_id, None), demand=self._warm_demand,
-                               warm=warm if self.caps.warm_pool else 0)
+        self.executor.open_run(
+            hook=RunAllocations(self.db, self.run_id, None),
+            demand=self._warm_demand,
+            warm=warm if self.caps.warm_pool else 0,
+        )
         known = self.executor.capacity()  # some executors know only once connected (a Ray cluster's CPUs)
         if known and known != self.capacity:
             self.capacity, self._free = known, list(range(known))
@@ -96,13 +107,17 @@ class Scheduler:
         what would produce its outputs is unchanged (fingerprint) and every output is still
         sealed and passes its checksums; otherwise it runs again, and says why."""
         changed = changes(prior.get("fingerprint") or {}, self.fingerprints[stage])
-        problem = ("changed since it ran: " + "; ".join(changed)) if changed else \
-            unverified(self.store, self.wf.stages[stage].outputs)
+        problem = (
+            ("changed since it ran: " + "; ".join(changed))
+            if changed
+            else unverified(self.store, self.wf.stages[stage].outputs)
+        )
         if problem:
             self._event(stage, "rerun", f"{problem}: runs again")
             return False
-        self._event(stage, "reused", "outputs sealed by an earlier attempt, fingerprint and checksums "
-                                     "match: not run again")
+        self._event(
+            stage, "reused", "outputs sealed by an earlier attempt, fingerprint and checksums match: not run again"
+        )
         return True
 
     def _warm_demand(self) -> int:
@@ -153,8 +168,10 @@ class Scheduler:
             ranks = self.wf.stages[name].ranks
             if ranks > self.capacity:
                 pending.remove(name)
-                failed[name] = (f"{ranks} ranks, but site {self.site.name!r} ({self.site.executor}) can give at "
-                                f"most {self.capacity} at once")
+                failed[name] = (
+                    f"{ranks} ranks, but site {self.site.name!r} ({self.site.executor}) can give at "
+                    f"most {self.capacity} at once"
+                )
                 self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=failed[name])
                 self._event(name, "failed", failed[name])
         with ThreadPoolExecutor(max_workers=max(1, len(pending))) as pool:
@@ -167,8 +184,11 @@ class Scheduler:
                             continue
                         ranks = self.wf.stages[name].ranks
                         if deps[name] <= done and ranks <= len(self._free):
-                            reuse = (self.site.reuse_gangs and self.caps.reuse_gangs
-                                     and self.wf.stages[name].kind != "command")
+                            reuse = (
+                                self.site.reuse_gangs
+                                and self.caps.reuse_gangs
+                                and self.wf.stages[name].kind != "command"
+                            )
                             slots, gang = self._place(name, ranks, reuse)
                             pending.remove(name)
                             running[pool.submit(self._run_stage, name, slots, gang)] = (name, slots)
@@ -217,9 +237,17 @@ class Scheduler:
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
         # driver killed without a word leaves enough for the next status/cancel/resume to free it.
         launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
-        return Gang(st.ranks, executor=launcher, communicator=self.site.communicator,
-                    rendezvous=self.site.rendezvous, log_dir=log_dir, echo=False, store=self.store,
-                    start_timeout=self.site.start_timeout, control_host=self.site.driver_host)
+        return Gang(
+            st.ranks,
+            executor=launcher,
+            communicator=self.site.communicator,
+            rendezvous=self.site.rendezvous,
+            log_dir=log_dir,
+            echo=False,
+            store=self.store,
+            start_timeout=self.site.start_timeout,
+            control_host=self.site.driver_host,
+        )
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
@@ -243,7 +271,7 @@ class Scheduler:
                     return None
                 error, detail, ranks = failure
             except Exception as exc:  # a bad executor section, an unknown rendezvous...: this stage's
-                import traceback       # failure, never the run's (siblings keep running)
+                import traceback  # failure, never the run's (siblings keep running)
 
                 error, ranks = f"{type(exc).__name__}: {exc}", None
                 detail = f"{error}\n{traceback.format_exc()}"
@@ -260,15 +288,22 @@ class Scheduler:
 
     def _succeeded(self, name: str, attempt: int, message: str, results: list[dict] | None = None) -> None:
         outputs = results[0]["outputs"] if results else {}
-        self.db.end_attempt(self.run_id, name, attempt, "succeeded",
-                            ranks=rank_records(results) if results else None)
-        self.db.set_stage(self.run_id, name, "succeeded", ended=time.time(), outputs=outputs, error=None,
-                          fingerprint=self.fingerprints[name],
-                          **({"inputs": input_totals(results)} if results else {}))
+        self.db.end_attempt(self.run_id, name, attempt, "succeeded", ranks=rank_records(results) if results else None)
+        self.db.set_stage(
+            self.run_id,
+            name,
+            "succeeded",
+            ended=time.time(),
+            outputs=outputs,
+            error=None,
+            fingerprint=self.fingerprints[name],
+            **({"inputs": input_totals(results)} if results else {}),
+        )
         self._event(name, "succeeded", message)
 
-    def _gang_attempt(self, name: str, attempt: int, slots: list[int], log_dir,
-                      reused: Gang | None) -> tuple[str, str, list[dict]] | None:
+    def _gang_attempt(
+        self, name: str, attempt: int, slots: list[int], log_dir, reused: Gang | None
+    ) -> tuple[str, str, list[dict]] | None:
         """One attempt of a bsp/torch stage on a gang (the previous stage's, when it was kept for
         this one); None on success, else (summary, full error, per-rank records)."""
         st = self.wf.stages[name]
@@ -288,13 +323,13 @@ class Scheduler:
             where = gang.status()  # the resource manager's view
             if where:
                 self._event(name, "placed", where)
-            results = gang.run(STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs,
-                               params=st.params, timeout=st.timeout)
+            results = gang.run(
+                STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs, params=st.params, timeout=st.timeout
+            )
         except (RankError, GangError) as exc:
             return error_summary(exc), str(exc), failed_ranks(gang, exc)
         else:  # a gang that just succeeded may serve the next stage of its size
-            keep = (self.site.reuse_gangs and self.caps.reuse_gangs and gang.running
-                    and not self._cancelled.is_set())
+            keep = self.site.reuse_gangs and self.caps.reuse_gangs and gang.running and not self._cancelled.is_set()
         finally:
             with self._lock:
                 self._gangs.pop(name, None)
@@ -306,8 +341,9 @@ class Scheduler:
         self._succeeded(name, attempt, rows, results)
         return None
 
-    def _run_command(self, name: str, attempt: int, slots: list[int],
-                     log_dir) -> tuple[str, str, list[dict] | None] | None:
+    def _run_command(
+        self, name: str, attempt: int, slots: list[int], log_dir
+    ) -> tuple[str, str, list[dict] | None] | None:
         """An external program on every rank (an existing MPI or native code as a stage), on a
         gang like any stage's (``Gang.run_command``): params as PHALANX_PARAM_*.  None on
         success, else (summary, full error, per-rank records) as for BSP stages."""
@@ -385,8 +421,7 @@ def command_argv(command: list[str]) -> list[str]:
 
 def rank_records(results: list[dict]) -> list[dict]:
     """Per rank: pid, host and when its app ran (the report's timeline)."""
-    return [{"rank": r, **{k: res[k] for k in ("pid", "host", "started", "ended")}}
-            for r, res in enumerate(results)]
+    return [{"rank": r, **{k: res[k] for k in ("pid", "host", "started", "ended")}} for r, res in enumerate(results)]
 
 
 def failed_ranks(gang: Gang, exc: Exception) -> list[dict]:
@@ -396,8 +431,11 @@ def failed_ranks(gang: Gang, exc: Exception) -> list[dict]:
     stopped = set(getattr(exc, "stopped", []))
     out = []
     for r in range(gang.world_size):
-        rec: dict = {"rank": r, "pid": gang.pids[r] if r < len(gang.pids) else None,
-                     "host": gang.hosts[r] if r < len(gang.hosts) else None}  # whose pid it is
+        rec: dict = {
+            "rank": r,
+            "pid": gang.pids[r] if r < len(gang.pids) else None,
+            "host": gang.hosts[r] if r < len(gang.hosts) else None,
+        }  # whose pid it is
         if r in failures:
             rec.update(outcome="failed", error=failures[r].summary(), exit=failures[r].exitcode)
         elif r in stopped:
@@ -417,14 +455,28 @@ def input_totals(results: list[dict]) -> dict[str, dict]:
     return totals
 
 
-def run_workflow(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,
-                 resume: str | None = None, on_event=None) -> RunResult:
+def run_workflow(
+    wf: Workflow,
+    site: Site,
+    *,
+    file: str = "<python>",
+    db: RunDB | None = None,
+    resume: str | None = None,
+    on_event=None,
+) -> RunResult:
     """Run (or resume) a workflow; returns which stages failed."""
     return prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event).run()
 
 
-def prepare_run(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB | None = None,
-                resume: str | None = None, on_event=None) -> Scheduler:
+def prepare_run(
+    wf: Workflow,
+    site: Site,
+    *,
+    file: str = "<python>",
+    db: RunDB | None = None,
+    resume: str | None = None,
+    on_event=None,
+) -> Scheduler:
     """The run's record (new, or the resumed run's, locked to this driver) and its scheduler,
     not started yet: ``.run()`` runs it, ``.cancel()`` from another thread stops it, and
     ``.run_id`` is known at once (what a run handle needs)."""
@@ -437,8 +489,9 @@ def prepare_run(wf: Workflow, site: Site, *, file: str = "<python>", db: RunDB |
         run_id, session = run["id"], run["session"]
         db.add_stages(run_id, {n: s.ranks for n, s in wf.stages.items()})  # stages added since
     else:
-        run_id, session = db.new_run(wf.name, file, site.name, site.store.session,
-                                     {n: s.ranks for n, s in wf.stages.items()})
+        run_id, session = db.new_run(
+            wf.name, file, site.name, site.store.session, {n: s.ranks for n, s in wf.stages.items()}
+        )
     try:
         return Scheduler(wf, site, db, run_id, session, on_event)
     except BaseException as exc:  # the store refused (another user's root, Redis down): the run ends here

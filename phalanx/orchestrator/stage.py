@@ -16,9 +16,9 @@ class StageContext:
     """A stage's inputs and outputs on one rank: what ``env.input`` and ``env.output`` reach
     while the stage's app runs (the env only forwards to it: ``BSPEnv.in_stage``)."""
 
-    env: Any                                   # the rank's BSPEnv
+    env: Any  # the rank's BSPEnv
     name: str
-    inputs: dict[str, dict[str, Any]]          # local name → get() spec (with its dataset)
+    inputs: dict[str, dict[str, Any]]  # local name → get() spec (with its dataset)
     outputs: list[str]
     # What each input() read on this rank: dataset, rows, bytes and the repartition path taken.
     input_stats: dict[str, dict[str, Any]] = field(default_factory=dict)
@@ -36,8 +36,12 @@ class StageContext:
         store = self.env.store.for_session(session) if session else self.env.store
         frame = store.get(short, **{k: v for k, v in spec.items() if v is not None})
         table = frame.to_arrow()
-        self.input_stats[name] = {"dataset": dataset, "rows": table.num_rows, "bytes": table.nbytes,
-                                  "plan": store.last_plan}
+        self.input_stats[name] = {
+            "dataset": dataset,
+            "rows": table.num_rows,
+            "bytes": table.nbytes,
+            "plan": store.last_plan,
+        }
         return frame
 
     def output(self, name: str, data: Any):
@@ -67,9 +71,16 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
             raise KeyError(f"stage {stage!r} returned undeclared outputs {extra}; declared: {outputs}")
     missing = [name for name in outputs if not env.store.exists(name)]
     if missing:
-        raise RuntimeError(f"stage {stage!r} finished without sealing its outputs {missing} "
-                           "(call env.output(name, df) or return {name: df})")
+        raise RuntimeError(
+            f"stage {stage!r} finished without sealing its outputs {missing} "
+            "(call env.output(name, df) or return {name: df})"
+        )
     sizes = {name: env.store.info(name) for name in outputs}
-    return {"outputs": {name: (i.num_rows, i.nbytes) for name, i in sizes.items()},
-            "inputs": ctx.input_stats, "started": started, "ended": time.time(),
-            "host": rank_host(), "pid": os.getpid()}
+    return {
+        "outputs": {name: (i.num_rows, i.nbytes) for name, i in sizes.items()},
+        "inputs": ctx.input_stats,
+        "started": started,
+        "ended": time.time(),
+        "host": rank_host(),
+        "pid": os.getpid(),
+    }

@@ -21,8 +21,9 @@ def dependencies(wf: Workflow) -> dict[str, set[str]]:
     producer = {out: name for name, st in wf.stages.items() for out in st.outputs}
     deps = {}
     for name, st in wf.stages.items():
-        deps[name] = set(st.needs) | {producer[i.dataset] for i in st.inputs.values()
-                                      if i.dataset in producer and producer[i.dataset] != name}
+        deps[name] = set(st.needs) | {
+            producer[i.dataset] for i in st.inputs.values() if i.dataset in producer and producer[i.dataset] != name
+        }
     return deps
 
 
@@ -35,7 +36,7 @@ def _find_cycle(deps: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for dep in sorted(deps.get(node, ())):
             if state.get(dep) == 1:
-                return path[path.index(dep):] + [dep]
+                return path[path.index(dep) :] + [dep]
             if dep in deps and state.get(dep) is None:
                 found = visit(dep)
                 if found:
@@ -65,8 +66,15 @@ def _import_problem(app: str) -> str | None:
     return None if callable(obj) else f"{app!r} is not callable"
 
 
-def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Node | None = None,
-          existing: set[str] | None = None, check_imports: bool = True) -> list[str]:
+def check(
+    wf: Workflow,
+    site: Site,
+    *,
+    source: str | None = None,
+    root: yaml.Node | None = None,
+    existing: set[str] | None = None,
+    check_imports: bool = True,
+) -> list[str]:
     """Every problem found, as "file:line: field: message" (empty when the workflow is sound).
     Fields are located in the file ``wf`` was read from, unless ``source`` says otherwise."""
     problems: list[str] = []
@@ -101,12 +109,13 @@ def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Nod
                 if problem:
                     report(("stages", name, "inputs", local), problem)
             elif spec.dataset not in producers and spec.dataset not in (existing or set()):
-                report(("stages", name, "inputs", local),
-                       f"dataset {spec.dataset!r} is produced by no stage and is not in the store "
-                       "(another run's output: 'SESSION/NAME')")
+                report(
+                    ("stages", name, "inputs", local),
+                    f"dataset {spec.dataset!r} is produced by no stage and is not in the store "
+                    "(another run's output: 'SESSION/NAME')",
+                )
         if capacity and st.ranks > capacity:
-            report(("stages", name, "ranks"),
-                   f"{st.ranks} ranks, but site {site.name!r} can give at most {capacity}")
+            report(("stages", name, "ranks"), f"{st.ranks} ranks, but site {site.name!r} can give at most {capacity}")
         if check_imports and st.app:
             problem = _import_problem(st.app)
             if problem:
@@ -115,8 +124,10 @@ def check(wf: Workflow, site: Site, *, source: str | None = None, root: yaml.Nod
             from ..executors import capabilities, executors
 
             runners = [n for n in executors.names() if capabilities(n).runs_commands]
-            report(("stages", name, "kind"), f"command stages need an executor that starts programs "
-                   f"({', '.join(runners)}), not {site.executor!r}")
+            report(
+                ("stages", name, "kind"),
+                f"command stages need an executor that starts programs ({', '.join(runners)}), not {site.executor!r}",
+            )
     problems += _executor_problems(wf, site, executor, report)
     problem = _listen_problem(site.driver_host)
     if problem:
@@ -153,8 +164,10 @@ def _listen_problem(host: str) -> str | None:
         with socket.socket() as sock:
             sock.bind((address, 0))
     except (OSError, ValueError) as exc:  # not this machine's address, no such name, bad text
-        return (f"cannot listen on {host!r} on this machine ({getattr(exc, 'strerror', None) or exc}); "
-                "ranks reach the driver there: give an address of this machine, or 'auto'")
+        return (
+            f"cannot listen on {host!r} on this machine ({getattr(exc, 'strerror', None) or exc}); "
+            "ranks reach the driver there: give an address of this machine, or 'auto'"
+        )
     return None
 
 
@@ -205,14 +218,18 @@ def load_site(name_or_path: str, near: Path | None = None, where: str | None = N
     if path is None:
         if name_or_path == "local":
             return Site(name="local")  # this machine with defaults: no file needed
-        what = f"{where}: no such site file {name_or_path!r}" if where else \
-            f"site {name_or_path!r}: no such site file"
+        what = f"{where}: no such site file {name_or_path!r}" if where else f"site {name_or_path!r}: no such site file"
         raise ConfigError([f"{what} (looked in ${SITE_DIRS_ENV}, ./site-configs and beside the workflow)"])
     return load_model(Site, path)
 
 
-def load_workflow(path: str | Path, site: str | None = None, overrides: dict[str, Any] | None = None,
-                  existing: set[str] | None = None, check_imports: bool = True) -> tuple[Workflow, Site]:
+def load_workflow(
+    path: str | Path,
+    site: str | None = None,
+    overrides: dict[str, Any] | None = None,
+    existing: set[str] | None = None,
+    check_imports: bool = True,
+) -> tuple[Workflow, Site]:
     """Parse and check a workflow file; raises ConfigError listing every problem."""
     data, root, source = load_yaml(path)
     overridden = _apply_overrides(data, overrides or {}) if isinstance(data, dict) else []
@@ -244,7 +261,10 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     for i, key in enumerate(keys[:-1]):
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
-            raise ConfigError([f"--set {dotted}: {field_path(keys[:i + 1])}: is not a mapping, so "
-                               f"{keys[i + 1]!r} cannot be set in it"])
+            raise ConfigError(
+                [
+                    f"--set {dotted}: {field_path(keys[: i + 1])}: is not a mapping, so "
+                    f"{keys[i + 1]!r} cannot be set in it"
+                ]
+            )
     node[keys[-1]] = parse_yaml(value, f"--set {dotted}", lines=False)[0] if isinstance(value, str) else value
-

@@ -11,8 +11,9 @@ PyYAML cannot convert (``2024-13-45``), and then the models' own checks.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import yaml
 from pydantic import BaseModel, PrivateAttr, ValidationError
@@ -22,8 +23,8 @@ from yaml.constructor import ConstructorError
 from ..errors import PhalanxError
 
 M = TypeVar("M", bound=BaseModel)
-MAX_DEPTH = 100            # nested collections; PyYAML's composer recurses (3000 levels: RecursionError)
-MAX_VALUES = 1_000_000     # values a document expands to through aliases ("billion laughs")
+MAX_DEPTH = 100  # nested collections; PyYAML's composer recurses (3000 levels: RecursionError)
+MAX_VALUES = 1_000_000  # values a document expands to through aliases ("billion laughs")
 _MERGE = "tag:yaml.org,2002:merge"
 
 
@@ -66,10 +67,10 @@ def field_path(loc: Iterable) -> str:
 
 
 def locate(loc: tuple, source: str, root: yaml.Node | None = None, overridden: Iterable[tuple] = ()) -> str:
-    """"file:line: field" of a field, or "--set KEY: field" when an override gave its value."""
+    """ "file:line: field" of a field, or "--set KEY: field" when an override gave its value."""
     field = field_path(loc)
     for keys in overridden:
-        if tuple(map(str, loc[:len(keys)])) == keys:
+        if tuple(map(str, loc[: len(keys)])) == keys:
             return f"--set {'.'.join(keys)}: {field}"
     line = _line_of(root, loc)
     return f"{source}:{line}: {field}" if line else f"{source}: {field}"
@@ -126,8 +127,9 @@ def _data_path(err: dict) -> tuple:
     return path + tuple(err.get("ctx", {}).get("keys", ())) if err["type"] == "section" else path
 
 
-def problems_from(exc: ValidationError, data: Any, source: str, root: yaml.Node | None,
-                  overridden: Iterable[tuple] = ()) -> list[str]:
+def problems_from(
+    exc: ValidationError, data: Any, source: str, root: yaml.Node | None, overridden: Iterable[tuple] = ()
+) -> list[str]:
     seen: dict[tuple, str] = {}
     for err in exc.errors():
         seen.setdefault(_data_path(err), _message(err))
@@ -142,13 +144,14 @@ class _Loader(yaml.SafeLoader):
     def __init__(self, text: str):
         super().__init__(text)
         self._open: list[str | None] = []  # anchors of the nodes being composed: one per level
-        self._values: dict[int, int] = {}   # id(node) → values it expands to
+        self._values: dict[int, int] = {}  # id(node) → values it expands to
 
     def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
         event = self.peek_event()
         if isinstance(event, yaml.AliasEvent) and event.anchor in self._open:
-            raise ComposerError(None, None, f"alias *{event.anchor} refers to a node that contains it",
-                                event.start_mark)
+            raise ComposerError(
+                None, None, f"alias *{event.anchor} refers to a node that contains it", event.start_mark
+            )
         if len(self._open) >= MAX_DEPTH:
             raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
         self._open.append(getattr(event, "anchor", None))
@@ -170,13 +173,16 @@ class _Loader(yaml.SafeLoader):
                 children += [key, value]
                 if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE:
                     if (key.tag, key.value) in first:
-                        raise ComposerError(None, None, f"duplicate key {key.value!r} (first on line "
-                                            f"{first[key.tag, key.value]})", key.start_mark)
+                        raise ComposerError(
+                            None,
+                            None,
+                            f"duplicate key {key.value!r} (first on line {first[key.tag, key.value]})",
+                            key.start_mark,
+                        )
                     first[key.tag, key.value] = key.start_mark.line + 1
         values = self._values[id(node)] = 1 + sum(self._values[id(c)] for c in children)
         if values > MAX_VALUES:
-            raise ComposerError(None, None, f"expands to more than {MAX_VALUES} values (aliases)",
-                                node.start_mark)
+            raise ComposerError(None, None, f"expands to more than {MAX_VALUES} values (aliases)", node.start_mark)
 
     def construct_scalar(self, node: yaml.Node) -> Any:
         value = super().construct_scalar(node)
@@ -192,8 +198,9 @@ class _Loader(yaml.SafeLoader):
         except Exception as exc:  # PyYAML's converters raise ValueError, AttributeError...
             what = repr(node.value[:40]) if isinstance(node, yaml.ScalarNode) else "this node"
             why = f": {exc}" if isinstance(exc, ValueError) else ""
-            raise ConstructorError(None, None, f"cannot read {what} as !!{node.tag.rsplit(':', 1)[-1]}{why}",
-                                   node.start_mark) from None
+            raise ConstructorError(
+                None, None, f"cannot read {what} as !!{node.tag.rsplit(':', 1)[-1]}{why}", node.start_mark
+            ) from None
 
 
 def _yaml_problem(exc: yaml.YAMLError, text: str) -> tuple[int, str]:
@@ -213,12 +220,14 @@ def parse_yaml(text: str, source: str, lines: bool = True) -> tuple[Any, yaml.No
     try:
         loader = _Loader(text)  # checks the characters at once
         root = loader.get_single_node() or yaml.ScalarNode(  # an empty document: a null at line 1
-            "tag:yaml.org,2002:null", "", yaml.Mark(source, 0, 0, 0, None, None))
+            "tag:yaml.org,2002:null", "", yaml.Mark(source, 0, 0, 0, None, None)
+        )
         return loader.construct_document(root), root
     except yaml.YAMLError as exc:
         line, problem = _yaml_problem(exc, text)
-        raise ConfigError([f"{source}:{line}: not valid YAML: {problem}" if lines else
-                           f"{source}: not valid YAML: {problem}"]) from None
+        raise ConfigError(
+            [f"{source}:{line}: not valid YAML: {problem}" if lines else f"{source}: not valid YAML: {problem}"]
+        ) from None
     finally:
         if loader is not None:
             loader.dispose()
@@ -240,8 +249,9 @@ def load_yaml(path: str | Path) -> tuple[Any, yaml.Node, str]:
     return data, root, source
 
 
-def parse(model: type[M], data: Any, source: str = "<python>", root: yaml.Node | None = None,
-          overridden: Iterable[tuple] = ()) -> M:
+def parse(
+    model: type[M], data: Any, source: str = "<python>", root: yaml.Node | None = None, overridden: Iterable[tuple] = ()
+) -> M:
     """``data`` as ``model``; ``overridden``: key paths a ``--set`` gave (errors there name it)."""
     overridden = tuple(overridden)
     if not isinstance(data, dict):

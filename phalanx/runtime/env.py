@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Protocol
 
 from .comm.base import Communicator
 
@@ -22,7 +23,7 @@ class StageScope(Protocol):
     """What a workflow stage lends its ranks' env (the stage runner's object)."""
 
     name: str
-    inputs: dict[str, dict[str, Any]]   # local name → how the stage reads it (store.get spec)
+    inputs: dict[str, dict[str, Any]]  # local name → how the stage reads it (store.get spec)
     outputs: list[str]
 
     def input(self, name: str) -> Any: ...
@@ -30,10 +31,10 @@ class StageScope(Protocol):
     def output(self, name: str, data: Any) -> Any: ...
 
 
-_store_opener: Callable[["BSPEnv"], Any] | None = None
+_store_opener: Callable[[BSPEnv], Any] | None = None
 
 
-def attach_store(opener: Callable[["BSPEnv"], Any]) -> None:
+def attach_store(opener: Callable[[BSPEnv], Any]) -> None:
     """How a rank opens ``env.store``: ``opener(env)`` on first use (the store layer calls this)."""
     global _store_opener
     _store_opener = opener
@@ -62,8 +63,10 @@ class BSPEnv:
         """The intermediate store, for collective ``put``/``get`` (opened on first use)."""
         if self._store is None:
             if _store_opener is None:
-                raise RuntimeError("env.store: no store is attached to the runtime (phalanx.store "
-                                   "attaches itself when imported: import phalanx)")
+                raise RuntimeError(
+                    "env.store: no store is attached to the runtime (phalanx.store "
+                    "attaches itself when imported: import phalanx)"
+                )
             self._store = _store_opener(self)  # the gang's PHALANX_STORE* settings
         return self._store
 
@@ -72,7 +75,7 @@ class BSPEnv:
 
     # ---- a workflow stage's inputs and outputs (its runner's; empty outside a stage) ----------
     @contextmanager
-    def in_stage(self, scope: StageScope) -> Iterator["BSPEnv"]:
+    def in_stage(self, scope: StageScope) -> Iterator[BSPEnv]:
         """Lend this env ``scope`` (a stage's inputs and outputs) for as long as the block runs."""
         before, self._stage = self._stage, scope
         try:
@@ -105,8 +108,10 @@ class BSPEnv:
 
     def _scope(self, call: str) -> StageScope:
         if self._stage is None:
-            raise RuntimeError(f"{call} is for the app of a workflow stage (inputs and outputs come "
-                               "from the workflow); in a plain gang.run use env.store.get / put")
+            raise RuntimeError(
+                f"{call} is for the app of a workflow stage (inputs and outputs come "
+                "from the workflow); in a plain gang.run use env.store.get / put"
+            )
         return self._stage
 
 
@@ -115,8 +120,7 @@ def rank_logger(rank: int) -> logging.Logger:
     log = logging.getLogger(f"phalanx.rank{rank}")
     if not log.handlers:
         handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(
-            f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+        handler.setFormatter(logging.Formatter(f"[rank {rank}] %(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False

@@ -36,14 +36,21 @@ from ..errors import PhalanxError
 
 log = logging.getLogger(__name__)
 
-HANDSHAKE_S = 5.0                   # the most an incoming connection may take to authenticate
-MAX_PENDING = 64                    # handshakes in progress at once on one listener
+HANDSHAKE_S = 5.0  # the most an incoming connection may take to authenticate
+MAX_PENDING = 64  # handshakes in progress at once on one listener
 MAGIC = b"PHXMESH2"
-_HELLO = struct.Struct("<8s16sq")   # magic, nonce, rank
+_HELLO = struct.Struct("<8s16sq")  # magic, nonce, rank
 _PROOF_LEN = 32
 _LEN = struct.Struct("<Q")
-_RETRY = {errno.ECONNREFUSED, errno.ECONNRESET, errno.EAGAIN, errno.EHOSTUNREACH, errno.ENETUNREACH,
-          errno.ETIMEDOUT, errno.ECONNABORTED}
+_RETRY = {
+    errno.ECONNREFUSED,
+    errno.ECONNRESET,
+    errno.EAGAIN,
+    errno.EHOSTUNREACH,
+    errno.ENETUNREACH,
+    errno.ETIMEDOUT,
+    errno.ECONNABORTED,
+}
 
 
 def mesh_key(authkey: bytes) -> bytes:
@@ -51,8 +58,7 @@ def mesh_key(authkey: bytes) -> bytes:
     return hmac.new(authkey, b"phalanx mesh key v2", hashlib.sha256).digest()
 
 
-def _proof(key: bytes, role: bytes, nonce_i: bytes, nonce_r: bytes, rank_i: int, rank_r: int,
-           address: str) -> bytes:
+def _proof(key: bytes, role: bytes, nonce_i: bytes, nonce_r: bytes, rank_i: int, rank_r: int, address: str) -> bytes:
     transcript = role + nonce_i + nonce_r + struct.pack("<qq", rank_i, rank_r) + address.encode()
     return hmac.new(key, transcript, hashlib.sha256).digest()
 
@@ -91,8 +97,7 @@ def _hello(sock: socket.socket, rank: int, what: str) -> tuple[bytes, bytes, int
     return nonce, peer_nonce, peer
 
 
-def _initiate(sock: socket.socket, rank: int, peer: int, key: bytes, address: str, deadline: float,
-              what: str) -> None:
+def _initiate(sock: socket.socket, rank: int, peer: int, key: bytes, address: str, deadline: float, what: str) -> None:
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
         mine, theirs, got = _hello(sock, rank, what)
@@ -103,12 +108,15 @@ def _initiate(sock: socket.socket, rank: int, peer: int, key: bytes, address: st
     except (OSError, ConnectionError) as exc:
         raise PhalanxError(f"{what}: handshake with rank {peer} at {address} failed: {exc}") from exc
     if not hmac.compare_digest(proof, _proof(key, b"R", mine, theirs, rank, peer, address)):
-        raise PhalanxError(f"{what}: the process at {address} claiming rank {peer} does not hold this "
-                           "gang's key (another gang, or another user's process, on that address)")
+        raise PhalanxError(
+            f"{what}: the process at {address} claiming rank {peer} does not hold this "
+            "gang's key (another gang, or another user's process, on that address)"
+        )
 
 
-def _respond(sock: socket.socket, rank: int, world_size: int, key: bytes, address: str, deadline: float,
-             what: str) -> int:
+def _respond(
+    sock: socket.socket, rank: int, world_size: int, key: bytes, address: str, deadline: float, what: str
+) -> int:
     """The listening end's handshake; returns the authenticated peer's rank."""
     sock.settimeout(max(deadline - time.monotonic(), 0.001))
     try:
@@ -124,8 +132,9 @@ def _respond(sock: socket.socket, rank: int, world_size: int, key: bytes, addres
     return peer
 
 
-def connect_peer(address: tuple[str, int], rank: int, peer: int, authkey: bytes, deadline: float,
-                 what: str) -> socket.socket:
+def connect_peer(
+    address: tuple[str, int], rank: int, peer: int, authkey: bytes, deadline: float, what: str
+) -> socket.socket:
     """A connected, authenticated socket to rank ``peer`` listening on ``address``; retried
     (backing off from 1 ms to 100 ms) while the name does not resolve yet or nothing listens
     there yet, until ``deadline``."""
@@ -153,8 +162,16 @@ def connect_peer(address: tuple[str, int], rank: int, peer: int, authkey: bytes,
     return sock
 
 
-def accept_peers(listener: socket.socket, address: str, count: int, rank: int, world_size: int,
-                 authkey: bytes, deadline: float, what: str) -> dict[int, socket.socket]:
+def accept_peers(
+    listener: socket.socket,
+    address: str,
+    count: int,
+    rank: int,
+    world_size: int,
+    authkey: bytes,
+    deadline: float,
+    what: str,
+) -> dict[int, socket.socket]:
     """``count`` authenticated connections on ``listener`` (published as ``address``), by the
     rank each comes from.  Handshakes run side by side (up to ``MAX_PENDING``), each bounded by
     ``HANDSHAKE_S``: a connection that fails one is closed with a warning and the wait goes on,
@@ -169,7 +186,7 @@ def accept_peers(listener: socket.socket, address: str, count: int, rank: int, w
         try:
             peer = _respond(sock, rank, world_size, key, address, min(deadline, time.monotonic() + HANDSHAKE_S), what)
             done.put((peer, sock, None))
-        except Exception as exc:  # noqa: BLE001 - reported by the accepting thread
+        except Exception as exc:
             sock.close()
             done.put((None, None, f"rank {rank} refused a connection from {addr[0]}:{addr[1]}: {exc}"))
         try:
@@ -181,8 +198,10 @@ def accept_peers(listener: socket.socket, address: str, count: int, rank: int, w
         while len(got) < count:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise PhalanxError(f"{what}: rank {rank} waited in vain for rank(s) "
-                                   f"{sorted(set(range(world_size)) - set(got) - {rank})} to connect")
+                raise PhalanxError(
+                    f"{what}: rank {rank} waited in vain for rank(s) "
+                    f"{sorted(set(range(world_size)) - set(got) - {rank})} to connect"
+                )
             ready, _, _ = select.select([listener, wake_r], [], [], left)
             if wake_r in ready:
                 wake_r.recv(4096)
@@ -205,16 +224,20 @@ def accept_peers(listener: socket.socket, address: str, count: int, rank: int, w
                 listener.settimeout(0)
                 try:
                     sock, addr = listener.accept()
-                except (BlockingIOError, socket.timeout):
+                except (TimeoutError, BlockingIOError):
                     continue
                 if pending >= MAX_PENDING:
                     sock.close()
-                    log.warning("rank %d refused a connection from %s:%s: %d handshakes in progress",
-                                rank, addr[0], addr[1], pending)
+                    log.warning(
+                        "rank %d refused a connection from %s:%s: %d handshakes in progress",
+                        rank,
+                        addr[0],
+                        addr[1],
+                        pending,
+                    )
                     continue
                 pending += 1
-                threading.Thread(target=shake, args=(sock, addr), daemon=True,
-                                 name=f"phalanx-handshake-{rank}").start()
+                threading.Thread(target=shake, args=(sock, addr), daemon=True, name=f"phalanx-handshake-{rank}").start()
     except BaseException:
         for sock in got.values():
             sock.close()
@@ -245,8 +268,9 @@ def bind_host(rendezvous_url: str, deadline: float | None = None) -> str:
             break
         except socket.gaierror as exc:
             if time.monotonic() + pause > deadline:
-                raise PhalanxError(f"cannot resolve {target!r} to choose the address to listen on: {exc} "
-                                   "(set PHALANX_BIND_HOST)") from exc
+                raise PhalanxError(
+                    f"cannot resolve {target!r} to choose the address to listen on: {exc} (set PHALANX_BIND_HOST)"
+                ) from exc
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
     if addr.startswith("127."):

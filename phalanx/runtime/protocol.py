@@ -19,29 +19,30 @@ from typing import Any
 
 import cloudpickle
 
-ENV_CONTROL = "PHALANX_CONTROL"        # host:port of the driver's control listener
-ENV_AUTHKEY = "PHALANX_AUTHKEY"        # hex; authenticates the control connection
+ENV_CONTROL = "PHALANX_CONTROL"  # host:port of the driver's control listener
+ENV_AUTHKEY = "PHALANX_AUTHKEY"  # hex; authenticates the control connection
 ENV_RANK = "PHALANX_RANK"
 ENV_WORLD_SIZE = "PHALANX_WORLD_SIZE"
-ENV_RDZV = "PHALANX_RDZV"              # rendezvous URL prepared by the driver
-ENV_COMM = "PHALANX_COMM"              # communicator name
+ENV_RDZV = "PHALANX_RDZV"  # rendezvous URL prepared by the driver
+ENV_COMM = "PHALANX_COMM"  # communicator name
 ENV_GANG_ID = "PHALANX_GANG_ID"
-ENV_CPUS = "PHALANX_CPUS"              # "0,1": CPU affinity for this rank
+ENV_CPUS = "PHALANX_CPUS"  # "0,1": CPU affinity for this rank
 ENV_CPUS_BY_RANK = "PHALANX_CPUS_BY_RANK"  # "0|1|2,3": per rank, when all ranks share one env
-ENV_THREADS = "PHALANX_THREADS"        # threads for this rank's local kernels
-ENV_TIMEOUT = "PHALANX_TIMEOUT"        # seconds for rendezvous and collectives
-ENV_PDEATHSIG = "PHALANX_PDEATHSIG"    # "1": die with the launching process
+ENV_THREADS = "PHALANX_THREADS"  # threads for this rank's local kernels
+ENV_TIMEOUT = "PHALANX_TIMEOUT"  # seconds for rendezvous and collectives
+ENV_PDEATHSIG = "PHALANX_PDEATHSIG"  # "1": die with the launching process
 ENV_DRIVER_TIMEOUT = "PHALANX_DRIVER_TIMEOUT"  # seconds of silence after which the driver is gone
-ENV_HOST = "PHALANX_HOST"              # where the rank runs, as its executor names it (node/pod)
+ENV_HOST = "PHALANX_HOST"  # where the rank runs, as its executor names it (node/pod)
 
-HEARTBEAT = b""            # the driver's "still here"
-HEARTBEAT_S = 1.0          # how often the driver sends it, at most
-DRIVER_TIMEOUT_S = 60.0    # default silence a rank tolerates (a driver stopped, hung or cut off)
+HEARTBEAT = b""  # the driver's "still here"
+HEARTBEAT_S = 1.0  # how often the driver sends it, at most
+DRIVER_TIMEOUT_S = 60.0  # default silence a rank tolerates (a driver stopped, hung or cut off)
 
 
 def heartbeat_s(driver_timeout_s: float) -> float:
     """Seconds between heartbeats: a rank's timeout spans at least four."""
     return min(HEARTBEAT_S, driver_timeout_s / 4)
+
 
 # Where other launchers put the rank, in the order they are checked.
 _RANK_VARS = (ENV_RANK, "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")

@@ -54,10 +54,12 @@ class RedisStore(dist.Store):
             time.sleep(_POLL_S)
 
     def compare_set(self, key: str, expected, desired) -> bytes:
-        script = ("local v = redis.call('GET', KEYS[1]) "
-                  "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
-                  "redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end "
-                  "if v == false then return ARGV[1] end return v")
+        script = (
+            "local v = redis.call('GET', KEYS[1]) "
+            "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
+            "redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end "
+            "if v == false then return ARGV[1] end return v"
+        )
         return self.client.eval(script, 1, self._k(key), bytes(expected), bytes(desired))
 
     def delete_key(self, key: str) -> bool:

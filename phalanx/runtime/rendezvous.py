@@ -43,8 +43,7 @@ class Rendezvous(ABC):
 
     @classmethod
     @abstractmethod
-    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
-              authkey: bytes) -> list[bytes]:
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float, authkey: bytes) -> list[bytes]:
         """Rank side, without torch: every rank gives one small value, every rank gets all of
         them in rank order (collective).  Values are public (addresses): whoever can read the
         rendezvous may see them, and what connects on them must authenticate (``authkey``)."""
@@ -108,8 +107,9 @@ class TCPRendezvous(Rendezvous):
 
         u = urlparse(url)
         if rank != 0:
-            return TCPStore(u.hostname, u.port, world_size, is_master=False,
-                            timeout=_timeout(timeout_s), wait_for_workers=False)
+            return TCPStore(
+                u.hostname, u.port, world_size, is_master=False, timeout=_timeout(timeout_s), wait_for_workers=False
+            )
         # TCPStore alone listens on every interface: bind the socket to the URL's host
         # (loopback for a gang on one machine) and hand it over.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -117,12 +117,19 @@ class TCPRendezvous(Rendezvous):
         sock.bind((u.hostname, u.port))
         sock.listen(max(128, world_size))
         # detach: the store's server owns the descriptor from now on (Python must not close it)
-        return TCPStore(u.hostname, u.port, world_size, is_master=True, timeout=_timeout(timeout_s),
-                        wait_for_workers=False, master_listen_fd=sock.detach(), use_libuv=False)
+        return TCPStore(
+            u.hostname,
+            u.port,
+            world_size,
+            is_master=True,
+            timeout=_timeout(timeout_s),
+            wait_for_workers=False,
+            master_listen_fd=sock.detach(),
+            use_libuv=False,
+        )
 
     @classmethod
-    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
-              authkey: bytes) -> list[bytes]:
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float, authkey: bytes) -> list[bytes]:
         """Rank 0 listens on the URL's port; every other rank connects (authenticated both
         ways), sends its value and receives the table; then the port is closed."""
         from .netio import accept_peers, connect_peer, recv_frame, send_frame
@@ -142,8 +149,9 @@ class TCPRendezvous(Rendezvous):
         try:
             listener.bind((u.hostname, u.port))
             listener.listen(max(128, world_size))
-            conns = accept_peers(listener, f"{u.hostname}:{u.port}", world_size - 1, 0, world_size, authkey,
-                                 deadline, what)
+            conns = accept_peers(
+                listener, f"{u.hostname}:{u.port}", world_size - 1, 0, world_size, authkey, deadline, what
+            )
             for peer, sock in conns.items():
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
                 values[peer] = recv_frame(sock)
@@ -175,8 +183,7 @@ class FileRendezvous(Rendezvous):
         return store
 
     @classmethod
-    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
-              authkey: bytes) -> list[bytes]:
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float, authkey: bytes) -> list[bytes]:
         """Each rank writes ``<file>.<rank>`` (0600, whole: written aside, then renamed) and
         reads the others' once they exist."""
         base = urlparse(url).path
@@ -220,15 +227,13 @@ class RedisRendezvous(Rendezvous):
         return RedisStore(url, timeout_s=timeout_s)
 
     @classmethod
-    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float,
-              authkey: bytes) -> list[bytes]:
+    def share(cls, url: str, rank: int, world_size: int, value: bytes, timeout_s: float, authkey: bytes) -> list[bytes]:
         from .redis_keys import client_and_prefix
 
         client, prefix = client_and_prefix(url)
         key = prefix + "share/{}"
         client.set(key.format(rank), value)
-        return _poll_all(lambda r: client.get(key.format(r)), world_size, timeout_s,
-                         f"rendezvous {redact(url)}")
+        return _poll_all(lambda r: client.get(key.format(r)), world_size, timeout_s, f"rendezvous {redact(url)}")
 
     @classmethod
     def cleanup(cls, url: str) -> None:
@@ -257,16 +262,17 @@ def _poll_all(read, world_size: int, timeout_s: float, what: str) -> list[bytes]
 
 rendezvous_backends = Registry("rendezvous", group="phalanx.rendezvous")
 for _cls in (TCPRendezvous, FileRendezvous, RedisRendezvous):
-    rendezvous_backends.register(_cls.scheme, f"{__name__}:{_cls.__name__}",
-                                 extra="redis" if _cls is RedisRendezvous else None)
+    rendezvous_backends.register(
+        _cls.scheme, f"{__name__}:{_cls.__name__}", extra="redis" if _cls is RedisRendezvous else None
+    )
 
 
 def backend_for(spec: str) -> type[Rendezvous]:
     scheme = spec.split("://", 1)[0] if "://" in spec else spec
     if scheme not in rendezvous_backends.names():
         raise PhalanxError(
-            f"unknown rendezvous {spec!r}: use 'tcp', 'file', 'file:///shared/dir' or "
-            "'redis://host:port/db'")
+            f"unknown rendezvous {spec!r}: use 'tcp', 'file', 'file:///shared/dir' or 'redis://host:port/db'"
+        )
     return rendezvous_backends.load(scheme)
 
 
@@ -276,8 +282,9 @@ def gang_authkey(what: str) -> bytes:
 
     key = os.environ.get(P.ENV_AUTHKEY)
     if not key:
-        raise PhalanxError(f"{what}: {P.ENV_AUTHKEY} is not set (ranks are started by a phalanx "
-                           "executor, which sets it)")
+        raise PhalanxError(
+            f"{what}: {P.ENV_AUTHKEY} is not set (ranks are started by a phalanx executor, which sets it)"
+        )
     return bytes.fromhex(key)
 
 

@@ -65,7 +65,7 @@ class DriverWatch(threading.Thread):
     def __init__(self, conn, rank: int, timeout_s: float):
         super().__init__(name="phalanx-driver-watch", daemon=True)
         self.conn, self.rank, self.timeout_s = conn, rank, timeout_s
-        self.inbox: "queue.Queue[bytes]" = queue.Queue()
+        self.inbox: queue.Queue[bytes] = queue.Queue()
         self.stopping = threading.Event()  # set by the main thread on "shutdown"
 
     def run(self) -> None:
@@ -76,8 +76,7 @@ class DriverWatch(threading.Thread):
             try:
                 if not self.conn.poll(P.heartbeat_s(self.timeout_s)):
                     if time.monotonic() - heard > self.timeout_s:
-                        self.driver_gone(f"no word from the driver for {self.timeout_s:g} s "
-                                         "(hung, stopped or cut off)")
+                        self.driver_gone(f"no word from the driver for {self.timeout_s:g} s (hung, stopped or cut off)")
                     continue
                 data = self.conn.recv_bytes()
             except (EOFError, OSError):
@@ -92,8 +91,7 @@ class DriverWatch(threading.Thread):
 
     def driver_gone(self, why: str) -> None:
         try:
-            print(f"phalanx rank {self.rank}: {why}; ending this rank and what it started",
-                  file=sys.stderr, flush=True)
+            print(f"phalanx rank {self.rank}: {why}; ending this rank and what it started", file=sys.stderr, flush=True)
         except Exception:  # stderr may be a pipe the dead driver read
             pass
         end_process_tree()
@@ -121,8 +119,9 @@ def _build_env(rank: int, world_size: int, threads: int):
     comm_name = os.environ.get(P.ENV_COMM, "tcp")
     comm = communicators.load(comm_name).from_env(rank, world_size, os.environ.get(P.ENV_RDZV, ""), timeout_s)
     _limit_kernel_threads(threads)
-    return BSPEnv(rank=rank, world_size=world_size, comm=comm, threads=threads,
-                  gang_id=os.environ.get(P.ENV_GANG_ID, ""))
+    return BSPEnv(
+        rank=rank, world_size=world_size, comm=comm, threads=threads, gang_id=os.environ.get(P.ENV_GANG_ID, "")
+    )
 
 
 def _limit_kernel_threads(threads: int) -> None:

@@ -19,10 +19,11 @@ import json
 import sqlite3
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pyarrow as pa
 
@@ -43,8 +44,8 @@ class PartitionInfo:
 class DatasetInfo:
     session: str
     name: str
-    version: str                 # unique id of the put that sealed it (also its directory)
-    location: str                # directory of the partition files
+    version: str  # unique id of the put that sealed it (also its directory)
+    location: str  # directory of the partition files
     schema: pa.Schema
     partitions: list[PartitionInfo]
     partitioning: dict[str, Any] = field(default_factory=lambda: {"kind": "none"})
@@ -52,7 +53,7 @@ class DatasetInfo:
     run: str = ""
     created: float = 0.0
     pinned: bool = False
-    accessed: float = 0.0        # last get/read (or the seal), for least-recently-used spill
+    accessed: float = 0.0  # last get/read (or the seal), for least-recently-used spill
 
     @property
     def num_rows(self) -> int:
@@ -69,20 +70,29 @@ class DatasetInfo:
     def summary(self) -> dict[str, Any]:
         """Plain values for printing or JSON."""
         return {
-            "name": self.name, "session": self.session, "version": self.version,
-            "rows": self.num_rows, "bytes": self.nbytes, "partitions": self.num_partitions,
+            "name": self.name,
+            "session": self.session,
+            "version": self.version,
+            "rows": self.num_rows,
+            "bytes": self.nbytes,
+            "partitions": self.num_partitions,
             "rows_per_partition": [p.rows for p in self.partitions],
             "checksums": [p.checksum for p in self.partitions],
-            "partitioning": self.partitioning, "producer": self.producer, "run": self.run,
-            "created": self.created, "schema": {f.name: str(f.type) for f in self.schema},
-            "location": self.location, "pinned": self.pinned, "accessed": self.accessed,
+            "partitioning": self.partitioning,
+            "producer": self.producer,
+            "run": self.run,
+            "created": self.created,
+            "schema": {f.name: str(f.type) for f in self.schema},
+            "location": self.location,
+            "pinned": self.pinned,
+            "accessed": self.accessed,
         }
 
 
 class MetadataBackend(ABC):
     """The catalogue of sealed datasets, by (session, name)."""
 
-    url: str = ""   # how another process (a rank) opens the same catalogue
+    url: str = ""  # how another process (a rank) opens the same catalogue
 
     @abstractmethod
     def get(self, session: str, name: str) -> DatasetInfo | None: ...
@@ -111,8 +121,9 @@ class MetadataBackend(ABC):
         """Set the pinned flag; False when there is no such dataset."""
 
     @abstractmethod
-    def relocate(self, session: str, name: str, version: str, old_location: str,
-                 new_location: str, unless_pinned: bool = False) -> bool:
+    def relocate(
+        self, session: str, name: str, version: str, old_location: str, new_location: str, unless_pinned: bool = False
+    ) -> bool:
         """Point the dataset at a new location, atomically, only if it is still ``version``
         at ``old_location`` (compare-and-set) — and, with ``unless_pinned``, not pinned (a
         spill must not win against a pin made while it copied); False otherwise."""
@@ -143,7 +154,7 @@ class SQLiteMetadata(MetadataBackend):
     def __init__(self, path: str | Path):
         text = str(path)
         if text.startswith("sqlite://"):
-            text = text[len("sqlite://"):]
+            text = text[len("sqlite://") :]
         self.path = Path(text).absolute()
         self.url = f"sqlite://{self.path}"
         create_private(makedirs(self.path.parent) / self.path.name)  # 0600, and so its -wal, -shm
@@ -174,16 +185,30 @@ class SQLiteMetadata(MetadataBackend):
 
     def _info(self, con: sqlite3.Connection, row: tuple) -> DatasetInfo:
         session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed = row
-        parts = [PartitionInfo(*p) for p in con.execute(
-            "SELECT idx, rows, bytes, checksum FROM partitions WHERE session=? AND name=? ORDER BY idx",
-            (session, name))]
-        return DatasetInfo(session, name, version, location, pa.ipc.read_schema(pa.py_buffer(schema)),
-                           parts, json.loads(partitioning), producer or "", run or "", created,
-                           bool(pinned), accessed or created)
+        parts = [
+            PartitionInfo(*p)
+            for p in con.execute(
+                "SELECT idx, rows, bytes, checksum FROM partitions WHERE session=? AND name=? ORDER BY idx",
+                (session, name),
+            )
+        ]
+        return DatasetInfo(
+            session,
+            name,
+            version,
+            location,
+            pa.ipc.read_schema(pa.py_buffer(schema)),
+            parts,
+            json.loads(partitioning),
+            producer or "",
+            run or "",
+            created,
+            bool(pinned),
+            accessed or created,
+        )
 
     def _row(self, con: sqlite3.Connection, session: str, name: str) -> DatasetInfo | None:
-        row = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? AND name=?",
-                          (session, name)).fetchone()
+        row = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? AND name=?", (session, name)).fetchone()
         return self._info(con, row) if row else None
 
     @contextmanager
@@ -203,8 +228,9 @@ class SQLiteMetadata(MetadataBackend):
 
     def list(self, session: str) -> list[DatasetInfo]:
         with self._read() as con:
-            rows = con.execute(f"SELECT {self._COLS} FROM datasets WHERE session=? ORDER BY name",
-                               (session,)).fetchall()
+            rows = con.execute(
+                f"SELECT {self._COLS} FROM datasets WHERE session=? ORDER BY name", (session,)
+            ).fetchall()
             return [self._info(con, r) for r in rows]
 
     def all(self) -> list[DatasetInfo]:
@@ -234,12 +260,24 @@ class SQLiteMetadata(MetadataBackend):
             created = info.created or time.time()
             con.execute(
                 f"INSERT INTO datasets ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
-                (info.session, info.name, info.version, info.location,
-                 info.schema.serialize().to_pybytes(), json.dumps(info.partitioning),
-                 info.producer, info.run, created, int(info.pinned), info.accessed or created))
+                (
+                    info.session,
+                    info.name,
+                    info.version,
+                    info.location,
+                    info.schema.serialize().to_pybytes(),
+                    json.dumps(info.partitioning),
+                    info.producer,
+                    info.run,
+                    created,
+                    int(info.pinned),
+                    info.accessed or created,
+                ),
+            )
             con.executemany(
                 "INSERT INTO partitions VALUES (?,?,?,?,?,?)",
-                [(info.session, info.name, p.index, p.rows, p.bytes, p.checksum) for p in info.partitions])
+                [(info.session, info.name, p.index, p.rows, p.bytes, p.checksum) for p in info.partitions],
+            )
         return old
 
     @staticmethod
@@ -260,26 +298,29 @@ class SQLiteMetadata(MetadataBackend):
 
     def touch(self, session: str, name: str, when: float | None = None) -> None:
         with self._connect() as con:
-            con.execute("UPDATE datasets SET accessed=? WHERE session=? AND name=?",
-                        (time.time() if when is None else when, session, name))
+            con.execute(
+                "UPDATE datasets SET accessed=? WHERE session=? AND name=?",
+                (time.time() if when is None else when, session, name),
+            )
 
     def set_pinned(self, session: str, name: str, pinned: bool) -> bool:
         with self._connect() as con:
-            cur = con.execute("UPDATE datasets SET pinned=? WHERE session=? AND name=?",
-                              (int(pinned), session, name))
+            cur = con.execute("UPDATE datasets SET pinned=? WHERE session=? AND name=?", (int(pinned), session, name))
             return cur.rowcount == 1
 
-    def relocate(self, session: str, name: str, version: str, old_location: str,
-                 new_location: str, unless_pinned: bool = False) -> bool:
+    def relocate(
+        self, session: str, name: str, version: str, old_location: str, new_location: str, unless_pinned: bool = False
+    ) -> bool:
         with self._connect() as con:
             cur = con.execute(
                 "UPDATE datasets SET location=? WHERE session=? AND name=? AND version=? AND location=?"
                 + (" AND pinned=0" if unless_pinned else ""),
-                (new_location, session, name, version, old_location))
+                (new_location, session, name, version, old_location),
+            )
             return cur.rowcount == 1
 
 
-def open_metadata(url: "str | Path | MetadataBackend") -> MetadataBackend:
+def open_metadata(url: str | Path | MetadataBackend) -> MetadataBackend:
     """``sqlite:///path`` or a plain path → SQLite; ``redis://host:port/db`` → Redis."""
     if isinstance(url, MetadataBackend):
         return url

@@ -35,19 +35,23 @@ def parse_s3_url(url: str) -> tuple[str, dict]:
     query = {k: v[-1] for k, v in parse_qs(u.query).items()}
     unknown = set(query) - set(_OPTIONS)
     if unknown:
-        raise ValueError(f"store URL {redact(url)!r}: unknown option(s) {sorted(unknown)}; "
-                         f"known: {', '.join(_OPTIONS)} (credentials come from AWS_* variables)")
+        raise ValueError(
+            f"store URL {redact(url)!r}: unknown option(s) {sorted(unknown)}; "
+            f"known: {', '.join(_OPTIONS)} (credentials come from AWS_* variables)"
+        )
     kwargs: dict = {}
-    endpoint = query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") \
-        or os.environ.get("AWS_ENDPOINT_URL")
+    endpoint = (
+        query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    )
     if endpoint:
         e = urlparse(endpoint if "://" in endpoint else f"{query.get('scheme', 'https')}://{endpoint}")
         kwargs["endpoint_override"] = e.netloc
         kwargs["scheme"] = e.scheme
     if "scheme" in query:
         kwargs["scheme"] = query["scheme"]
-    kwargs["region"] = query.get("region") or os.environ.get("AWS_REGION") \
-        or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    kwargs["region"] = (
+        query.get("region") or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    )
     for flag in ("anonymous", "force_virtual_addressing"):
         if flag in query:
             kwargs[flag] = query[flag].lower() in ("1", "true", "yes")
@@ -76,7 +80,7 @@ class ObjectTier(Tier):
     def _path(self, location: str) -> str:
         if not location.startswith("s3://"):
             raise ValueError(f"not an object-store location: {location!r}")
-        return location[len("s3://"):]
+        return location[len("s3://") :]
 
     def staging(self, session: str, name: str, staging_id: str) -> str:
         return self.final(session, name, staging_id)
@@ -120,11 +124,12 @@ class ObjectTier(Tier):
 
     def usage(self, location: str) -> tuple[int, float]:
         """Bytes of the objects under ``location`` and when the last was written."""
-        infos = self.fs.get_file_info(pafs.FileSelector(self._path(location), recursive=True,
-                                                        allow_not_found=True))
+        infos = self.fs.get_file_info(pafs.FileSelector(self._path(location), recursive=True, allow_not_found=True))
         files = [i for i in infos if i.type == pafs.FileType.File]
-        return (sum(i.size for i in files),
-                max((i.mtime.timestamp() for i in files if i.mtime is not None), default=0.0))
+        return (
+            sum(i.size for i in files),
+            max((i.mtime.timestamp() for i in files if i.mtime is not None), default=0.0),
+        )
 
     def staged(self, owner: str) -> list[Staged]:
         """Every ``<session>/<name>/<owner>-*`` prefix (``owner`` may be ``*``; sealed ones

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -21,12 +22,12 @@ if TYPE_CHECKING:
 class RankStore:
     """The gang's view of a ``Store``: every rank calls ``put``/``get`` together."""
 
-    def __init__(self, env: "BSPEnv", store: Store):
+    def __init__(self, env: BSPEnv, store: Store):
         self.env = env
         self.store = store
         self.last_plan = ""  # which repartition path the last get took (for benchmarks, logs)
 
-    def for_session(self, session: str) -> "RankStore":
+    def for_session(self, session: str) -> RankStore:
         """The same store, another session (namespace)."""
         return RankStore(self.env, self.store.for_session(session))
 
@@ -44,8 +45,9 @@ class RankStore:
     def __getattr__(self, attr: str) -> Any:  # list, info, exists, read... of the Store
         return getattr(self.store, attr)
 
-    def put(self, name: str, data: DataFrame | pa.Table | Any, replace: bool = False,
-            producer: str = "", run: str = "") -> DatasetInfo:
+    def put(
+        self, name: str, data: DataFrame | pa.Table | Any, replace: bool = False, producer: str = "", run: str = ""
+    ) -> DatasetInfo:
         """Every rank writes its partition; the dataset is sealed when all have written."""
         env, comm, store = self.env, self.env.comm, self.store
         table, partitioned_by = _as_table(data)
@@ -59,8 +61,9 @@ class RankStore:
 
         staging_id = comm.on_root(plan)
         try:
-            part = comm.on_every_rank(f"put {name!r}: writing partitions",
-                                      store.stage_partition, staging_id, env.rank, table, name)
+            part = comm.on_every_rank(
+                f"put {name!r}: writing partitions", store.stage_partition, staging_id, env.rank, table, name
+            )
         except Exception:
             if env.rank == 0:
                 store.discard_staging(name, staging_id)
@@ -71,14 +74,23 @@ class RankStore:
         if bad:
             if env.rank == 0:
                 store.discard_staging(name, staging_id)
-            raise StoreError(f"put {name!r}: ranks {bad} have a different schema than rank 0: "
-                             f"{schemas[bad[0]]} vs {schemas[0]}")
+            raise StoreError(
+                f"put {name!r}: ranks {bad} have a different schema than rank 0: {schemas[bad[0]]} vs {schemas[0]}"
+            )
         partitioning = R.hash_partitioning(partitioned_by, comm.world_size) if partitioned_by else None
-        return comm.on_root(store.seal, name, staging_id, [p for p, _ in reports], schemas[0],
-                            partitioning, producer, run, replace)
+        return comm.on_root(
+            store.seal, name, staging_id, [p for p, _ in reports], schemas[0], partitioning, producer, run, replace
+        )
 
-    def get(self, name: str, by: str | Sequence[str] | None = None, shuffle: str | None = None,
-            seed: int = 0, columns: Sequence[str] | None = None, verify: bool = True) -> DataFrame:
+    def get(
+        self,
+        name: str,
+        by: str | Sequence[str] | None = None,
+        shuffle: str | None = None,
+        seed: int = 0,
+        columns: Sequence[str] | None = None,
+        verify: bool = True,
+    ) -> DataFrame:
         """This rank's share of a sealed dataset, repartitioned for this gang (collective).
 
         default: rows balanced, zero-copy slices · ``by=keys``: hash-partitioned by keys ·
@@ -110,8 +122,9 @@ class RankStore:
         if keys and R.matches_hash(info, keys, nranks):
             table, self.last_plan, partitioned_by = open_partition(rank), "hash: stored partition, zero-copy", keys
         elif keys:
-            local = comm.on_every_rank(f"get {name!r}: reading partitions",
-                                       R.balanced_rows, info, open_partition, rank, nranks)
+            local = comm.on_every_rank(
+                f"get {name!r}: reading partitions", R.balanced_rows, info, open_partition, rank, nranks
+            )
             table = shuffle_table(comm, local, keys)
             self.last_plan, partitioned_by = "hash: balanced read + shuffle", keys
         elif shuffle == "random":
@@ -126,9 +139,7 @@ class RankStore:
         return DataFrame(table, env, partitioned_by)
 
 
-
-
-def verify_share(env: "BSPEnv", store: Store, info: DatasetInfo) -> None:
+def verify_share(env: BSPEnv, store: Store, info: DatasetInfo) -> None:
     """Check this rank's share of a dataset's checksums (partition i by rank i mod world size);
     run on every rank (``comm.on_every_rank``) so a bad partition fails the read everywhere."""
     for i in range(env.rank, info.num_partitions, env.world_size):
@@ -144,5 +155,4 @@ def _as_table(data: Any) -> tuple[pa.Table, tuple[str, ...] | None]:
         return data, None
     if type(data).__module__.startswith("pandas"):
         return pa.Table.from_pandas(data, preserve_index=False), None
-    raise TypeError(f"put needs a phalanx DataFrame, a pyarrow Table or a pandas DataFrame, "
-                    f"got {type(data).__name__}")
+    raise TypeError(f"put needs a phalanx DataFrame, a pyarrow Table or a pandas DataFrame, got {type(data).__name__}")

@@ -29,7 +29,8 @@ import functools
 import json
 import time
 import uuid
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlencode, urlparse
 
 import pyarrow as pa
@@ -68,8 +69,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 def _named(method: F) -> F:
     """Redis errors (unreachable, catalogue lost) become a StoreError naming the URL."""
+
     @functools.wraps(method)
-    def call(self: "RedisMetadata", *args: Any, **kwargs: Any) -> Any:
+    def call(self: RedisMetadata, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except CatalogueLost as exc:
@@ -78,6 +80,7 @@ def _named(method: F) -> F:
             raise StoreError(f"store metadata {self.where} is unreachable: {exc}") from None
         except redis.RedisError as exc:
             raise StoreError(f"store metadata {self.where}: {type(exc).__name__}: {exc}") from exc
+
     return call  # type: ignore[return-value]
 
 
@@ -87,7 +90,7 @@ class RedisMetadata(MetadataBackend):
         query = {k: v[-1] for k, v in parse_qs(u.query).items()}
         self.prefix = query.pop("prefix", DEFAULT_PREFIX)
         self._catalogue: str | None = query.pop("catalogue", None)  # the id a gang's driver saw
-        self._writes = 0      # the highest write count this process has seen
+        self._writes = 0  # the highest write count this process has seen
         self.url = url if self._catalogue is None else _without(url, "catalogue")
         self.where = redact(self.url)
         query.setdefault("socket_connect_timeout", "5")  # an unreachable host fails in seconds
@@ -131,12 +134,14 @@ class RedisMetadata(MetadataBackend):
                 f"the catalogue this store was opened with (id {self._catalogue}) is gone: Redis came back "
                 "empty (restarted without persistence, or flushed), so every dataset sealed in it "
                 "is lost to phalanx. Run Redis with persistence (appendonly yes) and resume the run "
-                "from a new process: stages whose outputs are gone run again")
+                "from a new process: stages whose outputs are gone run again"
+            )
         if int(writes or 0) < floor:
             raise CatalogueLost(
                 f"the catalogue went back in time: it has {int(writes or 0)} writes, this process "
                 f"saw {floor} (Redis restarted from an older snapshot): datasets sealed, replaced "
-                "or deleted since may be wrong in it. Resume the run from a new process")
+                "or deleted since may be wrong in it. Resume the run from a new process"
+            )
         self._observe(writes)
 
     def _observe(self, writes: bytes | int | None) -> None:
@@ -156,23 +161,37 @@ class RedisMetadata(MetadataBackend):
 
     @staticmethod
     def _encode(info: DatasetInfo) -> bytes:
-        return json.dumps({
-            "version": info.version, "location": info.location,
-            "schema": base64.b64encode(info.schema.serialize().to_pybytes()).decode(),
-            "partitions": [[p.index, p.rows, p.bytes, p.checksum] for p in info.partitions],
-            "partitioning": info.partitioning, "producer": info.producer, "run": info.run,
-            "created": info.created,
-        }).encode()
+        return json.dumps(
+            {
+                "version": info.version,
+                "location": info.location,
+                "schema": base64.b64encode(info.schema.serialize().to_pybytes()).decode(),
+                "partitions": [[p.index, p.rows, p.bytes, p.checksum] for p in info.partitions],
+                "partitioning": info.partitioning,
+                "producer": info.producer,
+                "run": info.run,
+                "created": info.created,
+            }
+        ).encode()
 
     @staticmethod
-    def _decode(session: str, name: str, blob: bytes, accessed: bytes | None,
-                pinned: bytes | None) -> DatasetInfo:
+    def _decode(session: str, name: str, blob: bytes, accessed: bytes | None, pinned: bytes | None) -> DatasetInfo:
         d = json.loads(blob)
         schema = pa.ipc.read_schema(pa.py_buffer(base64.b64decode(d["schema"])))
-        return DatasetInfo(session, name, d["version"], d["location"], schema,
-                           [PartitionInfo(*p) for p in d["partitions"]], d["partitioning"],
-                           d["producer"], d["run"], d["created"], bool(pinned),
-                           float(accessed) if accessed else d["created"])
+        return DatasetInfo(
+            session,
+            name,
+            d["version"],
+            d["location"],
+            schema,
+            [PartitionInfo(*p) for p in d["partitions"]],
+            d["partitioning"],
+            d["producer"],
+            d["run"],
+            d["created"],
+            bool(pinned),
+            float(accessed) if accessed else d["created"],
+        )
 
     # ---- reading ---------------------------------------------------------------------------
     def _snapshot(self, session: str, command: str, *args: str) -> list:
@@ -194,8 +213,7 @@ class RedisMetadata(MetadataBackend):
     @_named
     def list(self, session: str) -> list[DatasetInfo]:
         blobs, accessed, pinned = self._snapshot(session, "hgetall")
-        return [self._decode(session, n.decode(), blobs[n], accessed.get(n), pinned.get(n))
-                for n in sorted(blobs)]
+        return [self._decode(session, n.decode(), blobs[n], accessed.get(n), pinned.get(n)) for n in sorted(blobs)]
 
     @_named
     def sessions(self) -> list[str]:
@@ -214,8 +232,13 @@ class RedisMetadata(MetadataBackend):
                     cur = pipe.hget(datasets, info.name)
                     if cur is not None and not replace:
                         raise FileExistsError(info.name)
-                    old = (self._decode(info.session, info.name, cur, pipe.hget(accessed, info.name),
-                                        pipe.hget(pinned, info.name)) if cur is not None else None)
+                    old = (
+                        self._decode(
+                            info.session, info.name, cur, pipe.hget(accessed, info.name), pipe.hget(pinned, info.name)
+                        )
+                        if cur is not None
+                        else None
+                    )
                     pipe.multi()
                     pipe.hset(datasets, info.name, blob)
                     pipe.hset(accessed, info.name, now)
@@ -231,8 +254,9 @@ class RedisMetadata(MetadataBackend):
                     continue
 
     @_named
-    def relocate(self, session: str, name: str, version: str, old_location: str,
-                 new_location: str, unless_pinned: bool = False) -> bool:
+    def relocate(
+        self, session: str, name: str, version: str, old_location: str, new_location: str, unless_pinned: bool = False
+    ) -> bool:
         datasets, _, pinned = self._keys(session)
         with self.client.pipeline() as pipe:
             while True:
@@ -258,8 +282,9 @@ class RedisMetadata(MetadataBackend):
     @_named
     def delete(self, session: str, name: str) -> DatasetInfo | None:
         datasets, accessed, pinned = self._keys(session)
-        found = self._delete(keys=[datasets, accessed, pinned, self._sessions_key, self._catalogue_key],
-                             args=[name, session])
+        found = self._delete(
+            keys=[datasets, accessed, pinned, self._sessions_key, self._catalogue_key], args=[name, session]
+        )
         if not found:
             return None
         old, writes = found
@@ -269,8 +294,7 @@ class RedisMetadata(MetadataBackend):
     @_named
     def touch(self, session: str, name: str, when: float | None = None) -> None:
         datasets, accessed, _ = self._keys(session)
-        self._set_if_exists(keys=[datasets, accessed],
-                            args=[name, repr(time.time() if when is None else when)])
+        self._set_if_exists(keys=[datasets, accessed], args=[name, repr(time.time() if when is None else when)])
 
     @_named
     def set_pinned(self, session: str, name: str, pinned: bool) -> bool:

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -49,7 +49,7 @@ def permutation_share(total: int, seed: int, rank: int, nranks: int) -> np.ndarr
     """This rank's share of one seeded global permutation (the same on every rank)."""
     perm = np.random.default_rng(seed).permutation(total)
     bounds = balanced_bounds(total, nranks)
-    return perm[int(bounds[rank]):int(bounds[rank + 1])]
+    return perm[int(bounds[rank]) : int(bounds[rank + 1])]
 
 
 def take_rows(info: DatasetInfo, open_partition: OpenPartition, rows: np.ndarray) -> pa.Table:

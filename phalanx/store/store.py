@@ -18,9 +18,10 @@ import re
 import stat
 import time
 import uuid
+from collections.abc import Iterator, Sequence
 from dataclasses import replace as _replace
 from pathlib import Path
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import pyarrow as pa
 
@@ -37,9 +38,9 @@ DEFAULT_SESSION = "default"
 # What a gang's ranks read back (Store.env); the two paths, ENV_STORE (PHALANX_STORE: a directory
 # or s3://bucket/prefix?endpoint_override=…) and ENV_SPILL (PHALANX_STORE_SPILL: the disk
 # directory datasets over the budget spill to), are defined with their defaults in phalanx.paths.
-ENV_SESSION = "PHALANX_STORE_SESSION"    # session (namespace)
+ENV_SESSION = "PHALANX_STORE_SESSION"  # session (namespace)
 ENV_METADATA = "PHALANX_STORE_METADATA"  # sqlite:///path/meta.sqlite | redis://host:port/db
-ENV_BUDGET = "PHALANX_STORE_BUDGET"      # memory budget of a file-tier root, bytes ("4GiB" works)
+ENV_BUDGET = "PHALANX_STORE_BUDGET"  # memory budget of a file-tier root, bytes ("4GiB" works)
 
 
 def parse_bytes(text: str | int | None) -> int | None:
@@ -74,8 +75,7 @@ def _check_session(session: str) -> str:
 
 def _check_name(name: str) -> str:
     if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
-        raise ValueError(f"bad dataset name {name!r}: a non-empty string without '/' "
-                         "that does not start with '.'")
+        raise ValueError(f"bad dataset name {name!r}: a non-empty string without '/' that does not start with '.'")
     return name
 
 
@@ -84,11 +84,11 @@ class Unsealed(NamedTuple):
     killed driver left behind."""
 
     session: str
-    name: str | None     # None on a file tier (its staging area does not record it)
+    name: str | None  # None on a file tier (its staging area does not record it)
     staging_id: str
     location: str
     bytes: int
-    idle_s: float        # seconds since it was last written
+    idle_s: float  # seconds since it was last written
 
 
 class Store:
@@ -101,9 +101,15 @@ class Store:
     directory); default ``PHALANX_STORE_BUDGET`` / ``PHALANX_STORE_SPILL``.
     """
 
-    def __init__(self, root: str | Path | None = None, session: str = DEFAULT_SESSION,
-                 metadata: MetadataBackend | str | None = None, *,
-                 memory_budget: int | str | None = None, spill: str | Path | None = None):
+    def __init__(
+        self,
+        root: str | Path | None = None,
+        session: str = DEFAULT_SESSION,
+        metadata: MetadataBackend | str | None = None,
+        *,
+        memory_budget: int | str | None = None,
+        spill: str | Path | None = None,
+    ):
         self.session = _check_session(session)
         text = os.fspath(root) if root else (os.environ.get(ENV_STORE) or str(default_store_root()))
         self.tier: Tier = open_tier(text)
@@ -124,21 +130,23 @@ class Store:
             if self.spill_tier.root == getattr(self.tier, "root", None):
                 raise ValueError(f"the spill directory must differ from the store root ({text})")
 
-    def for_session(self, session: str) -> "Store":
+    def for_session(self, session: str) -> Store:
         """The same store (tiers, metadata, budget), another session."""
         other = copy.copy(self)
         other.session = _check_session(session)
         return other
 
     @classmethod
-    def from_env(cls) -> "Store":
+    def from_env(cls) -> Store:
         """The store ``rank_env()`` describes: how a rank opens its gang's store."""
         return cls(session=os.environ.get(ENV_SESSION) or DEFAULT_SESSION)
 
     def rank_env(self) -> dict[str, str]:
         """The environment that makes ``Store()`` in another process (a rank) open this store."""
         return {
-            ENV_STORE: str(self.root), ENV_SESSION: self.session, ENV_METADATA: self._rank_metadata_url(),
+            ENV_STORE: str(self.root),
+            ENV_SESSION: self.session,
+            ENV_METADATA: self._rank_metadata_url(),
             ENV_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
             ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
         }
@@ -190,8 +198,12 @@ class Store:
         now = time.time()
         self.meta.touch(self.session, name, now)
         info.accessed = now
-        if self.memory_budget is not None and self.spill_tier is not None \
-                and self.spill_tier.owns(info.location) and self._fits(info):
+        if (
+            self.memory_budget is not None
+            and self.spill_tier is not None
+            and self.spill_tier.owns(info.location)
+            and self._fits(info)
+        ):
             try:
                 moved = self._move(info, self.tier)
             except Exception as exc:  # e.g. shared memory full: the spilled copy still reads
@@ -228,8 +240,10 @@ class Store:
         if verify:
             actual = checksum_buffer(buf)
             if actual != part.checksum:
-                raise ChecksumError(f"{where}: checksum mismatch (stored {part.checksum}, "
-                                    f"file has {actual}); the file was changed or corrupted")
+                raise ChecksumError(
+                    f"{where}: checksum mismatch (stored {part.checksum}, "
+                    f"file has {actual}); the file was changed or corrupted"
+                )
         try:
             table = tier.open_partition(buf)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -250,13 +264,21 @@ class Store:
             if tier is not None and tier.owns(location):
                 return tier
         if "://" in location:
-            raise StoreError(f"{self._where()}: payload at {location} is on another store; "
-                             "open a Store with that root to read it")
+            raise StoreError(
+                f"{self._where()}: payload at {location} is on another store; open a Store with that root to read it"
+            )
         return FileTier(Path(location).parent)  # any directory: a file tier reads absolute paths
 
     # ---- writing --------------------------------------------------------------------------
-    def put(self, name: str, partitions: pa.Table | Sequence[pa.Table], replace: bool = False,
-            producer: str = "", run: str = "", partitioning: dict[str, Any] | None = None) -> DatasetInfo:
+    def put(
+        self,
+        name: str,
+        partitions: pa.Table | Sequence[pa.Table],
+        replace: bool = False,
+        producer: str = "",
+        run: str = "",
+        partitioning: dict[str, Any] | None = None,
+    ) -> DatasetInfo:
         """Write from one process: each table becomes one partition (a gang uses env.store)."""
         _check_name(name)
         tables = [partitions] if isinstance(partitions, pa.Table) else list(partitions)
@@ -279,8 +301,7 @@ class Store:
     def new_staging_id(self, owner: str) -> str:
         return f"{owner}-{uuid.uuid4().hex[:12]}"
 
-    def stage_partition(self, staging_id: str, index: int, table: pa.Table,
-                        name: str | None = None) -> PartitionInfo:
+    def stage_partition(self, staging_id: str, index: int, table: pa.Table, name: str | None = None) -> PartitionInfo:
         """Write one partition of a put that ``seal`` will publish (the object tier writes in
         place under the dataset's name, so it needs ``name``)."""
         if name is None and not self.tier.atomic_rename:
@@ -289,8 +310,9 @@ class Store:
         try:
             nbytes, checksum = self.tier.write_partition(location, index, table)
         except OSError as exc:  # e.g. ENOSPC: the tier is full
-            raise StoreError(f"{self._where()}: put {name!r} partition {index}: writing "
-                             f"{location}/{part_file(index)} failed: {exc}") from exc
+            raise StoreError(
+                f"{self._where()}: put {name!r} partition {index}: writing {location}/{part_file(index)} failed: {exc}"
+            ) from exc
         return PartitionInfo(index, table.num_rows, nbytes, checksum)
 
     def discard_staging(self, name: str | None, staging_id: str) -> None:
@@ -299,8 +321,17 @@ class Store:
             return
         self.tier.remove(self.tier.staging(self.session, name or "", staging_id))
 
-    def seal(self, name: str, staging_id: str, parts: list[PartitionInfo], schema: pa.Schema,
-             partitioning: dict[str, Any] | None, producer: str, run: str, replace: bool) -> DatasetInfo:
+    def seal(
+        self,
+        name: str,
+        staging_id: str,
+        parts: list[PartitionInfo],
+        schema: pa.Schema,
+        partitioning: dict[str, Any] | None,
+        producer: str,
+        run: str,
+        replace: bool,
+    ) -> DatasetInfo:
         """Publish a staged dataset: move its files into place (file tier), then one atomic
         metadata step; only then can a reader find it."""
         _check_name(name)
@@ -312,8 +343,19 @@ class Store:
             self.tier.remove(staging)
             raise
         now = time.time()
-        info = DatasetInfo(self.session, name, staging_id, final, schema, parts,
-                           partitioning or {"kind": "none"}, producer, run, now, accessed=now)
+        info = DatasetInfo(
+            self.session,
+            name,
+            staging_id,
+            final,
+            schema,
+            parts,
+            partitioning or {"kind": "none"},
+            producer,
+            run,
+            now,
+            accessed=now,
+        )
         try:
             old = self.meta.seal(info, replace)
         except FileExistsError:
@@ -326,8 +368,12 @@ class Store:
             try:
                 current = self.meta.get(self.session, name)
             except Exception:
-                log.warning("%s: sealing %r: the metadata did not say whether the seal landed; "
-                            "its payload stays at %s", self._where(), name, final)
+                log.warning(
+                    "%s: sealing %r: the metadata did not say whether the seal landed; its payload stays at %s",
+                    self._where(),
+                    name,
+                    final,
+                )
                 current = info
             if current is None or current.version != staging_id:
                 self.tier.remove(final)
@@ -344,8 +390,9 @@ class Store:
         return info
 
     def _exists(self, name: str) -> DatasetExistsError:
-        return DatasetExistsError(f"{self._where()}: dataset {name!r} exists; datasets are "
-                                  "immutable (pass replace=True to replace it)")
+        return DatasetExistsError(
+            f"{self._where()}: dataset {name!r} exists; datasets are immutable (pass replace=True to replace it)"
+        )
 
     # ---- memory budget: spill to disk, reload on use, pin ------------------------------------
     def pin(self, name: str) -> DatasetInfo:
@@ -367,8 +414,11 @@ class Store:
     def _fits(self, info: DatasetInfo) -> bool:
         """Could ``info`` live in memory next to the pinned datasets?"""
         assert self.memory_budget is not None
-        pinned = sum(d.nbytes for d in self.meta.all()
-                     if d.pinned and self.tier.owns(d.location) and (d.session, d.name) != (info.session, info.name))
+        pinned = sum(
+            d.nbytes
+            for d in self.meta.all()
+            if d.pinned and self.tier.owns(d.location) and (d.session, d.name) != (info.session, info.name)
+        )
         return pinned + info.nbytes <= self.memory_budget
 
     def _enforce_budget(self) -> None:
@@ -381,15 +431,20 @@ class Store:
         if total <= budget:
             return
         # one that could never fit goes first; then least recently used
-        victims = sorted((d for d in resident if not d.pinned),
-                         key=lambda d: (d.nbytes <= budget, d.accessed))
+        victims = sorted((d for d in resident if not d.pinned), key=lambda d: (d.nbytes <= budget, d.accessed))
         for d in victims:
             if total <= budget:
                 break
             if self._move(d, self.spill_tier) is not None:
                 total -= d.nbytes
-                log.info("%s: spilled %s/%s (%d bytes) to %s", self._where(), d.session, d.name,
-                         d.nbytes, self.spill_tier.url)
+                log.info(
+                    "%s: spilled %s/%s (%d bytes) to %s",
+                    self._where(),
+                    d.session,
+                    d.name,
+                    d.nbytes,
+                    self.spill_tier.url,
+                )
 
     def _move(self, info: DatasetInfo, dst: Tier) -> DatasetInfo | None:
         """Copy a sealed dataset to ``dst``, switch its location in one compare-and-set, then
@@ -411,8 +466,7 @@ class Store:
             dst.remove(scratch)
             raise
         spilling = dst is self.spill_tier
-        if not self.meta.relocate(info.session, info.name, info.version, info.location, final,
-                                  unless_pinned=spilling):
+        if not self.meta.relocate(info.session, info.name, info.version, info.location, final, unless_pinned=spilling):
             dst.remove(final)
             return None
         src.remove(info.location)
@@ -493,8 +547,7 @@ class Store:
         for tier, st in self._staged("*"):
             if session is None or st.session == session:
                 nbytes, written = _usage(tier, st.location)
-                found.append(Unsealed(st.session, st.name, st.version, st.location, nbytes,
-                                      max(0.0, now - written)))
+                found.append(Unsealed(st.session, st.name, st.version, st.location, nbytes, max(0.0, now - written)))
         return sorted(found, key=lambda u: (u.session, u.staging_id))
 
     def remove_unsealed(self) -> list[Unsealed]:

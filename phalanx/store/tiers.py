@@ -50,8 +50,8 @@ class HashingSink:
     in cache when the kernel copies it into the file; small writes (IPC metadata, padding) are
     gathered and written together.  Errors (ENOSPC) propagate out of the IPC writer."""
 
-    PIECE = 1 << 20        # hash a piece, then write it while it is in cache (chosen by measurement)
-    SMALL = 64 << 10       # writes below this are gathered
+    PIECE = 1 << 20  # hash a piece, then write it while it is in cache (chosen by measurement)
+    SMALL = 64 << 10  # writes below this are gathered
 
     closed = False
 
@@ -79,7 +79,7 @@ class HashingSink:
     def _out(self, view: memoryview) -> None:
         fd, update, piece = self.fd, self._hash.update, self.PIECE
         for off in range(0, len(view), piece):
-            chunk = view[off:off + piece]
+            chunk = view[off : off + piece]
             update(chunk)
             _write_all(fd, chunk)
 
@@ -107,7 +107,7 @@ class HashingSink:
 
 def _write_all(fd: int, view: memoryview) -> None:
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def part_file(index: int) -> str:
@@ -126,17 +126,17 @@ class Staged(NamedTuple):
     """An unsealed write found by ``Tier.staged``."""
 
     session: str
-    name: str | None     # None where the tier's staging area does not record it (file tier)
-    version: str         # the staging id (= the version it would have been sealed as)
+    name: str | None  # None where the tier's staging area does not record it (file tier)
+    version: str  # the staging id (= the version it would have been sealed as)
     location: str
 
 
 class Tier(ABC):
     """One place partitions can live.  Locations are strings: a path or an ``s3://`` prefix."""
 
-    kind: str = ""           # "file" | "s3"
-    url: str = ""            # the tier's root, as a string
-    mmap: bool = False       # reads are memory-mapped (zero-copy) rather than downloaded
+    kind: str = ""  # "file" | "s3"
+    url: str = ""  # the tier's root, as a string
+    mmap: bool = False  # reads are memory-mapped (zero-copy) rather than downloaded
     atomic_rename: bool = False  # staging is renamed into place; else written in place
 
     # ---- layout ----------------------------------------------------------------------------
@@ -263,8 +263,7 @@ class FileTier(Tier):
         self.remove(str(self.root / session))
 
     def staged(self, owner: str) -> list[Staged]:
-        return [Staged(p.parent.parent.name, None, p.name, str(p))
-                for p in self.root.glob(f"*/.staging/{owner}-*")]
+        return [Staged(p.parent.parent.name, None, p.name, str(p)) for p in self.root.glob(f"*/.staging/{owner}-*")]
 
 
 def _new_partition(location: str, index: int) -> Path:
@@ -282,5 +281,5 @@ def open_tier(root: str | os.PathLike) -> Tier:
     text = os.fspath(root)
     scheme = text.split("://", 1)[0] if "://" in text else "file"
     if scheme == "file" and text.startswith("file://"):
-        text = text[len("file://"):]
+        text = text[len("file://") :]
     return tiers.load(scheme)(text)

@@ -25,33 +25,58 @@ def _dag(dag_id: str, **kwargs) -> DAG:
 # a rank that raises: the task fails with the rank's traceback in its log (both modes)
 with _dag("px_fail") as px_fail:
     for deferrable in (False, True):
-        PhalanxStageOperator(task_id="boom_deferred" if deferrable else "boom", app="airflow_apps:fail_on_rank",
-                             ranks=2, stage_params={"rank": 1, "word": "tracebackword"}, outputs=["never"],
-                             deferrable=deferrable, poll_interval=0.5)
+        PhalanxStageOperator(
+            task_id="boom_deferred" if deferrable else "boom",
+            app="airflow_apps:fail_on_rank",
+            ranks=2,
+            stage_params={"rank": 1, "word": "tracebackword"},
+            outputs=["never"],
+            deferrable=deferrable,
+            poll_interval=0.5,
+        )
 
 # execution_timeout while the ranks sleep: the run is cancelled, no rank is left (both modes)
 with _dag("px_timeout") as px_timeout:
     for deferrable in (False, True):
         name = "sleep_deferred" if deferrable else "sleep_inline"
-        PhalanxWorkflowOperator(task_id=name, workflow=str(HERE / "sleeper.yaml"),
-                                set={"stages.sleep.params.dir": DIR + "/" + name},
-                                execution_timeout=datetime.timedelta(seconds=12), deferrable=deferrable,
-                                poll_interval=0.5)
+        PhalanxWorkflowOperator(
+            task_id=name,
+            workflow=str(HERE / "sleeper.yaml"),
+            set={"stages.sleep.params.dir": DIR + "/" + name},
+            execution_timeout=datetime.timedelta(seconds=12),
+            deferrable=deferrable,
+            poll_interval=0.5,
+        )
 
 # an Airflow retry resumes the task's phalanx run: "seal" is not run again (both modes)
-with DAG("px_retry", schedule=None, start_date=START, catchup=False,
-         default_args={"retries": 1, "retry_delay": datetime.timedelta(0)}) as px_retry:
+with DAG(
+    "px_retry",
+    schedule=None,
+    start_date=START,
+    catchup=False,
+    default_args={"retries": 1, "retry_delay": datetime.timedelta(0)},
+) as px_retry:
     for deferrable in (False, True):
         name = "retry_deferred" if deferrable else "retry_inline"
-        PhalanxWorkflowOperator(task_id=name, workflow="retry.yaml",  # found beside this file
-                                set={"stages.seal.params.dir": DIR + "/" + name,
-                                     "stages.flaky.params.dir": DIR + "/" + name},
-                                deferrable=deferrable, poll_interval=0.5)
+        PhalanxWorkflowOperator(
+            task_id=name,
+            workflow="retry.yaml",  # found beside this file
+            set={"stages.seal.params.dir": DIR + "/" + name, "stages.flaky.params.dir": DIR + "/" + name},
+            deferrable=deferrable,
+            poll_interval=0.5,
+        )
 
 # deferred while the ranks wait for the test: what Airflow records meanwhile
 with _dag("px_gated") as px_gated:
-    PhalanxStageOperator(task_id="gated", app="airflow_apps:gated", ranks=1, outputs=["gated"],
-                         stage_params={"dir": DIR}, deferrable=True, poll_interval=0.5)
+    PhalanxStageOperator(
+        task_id="gated",
+        app="airflow_apps:gated",
+        ranks=1,
+        outputs=["gated"],
+        stage_params={"dir": DIR},
+        deferrable=True,
+        poll_interval=0.5,
+    )
 
 # Python all the way: @task.phalanx functions (by value to the ranks) and a px.Workflow object
 wf = px.Workflow("px-python")
@@ -65,6 +90,7 @@ def squares(env):
 
 
 with _dag("px_python") as px_python:
+
     @task.phalanx(ranks=2, poll_interval=0.5)
     def numbers(env, n):
         lo, hi = n * env.rank // env.world_size, n * (env.rank + 1) // env.world_size
@@ -83,5 +109,6 @@ with _dag("px_python") as px_python:
 
 # the CLI test (`airflow dags test px_cli`): one small stage
 with _dag("px_cli") as px_cli:
-    PhalanxStageOperator(task_id="numbers", app="airflow_apps:numbers", ranks=1, outputs=["numbers"],
-                         stage_params={"n": 10})
+    PhalanxStageOperator(
+        task_id="numbers", app="airflow_apps:numbers", ranks=1, outputs=["numbers"], stage_params={"n": 10}
+    )

@@ -60,9 +60,17 @@ def app_identity(env):
 
     # every thread of the rank (polars' pool is made at import) on the rank's CPUs
     threads_cpus = {tuple(sorted(os.sched_getaffinity(int(t)))) for t in os.listdir("/proc/self/task")}
-    return (env.rank, env.world_size, env.comm.rank, env.comm.world_size, env.comm.name,
-            sorted(os.sched_getaffinity(0)), os.environ.get("OMPI_COMM_WORLD_RANK"),
-            (env.threads, pl.thread_pool_size()), threads_cpus)
+    return (
+        env.rank,
+        env.world_size,
+        env.comm.rank,
+        env.comm.world_size,
+        env.comm.name,
+        sorted(os.sched_getaffinity(0)),
+        os.environ.get("OMPI_COMM_WORLD_RANK"),
+        (env.threads, pl.thread_pool_size()),
+        threads_cpus,
+    )
 
 
 def app_exchange(env, sizes: str):
@@ -70,11 +78,14 @@ def app_exchange(env, sizes: str):
     if sizes == "small":
         size = small_size
     elif sizes == "empty":
+
         def size(src, dst):
             return 0
     else:
+
         def size(src, dst):
             return big_size(src, dst, n)
+
     out = env.comm.exchange([payload(env.rank, d, size(env.rank, d)) for d in range(n)])
     return _check_received(env.rank, out, size)
 
@@ -85,9 +96,12 @@ def app_alltoallv_large(env):
     send = np.concatenate([payload(env.rank, d, c) for d, c in enumerate(counts)])
     recv, recv_counts = env.comm.alltoallv(send, counts)
     offsets = np.concatenate([[0], np.cumsum(recv_counts)])
-    views = [recv[offsets[s]:offsets[s + 1]] for s in range(n)]
-    return (recv.dtype.str, [int(c) for c in recv_counts],
-            _check_received(env.rank, views, lambda s, d: big_size(s, d, n)))
+    views = [recv[offsets[s] : offsets[s + 1]] for s in range(n)]
+    return (
+        recv.dtype.str,
+        [int(c) for c in recv_counts],
+        _check_received(env.rank, views, lambda s, d: big_size(s, d, n)),
+    )
 
 
 def app_exchange_results_kept(env, rounds: int):
@@ -96,8 +110,10 @@ def app_exchange_results_kept(env, rounds: int):
     n = env.world_size
     kept = []
     for k in range(rounds):
+
         def size(src, dst, k=k):
             return 0 if src == dst else 1000 + 37 * k + 11 * src + dst
+
         got = env.comm.exchange([payload(env.rank, d + 100 * k, size(env.rank, d)) for d in range(n)])
         if k % 2 == 0:
             kept.append((k, got))  # held across the next exchanges; the odd rounds' go at once
@@ -121,10 +137,13 @@ def app_alltoallv_slices_kept(env, rounds: int):
         recv, recv_counts = env.comm.alltoallv(send, counts)
         offs = np.concatenate([[0], np.cumsum(recv_counts)])
         src = (me + 1) % n
-        kept.append((k, src, recv[offs[src]:offs[src + 1]]))  # only the slice survives
+        kept.append((k, src, recv[offs[src] : offs[src + 1]]))  # only the slice survives
         del recv
-    return [f"rank {me}: round {k} from {src} changed" for k, src, got in kept
-            if not np.array_equal(got, payload(src, me + 100 * k, 5000 + 13 * k + me))]
+    return [
+        f"rank {me}: round {k} from {src} changed"
+        for k, src, got in kept
+        if not np.array_equal(got, payload(src, me + 100 * k, 5000 + 13 * k + me))
+    ]
 
 
 def app_exchange_wrong_length(env):
@@ -175,8 +194,13 @@ def app_objects(env):
     gathered = c.allgather_obj({"rank": env.rank, "items": list(range(env.rank))} if env.rank % 2 == 0 else None)
     root = env.world_size - 1
     bcast = c.broadcast_obj({"from": root, "blob": b"x" * 100_000} if env.rank == root else None, root=root)
-    return (gathered, bcast, c.allreduce_scalar(env.rank + 1), c.allreduce_scalar(0.5 * env.rank, "max"),
-            c.allreduce_scalar(-env.rank, "min"))
+    return (
+        gathered,
+        bcast,
+        c.allreduce_scalar(env.rank + 1),
+        c.allreduce_scalar(0.5 * env.rank, "max"),
+        c.allreduce_scalar(-env.rank, "min"),
+    )
 
 
 def app_every_collective_warnings_caught(env):
@@ -223,15 +247,12 @@ class CommContract:
         # the rank's kernel-thread share sizes polars' pool (sized at import, before the app)
         assert [r[7][1] for r in results] == [r[7][0] for r in results]
 
-
     @pytest.mark.parametrize("sizes", ["small", "empty"])
     def test_exchange_uneven(self, comm_gang, sizes):
         assert comm_gang.run(app_exchange, sizes) == [[]] * comm_gang.world_size
 
-
     def test_exchange_large(self, comm_gang):
         assert comm_gang.run(app_exchange, "big") == [[]] * comm_gang.world_size
-
 
     def test_alltoallv_large(self, comm_gang):
         n = comm_gang.world_size
@@ -240,19 +261,15 @@ class CommContract:
             assert counts == [big_size(s, rank, n) for s in range(n)]
             assert problems == []
 
-
     def test_exchange_results_outlive_later_exchanges(self, comm_gang):
         assert comm_gang.run(app_exchange_results_kept, 8) == [[]] * comm_gang.world_size
-
 
     def test_alltoallv_results_outlive_later_alltoallvs(self, comm_gang):
         assert comm_gang.run(app_alltoallv_slices_kept, 6) == [[]] * comm_gang.world_size
 
-
     def test_exchange_wrong_length(self, comm_gang):
         msgs = comm_gang.run(app_exchange_wrong_length)
         assert all(m and "exchange needs" in m for m in msgs)
-
 
     @pytest.mark.parametrize("empty", [False, True])
     def test_allgather_bytes(self, comm_gang, empty):
@@ -260,13 +277,11 @@ class CommContract:
         want = [b"" if empty else bytes(payload(r, ALLGATHER_KEY, 100 * r)) for r in range(n)]
         assert comm_gang.run(app_allgather_bytes, empty) == [want] * n
 
-
     @pytest.mark.parametrize("nbytes", [0, 1, 3_000_001])
     def test_broadcast_bytes_from_last_rank(self, comm_gang, nbytes):
         root = comm_gang.world_size - 1  # non-zero whenever there is more than one rank
         want = bytes(payload(root, BCAST_KEY, nbytes))
         assert comm_gang.run(app_broadcast_bytes, root, nbytes) == [want] * comm_gang.world_size
-
 
     @pytest.mark.parametrize("dtype", ["int64", "float64", "int32", "float32"])
     @pytest.mark.parametrize("op", ["sum", "min", "max"])
@@ -283,12 +298,10 @@ class CommContract:
             else:
                 np.testing.assert_array_equal(got, want)
 
-
     def test_barrier(self, comm_gang):
         times = comm_gang.run(app_barrier)
         last_in = max(entered for entered, _ in times)
         assert all(left >= last_in for _, left in times)  # nobody left before the last arrived
-
 
     def test_object_helpers(self, comm_gang):
         n = comm_gang.world_size

@@ -12,8 +12,12 @@ from .sites import MARKS, build, selected
 
 def pytest_generate_tests(metafunc):
     if "site" in metafunc.fixturenames:
-        metafunc.parametrize("site", [pytest.param(n, id=n, marks=MARKS[n]) for n in selected(metafunc.config)],
-                             indirect=True, scope="module")
+        metafunc.parametrize(
+            "site",
+            [pytest.param(n, id=n, marks=MARKS[n]) for n in selected(metafunc.config)],
+            indirect=True,
+            scope="module",
+        )
 
 
 def pytest_collection_modifyitems(config, items):

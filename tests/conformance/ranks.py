@@ -19,23 +19,37 @@ import numpy as np
 import pyarrow as pa
 
 # environment a rank may have from its resource manager
-RM_VARS = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_PROCID", "SLURMD_NODENAME", "OMPI_COMM_WORLD_RANK",
-           "PHALANX_GANG_ID", "PHALANX_RANK")
+RM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_STEP_ID",
+    "SLURM_PROCID",
+    "SLURMD_NODENAME",
+    "OMPI_COMM_WORLD_RANK",
+    "PHALANX_GANG_ID",
+    "PHALANX_RANK",
+)
 
 
 def facts(rank: int | None = None) -> dict:
     """Where this process runs, as the OS and its resource manager see it."""
     # a rank's host as the driver records it (PHALANX_HOST: node/pod in a container)
-    out = {"rank": rank, "pid": os.getpid(), "host": os.environ.get("PHALANX_HOST") or socket.gethostname(),
-           "time": time.time(),
-           **{k: os.environ.get(k) for k in RM_VARS}}
+    out = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "host": os.environ.get("PHALANX_HOST") or socket.gethostname(),
+        "time": time.time(),
+        **{k: os.environ.get(k) for k in RM_VARS},
+    }
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         try:
             ctx = ray.get_runtime_context()
-            out.update(ray_actor=ctx.get_actor_id(), ray_node=ctx.get_node_id(),
-                       ray_actor_name=getattr(ctx, "get_actor_name", lambda: None)(),
-                       ray_namespace=ctx.namespace)
+            out.update(
+                ray_actor=ctx.get_actor_id(),
+                ray_node=ctx.get_node_id(),
+                ray_actor_name=getattr(ctx, "get_actor_name", lambda: None)(),
+                ray_namespace=ctx.namespace,
+            )
         except Exception:  # not inside an actor
             pass
     return out
@@ -55,8 +69,7 @@ def collectives(env) -> dict:
     gathered = env.comm.allgather_bytes(np.frombuffer(bytes([65 + r]) * (5 * r), dtype=np.uint8))
     value = env.comm.broadcast_obj({"from": r, "data": list(range(r))} if r == n - 1 else None, root=n - 1)
     env.comm.barrier()
-    return {"sum": total.tolist(), "max": top.tolist(), "gathered": [bytes(g) for g in gathered],
-            "bcast": value}
+    return {"sum": total.tolist(), "max": top.tolist(), "gathered": [bytes(g) for g in gathered], "bcast": value}
 
 
 def rank_table(rank: int) -> pa.Table:
@@ -65,8 +78,14 @@ def rank_table(rank: int) -> pa.Table:
     rng = np.random.default_rng([11, rank])
     keys = rng.integers(0, 1000, rows)
     names = [None if k % 7 == 0 else f"k{k}" for k in keys.tolist()]
-    return pa.table({"key": pa.array(keys, pa.int64()), "value": pa.array(rng.normal(size=rows)),
-                     "name": pa.array(names, pa.string()), "src": pa.array(np.full(rows, rank), pa.int64())})
+    return pa.table(
+        {
+            "key": pa.array(keys, pa.int64()),
+            "value": pa.array(rng.normal(size=rows)),
+            "name": pa.array(names, pa.string()),
+            "src": pa.array(np.full(rows, rank), pa.int64()),
+        }
+    )
 
 
 def alltoallv_tables(env) -> pa.Table:
@@ -95,7 +114,7 @@ def alltoallv_tables(env) -> pa.Table:
     got, offset = [parts[me]], 0
     for src, count in enumerate(int(c) for c in recv_counts):
         if count and src != me:
-            view = recv[offset:offset + count]
+            view = recv[offset : offset + count]
             got.append(ipc.open_stream(pa.BufferReader(pa.py_buffer(view.tobytes()))).read_all())
         offset += count
     return pa.concat_tables(got)

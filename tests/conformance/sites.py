@@ -24,9 +24,15 @@ from typing import Any
 import pytest
 
 SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local", "radical-local")
-MARKS = {"local": [], "mpirun": [pytest.mark.mpi], "slurm": [pytest.mark.slurm],
-         "slurm-pilot": [pytest.mark.slurm], "ray": [pytest.mark.ray], "k8s-local": [pytest.mark.kubernetes],
-         "radical-local": [pytest.mark.radical]}
+MARKS = {
+    "local": [],
+    "mpirun": [pytest.mark.mpi],
+    "slurm": [pytest.mark.slurm],
+    "slurm-pilot": [pytest.mark.slurm],
+    "ray": [pytest.mark.ray],
+    "k8s-local": [pytest.mark.kubernetes],
+    "radical-local": [pytest.mark.radical],
+}
 SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
 N = 3  # ranks of the contract's gangs: uneven exchanges, a victim in the middle, spread over 3 nodes
 
@@ -37,8 +43,9 @@ def selected(config) -> list[str]:
     names = [n for n in names if n] or list(SITE_NAMES)
     unknown = [n for n in names if n not in SITE_NAMES]
     if unknown:
-        raise pytest.UsageError(f"--site {', '.join(unknown)}: unknown; the conformance suite knows "
-                                f"{', '.join(SITE_NAMES)}")
+        raise pytest.UsageError(
+            f"--site {', '.join(unknown)}: unknown; the conformance suite knows {', '.join(SITE_NAMES)}"
+        )
     return list(dict.fromkeys(names))
 
 
@@ -91,13 +98,13 @@ class ContractSite:
     """One site of the suite."""
 
     name: str
-    data: dict                            # the site file's mapping, with the suite's settings
-    backend: str                          # local | slurm | ray: which probes apply
+    data: dict  # the site file's mapping, with the suite's settings
+    backend: str  # local | slurm | ray: which probes apply
     slurm_conf: str | None = None
     impossible: dict[str, dict] = field(default_factory=dict)  # what its resource manager refuses: id → request
     side_by_side: dict = field(default_factory=dict)  # model keys under which 3 runs of 1 rank fit at once
     waiting: str | None = None  # what the resource manager says of a gang waiting for busy slots (a regex)
-    seen: Seen = field(default_factory=Seen)   # everything the suite's gangs ever were: freed at teardown
+    seen: Seen = field(default_factory=Seen)  # everything the suite's gangs ever were: freed at teardown
 
     def model(self, **update: Any):
         """A fresh ``Site`` model of this site, ``update`` over its keys (``slurm={...}``
@@ -136,8 +143,11 @@ class ContractSite:
         gang_ids = {g for g in gang_ids if g} | {f.get("PHALANX_GANG_ID") for f in facts if f.get("PHALANX_GANG_ID")}
         self.seen.add(gang_ids, facts)
         here = os.uname().nodename
-        left = [f"rank {f['rank']}'s process {f['pid']}" for f in facts
-                if f.get("host") in (here, None) and pid_alive(f["pid"])]
+        left = [
+            f"rank {f['rank']}'s process {f['pid']}"
+            for f in facts
+            if f.get("host") in (here, None) and pid_alive(f["pid"])
+        ]
         left += processes_of(gang_ids)
         if self.backend == "slurm":
             left += self._slurm_left(gang_ids, facts, allocations)
@@ -164,8 +174,21 @@ class ContractSite:
         6 CPUs, a Ray placement group of every CPU) while the block runs; None where there is no
         resource manager to queue on."""
         if self.backend == "slurm":
-            job = self.slurm("sbatch", "--parsable", "--job-name=contract-blocker", "-N3", "-n6", "-o", "/dev/null",
-                             "--wrap", "sleep 600").strip().split(";")[0]
+            job = (
+                self.slurm(
+                    "sbatch",
+                    "--parsable",
+                    "--job-name=contract-blocker",
+                    "-N3",
+                    "-n6",
+                    "-o",
+                    "/dev/null",
+                    "--wrap",
+                    "sleep 600",
+                )
+                .strip()
+                .split(";")[0]
+            )
             try:
                 deadline = time.monotonic() + 60
                 while "RUNNING" not in self.slurm("squeue", "-h", "-j", job, "-o", "%T"):
@@ -226,13 +249,21 @@ class ContractSite:
         selector = "app.kubernetes.io/managed-by=phalanx"
         found = [("job", j.metadata.name) for j in kube.batch.list_namespaced_job(ns, label_selector=selector).items]
         found += [("pod", p.metadata.name) for p in kube.core.list_namespaced_pod(ns, label_selector=selector).items]
-        found += [("secret", x.metadata.name) for x in kube.core.list_namespaced_secret(ns, label_selector=selector).items]
-        found += [("service", x.metadata.name) for x in kube.core.list_namespaced_service(ns, label_selector=selector).items]
+        found += [
+            ("secret", x.metadata.name) for x in kube.core.list_namespaced_secret(ns, label_selector=selector).items
+        ]
+        found += [
+            ("service", x.metadata.name) for x in kube.core.list_namespaced_service(ns, label_selector=selector).items
+        ]
         api = kube.pod_group_api("scheduling.k8s.io")
         if api:
             group, version = api.split("/")
-            found += [("podgroup", x["metadata"]["name"]) for x in kube.custom.list_namespaced_custom_object(
-                group, version, ns, "podgroups", label_selector=selector)["items"]]
+            found += [
+                ("podgroup", x["metadata"]["name"])
+                for x in kube.custom.list_namespaced_custom_object(
+                    group, version, ns, "podgroups", label_selector=selector
+                )["items"]
+            ]
         return [f"{kind} {name}" for kind, name in found if any(g.lower() in name for g in gang_ids)]
 
     @contextlib.contextmanager
@@ -246,14 +277,29 @@ class ContractSite:
         try:
             for node in nodes:
                 name = f"contract-blocker-{os.getpid()}-{node.metadata.name.replace('.', '-')}"
-                kube.core.create_namespaced_pod(ns, {
-                    "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
-                    "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 0,
-                             "automountServiceAccountToken": False,
-                             "nodeSelector": {"kubernetes.io/hostname": node.metadata.name},
-                             "containers": [{"name": "sleep", "image": self.data["kubernetes"]["image"],
-                                             "imagePullPolicy": "Never", "command": ["/usr/bin/busybox", "sleep", "600"],
-                                             "resources": {"requests": {"cpu": node.status.allocatable["cpu"]}}}]}})
+                kube.core.create_namespaced_pod(
+                    ns,
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Pod",
+                        "metadata": {"name": name},
+                        "spec": {
+                            "restartPolicy": "Never",
+                            "terminationGracePeriodSeconds": 0,
+                            "automountServiceAccountToken": False,
+                            "nodeSelector": {"kubernetes.io/hostname": node.metadata.name},
+                            "containers": [
+                                {
+                                    "name": "sleep",
+                                    "image": self.data["kubernetes"]["image"],
+                                    "imagePullPolicy": "Never",
+                                    "command": ["/usr/bin/busybox", "sleep", "600"],
+                                    "resources": {"requests": {"cpu": node.status.allocatable["cpu"]}},
+                                }
+                            ],
+                        },
+                    },
+                )
                 names.append(name)
             deadline = time.monotonic() + 60
             while any(kube.core.read_namespaced_pod(n, ns).status.phase != "Running" for n in names):
@@ -298,8 +344,9 @@ class ContractSite:
         return list(dict.fromkeys(left))
 
     def slurm(self, *args: str) -> str:
-        r = subprocess.run(list(args), env={**os.environ, "SLURM_CONF": self.slurm_conf},
-                           capture_output=True, text=True, timeout=60)
+        r = subprocess.run(
+            list(args), env={**os.environ, "SLURM_CONF": self.slurm_conf}, capture_output=True, text=True, timeout=60
+        )
         if r.returncode:
             raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
         return r.stdout
@@ -307,8 +354,11 @@ class ContractSite:
     def _slurm_left(self, gang_ids: set[str], facts, allocations: bool = True) -> list[str]:
         """Jobs and steps squeue still lists that a rank ran in, or named after a gang."""
         jobs = {f["SLURM_JOB_ID"] for f in facts if f.get("SLURM_JOB_ID")} if allocations else set()
-        steps = {f"{f['SLURM_JOB_ID']}.{f['SLURM_STEP_ID']}" for f in facts
-                 if f.get("SLURM_JOB_ID") and f.get("SLURM_STEP_ID")}
+        steps = {
+            f"{f['SLURM_JOB_ID']}.{f['SLURM_STEP_ID']}"
+            for f in facts
+            if f.get("SLURM_JOB_ID") and f.get("SLURM_STEP_ID")
+        }
         left = []
         for what, flags, ids in (("job", [], jobs), ("step", ["-s"], steps)):
             for line in self.slurm("squeue", "-h", *flags, "-o", "%i %j").splitlines():
@@ -321,12 +371,17 @@ class ContractSite:
         import ray
         from ray.util.placement_group import placement_group_table
 
-        left = [f"ray placement group {t['name']} {t['state']}" for t in placement_group_table().values()
-                if any(g in (t.get("name") or "") for g in gang_ids) and t["state"] != "REMOVED"]
+        left = [
+            f"ray placement group {t['name']} {t['state']}"
+            for t in placement_group_table().values()
+            if any(g in (t.get("name") or "") for g in gang_ids) and t["state"] != "REMOVED"
+        ]
         names = {f.get("ray_actor_name") for f in facts if f.get("ray_actor_name")}
-        left += [f"ray actor {a['name']} (namespace {a['namespace']})"
-                 for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["name"] in names or any(g in a["name"] for g in gang_ids)]
+        left += [
+            f"ray actor {a['name']} (namespace {a['namespace']})"
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"] in names or any(g in a["name"] for g in gang_ids)
+        ]
         return left
 
     def free_everything_seen(self) -> list[str]:
@@ -344,8 +399,12 @@ class ContractSite:
             for line in self.slurm("squeue", "-h", "-o", "%i %j").splitlines():
                 ident, _, name = line.strip().partition(" ")
                 if ident in jobs or any(g in name for g in self.seen.gang_ids):
-                    subprocess.run(["scancel", ident], env={**os.environ, "SLURM_CONF": self.slurm_conf},
-                                   capture_output=True, timeout=60)
+                    subprocess.run(
+                        ["scancel", ident],
+                        env={**os.environ, "SLURM_CONF": self.slurm_conf},
+                        capture_output=True,
+                        timeout=60,
+                    )
         if self.backend == "kubernetes":
             from phalanx.executors.kubernetes.launcher import delete_gang
 
@@ -402,8 +461,15 @@ def build(name: str, request) -> ContractSite:
         if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
             pytest.skip("site 'mpirun' needs mpirun (apt-get install openmpi-bin) and mpi4py")
         # no shipped file: this machine's cores through one mpirun, ranks in MPI_COMM_WORLD
-        data = {"name": "mpirun-local", "executor": "mpirun", "communicator": "mpi", "rendezvous": "tcp",
-                "cores": 4, "store": {}, **_SUITE}
+        data = {
+            "name": "mpirun-local",
+            "executor": "mpirun",
+            "communicator": "mpi",
+            "rendezvous": "tcp",
+            "cores": 4,
+            "store": {},
+            **_SUITE,
+        }
         return ContractSite(name, data, "local")
     if name in ("slurm", "slurm-pilot"):
         conf = request.getfixturevalue("slurm_cluster")
@@ -420,33 +486,55 @@ def build(name: str, request) -> ContractSite:
                 "more-ranks-than-it-has": {"ranks": N + 1, "reason": r"slurm: .*pilot"},
                 # partition 'small' has MaxNodes=1: a pilot of 3 nodes there never starts
                 "an-impossible-request": {
-                    "ranks": 2, "site": {"slurm": {"partition": "small", "pilot": {"nodes": 3, "ntasks": N}}},
-                    "reason": r"PartitionNodeLimit|PartitionConfig"},
+                    "ranks": 2,
+                    "site": {"slurm": {"partition": "small", "pilot": {"nodes": 3, "ntasks": N}}},
+                    "reason": r"PartitionNodeLimit|PartitionConfig",
+                },
             }
         else:
             impossible = {
                 "more-ranks-than-it-has": {
-                    "ranks": 7, "reason": r"slurm: .*(node configuration is not available|PartitionConfig)"},
+                    "ranks": 7,
+                    "reason": r"slurm: .*(node configuration is not available|PartitionConfig)",
+                },
                 # partition 'small' has MaxNodes=1: a job of 2 nodes there never starts
                 "an-impossible-request": {
-                    "ranks": 2, "site": {"slurm": {"partition": "small", "nodes": 2}},
-                    "reason": r"PartitionNodeLimit|PartitionConfig"},
+                    "ranks": 2,
+                    "site": {"slurm": {"partition": "small", "nodes": 2}},
+                    "reason": r"PartitionNodeLimit|PartitionConfig",
+                },
             }
         # each run holds its own pilot: three pilots of one node (2 tasks) fill the 3 nodes
-        side_by_side = {"cores": 2, "slurm": {"pilot": {**data["slurm"]["pilot"], "nodes": 1, "ntasks": 2}}} \
-            if name == "slurm-pilot" else {}
-        return ContractSite(name, data, "slurm", slurm_conf=conf, impossible=impossible, side_by_side=side_by_side,
-                            waiting=r"PENDING \((Resources|Priority)\)")
+        side_by_side = (
+            {"cores": 2, "slurm": {"pilot": {**data["slurm"]["pilot"], "nodes": 1, "ntasks": 2}}}
+            if name == "slurm-pilot"
+            else {}
+        )
+        return ContractSite(
+            name,
+            data,
+            "slurm",
+            slurm_conf=conf,
+            impossible=impossible,
+            side_by_side=side_by_side,
+            waiting=r"PENDING \((Resources|Priority)\)",
+        )
     if name == "ray":
         cluster = request.getfixturevalue("ray_cluster")
         data = _site_file("ray-local")
         data.update(_SUITE)
         data["ray"] = {**data["ray"], "address": cluster.address}
         impossible = {
-            "more-ranks-than-it-has": {"ranks": N + 1, "site": {"ray": {"ready_timeout_s": 2}},
-                                            "reason": r"not placeable within 2 s: .*Ray says"},
-            "an-impossible-request": {"ranks": 1, "site": {"ray": {"ready_timeout_s": 2, "resources": {"GPU": 1}}},
-                                       "reason": r"Ray says .*INFEASIBLE"},
+            "more-ranks-than-it-has": {
+                "ranks": N + 1,
+                "site": {"ray": {"ready_timeout_s": 2}},
+                "reason": r"not placeable within 2 s: .*Ray says",
+            },
+            "an-impossible-request": {
+                "ranks": 1,
+                "site": {"ray": {"ready_timeout_s": 2, "resources": {"GPU": 1}}},
+                "reason": r"Ray says .*INFEASIBLE",
+            },
         }
         return ContractSite(name, data, "ray", impossible=impossible, waiting=r"not placeable|Ray says")
     if name == "k8s-local":
@@ -456,17 +544,27 @@ def build(name: str, request) -> ContractSite:
         # the tests' own files (markers, facts) are written by the ranks: pytest's temporary
         # directory is shared with the pods like the store
         temp = str(request.getfixturevalue("tmp_path_factory").getbasetemp())
-        data["kubernetes"] = {**data["kubernetes"], "kubeconfig": str(cluster.kubeconfig),
-                              "host_paths": [*data["kubernetes"]["host_paths"], temp]}
+        data["kubernetes"] = {
+            **data["kubernetes"],
+            "kubeconfig": str(cluster.kubeconfig),
+            "host_paths": [*data["kubernetes"]["host_paths"], temp],
+        }
         impossible = {
             # 1.5 CPUs a rank: one fits on each of the 2 real nodes, the gang of 4 never does
-            "more-ranks-than-it-has": {"ranks": N + 1, "site": {"kubernetes": {"cpu": "1500m"}},
-                                       "reason": r"kubernetes: .*Unschedulable.*Insufficient cpu"},
-            "an-impossible-request": {"ranks": 1, "site": {"kubernetes": {"node_selector": {"phalanx.dev/node": "none"}}},
-                                      "reason": r"kubernetes: .*Unschedulable.*node affinity/selector"},
+            "more-ranks-than-it-has": {
+                "ranks": N + 1,
+                "site": {"kubernetes": {"cpu": "1500m"}},
+                "reason": r"kubernetes: .*Unschedulable.*Insufficient cpu",
+            },
+            "an-impossible-request": {
+                "ranks": 1,
+                "site": {"kubernetes": {"node_selector": {"phalanx.dev/node": "none"}}},
+                "reason": r"kubernetes: .*Unschedulable.*node affinity/selector",
+            },
         }
-        return ContractSite(name, data, "kubernetes", impossible=impossible,
-                            waiting=r"kubernetes: .*Unschedulable.*Insufficient cpu")
+        return ContractSite(
+            name, data, "kubernetes", impossible=impossible, waiting=r"kubernetes: .*Unschedulable.*Insufficient cpu"
+        )
     if name == "radical-local":
         from infra.radical import available, site_data
 
@@ -484,11 +582,16 @@ def build(name: str, request) -> ContractSite:
         # the pilot's size is known before it runs: the gang fails at once, as a SLURM pilot's
         # step does (RP's own "task can never be scheduled" once the pilot is up: test_radical.py)
         impossible = {
-            "more-ranks-than-it-has": {"ranks": 5, "reason": r"radical: a gang of 5 ranks .*does not fit the "
-                                                             r"pilot's 4 cores"},
-            "an-impossible-request": {"ranks": 1, "site": {"radical": {"gpus_per_rank": 1}},
-                                      "reason": r"radical: a gang of 1 ranks x 1 GPUs does not fit the pilot's 0 GPUs"},
+            "more-ranks-than-it-has": {
+                "ranks": 5,
+                "reason": r"radical: a gang of 5 ranks .*does not fit the "
+                r"pilot's 4 cores",
+            },
+            "an-impossible-request": {
+                "ranks": 1,
+                "site": {"radical": {"gpus_per_rank": 1}},
+                "reason": r"radical: a gang of 1 ranks x 1 GPUs does not fit the pilot's 0 GPUs",
+            },
         }
         return ContractSite(name, data, "radical", impossible=impossible)
     raise ValueError(name)
-

@@ -16,20 +16,29 @@ import time
 import numpy as np
 import pyarrow as pa
 import pytest
+from test_store import every_type_table, same_table
 
 import phalanx as px
 from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
 from phalanx.store.metadata import DatasetInfo, PartitionInfo, open_metadata
 from phalanx.store.tiers import serialize
-from test_store import every_type_table, same_table
 
 
 def dataset(session="s", name="d", version="v1", location="/x/v1", rows=(3, 4), created=None) -> DatasetInfo:
     schema = pa.schema([("a", pa.int64()), ("b", pa.string())])
     parts = [PartitionInfo(i, r, 100 * r, f"{i:016x}") for i, r in enumerate(rows)]
-    return DatasetInfo(session, name, version, location, schema, parts,
-                       {"kind": "hash", "keys": ["a"], "n": 2, "hash": "x"}, "prod", "run-1",
-                       created or time.time())
+    return DatasetInfo(
+        session,
+        name,
+        version,
+        location,
+        schema,
+        parts,
+        {"kind": "hash", "keys": ["a"], "n": 2, "hash": "x"},
+        "prod",
+        "run-1",
+        created or time.time(),
+    )
 
 
 class MetadataContract:
@@ -42,8 +51,13 @@ class MetadataContract:
         assert meta.seal(d, replace=False) is None
         got = meta.get("s", "d")
         assert got.schema.equals(d.schema) and got.partitions == d.partitions
-        assert (got.version, got.location, got.partitioning, got.producer, got.run) == \
-               (d.version, d.location, d.partitioning, d.producer, d.run)
+        assert (got.version, got.location, got.partitioning, got.producer, got.run) == (
+            d.version,
+            d.location,
+            d.partitioning,
+            d.producer,
+            d.run,
+        )
         assert got.created == pytest.approx(d.created) and got.accessed == pytest.approx(d.created)
         assert not got.pinned and got.num_rows == 7 and got.nbytes == 700
         assert [x.name for x in meta.list("s")] == ["d"] and meta.sessions() == ["s"]
@@ -95,8 +109,8 @@ class MetadataContract:
         assert meta.set_pinned("s", "d", True) and meta.get("s", "d").pinned
         assert meta.set_pinned("s", "d", False) and not meta.get("s", "d").pinned
         assert not meta.set_pinned("s", "missing", True)
-        assert not meta.relocate("s", "d", "v-other", "/x/v1", "/y")   # another version
-        assert not meta.relocate("s", "d", "v1", "/elsewhere", "/y")    # moved meanwhile
+        assert not meta.relocate("s", "d", "v-other", "/x/v1", "/y")  # another version
+        assert not meta.relocate("s", "d", "v1", "/elsewhere", "/y")  # moved meanwhile
         assert not meta.relocate("s", "missing", "v1", "/x/v1", "/y")
         assert meta.relocate("s", "d", "v1", "/x/v1", "/y/v1")
         got = meta.get("s", "d")
@@ -183,8 +197,11 @@ class TierContract:
             return real(location, index, table)
 
         monkeypatch.setattr(tstore.tier, "write_partition", write)
-        with pytest.raises(StoreError, match=r"session 'conf': put 'f' partition 1: writing .*/part-00001.arrow "
-                                             r"failed: disk full"):
+        with pytest.raises(
+            StoreError,
+            match=r"session 'conf': put 'f' partition 1: writing .*/part-00001.arrow "
+            r"failed: disk full",
+        ):
             tstore.put("f", [pa.table({"a": [1]}), pa.table({"a": [2]})])
         monkeypatch.undo()
         assert not tstore.exists("f") and tstore.tier.staged("local") == [] and tstore.unsealed() == []
@@ -211,7 +228,7 @@ class TierContract:
         for owner, name in (("gang7", "lost"), ("gang7", "lost2"), ("gang8", "other")):
             tstore.stage_partition(tstore.new_staging_id(owner), 0, pa.table({"a": [2]}), name=name)
         assert tstore.abort_staging("gang7") == 2
-        assert tstore.read("kept")["a"].to_pylist() == [1]        # sealed: kept
+        assert tstore.read("kept")["a"].to_pylist() == [1]  # sealed: kept
         assert [s.version.split("-")[0] for s in tstore.tier.staged("gang8")] == ["gang8"]
         # an object store lists the sealed prefix too (written in place); abort keeps it
         assert [st.name for st in tstore.tier.staged("gang7")] in ([], ["kept"])

@@ -80,8 +80,9 @@ def test_alltoallv_of_arrow_tables_equals_pandas(gang):
     for dest, table in enumerate(got):
         assert isinstance(table, pa.Table) and table.schema == R.rank_table(0).schema
         want = everything[everything["key"] % N == dest]
-        pd.testing.assert_frame_equal(table.to_pandas().sort_values(cols).reset_index(drop=True),
-                                      want.sort_values(cols).reset_index(drop=True))
+        pd.testing.assert_frame_equal(
+            table.to_pandas().sort_values(cols).reset_index(drop=True), want.sort_values(cols).reset_index(drop=True)
+        )
     assert sum(t.num_rows for t in got) == len(everything)
 
 
@@ -141,8 +142,10 @@ def test_a_rank_killed_by_sigkill_fails_the_gang_fast_and_is_named(site, gang, t
 def test_a_gang_that_cannot_be_placed_fails_in_time_with_the_resource_managers_reason(site, request_kind):
     ask = site.impossible.get(request_kind)
     if ask is None:
-        pytest.skip(f"site {site.name!r} (executor {site.executor!r}) has no resource manager that refuses "
-                    f"a gang: its ranks are processes of this host, oversubscribed when they outnumber its cores")
+        pytest.skip(
+            f"site {site.name!r} (executor {site.executor!r}) has no resource manager that refuses "
+            f"a gang: its ranks are processes of this host, oversubscribed when they outnumber its cores"
+        )
     model = site.model(start_timeout=20, **ask.get("site", {}))
     gang = px.Gang(ask["ranks"], site=model, echo=False)
     t0 = time.monotonic()
@@ -163,8 +166,10 @@ def test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout(site, gang)
     """Every slot is taken (by a job or placement group of the test's): a gang's wait in the
     queue counts in its start timeout, and the error says what the resource manager says."""
     if site.waiting is None:
-        pytest.skip(f"site {site.name!r} (executor {site.executor!r}) has no resource manager to queue on: "
-                    "its gangs never wait for slots")
+        pytest.skip(
+            f"site {site.name!r} (executor {site.executor!r}) has no resource manager to queue on: "
+            "its gangs never wait for slots"
+        )
     gang.close()  # the module's gang and what it held (a pilot) give their slots back first
     model = site.model(start_timeout=3)
     waiting = px.Gang(1, site=model, echo=False)
@@ -178,8 +183,10 @@ def test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout(site, gang)
     starter.join(120)  # the slots are free again: a gang still waiting starts now, and is closed
     waiting.close()
     assert "error" in outcome or "started" in outcome, f"still starting {took:.0f} s after the slots were freed"
-    assert "error" in outcome, (f"the gang was still waiting {took:.0f} s into a start_timeout of "
-                                f"{model.start_timeout:g} s (it started once the slots were freed)")
+    assert "error" in outcome, (
+        f"the gang was still waiting {took:.0f} s into a start_timeout of "
+        f"{model.start_timeout:g} s (it started once the slots were freed)"
+    )
     msg = str(outcome["error"])
     assert isinstance(outcome["error"], px.GangError), msg
     assert outcome["failed"] - t0 < model.start_timeout + 5, f"failed after {outcome['failed'] - t0:.1f} s: {msg}"

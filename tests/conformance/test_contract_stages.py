@@ -33,8 +33,12 @@ def workflow(name: str, **stages: dict) -> Workflow:
 
 
 def command(stage: str, ranks: int, d: Path, **params) -> dict:
-    return {"kind": "command", "command": ["python", "-c", R.COMMAND], "ranks": ranks,
-            "params": {"dir": str(d), "stage": stage, **params}}
+    return {
+        "kind": "command",
+        "command": ["python", "-c", R.COMMAND],
+        "ranks": ranks,
+        "params": {"dir": str(d), "stage": stage, **params},
+    }
 
 
 def facts_of(d: Path, stage: str, ranks: int) -> list[dict]:
@@ -69,8 +73,9 @@ def test_command_stages_report_exit_codes_fail_fast_and_log_to_the_attempt(site,
     bad = facts_of(tmp_path, "bad", 2)
     exited = (tmp_path / "bad-rank-1.json").stat().st_mtime  # rank 1 exits right after all ranks wrote theirs
     exited = max(exited, (tmp_path / "bad-rank-0.json").stat().st_mtime)
-    assert attempt["state"] == "failed" and attempt["ended"] - exited < FAIL_WITHIN_S, \
+    assert attempt["state"] == "failed" and attempt["ended"] - exited < FAIL_WITHIN_S, (
         f"the stage failed {attempt['ended'] - exited:.1f} s after rank 1 exited"
+    )
     ids = gang_ids(db, result.run_id)
     assert site.wait_nothing_left(ids, facts_of(tmp_path, "ok", 1) + bad, within=10) == []
     for stage, ranks in (("ok", 1), ("bad", 2)):
@@ -78,20 +83,27 @@ def test_command_stages_report_exit_codes_fail_fast_and_log_to_the_attempt(site,
         log_dir = Path(attempt["log_dir"])
         for r in range(ranks):
             log = log_dir / f"rank-{r}.log"
-            assert log.exists(), f"{stage}: no {log.name} in the attempt's log dir {log_dir}: " \
-                                 f"{sorted(p.name for p in log_dir.iterdir()) if log_dir.exists() else 'missing'}"
+            assert log.exists(), (
+                f"{stage}: no {log.name} in the attempt's log dir {log_dir}: "
+                f"{sorted(p.name for p in log_dir.iterdir()) if log_dir.exists() else 'missing'}"
+            )
             assert f"contract stage {stage} rank {r} of {ranks} says hello" in log.read_text(), log.read_text()
 
 
 # ---- a reused gang keeps its processes --------------------------------------------------------
 def test_a_reused_gang_keeps_its_processes_across_stages(site, tmp_path):
     if not site.can("reuse_gangs"):
-        pytest.skip(f"site {site.name!r}: executor {site.executor!r} does not declare reuse_gangs "
-                    "(every stage gets a gang of its own)")
+        pytest.skip(
+            f"site {site.name!r}: executor {site.executor!r} does not declare reuse_gangs "
+            "(every stage gets a gang of its own)"
+        )
     db = RunDB(tmp_path / "state")
     params = {"dir": str(tmp_path)}
-    wf = workflow("contract-reuse", first={"app": WHERE, "ranks": 2, "params": params},
-                  second={"app": WHERE, "ranks": 2, "params": params, "needs": ["first"]})
+    wf = workflow(
+        "contract-reuse",
+        first={"app": WHERE, "ranks": 2, "params": params},
+        second={"app": WHERE, "ranks": 2, "params": params, "needs": ["first"]},
+    )
     result = run_workflow(wf, site.model(reuse_gangs=True), db=db)
     assert result.ok, result.failed
     first, second = facts_of(tmp_path, "first", 2), facts_of(tmp_path, "second", 2)
@@ -126,8 +138,10 @@ def test_cancelling_a_run_leaves_nothing_behind(site, tmp_path):
     nothing of it is left — rank process, job, step, pilot, actor, placement group, or a live
     allocation in the run DB."""
     db = RunDB(tmp_path / "state")
-    wf = workflow("contract-cancel", wait={"app": WAIT, "ranks": N,
-                                           "params": {"dir": str(tmp_path), "go": str(tmp_path / "never")}})
+    wf = workflow(
+        "contract-cancel",
+        wait={"app": WAIT, "ranks": N, "params": {"dir": str(tmp_path), "go": str(tmp_path / "never")}},
+    )
     handle = px.submit(wf, site=site.model(), state=tmp_path / "state")
     try:
         # the run's own allocation (a SLURM pilot, a RADICAL-Pilot pilot) starts within its gang's start timeout
@@ -149,8 +163,10 @@ def test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once(site, 
     """Every slot is taken: the run's gang waits in the resource manager's queue; cancel() must
     end that wait (and the run) at once, not when the queue moves."""
     if site.waiting is None:
-        pytest.skip(f"site {site.name!r} (executor {site.executor!r}) has no resource manager to queue on: "
-                    "its gangs never wait for slots")
+        pytest.skip(
+            f"site {site.name!r} (executor {site.executor!r}) has no resource manager to queue on: "
+            "its gangs never wait for slots"
+        )
     db = RunDB(tmp_path / "state")
     wf = workflow("contract-cancel-queued", s={"app": WHERE, "ranks": 1, "params": {"dir": str(tmp_path)}})
     outcome: dict = {}
@@ -161,14 +177,16 @@ def test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once(site, 
             time.sleep(0.05)
         time.sleep(1.0)
         t0 = time.monotonic()
-        canceller = threading.Thread(target=lambda: outcome.update(stopped=handle.cancel(timeout=8),
-                                                                   took=time.monotonic() - t0), daemon=True)
+        canceller = threading.Thread(
+            target=lambda: outcome.update(stopped=handle.cancel(timeout=8), took=time.monotonic() - t0), daemon=True
+        )
         canceller.start()
         canceller.join(12)  # cancel(timeout=8) itself must return by then
     canceller.join(120)  # the slots are free: a wait that cancel() did not end ends now
     handle.wait(120)
-    assert outcome.get("stopped") and outcome["took"] < 8, \
+    assert outcome.get("stopped") and outcome["took"] < 8, (
         f"cancel(timeout=8) returned {outcome.get('stopped')} after {outcome.get('took', 0):.0f} s: its gang was still queued"
+    )
     assert db.run(handle.run_id)["state"] == "cancelled"
     assert db.allocations(handle.run_id) == []
     assert site.wait_nothing_left(gang_ids(db, handle.run_id)) == []
@@ -187,8 +205,14 @@ def test_two_runs_in_one_process_never_close_each_others_allocations(site, tmp_p
     for d in ("a", "b"):
         (tmp_path / d).mkdir()
     a = workflow("contract-run-a", s={"app": WAIT, "ranks": 1, "params": {"dir": str(tmp_path / "a"), "go": str(go)}})
-    b = workflow("contract-run-b", s={"app": WAIT, "ranks": 1, "params": {"dir": str(tmp_path / "b"),
-                                                                         "go": str(tmp_path / "a" / "s-rank-0.json")}})
+    b = workflow(
+        "contract-run-b",
+        s={
+            "app": WAIT,
+            "ranks": 1,
+            "params": {"dir": str(tmp_path / "b"), "go": str(tmp_path / "a" / "s-rank-0.json")},
+        },
+    )
     run_a = px.submit(a, site=model, state=tmp_path / "state")
     run_b = px.submit(b, site=model, state=tmp_path / "state")
     try:
@@ -196,8 +220,9 @@ def test_two_runs_in_one_process_never_close_each_others_allocations(site, tmp_p
             before = [f["pid"] for f in gang.run(R.where)]
             result_b = run_b.result(timeout=model.start_timeout + 60)
             assert result_b.ok, result_b.failed
-            assert (tmp_path / "a" / "s-rank-0.json").exists() and not run_a.done(), \
+            assert (tmp_path / "a" / "s-rank-0.json").exists() and not run_a.done(), (
                 f"run A is not running while run B ends: {run_a.status()}"
+            )
             assert gang.health() is None, f"run B's end broke the gang: {gang.health()}"
             assert [f["pid"] for f in gang.run(R.where)] == before
             assert not run_a.done(), f"run A ended with run B: {run_a.status()}"

@@ -52,8 +52,11 @@ def count_rows(env):
 
     df = env.input("tx")
     total = env.comm.allreduce_scalar(int(pa.compute.sum(df.to_arrow()["amount"]).as_py() or 0))
-    part = pa.table({"rows": [df.num_rows], "amount": [total]}) if env.rank == 0 else \
-        pa.table({"rows": pa.array([], pa.int64()), "amount": pa.array([], pa.int64())})
+    part = (
+        pa.table({"rows": [df.num_rows], "amount": [total]})
+        if env.rank == 0
+        else pa.table({"rows": pa.array([], pa.int64()), "amount": pa.array([], pa.int64())})
+    )
     return {"counted": px.DataFrame.from_arrow(part, env)}
 
 

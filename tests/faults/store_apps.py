@@ -24,4 +24,3 @@ def totals_after_go(env):
 def get_verified(env, session: str, name: str) -> int:
     """Rows of this rank's share of ``name``, read with checksums verified."""
     return env.store.for_session(session).get(name, verify=True).num_rows
-

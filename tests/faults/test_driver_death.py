@@ -69,8 +69,12 @@ def wait_for(what: str, cond, within: float, poll: float = 0.02):
 def slurm_left(conf: str, names: set[str]) -> list[str]:
     """Jobs and steps SLURM still runs under any of ``names``."""
     env = {**os.environ, "SLURM_CONF": conf}
-    out = [subprocess.run(["squeue", "-h", *flag, "-o", "%i %j"], env=env, capture_output=True,
-                          text=True, timeout=30, check=True).stdout for flag in ([], ["-s"])]
+    out = [
+        subprocess.run(
+            ["squeue", "-h", *flag, "-o", "%i %j"], env=env, capture_output=True, text=True, timeout=30, check=True
+        ).stdout
+        for flag in ([], ["-s"])
+    ]
     return [line for text in out for line in text.splitlines() if line.split()[-1] in names]
 
 
@@ -79,8 +83,11 @@ def ray_left(records: list[dict]) -> list[str]:
     import ray
     from ray.util.placement_group import placement_group_table
 
-    left = [f"placement group {t['name']} {t['state']}" for t in placement_group_table().values()
-            if t["name"] in {r["id"] for r in records} and t["state"] != "REMOVED"]
+    left = [
+        f"placement group {t['name']} {t['state']}"
+        for t in placement_group_table().values()
+        if t["name"] in {r["id"] for r in records} and t["state"] != "REMOVED"
+    ]
     for r in records:
         for rank in range(r["ranks"]):
             try:
@@ -99,7 +106,8 @@ class Run:
         self.dir, self.go = tmp / "ranks", tmp / "go"
         self.dir.mkdir()
         self.wf = tmp / "wf.yaml"
-        self.wf.write_text(textwrap.dedent(f"""\
+        self.wf.write_text(
+            textwrap.dedent(f"""\
             name: driverkill
             stages:
               gen:
@@ -113,22 +121,30 @@ class Run:
                 inputs: {{tx: {{dataset: tx, by: [user]}}}}
                 params: {{dir: {self.dir}, go: {self.go}}}
                 outputs: [totals]
-            """))
+            """)
+        )
         self.site = ["--site", str(SITES / f"{site}.yaml")] if site else []
-        self.env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS / "faults")]),
-                    "PHALANX_STATE": str(tmp / "state"), **(extra_env or {})}
+        self.env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS / "faults")]),
+            "PHALANX_STATE": str(tmp / "state"),
+            **(extra_env or {}),
+        }
         self.db = RunDB(tmp / "state")
         self.proc: subprocess.Popen | None = None
         self.log = None
 
     def cli(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([*PHALANX, *args], env=self.env, capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run([*PHALANX, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
 
     def start(self) -> None:
         self.log = open(self.tmp / "driver.log", "w")
-        self.proc = subprocess.Popen([*PHALANX, "run", str(self.wf), *self.site, "--plain"],
-                                     env=self.env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [*PHALANX, "run", str(self.wf), *self.site, "--plain"],
+            env=self.env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
 
     def rank_pids(self) -> list[int]:
         files = sorted(self.dir.glob("rank-*.pid"))
@@ -178,8 +194,12 @@ def kill_driver_then_resume(run: Run, fault, left=None) -> str:
     fault.detected(detect_s)
     if left is not None:  # ended by themselves: no command needed
         assert run.records(run_id), "the driver recorded no allocation in the run DB"
-        wait_for("the run's jobs, steps, actors and groups to go", lambda: not left(run.records(run_id)),
-                 max(0.5, WITHIN_S - (time.monotonic() - t_kill)), poll=0.1)
+        wait_for(
+            "the run's jobs, steps, actors and groups to go",
+            lambda: not left(run.records(run_id)),
+            max(0.5, WITHIN_S - (time.monotonic() - t_kill)),
+            poll=0.1,
+        )
     gone_s = time.monotonic() - t_kill
     live = run.db.allocations(run_id)
 
@@ -217,12 +237,13 @@ def test_driver_killed_local(tmp_path, fault):
 
 
 @pytest.mark.slurm
-@pytest.mark.parametrize("site,backend", [("slurm-local", "slurm-per-stage"),
-                                          ("slurm-pilot-local", "slurm-pilot")])
+@pytest.mark.parametrize("site,backend", [("slurm-local", "slurm-per-stage"), ("slurm-pilot-local", "slurm-pilot")])
 def test_driver_killed_slurm(slurm_cluster, tmp_path, fault, site, backend):
     run = Run(tmp_path, site, backend)
     try:
-        run_id = kill_driver_then_resume(run, fault, lambda records: slurm_left(slurm_cluster, {r["id"] for r in records}))
+        run_id = kill_driver_then_resume(
+            run, fault, lambda records: slurm_left(slurm_cluster, {r["id"] for r in records})
+        )
         kinds = sorted({r["kind"] for r in run.records(run_id)})
         assert kinds == (["pilot", "step"] if backend == "slurm-pilot" else ["job"]), kinds
     finally:
@@ -234,12 +255,15 @@ def test_status_of_a_lost_run_cancels_the_slurm_job_its_driver_left(slurm_cluste
     """A command stage has no control connection: its job outlives the killed driver until the
     next ``phalanx status`` of the run finds the job in the run DB and cancels it."""
     run = Run(tmp_path, "slurm-local", "slurm-per-stage")
-    run.wf.write_text("name: leftover\nstages:\n  hold:\n    kind: command\n    command: [sleep, '600']\n    ranks: 2\n")
+    run.wf.write_text(
+        "name: leftover\nstages:\n  hold:\n    kind: command\n    command: [sleep, '600']\n    ranks: 2\n"
+    )
     try:
         run.start()
         run_id = wait_for("the run", lambda: run.db.runs() and run.run_id, 60, poll=0.1)
-        names = wait_for("the job's record", lambda: {r["id"] for r in run.records(run_id) if r.get("job")},
-                         120, poll=0.1)
+        names = wait_for(
+            "the job's record", lambda: {r["id"] for r in run.records(run_id) if r.get("job")}, 120, poll=0.1
+        )
         wait_for("the job to run", lambda: slurm_left(slurm_cluster, names), 60, poll=0.2)
         run.proc.kill()
         run.proc.wait(timeout=10)
@@ -263,8 +287,10 @@ def test_driver_killed_ray(ray_cluster, tmp_path, fault):
         run.cleanup()
 
 
-@pytest.mark.parametrize("site", [pytest.param("slurm-pilot-local", marks=pytest.mark.slurm),
-                                  pytest.param("ray-local", marks=pytest.mark.ray)])
+@pytest.mark.parametrize(
+    "site",
+    [pytest.param("slurm-pilot-local", marks=pytest.mark.slurm), pytest.param("ray-local", marks=pytest.mark.ray)],
+)
 def test_a_cancelled_driver_frees_every_allocation_itself(request, tmp_path, site):
     """``phalanx cancel`` (SIGTERM: the driver's KeyboardInterrupt path): the driver releases its
     job steps and pilot, or placement groups, before it exits — nothing is left for the next
@@ -298,7 +324,8 @@ def test_the_heartbeat_alone_ends_grandchild_ranks_of_a_killed_driver(tmp_path, 
     connection alone."""
     fault.describe("driver killed (SIGKILL), ranks out of PDEATHSIG's reach", backend="local")
     script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path[:0] = [{str(TESTS)!r}, {str(TESTS / "faults")!r}]
         import phalanx as px
@@ -312,7 +339,8 @@ def test_the_heartbeat_alone_ends_grandchild_ranks_of_a_killed_driver(tmp_path, 
 
         with px.Gang(2, executor=ThroughAShell(echo=False), echo=False) as g:
             g.run(spawn_child_and_wait, {str(tmp_path)!r})
-    """))
+    """)
+    )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         pids = wait_for("ranks and their children", lambda: _pids(tmp_path), 120, poll=0.05)

@@ -30,28 +30,91 @@ from phalanx.orchestrator.yamlio import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 WORKFLOWS = {p.name: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "workflows").glob("*.yaml"))}
 SITES = {p.name: yaml.safe_load(p.read_text()) for p in sorted((ROOT / "site-configs").glob("*.yaml"))}
-RAW = {p.name: p.read_bytes() for p in sorted((ROOT / "workflows").glob("*.yaml")) +
-       sorted((ROOT / "site-configs").glob("*.yaml"))}
+RAW = {
+    p.name: p.read_bytes()
+    for p in sorted((ROOT / "workflows").glob("*.yaml")) + sorted((ROOT / "site-configs").glob("*.yaml"))
+}
 FIXED = settings(derandomize=True, database=None, deadline=None, suppress_health_check=list(HealthCheck))
 
 
 def fuzz(examples: int) -> settings:
     return settings(FIXED, max_examples=examples)
 
-NAMES = st.sampled_from(["", ".", "..", "a/../../b", "a/b/c", "x" * 300, "é", "名前", "a b", "-x", "a\tb",
-                         "😀", "local", "lcoal", "mpi", "bogus://", "tcp://h:99999", "SESSION/NAME"])
+
+NAMES = st.sampled_from(
+    [
+        "",
+        ".",
+        "..",
+        "a/../../b",
+        "a/b/c",
+        "x" * 300,
+        "é",
+        "名前",
+        "a b",
+        "-x",
+        "a\tb",
+        "😀",
+        "local",
+        "lcoal",
+        "mpi",
+        "bogus://",
+        "tcp://h:99999",
+        "SESSION/NAME",
+    ]
+)
 SCALARS = st.one_of(
-    st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([10**30, -1, 0, 2**63, 1000000000]),
-    st.floats(), st.text(max_size=20), NAMES, st.binary(max_size=6),
-    st.sampled_from([f"__DEEP_{n}__" for n in (99, 100, 101, 3000)]))  # nested lists, spliced in as text
-VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3) |
-                      st.dictionaries(st.text(max_size=8) | NAMES, inner, max_size=3), max_leaves=8)
-KEYS = st.one_of(NAMES, st.text(max_size=10), st.integers(-5, 5), st.sampled_from(
-    ["slurm", "ray", "partiton", "strategi", "ranks", "timeout", "retries", "executor", "pilot", "<<"]))
-SPLICES = st.one_of(st.binary(min_size=1, max_size=4), st.sampled_from([
-    b"\t", b"\x00", b"\xff", b"\xef\xbb\xbf", b"\r", b"\x85", b"\xe2\x80\xa8", b": ", b"- ", b"{", b"[", b"&a ",
-    b"*a", b"!!python/object:os.system ", b"<<: *x\n", "é".encode(), b"\x1b", b"\n  x: 1\n", b"'", b'"\\0"',
-    b"!!int 0x", b"2024-13-45", b"? [a]\n"]))
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**30, -1, 0, 2**63, 1000000000]),
+    st.floats(),
+    st.text(max_size=20),
+    NAMES,
+    st.binary(max_size=6),
+    st.sampled_from([f"__DEEP_{n}__" for n in (99, 100, 101, 3000)]),
+)  # nested lists, spliced in as text
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8) | NAMES, inner, max_size=3),
+    max_leaves=8,
+)
+KEYS = st.one_of(
+    NAMES,
+    st.text(max_size=10),
+    st.integers(-5, 5),
+    st.sampled_from(["slurm", "ray", "partiton", "strategi", "ranks", "timeout", "retries", "executor", "pilot", "<<"]),
+)
+SPLICES = st.one_of(
+    st.binary(min_size=1, max_size=4),
+    st.sampled_from(
+        [
+            b"\t",
+            b"\x00",
+            b"\xff",
+            b"\xef\xbb\xbf",
+            b"\r",
+            b"\x85",
+            b"\xe2\x80\xa8",
+            b": ",
+            b"- ",
+            b"{",
+            b"[",
+            b"&a ",
+            b"*a",
+            b"!!python/object:os.system ",
+            b"<<: *x\n",
+            "é".encode(),
+            b"\x1b",
+            b"\n  x: 1\n",
+            b"'",
+            b'"\\0"',
+            b"!!int 0x",
+            b"2024-13-45",
+            b"? [a]\n",
+        ]
+    ),
+)
 
 tally: Counter = Counter()
 LOCATED = re.compile(r"(?P<where>--set .+?|(?P<file>.+?):\d+): (?P<rest>.+)")
@@ -105,14 +168,14 @@ def spliced(draw) -> bytes:
         if op == "insert":
             raw = raw[:at] + draw(SPLICES) + raw[at:]
         elif op == "cut":
-            raw = raw[:at] + raw[at + draw(st.integers(1, 40)):]
+            raw = raw[:at] + raw[at + draw(st.integers(1, 40)) :]
         else:
             raw = raw[:at]
     return raw
 
 
 def _outcome(run, sources: tuple[str, ...]) -> str:
-    """"valid" or "rejected"; fails on any other exception or an unlocated problem."""
+    """ "valid" or "rejected"; fails on any other exception or an unlocated problem."""
     try:
         run()
     except ConfigError as exc:
@@ -122,8 +185,9 @@ def _outcome(run, sources: tuple[str, ...]) -> str:
             assert m, f"no file:line or --set in {problem!r}"
             assert m["file"] is None or m["file"] in sources, problem
             rest = m["rest"]
-            assert rest.startswith(("not valid YAML: ", "not UTF-8: ", "expected KEY=VALUE")) or ": " in rest, \
+            assert rest.startswith(("not valid YAML: ", "not UTF-8: ", "expected KEY=VALUE")) or ": " in rest, (
                 f"no field in {problem!r}"
+            )
         tally["rejected"] += 1
         return "rejected"
     tally["valid"] += 1
@@ -153,6 +217,7 @@ def _fuzz_workflow_files(tmp: Path) -> None:
     def run(text: str) -> None:
         wf = _write(tmp, "wf.yaml", text)
         _outcome(lambda: load_workflow(wf, check_imports=False), (str(wf),))
+
     run()
 
 
@@ -161,8 +226,11 @@ def _fuzz_site_files(tmp: Path) -> None:
     @given(mutated(SITES), st.sampled_from(sorted(WORKFLOWS)))
     def run(text: str, workflow: str) -> None:
         site = _write(tmp, "site.yaml", text)
-        _outcome(lambda: load_workflow(ROOT / "workflows" / workflow, site=str(site), check_imports=False),
-                 (str(site), str(ROOT / "workflows" / workflow)))
+        _outcome(
+            lambda: load_workflow(ROOT / "workflows" / workflow, site=str(site), check_imports=False),
+            (str(site), str(ROOT / "workflows" / workflow)),
+        )
+
     run()
 
 
@@ -172,43 +240,89 @@ def _fuzz_bytes(tmp: Path) -> None:
     def run(raw: bytes, as_site: bool) -> None:
         path = _write(tmp, "in.yaml", raw)
         wf = ROOT / "workflows" / "tpch.yaml"
-        _outcome(lambda: load_workflow(wf, site=str(path), check_imports=False) if as_site else
-                 load_workflow(path, check_imports=False), (str(path), str(wf)))
+        _outcome(
+            lambda: (
+                load_workflow(wf, site=str(path), check_imports=False)
+                if as_site
+                else load_workflow(path, check_imports=False)
+            ),
+            (str(path), str(wf)),
+        )
+
     run()
 
 
 def _fuzz_set_values(tmp: Path) -> None:
     real = [".".join(map(str, p)) for p in _paths(WORKFLOWS["tpch.yaml"]) if p]
-    key = st.one_of(st.sampled_from(real), st.builds(lambda k, x: f"{k}.{x}", st.sampled_from(real), KEYS),
-                    st.text(max_size=12))
-    value = st.one_of(st.text(max_size=20), NAMES, st.sampled_from(
-        ["[a", "{", "true", ".inf", ".nan", "1e999", "-1", "''", "!!binary x", "&a *a", "\t1", "2024-13-45",
-         "!!python/object:os.system x", "[" * 3000, "{a: 1, a: 2}", "1000000000"]))
+    key = st.one_of(
+        st.sampled_from(real), st.builds(lambda k, x: f"{k}.{x}", st.sampled_from(real), KEYS), st.text(max_size=12)
+    )
+    value = st.one_of(
+        st.text(max_size=20),
+        NAMES,
+        st.sampled_from(
+            [
+                "[a",
+                "{",
+                "true",
+                ".inf",
+                ".nan",
+                "1e999",
+                "-1",
+                "''",
+                "!!binary x",
+                "&a *a",
+                "\t1",
+                "2024-13-45",
+                "!!python/object:os.system x",
+                "[" * 3000,
+                "{a: 1, a: 2}",
+                "1000000000",
+            ]
+        ),
+    )
 
     @fuzz(120)
     @given(st.lists(st.tuples(key, value), min_size=1, max_size=3))
     def run(sets: list[tuple[str, str]]) -> None:
         wf = ROOT / "workflows" / "tpch.yaml"
-        _outcome(lambda: load_workflow(wf, overrides=_overrides([f"{k}={v}" for k, v in sets]),
-                                       check_imports=False), (str(wf),))
+        _outcome(
+            lambda: load_workflow(wf, overrides=_overrides([f"{k}={v}" for k, v in sets]), check_imports=False),
+            (str(wf),),
+        )
+
     run()
 
 
 def _fuzz_cli(tmp: Path) -> None:
     """The real ``phalanx validate``: exit 0 with "ok", or 1 with located problems, no traceback."""
+
     @fuzz(6)
     @given(mutated(WORKFLOWS) | spliced().map(lambda b: b.decode("utf-8", "replace")), NAMES)
     def run(text: str, value: str) -> None:
         wf = _write(tmp, "cli.yaml", text)
-        out = subprocess.run([sys.executable, "-m", "phalanx.cli", "validate", str(wf), "--no-imports",
-                              f"--set=stages.dbgen.params.x={value}"], capture_output=True, text=True,
-                             timeout=60)
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "phalanx.cli",
+                "validate",
+                str(wf),
+                "--no-imports",
+                f"--set=stages.dbgen.params.x={value}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode in (0, 1) and "Traceback" not in out.stderr, out.stderr
 
         def replay() -> None:
             if out.returncode:
                 raise ConfigError(out.stderr.splitlines())
+
         assert _outcome(replay, (str(wf),)) == ("rejected" if out.returncode else "valid")
+
     run()
 
 
@@ -219,6 +333,8 @@ def test_fuzzed_workflow_site_and_set_inputs_validate_or_fail_cleanly(fault, wor
         run(work)
     total = tally["valid"] + tally["rejected"]
     assert tally["rejected"] > total // 2 and tally["valid"] > 0, tally  # both kinds really occur
-    fault.outcome(f"{total} of {total} rejected cleanly or valid ({tally['rejected']} rejected with "
-                  f"file:line: field, {tally['valid']} valid); no traceback")
+    fault.outcome(
+        f"{total} of {total} rejected cleanly or valid ({tally['rejected']} rejected with "
+        f"file:line: field, {tally['valid']} valid); no traceback"
+    )
     fault.data_lost("none")

@@ -14,10 +14,10 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from test_gang import wait_dead
 
 import phalanx as px
 from phalanx.executors.local import LocalLauncher
-from test_gang import wait_dead
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks need not import this module
 
@@ -48,8 +48,7 @@ def test_hung_rank_is_named_when_the_stage_times_out(fault):
             gang.run(app_rank1_hangs, timeout=3)
         took = time.monotonic() - t0
     msg = str(info.value)
-    assert ("rank 1 did not manage to finish within the stage timeout (timeout=3s); "
-            "ranks 0, 2 finished") in msg, msg
+    assert ("rank 1 did not manage to finish within the stage timeout (timeout=3s); ranks 0, 2 finished") in msg, msg
     assert f"logs in {gang.log_dir}" in msg
     assert 3 <= took < 5, took
     assert wait_dead(pids) == []
@@ -90,8 +89,9 @@ def test_rank_over_its_memory_limit_is_killed_and_named(fault, tmp_path):
         failed_at = time.time()
     err = info.value
     assert err.first.rank == 1, str(err)
-    assert err.first.message.startswith(
-        "rank process killed by signal SIGKILL — over its memory limit of 1 GiB"), err.first.message
+    assert err.first.message.startswith("rank process killed by signal SIGKILL — over its memory limit of 1 GiB"), (
+        err.first.message
+    )
     last_under = float(under_log.read_text().split("\n")[-2])  # the last whole line
     took = failed_at - last_under  # from the last moment under the limit: ≥ time to detect
     assert took < 3, took
@@ -127,9 +127,11 @@ def app_merge(env, hold_file: str | None = None):
     return left.merge(right, on="key", broadcast=False).collect(root=0)
 
 
-SITES = [pytest.param(None, id="local"),
-         pytest.param("slurm-local", id="slurm", marks=pytest.mark.slurm),
-         pytest.param("ray-local", id="ray", marks=pytest.mark.ray)]
+SITES = [
+    pytest.param(None, id="local"),
+    pytest.param("slurm-local", id="slurm", marks=pytest.mark.slurm),
+    pytest.param("ray-local", id="ray", marks=pytest.mark.ray),
+]
 
 
 @pytest.fixture
@@ -175,8 +177,9 @@ def test_rank_killed_mid_shuffle_fails_fast_and_a_rerun_is_right(fault, tmp_path
     right = pd.concat([p[1].to_pandas() for p in parts])
     expected = left.merge(right, on="key")
     cols = ["key", "a", "b"]
-    pd.testing.assert_frame_equal(out[cols].sort_values(cols).reset_index(drop=True),
-                                  expected[cols].sort_values(cols).reset_index(drop=True))
+    pd.testing.assert_frame_equal(
+        out[cols].sort_values(cols).reset_index(drop=True), expected[cols].sort_values(cols).reset_index(drop=True)
+    )
     fault.detected(took)
     fault.outcome("RankError names the killed rank first; a fresh gang's rerun equals pandas")
     fault.data_lost("none")

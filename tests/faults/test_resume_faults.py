@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from test_scheduler import generated  # what apps:wf_generate writes, computed independently
 
 import phalanx as px
 from phalanx.orchestrator.models import Site, Stage, Workflow
 from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
-from test_scheduler import generated  # what apps:wf_generate writes, computed independently
 
 TESTS = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
@@ -30,11 +30,19 @@ def db(tmp_path):
 
 
 def pipeline(rows: int = 4000, **count_params) -> Workflow:
-    return Workflow(name="fp", stages={
-        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": rows, "seed": 3}, outputs=["tx"]),
-        "totals": Stage(app="apps:wf_totals", ranks=2, inputs={"tx": {"dataset": "tx", "by": ["user"]}},
-                        outputs=["totals"], params=count_params),
-    })
+    return Workflow(
+        name="fp",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": rows, "seed": 3}, outputs=["tx"]),
+            "totals": Stage(
+                app="apps:wf_totals",
+                ranks=2,
+                inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                outputs=["totals"],
+                params=count_params,
+            ),
+        },
+    )
 
 
 def totals_of(session: str) -> pd.DataFrame:
@@ -83,12 +91,17 @@ def test_resume_recomputes_a_producer_whose_output_is_corrupted(db, tmp_path, ho
 
 def test_a_corrupted_stage_input_fails_the_stage_naming_dataset_and_partition(db, fault):
     fault.describe("stage input bit-flipped before it is read", backend="local")
-    made = run_workflow(Workflow(name="src", stages={"generate": pipeline().stages["generate"]}),
-                        Site(name="t", cores=4), db=db)
+    made = run_workflow(
+        Workflow(name="src", stages={"generate": pipeline().stages["generate"]}), Site(name="t", cores=4), db=db
+    )
     assert made.ok
     damage(px.Store(session=made.session), "tx", "bit-flipped")
-    reader = Workflow(name="rd", stages={"totals": Stage(
-        app="apps:wf_totals", ranks=3, inputs={"tx": f"{made.session}/tx"}, outputs=["totals"])})
+    reader = Workflow(
+        name="rd",
+        stages={
+            "totals": Stage(app="apps:wf_totals", ranks=3, inputs={"tx": f"{made.session}/tx"}, outputs=["totals"])
+        },
+    )
     result = run_workflow(reader, Site(name="t", cores=4), db=db)
     assert not result.ok
     error = result.failed["totals"]
@@ -100,13 +113,17 @@ def test_a_corrupted_stage_input_fails_the_stage_naming_dataset_and_partition(db
 
 
 def cli_env(tmp_path: Path) -> dict:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(HERE)]),
-            "PHALANX_STATE": str(tmp_path / "state")}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(HERE)]),
+        "PHALANX_STATE": str(tmp_path / "state"),
+    }
 
 
 def phalanx(*args: str, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", *args], capture_output=True, text=True, env=env, timeout=timeout
+    )
 
 
 WORKFLOW = """
@@ -135,7 +152,9 @@ def test_resume_with_changed_params_or_an_edited_file_reruns_the_stage_and_downs
     run_id = next(line.split()[1] for line in first.stdout.splitlines() if line.startswith("run "))
 
     # --set changes generate's rows: generate and everything downstream run again
-    second = phalanx("run", "--plain", str(wf), "--resume", run_id, "--set", "stages.generate.params.rows=2000", env=env)
+    second = phalanx(
+        "run", "--plain", str(wf), "--resume", run_id, "--set", "stages.generate.params.rows=2000", env=env
+    )
     assert second.returncode == 0, second.stderr
     db = RunDB(tmp_path / "state")
     session = db.run(run_id)["session"]
@@ -143,7 +162,9 @@ def test_resume_with_changed_params_or_an_edited_file_reruns_the_stage_and_downs
     said = [e["message"] for e in db.events(run_id) if e["kind"] == "rerun"]
     assert any("params.rows: 246 → 2000" in m for m in said), said
     assert {s["stage"]: (s["state"], s["error"]) for s in db.stages(run_id)} == {
-        "generate": ("succeeded", None), "totals": ("succeeded", None)}  # the first failure's text is gone
+        "generate": ("succeeded", None),
+        "totals": ("succeeded", None),
+    }  # the first failure's text is gone
 
     # the file edited between runs (rows 2000 → 3000): the same again, without --set
     wf.write_text(textwrap.dedent(WORKFLOW.format(rows=3000, marker=tmp_path / "m", fail=1)))
@@ -154,8 +175,10 @@ def test_resume_with_changed_params_or_an_edited_file_reruns_the_stage_and_downs
     fourth = phalanx("run", "--plain", str(wf), "--resume", run_id, env=env)
     assert fourth.returncode == 0, fourth.stderr
     assert len(db.attempts(run_id, "generate")) == 3 and len(db.attempts(run_id, "totals")) == 3
-    fault.outcome("the changed stage and its downstream ran again (event says what changed); "
-                  "unchanged stages reused; result equals pandas")
+    fault.outcome(
+        "the changed stage and its downstream ran again (event says what changed); "
+        "unchanged stages reused; result equals pandas"
+    )
     fault.data_lost("none")
     px.Store(session=session).delete_session()
 
@@ -164,10 +187,15 @@ def test_two_drivers_of_one_run_the_second_is_refused_a_dead_ones_hold_is_taken_
     fault.describe("two drivers on one run (--resume twice)", backend="local")
     go, env = tmp_path / "go", cli_env(tmp_path)
     wf = tmp_path / "wf.yaml"
-    wf.write_text(f"name: locked\nstages:\n  hold:\n    app: fault_apps:wait_for_file\n    ranks: 2\n"
-                  f"    params: {{file: {go}}}\n")
-    a = subprocess.Popen([sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wf.write_text(
+        f"name: locked\nstages:\n  hold:\n    app: fault_apps:wait_for_file\n    ranks: 2\n    params: {{file: {go}}}\n"
+    )
+    a = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         db, deadline = RunDB(tmp_path / "state"), time.monotonic() + 60
         while not db.runs() or not db.attempts(db.runs()[0]["id"]):
@@ -197,12 +225,18 @@ def test_two_drivers_of_one_run_the_second_is_refused_a_dead_ones_hold_is_taken_
 def test_a_kept_gang_that_lost_a_rank_while_idle_is_not_handed_to_the_next_stage(db, tmp_path, fault):
     fault.describe("a rank of an idle kept gang dies before reuse", backend="local")
     common = {"dir": str(tmp_path)}
-    wf = Workflow(name="idle", stages={
-        "a": Stage(app="fault_apps:write_pid", ranks=2, params=common),
-        "killer": Stage(app="fault_apps:kill_idle_rank", ranks=1,
-                        params={**common, "state": str(tmp_path / "state"), "victim": "a"}),
-        "c": Stage(app="fault_apps:write_pid", ranks=2, needs=["a", "killer"], params=common),
-    })
+    wf = Workflow(
+        name="idle",
+        stages={
+            "a": Stage(app="fault_apps:write_pid", ranks=2, params=common),
+            "killer": Stage(
+                app="fault_apps:kill_idle_rank",
+                ranks=1,
+                params={**common, "state": str(tmp_path / "state"), "victim": "a"},
+            ),
+            "c": Stage(app="fault_apps:write_pid", ranks=2, needs=["a", "killer"], params=common),
+        },
+    )
     result = run_workflow(wf, Site(name="t", cores=3), db=db)
     assert result.ok, result.failed
     said = [e["message"] for e in db.events(result.run_id) if e["kind"] == "gang" and e["stage"] == "c"]
@@ -217,8 +251,9 @@ def test_a_kept_gang_that_lost_a_rank_while_idle_is_not_handed_to_the_next_stage
 
 def test_a_backend_that_cannot_start_fails_its_stages_without_cancelling_the_run(db, fault):
     fault.describe("unusable rendezvous on the site (bypassing validate)", backend="local")
-    wf = Workflow(name="bad", stages={"x": Stage(app="apps:rank_info", ranks=1),
-                                      "y": Stage(app="apps:rank_info", ranks=1)})
+    wf = Workflow(
+        name="bad", stages={"x": Stage(app="apps:rank_info", ranks=1), "y": Stage(app="apps:rank_info", ranks=1)}
+    )
     unchecked = Site.model_construct(name="t", cores=2, rendezvous="bogus://nowhere")  # as a bug would
     result = run_workflow(wf, unchecked, db=db)
     assert not result.ok and set(result.failed) == {"x", "y"}

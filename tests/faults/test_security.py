@@ -30,9 +30,9 @@ import pytest
 
 import phalanx as px
 from phalanx.errors import UnsafePathError
-from phalanx.redact import redact
 from phalanx.gang import default_log_root
 from phalanx.orchestrator.rundb import RunDB
+from phalanx.redact import redact
 from phalanx.runtime.rendezvous import free_port
 from phalanx.store.tiers import default_spill_root
 
@@ -41,24 +41,32 @@ MALLORY = "phalanxmallory"
 
 
 def phalanx_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx.cli", *args], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def write_run_files(tmp_path: Path, rendezvous: str = "tcp") -> tuple[Path, Path]:
     wf, site = tmp_path / "wf.yaml", tmp_path / "site.yaml"
-    wf.write_text(textwrap.dedent("""
+    wf.write_text(
+        textwrap.dedent("""
         name: sec
         stages:
           gen: {app: "apps:wf_generate", ranks: 2, params: {rows: 1000}, outputs: [tx]}
-    """))
+    """)
+    )
     site.write_text(f"name: sec\nexecutor: local\ncores: 2\nrendezvous: '{rendezvous}'\n")
     return wf, site
 
 
 def cli_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {"PYTHONPATH": str(TESTS), "PATH": "/usr/bin:/bin", "PHALANX_STATE": str(tmp_path / "state"),
-            **{k: v for k, v in os.environ.items() if k.startswith("PHALANX_STORE")}, **extra}
+    return {
+        "PYTHONPATH": str(TESTS),
+        "PATH": "/usr/bin:/bin",
+        "PHALANX_STATE": str(tmp_path / "state"),
+        **{k: v for k, v in os.environ.items() if k.startswith("PHALANX_STORE")},
+        **extra,
+    }
 
 
 def run_id_of(out: subprocess.CompletedProcess) -> str:
@@ -73,9 +81,25 @@ def redis_with_password(tmp_path_factory):
     redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'phalanx[redis]')")
     exe = shutil.which("redis-server") or pytest.skip("redis-server is not installed (apt-get install redis-server)")
     secret, port = f"rightpw-{uuid.uuid4().hex}", free_port()
-    proc = subprocess.Popen([exe, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no",
-                             "--requirepass", secret, "--dir", str(tmp_path_factory.mktemp("redis"))],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--requirepass",
+            secret,
+            "--dir",
+            str(tmp_path_factory.mktemp("redis")),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     client, deadline = redis.Redis(port=port, password=secret), time.monotonic() + 20
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -92,8 +116,9 @@ def redis_with_password(tmp_path_factory):
     proc.wait(timeout=10)
 
 
-def everything_phalanx_shows_and_keeps(tmp_path: Path, env: dict[str, str], run: subprocess.CompletedProcess,
-                                       run_id: str) -> dict[str, str]:
+def everything_phalanx_shows_and_keeps(
+    tmp_path: Path, env: dict[str, str], run: subprocess.CompletedProcess, run_id: str
+) -> dict[str, str]:
     """Every text a user or another process can see about the run, by where it is."""
     state = tmp_path / "state"
     seen = {"terminal": run.stdout + run.stderr}
@@ -116,9 +141,11 @@ def everything_phalanx_shows_and_keeps(tmp_path: Path, env: dict[str, str], run:
 def test_a_password_in_the_rendezvous_url_is_never_shown_or_kept(case, tmp_path, redis_with_password, fault):
     right, port = redis_with_password
     secret = right if case == "right password, no such db" else f"wrongpw-{uuid.uuid4().hex}"
-    url = {"nothing listens": f"redis://:{secret}@127.0.0.1:{free_port()}/0",
-           "wrong password": f"redis://default:{secret}@127.0.0.1:{port}/0",
-           "right password, no such db": f"redis://:{secret}@127.0.0.1:{port}/999"}[case]
+    url = {
+        "nothing listens": f"redis://:{secret}@127.0.0.1:{free_port()}/0",
+        "wrong password": f"redis://default:{secret}@127.0.0.1:{port}/0",
+        "right password, no such db": f"redis://:{secret}@127.0.0.1:{port}/999",
+    }[case]
     fault.describe(f"a password in the rendezvous URL, rendezvous fails ({case})")
     wf, site = write_run_files(tmp_path, url)
     env = cli_env(tmp_path)
@@ -132,8 +159,10 @@ def test_a_password_in_the_rendezvous_url_is_never_shown_or_kept(case, tmp_path,
     leaks = [where for where, text in seen.items() if secret in text]
     assert not leaks, f"the password is in: {leaks}"
     assert "redis://" in seen["phalanx status"] and ":***@127.0.0.1" in seen["report page"]
-    fault.outcome("stage failed naming the URL as redis://…:***@host; the password is in none of: "
-                  "terminal, status, logs, report, run DB")
+    fault.outcome(
+        "stage failed naming the URL as redis://…:***@host; the password is in none of: "
+        "terminal, status, logs, report, run DB"
+    )
     fault.data_lost("none")
 
 
@@ -195,11 +224,11 @@ def test_a_store_root_another_user_made_is_refused(tmp_path, mallory, victim, fa
     assert run.returncode != 0
     message = f"refusing to use {root}"
     assert message in run.stderr, run.stderr
-    refusal = run.stderr[run.stderr.index(message):]
+    refusal = run.stderr[run.stderr.index(message) :]
     assert f"owned by {MALLORY} (uid {mallory})" in refusal and "mode 0777" in refusal
     assert "PHALANX_STORE" in refusal  # what to do instead
     assert (meta.read_bytes(), meta.stat().st_mtime_ns) == before  # the planted catalogue never opened
-    assert sorted(os.listdir(root / "store")) == ["meta.sqlite"]   # nothing written there
+    assert sorted(os.listdir(root / "store")) == ["meta.sqlite"]  # nothing written there
     fault.outcome("refused before any stage ran, naming path, owner and mode; the planted catalogue untouched")
     fault.data_lost("none")
 
@@ -207,8 +236,11 @@ def test_a_store_root_another_user_made_is_refused(tmp_path, mallory, victim, fa
 def test_every_default_directory_refuses_another_users(tmp_path, mallory, victim, monkeypatch):
     monkeypatch.delenv("PHALANX_STORE_SPILL", raising=False)
     monkeypatch.delenv("PHALANX_LOG_DIR", raising=False)
-    spill = planted(Path("/var/tmp" if Path("/var/tmp").is_dir() else tempfile.gettempdir()) / f"phalanx-{victim}",
-                    mallory, mode=0o755)  # not writable by others, but not ours: refused too
+    spill = planted(
+        Path("/var/tmp" if Path("/var/tmp").is_dir() else tempfile.gettempdir()) / f"phalanx-{victim}",
+        mallory,
+        mode=0o755,
+    )  # not writable by others, but not ours: refused too
     with pytest.raises(UnsafePathError, match=f"{spill}.*owned by {MALLORY}.*PHALANX_STORE_SPILL"):
         default_spill_root()
     logs = Path(tempfile.gettempdir()) / f"phalanx-{victim}"
@@ -249,8 +281,10 @@ def test_what_phalanx_creates_is_private(tmp_path, victim, monkeypatch, fault):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg"))
     wf, site = write_run_files(tmp_path)
-    env = {**{k: v for k, v in cli_env(tmp_path, LOGNAME=victim).items()
-              if not k.startswith("PHALANX_S")}, "XDG_STATE_HOME": str(tmp_path / "xdg")}
+    env = {
+        **{k: v for k, v in cli_env(tmp_path, LOGNAME=victim).items() if not k.startswith("PHALANX_S")},
+        "XDG_STATE_HOME": str(tmp_path / "xdg"),
+    }
     run = phalanx_cli("run", "--plain", str(wf), "--site", str(site), env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     root, state = store_base() / f"phalanx-{victim}", tmp_path / "xdg" / "phalanx"
@@ -267,11 +301,13 @@ def test_what_phalanx_creates_is_private(tmp_path, victim, monkeypatch, fault):
 
 def test_rank_logs_are_private(tmp_path):
     wf = tmp_path / "say.yaml"
-    wf.write_text(textwrap.dedent(f"""
+    wf.write_text(
+        textwrap.dedent(f"""
         name: say
         stages:
           say: {{kind: command, ranks: 2, command: [{sys.executable!r}, -c, "print('hello')"]}}
-    """))
+    """)
+    )
     run = phalanx_cli("run", "--plain", str(wf), env=cli_env(tmp_path))
     assert run.returncode == 0, run.stdout + run.stderr
     logs = tmp_path / "state" / "logs"
@@ -281,19 +317,32 @@ def test_rank_logs_are_private(tmp_path):
     assert not loose, f"readable by others: {loose}"
 
 
-@pytest.mark.parametrize("text, shown", [
-    ("rendezvous 'redis://:pw1@127.0.0.1:1/0'", "rendezvous 'redis://:***@127.0.0.1:1/0'"),
-    ("rediss://default:p@ss/w0rd@h:6380/0?prefix=x", "rediss://default:***@h:6380/0?prefix=x"),
-    ("postgresql://bob:s3cr3t@db/x and https://ghp_token@github.com/a", "postgresql://bob:***@db/x and https://***@github.com/a"),
-    ("s3://b/p?endpoint_override=http://minio:9000&access_key=AKIA1&secret_key=abc%2Fdef",
-     "s3://b/p?endpoint_override=http://minio:9000&access_key=***&secret_key=***"),
-    ("env {'PHALANX_AUTHKEY': '9f8e7d6c', 'AWS_SECRET_ACCESS_KEY': 'wJalr/K7+'}",
-     "env {'PHALANX_AUTHKEY': '***', 'AWS_SECRET_ACCESS_KEY': '***'}"),
-    ("?password=x&user=me", "?password=***&user=me"),
-    # what is no credential stays as it is: plain URLs, an e-mail in a path, a field named in a message
-    ("tcp://127.0.0.1:5000 file:///tmp/x http://h:8080/p?mail=a@b.c", "tcp://127.0.0.1:5000 file:///tmp/x http://h:8080/p?mail=a@b.c"),
-    ("wf.yaml:7: stages.gen.password: unknown key", "wf.yaml:7: stages.gen.password: unknown key"),
-])
+@pytest.mark.parametrize(
+    "text, shown",
+    [
+        ("rendezvous 'redis://:pw1@127.0.0.1:1/0'", "rendezvous 'redis://:***@127.0.0.1:1/0'"),
+        ("rediss://default:p@ss/w0rd@h:6380/0?prefix=x", "rediss://default:***@h:6380/0?prefix=x"),
+        (
+            "postgresql://bob:s3cr3t@db/x and https://ghp_token@github.com/a",
+            "postgresql://bob:***@db/x and https://***@github.com/a",
+        ),
+        (
+            "s3://b/p?endpoint_override=http://minio:9000&access_key=AKIA1&secret_key=abc%2Fdef",
+            "s3://b/p?endpoint_override=http://minio:9000&access_key=***&secret_key=***",
+        ),
+        (
+            "env {'PHALANX_AUTHKEY': '9f8e7d6c', 'AWS_SECRET_ACCESS_KEY': 'wJalr/K7+'}",
+            "env {'PHALANX_AUTHKEY': '***', 'AWS_SECRET_ACCESS_KEY': '***'}",
+        ),
+        ("?password=x&user=me", "?password=***&user=me"),
+        # what is no credential stays as it is: plain URLs, an e-mail in a path, a field named in a message
+        (
+            "tcp://127.0.0.1:5000 file:///tmp/x http://h:8080/p?mail=a@b.c",
+            "tcp://127.0.0.1:5000 file:///tmp/x http://h:8080/p?mail=a@b.c",
+        ),
+        ("wf.yaml:7: stages.gen.password: unknown key", "wf.yaml:7: stages.gen.password: unknown key"),
+    ],
+)
 def test_redact_masks_every_form_of_credential(text, shown):
     assert redact(text) == shown
 

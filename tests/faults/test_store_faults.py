@@ -12,23 +12,24 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
+from store_apps import get_verified
+from test_resume_faults import damage
+from test_scheduler import generated  # what apps:wf_generate writes, computed independently
 
 import phalanx as px
 from phalanx.errors import ChecksumError, StoreError
 from phalanx.orchestrator.models import Site, Stage, Workflow
 from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
-from store_apps import get_verified
-from test_resume_faults import damage
-from test_scheduler import generated  # what apps:wf_generate writes, computed independently
 
 redis = pytest.importorskip("redis", reason="redis-py is not installed (pip install 'phalanx[redis]')")
 
@@ -43,8 +44,9 @@ def wait_until(predicate: Callable[[], Any], what: str, limit: float = 120.0) ->
 
 
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "phalanx.cli", "store", *args], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "store", *args], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def expected_totals(rows: int) -> pd.DataFrame:
@@ -70,14 +72,27 @@ class RedisServer:
         with socket.socket() as s:  # a free port, kept across restarts
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        self.argv = [exe, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(workdir),
-                     "--save", "", "--appendonly", "yes" if aof else "no", "--appendfsync", "always"]
+        self.argv = [
+            exe,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dir",
+            str(workdir),
+            "--save",
+            "",
+            "--appendonly",
+            "yes" if aof else "no",
+            "--appendfsync",
+            "always",
+        ]
         if password:
             self.argv += ["--requirepass", password]
         self.url = f"redis://{f':{password}@' if password else ''}127.0.0.1:{port}/0"
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "RedisServer":
+    def start(self) -> RedisServer:
         self.proc = subprocess.Popen(self.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
         deadline = time.monotonic() + 20
@@ -127,21 +142,34 @@ def failed_attempts(db: RunDB, run_id: str, stage: str) -> list[dict]:
 @pytest.mark.redis
 @pytest.mark.parametrize("aof", [True, False], ids=["persistent", "not-persistent"])
 def test_redis_metadata_killed_and_restarted_mid_stage(redis_server, tmp_path, monkeypatch, fault, aof):
-    fault.describe(f"Redis metadata killed (SIGKILL) mid-stage, restarted "
-                   f"{'with (appendonly)' if aof else 'without'} persistence", backend="local")
+    fault.describe(
+        f"Redis metadata killed (SIGKILL) mid-stage, restarted {'with (appendonly)' if aof else 'without'} persistence",
+        backend="local",
+    )
     server = redis_server(aof=aof)
     monkeypatch.setenv("PHALANX_STORE_METADATA", server.url)  # the site file cannot name metadata
     db, rows = RunDB(tmp_path / "state"), 4000
-    wf = Workflow(name="redis-fault", stages={
-        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": rows, "seed": 3}, outputs=["tx"]),
-        "totals": Stage(app="store_apps:totals_after_go", ranks=2, retries=1, outputs=["totals"],
-                        inputs={"tx": {"dataset": "tx", "by": ["user"]}}, params={"dir": str(tmp_path)}),
-    })
+    wf = Workflow(
+        name="redis-fault",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": rows, "seed": 3}, outputs=["tx"]),
+            "totals": Stage(
+                app="store_apps:totals_after_go",
+                ranks=2,
+                retries=1,
+                outputs=["totals"],
+                inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                params={"dir": str(tmp_path)},
+            ),
+        },
+    )
     site = Site(name="t", cores=4)
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(run_workflow, wf, site, db=db)
-        wait_until(lambda: running.done() or all((tmp_path / f"ready.{r}").exists() for r in (0, 1)),
-                   "stage totals read its input")
+        wait_until(
+            lambda: running.done() or all((tmp_path / f"ready.{r}").exists() for r in (0, 1)),
+            "stage totals read its input",
+        )
         assert not running.done(), running.result()
         run = db.runs()[0]
         store = px.Store(session=run["session"])
@@ -169,8 +197,9 @@ def test_redis_metadata_killed_and_restarted_mid_stage(redis_server, tmp_path, m
         resumed = run_workflow(wf, site, db=db, resume=run["id"])
         assert resumed.ok, resumed.failed
         assert len(db.attempts(run["id"], "generate")) == 2  # tx's metadata was lost: recomputed
-        outcome = ("retry refused the emptied Redis (error names its URL and the lost catalogue); "
-                   "--resume recomputed generate")
+        outcome = (
+            "retry refused the emptied Redis (error names its URL and the lost catalogue); --resume recomputed generate"
+        )
     store = px.Store(session=run["session"])  # (the old one refuses an emptied Redis for good)
     pd.testing.assert_frame_equal(totals_of(store), expected_totals(rows), check_dtype=False)
     fault.detected(detect)
@@ -190,14 +219,19 @@ def test_redis_restored_from_an_older_snapshot_is_refused(redis_server, tmp_path
     server.kill()
     server.start()  # loads the snapshot: 'after' is gone from the catalogue
     t0 = time.monotonic()
-    with pytest.raises(StoreError, match=rf"store metadata {server.url}: the catalogue went back in time: "
-                                         r"it has 1 writes, this process saw 2"):
+    with pytest.raises(
+        StoreError,
+        match=rf"store metadata {server.url}: the catalogue went back in time: "
+        r"it has 1 writes, this process saw 2",
+    ):
         store.read("after")
     fault.detected(time.monotonic() - t0)
     # A process that never saw the lost writes cannot tell: it sees the snapshot as it is.
     assert px.Store(tmp_path / "root", session="snap", metadata=server.url).list() == ["before"]
-    fault.outcome("the process that saw the lost writes refuses the catalogue (StoreError naming "
-                  "the URL); a new process sees the snapshot, without 'after' (recomputed on resume)")
+    fault.outcome(
+        "the process that saw the lost writes refuses the catalogue (StoreError naming "
+        "the URL); a new process sees the snapshot, without 'after' (recomputed on resume)"
+    )
     fault.data_lost("none sealed in phalanx's view; the snapshot lacks later datasets (recomputed)")
 
 
@@ -219,7 +253,8 @@ def test_store_cli_with_redis_unreachable_says_so_in_one_line(redis_server, tmp_
         assert out.returncode == 1 and out.stdout == ""
         assert out.stderr.splitlines() == [
             f"phalanx store: store metadata redis://:***@{server.url.split('@')[1]} is unreachable: "
-            f"Error 111 connecting to 127.0.0.1:{server.url.split(':')[-1].split('/')[0]}. Connection refused."]
+            f"Error 111 connecting to 127.0.0.1:{server.url.split(':')[-1].split('/')[0]}. Connection refused."
+        ]
     fault.detected(took)
     fault.outcome("one line naming the URL (password masked), exit code 1, no traceback")
     fault.data_lost("none")
@@ -231,8 +266,9 @@ def small_tmpfs(tmp_path):
     """A 20 MB tmpfs (mode 0700), mounted for the test and unmounted after."""
     mnt = tmp_path / "tmpfs"
     mnt.mkdir(mode=0o700)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=20m,mode=0700", "tmpfs", str(mnt)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=20m,mode=0700", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {r.stderr.strip()}")
     try:
@@ -264,11 +300,15 @@ def test_tier_full_fails_the_put_cleanly_and_the_run_resumes_once_there_is_room(
     kept.put("k", [kept_table.slice(0, 60_000), kept_table.slice(60_000)])
     # 2 ranks × 375,000 rows × 16 bytes = 12 MB more than fits in what is left
     rows = 750_000
-    wf = Workflow(name="tier-full", stages={
-        "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": rows, "seed": 3}, outputs=["tx"]),
-        "totals": Stage(app="apps:wf_totals", ranks=2, inputs={"tx": {"dataset": "tx", "by": ["user"]}},
-                        outputs=["totals"]),
-    })
+    wf = Workflow(
+        name="tier-full",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": rows, "seed": 3}, outputs=["tx"]),
+            "totals": Stage(
+                app="apps:wf_totals", ranks=2, inputs={"tx": {"dataset": "tx", "by": ["user"]}}, outputs=["totals"]
+            ),
+        },
+    )
     db, site = RunDB(tmp_path / "state"), Site(name="t", cores=4, store={"root": str(root)})
     done = threading.Event()
     with ThreadPoolExecutor(1) as pool:  # when was the tier fullest?
@@ -281,13 +321,18 @@ def test_tier_full_fails_the_put_cleanly_and_the_run_resumes_once_there_is_room(
     # the instant it was full (it did under CI load), so its low mark only dates the detection
     assert not result.ok and result.skipped == ["totals"], result.failed
     error = db.attempts(result.run_id, "generate")[0]["error"]
-    for text in ("No space left on device", "put 'tx' partition ", "StoreError", f"store {root} ",
-                 f"{root}/{result.session}/.staging/"):
+    for text in (
+        "No space left on device",
+        "put 'tx' partition ",
+        "StoreError",
+        f"store {root} ",
+        f"{root}/{result.session}/.staging/",
+    ):
         assert text in error, error
     assert "rank 0" in error.split("\n")[0] or "rank 1" in error.split("\n")[0]
     store = px.Store(root, session=result.session)
     assert not store.exists("tx") and store.unsealed() == []  # nothing half-sealed, staging gone
-    assert kept.read("k").equals(kept_table)                   # checksums verified by read
+    assert kept.read("k").equals(kept_table)  # checksums verified by read
     fault.detected(db.attempts(result.run_id, "generate")[0]["ended"] - full_at)
 
     freed = cli("--root", str(root), "--session", "old-run", "rm", "--all")  # make room
@@ -296,8 +341,10 @@ def test_tier_full_fails_the_put_cleanly_and_the_run_resumes_once_there_is_room(
     assert resumed.ok, resumed.failed
     pd.testing.assert_frame_equal(totals_of(store), expected_totals(rows), check_dtype=False)
     assert store.read("tx").num_rows == rows and kept.read("k").equals(kept_table)
-    fault.outcome("StoreError naming ENOSPC, dataset, partition, rank and path; nothing sealed, staging "
-                  "removed, other datasets intact; --resume after `store rm` completed, equal to pandas")
+    fault.outcome(
+        "StoreError naming ENOSPC, dataset, partition, rank and path; nothing sealed, staging "
+        "removed, other datasets intact; --resume after `store rm` completed, equal to pandas"
+    )
     fault.data_lost("none")
 
 
@@ -308,8 +355,7 @@ def test_staging_left_by_a_killed_driver_is_listed_and_freed(tmp_path, fault):
     lost, alone = px.Store(root, session="lost-run"), px.Store(root, session="only-staging")
     lost.put("kept", pa.table({"a": [1, 2, 3]}))
     for store in (lost, alone):  # as a killed driver's gang leaves it: staged, never sealed
-        store.stage_partition(store.new_staging_id("20250101-000000-1-dead00"), 0,
-                              table_of(1_000_000, 3), name="half")
+        store.stage_partition(store.new_staging_id("20250101-000000-1-dead00"), 0, table_of(1_000_000, 3), name="half")
     t0 = time.monotonic()
     listing = cli("--root", root, "sessions")
     fault.detected(time.monotonic() - t0)
@@ -350,6 +396,7 @@ def test_a_damaged_partition_is_named_by_read_and_by_a_gang_get(how, fault):
         with pytest.raises(px.RankError, match=named):
             gang.run(get_verified, store.session, "d")
     store.delete_session()
-    fault.outcome("ChecksumError naming dataset, partition and file, from Store.read and from "
-                  "every rank of a gang's get")
+    fault.outcome(
+        "ChecksumError naming dataset, partition and file, from Store.read and from every rank of a gang's get"
+    )
     fault.data_lost("none (the damage is reported, never returned)")

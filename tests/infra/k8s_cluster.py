@@ -57,7 +57,7 @@ from pathlib import Path
 K8S_DIR = Path(__file__).resolve().parent / "k8s"
 UP, DOWN, BUILD = K8S_DIR / "up.sh", K8S_DIR / "down.sh", K8S_DIR / "build.sh"
 SERVER = "https://127.0.0.1:6443"
-REAL_LABEL = {"phalanx.dev/node": "real"}   # nodeSelector for pods that must really run
+REAL_LABEL = {"phalanx.dev/node": "real"}  # nodeSelector for pods that must really run
 KWOK_LABEL = {"type": "kwok"}
 CONTROL_PLANE = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
 
@@ -97,7 +97,7 @@ class Cluster:
     real_nodes: list[str] = field(default_factory=list)
     kwok_nodes: list[str] = field(default_factory=list)
     server: str = SERVER
-    started: bool = False   # this process brought (part of) it up
+    started: bool = False  # this process brought (part of) it up
 
     @property
     def ca(self) -> Path:
@@ -110,14 +110,23 @@ class Cluster:
     def env(self) -> dict[str, str]:
         return {"KUBECONFIG": str(self.kubeconfig)}
 
-    def request(self, method: str, path: str, body: dict | None = None, params: dict | None = None,
-                content_type: str = "application/json", timeout: float = 30, raw: bool = False):
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        params: dict | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30,
+        raw: bool = False,
+    ):
         """One API call; returns the decoded JSON (``raw=True``: the text, e.g. pod logs).
         Raises ClusterError with the server's message on HTTP errors (``.status`` is set)."""
         return _request(self.state_dir, method, path, body, params, content_type, timeout, raw, self.server)
 
-    def add_kwok_nodes(self, n: int, cpu: str = "4", memory: str = "8Gi", prefix: str = "kwok-fake-",
-                       **kw) -> list[str]:
+    def add_kwok_nodes(
+        self, n: int, cpu: str = "4", memory: str = "8Gi", prefix: str = "kwok-fake-", **kw
+    ) -> list[str]:
         return add_kwok_nodes(n, cpu, memory, prefix, state=self.state_dir, **kw)
 
     def delete_nodes(self, names, wait: bool = True) -> None:
@@ -127,9 +136,17 @@ class Cluster:
 _ssl: dict[str, ssl.SSLContext] = {}
 
 
-def _request(state: Path, method: str, path: str, body=None, params=None,
-             content_type: str = "application/json", timeout: float = 30, raw: bool = False,
-             server: str = SERVER):
+def _request(
+    state: Path,
+    method: str,
+    path: str,
+    body=None,
+    params=None,
+    content_type: str = "application/json",
+    timeout: float = 30,
+    raw: bool = False,
+    server: str = SERVER,
+):
     ca = str(state / "pki" / "ca.crt")
     ctx = _ssl.get(ca)
     if ctx is None:
@@ -137,12 +154,14 @@ def _request(state: Path, method: str, path: str, body=None, params=None,
     token = (state / "pki" / "tokens.csv").read_text().split(",", 1)[0]
     url = server + path + ("?" + urllib.parse.urlencode(params) if params else "")
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Authorization": "Bearer " + token, "Content-Type": content_type,
-                                          "Accept": "application/json"})
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Authorization": "Bearer " + token, "Content-Type": content_type, "Accept": "application/json"},
+    )
     # never through a proxy: the cluster is on loopback
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}),
-                                         urllib.request.HTTPSHandler(context=ctx))
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx))
     try:
         with opener.open(req, timeout=timeout) as r:
             text = r.read().decode()
@@ -156,7 +175,7 @@ def _request(state: Path, method: str, path: str, body=None, params=None,
 
 
 # ---- can it be had here? ------------------------------------------------------------------------
-_available: str | None | bool = False   # False: not computed yet
+_available: str | None | bool = False  # False: not computed yet
 
 
 def available(real_nodes: int = 2) -> str | None:
@@ -183,10 +202,17 @@ def _why_not(real_nodes: int) -> str | None:
             return f"go not installed ({r.stdout.strip()}; tests/infra/k8s/build.sh needs Go to build them)"
         return f"binaries not built: run tests/infra/k8s/build.sh ({r.stdout.strip()})"
     if real_nodes:
-        missing = [pkg for path, pkg in (("containerd", "containerd"), ("runc", "runc"), ("gcc", "gcc"),
-                                         ("/usr/lib/cni/loopback", "containernetworking-plugins"),
-                                         ("/bin/busybox", "busybox-static"))
-                   if not (os.path.exists(path) if path.startswith("/") else shutil.which(path))]
+        missing = [
+            pkg
+            for path, pkg in (
+                ("containerd", "containerd"),
+                ("runc", "runc"),
+                ("gcc", "gcc"),
+                ("/usr/lib/cni/loopback", "containernetworking-plugins"),
+                ("/bin/busybox", "busybox-static"),
+            )
+            if not (os.path.exists(path) if path.startswith("/") else shutil.which(path))
+        ]
         if missing and shutil.which("apt-get") is None:
             return f"missing {' '.join(missing)} and no apt-get to install them"
         if not os.path.isdir("/sys/fs/cgroup"):
@@ -223,15 +249,16 @@ def _control_plane_up(state: Path) -> bool:
     return all(_alive(state, n) for n in CONTROL_PLANE)
 
 
-def is_up(real_nodes: int = 2, kwok_nodes: int = 0, kwok_cpu: str = "4", kwok_memory: str = "8Gi",
-          kwok_pods: str = "110") -> bool:
+def is_up(
+    real_nodes: int = 2, kwok_nodes: int = 0, kwok_cpu: str = "4", kwok_memory: str = "8Gi", kwok_pods: str = "110"
+) -> bool:
     """The cluster runs exactly as up.sh would leave it for these settings (no up.sh needed)."""
     state = state_dir()
     if not _control_plane_up(state) or not (state / "kubeconfig").exists():
         return False
     wanted = set(real_node_names(real_nodes))
     for d in state.glob("node-*"):
-        name = d.name[len("node-"):]
+        name = d.name[len("node-") :]
         running = _alive(d, "kubelet") and _alive(d, "containerd")
         if (name in wanted) != running:
             return False
@@ -253,21 +280,31 @@ def is_up(real_nodes: int = 2, kwok_nodes: int = 0, kwok_cpu: str = "4", kwok_me
     fake = {name for name in nodes if re.fullmatch(r"kwok-node-\d+", name)}
     if fake != set(kwok_node_names(kwok_nodes)):
         return False
-    return all(_ready(nodes[n]) and nodes[n]["metadata"].get("annotations", {}).get("phalanx.dev/capacity") == cap
-               for n in fake)
+    return all(
+        _ready(nodes[n]) and nodes[n]["metadata"].get("annotations", {}).get("phalanx.dev/capacity") == cap
+        for n in fake
+    )
 
 
 def _ready(node: dict, since: str = "") -> bool:
-    return any(c["type"] == "Ready" and c["status"] == "True" and c.get("lastHeartbeatTime", "") >= since
-               for c in node.get("status", {}).get("conditions", []))
+    return any(
+        c["type"] == "Ready" and c["status"] == "True" and c.get("lastHeartbeatTime", "") >= since
+        for c in node.get("status", {}).get("conditions", [])
+    )
 
 
 # ---- bring up / tear down -------------------------------------------------------------------------
 _started_by_us = False
 
 
-def ensure_cluster(real_nodes: int = 2, kwok_nodes: int = 0, timeout: float = 300, kwok_cpu: str = "4",
-                   kwok_memory: str = "8Gi", kwok_pods: int = 110) -> Cluster:
+def ensure_cluster(
+    real_nodes: int = 2,
+    kwok_nodes: int = 0,
+    timeout: float = 300,
+    kwok_cpu: str = "4",
+    kwok_memory: str = "8Gi",
+    kwok_pods: int = 110,
+) -> Cluster:
     """The cluster with these nodes, brought up (tests/infra/k8s/up.sh) unless it already is.
     Warm (binaries built, state purged): ~4-5 s; first time on a machine (+apt): ~12 s; already up:
     ~0.01 s.  Raises ClusterError."""
@@ -276,28 +313,49 @@ def ensure_cluster(real_nodes: int = 2, kwok_nodes: int = 0, timeout: float = 30
     if reason:
         raise ClusterError(f"the Kubernetes test cluster cannot be brought up here: {reason}")
     state = state_dir()
-    settings = dict(real_nodes=real_nodes, kwok_nodes=kwok_nodes, kwok_cpu=str(kwok_cpu),
-                    kwok_memory=str(kwok_memory), kwok_pods=str(kwok_pods))
+    settings = dict(
+        real_nodes=real_nodes,
+        kwok_nodes=kwok_nodes,
+        kwok_cpu=str(kwok_cpu),
+        kwok_memory=str(kwok_memory),
+        kwok_pods=str(kwok_pods),
+    )
     started = False
     if not is_up(**settings):
         was_up = _control_plane_up(state)
-        env = {**os.environ, "K8S_STATE_DIR": str(state), "K8S_REAL_NODES": str(real_nodes),
-               "K8S_KWOK_NODES": str(kwok_nodes), "K8S_KWOK_NODE_CPU": str(kwok_cpu),
-               "K8S_KWOK_NODE_MEM": str(kwok_memory), "K8S_KWOK_NODE_PODS": str(kwok_pods),
-               "K8S_UP_TIMEOUT": str(int(min(timeout, 120)))}
+        env = {
+            **os.environ,
+            "K8S_STATE_DIR": str(state),
+            "K8S_REAL_NODES": str(real_nodes),
+            "K8S_KWOK_NODES": str(kwok_nodes),
+            "K8S_KWOK_NODE_CPU": str(kwok_cpu),
+            "K8S_KWOK_NODE_MEM": str(kwok_memory),
+            "K8S_KWOK_NODE_PODS": str(kwok_pods),
+            "K8S_UP_TIMEOUT": str(int(min(timeout, 120))),
+        }
         try:
-            r = subprocess.run(["bash", str(UP)], env=env, capture_output=True, text=True, timeout=timeout,
-                               stdin=subprocess.DEVNULL)
+            r = subprocess.run(
+                ["bash", str(UP)], env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
         except subprocess.TimeoutExpired as e:
-            raise ClusterError(f"tests/infra/k8s/up.sh did not finish within {timeout:g} s:\n"
-                               f"{(e.stderr or b'')[-3000:]!r}\nlogs: {state}/logs, {state}/node-*/logs") from None
+            raise ClusterError(
+                f"tests/infra/k8s/up.sh did not finish within {timeout:g} s:\n"
+                f"{(e.stderr or b'')[-3000:]!r}\nlogs: {state}/logs, {state}/node-*/logs"
+            ) from None
         if r.returncode:
-            raise ClusterError(f"tests/infra/k8s/up.sh failed ({r.returncode}):\n{r.stderr[-4000:]}\n"
-                               f"logs: {state}/logs, {state}/node-*/logs")
+            raise ClusterError(
+                f"tests/infra/k8s/up.sh failed ({r.returncode}):\n{r.stderr[-4000:]}\n"
+                f"logs: {state}/logs, {state}/node-*/logs"
+            )
         started = not was_up
         _started_by_us = _started_by_us or started
-    return Cluster(kubeconfig=state / "kubeconfig", state_dir=state, real_nodes=real_node_names(real_nodes),
-                   kwok_nodes=kwok_node_names(kwok_nodes), started=started)
+    return Cluster(
+        kubeconfig=state / "kubeconfig",
+        state_dir=state,
+        real_nodes=real_node_names(real_nodes),
+        kwok_nodes=kwok_node_names(kwok_nodes),
+        started=started,
+    )
 
 
 def teardown(purge: bool = False, force: bool = False) -> bool:
@@ -310,16 +368,30 @@ def teardown(purge: bool = False, force: bool = False) -> bool:
     if not (_started_by_us or force):
         return False
     args = ["bash", str(DOWN)] + (["--purge"] if purge else [])
-    subprocess.run(args, env={**os.environ, "K8S_STATE_DIR": str(state_dir())}, capture_output=True,
-                   timeout=300, stdin=subprocess.DEVNULL)
+    subprocess.run(
+        args,
+        env={**os.environ, "K8S_STATE_DIR": str(state_dir())},
+        capture_output=True,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     _started_by_us = False
     return True
 
 
 # ---- fake (kwok) nodes for scheduling tests --------------------------------------------------------
-def add_kwok_nodes(n: int, cpu: str = "4", memory: str = "8Gi", prefix: str = "kwok-fake-", *,
-                   pods: int = 110, labels: dict | None = None, taints: list | None = None,
-                   wait: float = 30, state: Path | None = None) -> list[str]:
+def add_kwok_nodes(
+    n: int,
+    cpu: str = "4",
+    memory: str = "8Gi",
+    prefix: str = "kwok-fake-",
+    *,
+    pods: int = 110,
+    labels: dict | None = None,
+    taints: list | None = None,
+    wait: float = 30,
+    state: Path | None = None,
+) -> list[str]:
     """Create fake nodes ``{prefix}1..{prefix}n`` (kwok makes them Ready and simulates their pods:
     Running at once, never really run).  Labelled type=kwok, phalanx.dev/node=kwok (+ ``labels``);
     ``taints`` e.g. ``[{"key": "kwok.x-k8s.io/node", "value": "fake", "effect": "NoSchedule"}]``.
@@ -328,13 +400,24 @@ def add_kwok_nodes(n: int, cpu: str = "4", memory: str = "8Gi", prefix: str = "k
     names = [f"{prefix}{i}" for i in range(1, n + 1)]
     cap = {"cpu": str(cpu), "memory": str(memory), "pods": str(pods)}
     for name in names:
-        body = {"apiVersion": "v1", "kind": "Node", "metadata": {
-            "name": name,
-            "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-            "labels": {**KWOK_LABEL, "phalanx.dev/node": "kwok", "kubernetes.io/hostname": name,
-                       "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64", **(labels or {})}},
+        body = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": name,
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    **KWOK_LABEL,
+                    "phalanx.dev/node": "kwok",
+                    "kubernetes.io/hostname": name,
+                    "kubernetes.io/os": "linux",
+                    "kubernetes.io/arch": "amd64",
+                    **(labels or {}),
+                },
+            },
             "spec": {"taints": taints or []},
-            "status": {"allocatable": cap, "capacity": cap}}
+            "status": {"allocatable": cap, "capacity": cap},
+        }
         try:
             _request(state, "POST", "/api/v1/nodes", body)
         except ClusterError as e:
@@ -353,8 +436,10 @@ def add_kwok_nodes(n: int, cpu: str = "4", memory: str = "8Gi", prefix: str = "k
                 pass
         if pending:
             if time.monotonic() > deadline:
-                raise ClusterError(f"kwok nodes not Ready within {wait:g} s: {sorted(pending)} "
-                                   f"(is kwok running? {state}/logs/kwok.log)")
+                raise ClusterError(
+                    f"kwok nodes not Ready within {wait:g} s: {sorted(pending)} "
+                    f"(is kwok running? {state}/logs/kwok.log)"
+                )
             time.sleep(0.1)
     return names
 
@@ -408,8 +493,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "up":
         t = time.monotonic()
         c = ensure_cluster(real_nodes=args.real_nodes, kwok_nodes=args.kwok_nodes, timeout=args.timeout)
-        print(f"# up in {time.monotonic() - t:.1f} s: real nodes {c.real_nodes}, kwok nodes {c.kwok_nodes}",
-              file=sys.stderr)
+        print(
+            f"# up in {time.monotonic() - t:.1f} s: real nodes {c.real_nodes}, kwok nodes {c.kwok_nodes}",
+            file=sys.stderr,
+        )
         print(c.kubeconfig)
         return 0
     if args.cmd == "down":

@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 from phalanx.executors.ray.connection import keep_ray_on_loopback  # imports no Ray
-from phalanx.orchestrator.rundb import pid_alive as _alive, wait_exit
+from phalanx.orchestrator.rundb import pid_alive as _alive
+from phalanx.orchestrator.rundb import wait_exit
 
 keep_ray_on_loopback()  # before Ray's constants module reads it (or, if it did, over its constant)
 
@@ -60,24 +61,30 @@ class LocalRayCluster:
         self.cluster = None
         self.temp_dir: str | None = None  # Ray's session files (logs, sockets); removed by stop()
         # node name → its custom resource, e.g. {"head": "node_head", "a": "node_a"}
-        self.resources = {"head": "node_head", **{chr(ord("a") + i): f"node_{chr(ord('a') + i)}"
-                                                for i in range(workers)}}
+        self.resources = {
+            "head": "node_head",
+            **{chr(ord("a") + i): f"node_{chr(ord('a') + i)}" for i in range(workers)},
+        }
 
     @property
     def address(self) -> str:
         return self.cluster.address
 
-    def start(self) -> "LocalRayCluster":
+    def start(self) -> LocalRayCluster:
         keep_ray_on_loopback()
         from ray.cluster_utils import Cluster
 
         # short: Ray's unix socket paths live under it
         self.temp_dir = tempfile.mkdtemp(prefix="pxray-", dir="/tmp" if os.path.isdir("/tmp") else None)
         os.makedirs("/tmp/ray", exist_ok=True)  # ray.init writes the current cluster's address there
-        common = {"num_cpus": self.cpus_per_node, "object_store_memory": self.object_store_mb << 20,
-                  "temp_dir": self.temp_dir}
-        self.cluster = Cluster(initialize_head=True, head_node_args={
-            **common, "include_dashboard": False, "resources": {"node_head": 1}})
+        common = {
+            "num_cpus": self.cpus_per_node,
+            "object_store_memory": self.object_store_mb << 20,
+            "temp_dir": self.temp_dir,
+        }
+        self.cluster = Cluster(
+            initialize_head=True, head_node_args={**common, "include_dashboard": False, "resources": {"node_head": 1}}
+        )
         try:
             for name, resource in self.resources.items():
                 if name != "head":
@@ -100,7 +107,7 @@ class LocalRayCluster:
             shutil.rmtree(self.temp_dir, ignore_errors=True)
             self.temp_dir = None
 
-    def __enter__(self) -> "LocalRayCluster":
+    def __enter__(self) -> LocalRayCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -115,7 +122,6 @@ def _read_state() -> dict | None:
         return None
 
 
-
 def _serve(args) -> int:
     """The holder: starts the cluster, records it, keeps it until SIGTERM/SIGINT."""
     stop = []
@@ -125,8 +131,9 @@ def _serve(args) -> int:
     cluster.start()
     path = state_file()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"pid": os.getpid(), "address": cluster.address,
-                                "resources": list(cluster.resources.values())}))
+    path.write_text(
+        json.dumps({"pid": os.getpid(), "address": cluster.address, "resources": list(cluster.resources.values())})
+    )
     try:
         while not stop:
             time.sleep(0.2)
@@ -148,17 +155,30 @@ def _up(args) -> int:
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:
         holder = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "serve", "--workers", str(args.workers),
-             "--cpus", str(args.cpus)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+            [
+                sys.executable,
+                os.path.abspath(__file__),
+                "serve",
+                "--workers",
+                str(args.workers),
+                "--cpus",
+                str(args.cpus),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + args.timeout
     while time.monotonic() < deadline:
         state = _read_state()
         if state and state.get("pid") == holder.pid:
             print(f"export RAY_ADDRESS={state['address']}")
-            print(f"# Ray cluster up: head + {args.workers} raylets on 127.0.0.1, resources "
-                  f"{', '.join(state['resources'])}; holder pid {holder.pid}, log {log}",
-                  file=sys.stderr)
+            print(
+                f"# Ray cluster up: head + {args.workers} raylets on 127.0.0.1, resources "
+                f"{', '.join(state['resources'])}; holder pid {holder.pid}, log {log}",
+                file=sys.stderr,
+            )
             return 0
         if holder.poll() is not None:
             print(f"the cluster did not start (exit {holder.returncode}); see {log}", file=sys.stderr)
@@ -197,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     for name in ("up", "serve"):
-        p = sub.add_parser(name, help="start the cluster, detached" if name == "up" else "hold the cluster in the foreground (what up runs)")
+        p = sub.add_parser(
+            name,
+            help="start the cluster, detached" if name == "up" else "hold the cluster in the foreground (what up runs)",
+        )
         p.add_argument("--workers", type=int, default=2, help="worker raylets besides the head")
         p.add_argument("--cpus", type=int, default=1, help="CPUs of each node")
         p.add_argument("--timeout", type=float, default=120)

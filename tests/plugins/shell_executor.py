@@ -6,8 +6,8 @@ Registered by the tests as an entry point (group ``phalanx.executors``) or a reg
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from pydantic import Field
 
@@ -45,11 +45,13 @@ class ShellExecutor(Executor):
 
     def check(self, ranks: int, config: ExecutorConfig) -> None:
         if config.max_ranks and ranks > config.max_ranks:
-            raise PhalanxError(f"site {self.site!r} (shell): a gang of {ranks} ranks is over max_ranks "
-                               f"{config.max_ranks}")
+            raise PhalanxError(
+                f"site {self.site!r} (shell): a gang of {ranks} ranks is over max_ranks {config.max_ranks}"
+            )
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> ShellLauncher:
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> ShellLauncher:
         launcher = ShellLauncher((config or self.config).shell, echo=echo)
         launcher.allocation_hook = self.hook
         return launcher

@@ -38,8 +38,7 @@ def make_dag(dag_id: str, deferrable: bool | None = None) -> DAG:
         start_date=datetime.datetime(2025, 1, 1),
         catchup=False,
         tags=["phalanx", "example"],
-        params={"rows": Param(200_000, type="integer", minimum=1),
-                "epochs": Param(3, type="integer", minimum=1)},
+        params={"rows": Param(200_000, type="integer", minimum=1), "epochs": Param(3, type="integer", minimum=1)},
         # an Airflow retry resumes the task's phalanx run: sealed outputs are reused
         default_args={"retries": 1, "retry_delay": datetime.timedelta(seconds=10)},
         doc_md=__doc__,
@@ -48,28 +47,48 @@ def make_dag(dag_id: str, deferrable: bool | None = None) -> DAG:
 
         # one task per stage ----------------------------------------------------------------
         generate = PhalanxStageOperator(
-            task_id="generate", app=f"{APPS}:generate", ranks=2,
+            task_id="generate",
+            app=f"{APPS}:generate",
+            ranks=2,
             stage_params={"rows": "{{ params.rows }}", "seed": 7},
-            outputs=["transactions", "users"], **mode)
+            outputs=["transactions", "users"],
+            **mode,
+        )
         features = PhalanxStageOperator(
-            task_id="features", app=f"{APPS}:features", ranks=2,
-            inputs={"tx": generate.output["transactions"],          # rows balanced over the ranks
-                    "users": {"dataset": generate.output["users"], "by": ["user_id"]}},
-            outputs=["features"], retries_in_run=1, **mode)
+            task_id="features",
+            app=f"{APPS}:features",
+            ranks=2,
+            inputs={
+                "tx": generate.output["transactions"],  # rows balanced over the ranks
+                "users": {"dataset": generate.output["users"], "by": ["user_id"]},
+            },
+            outputs=["features"],
+            retries_in_run=1,
+            **mode,
+        )
         train = PhalanxStageOperator(
-            task_id="train", kind="torch", app=f"{APPS}:train", ranks=2,
+            task_id="train",
+            kind="torch",
+            app=f"{APPS}:train",
+            ranks=2,
             inputs={"data": {"dataset": features.output["features"], "shuffle": "global"}},
             stage_params={"epochs": "{{ params.epochs }}", "batch_size": 1024},
-            outputs=["train_metrics"], **mode)
-        report = PhalanxStageOperator(
-            task_id="report", command=["python", "-c", "print('done')"], ranks=1, **mode)
+            outputs=["train_metrics"],
+            **mode,
+        )
+        report = PhalanxStageOperator(task_id="report", command=["python", "-c", "print('done')"], ranks=1, **mode)
         train >> report
 
         # the same pipeline as one task -------------------------------------------------------
         PhalanxWorkflowOperator(
-            task_id="etl_to_training", workflow=str(WORKFLOW),
-            set={"stages.generate.params.rows": "{{ params.rows }}",
-                 "stages.train.params.epochs": "{{ params.epochs }}"}, **mode)
+            task_id="etl_to_training",
+            workflow=str(WORKFLOW),
+            set={
+                "stages.generate.params.rows": "{{ params.rows }}",
+                "stages.train.params.epochs": "{{ params.epochs }}",
+            },
+            **mode,
+        )
     return dag
 
 

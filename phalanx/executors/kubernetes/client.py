@@ -11,7 +11,7 @@ from typing import Any
 from ...errors import GangError, PhalanxError
 
 EXTRA_HINT = "the kubernetes executor needs the kubernetes client: pip install 'phalanx[kubernetes]'"
-_cache: dict[tuple[str | None, str | None], "Kube"] = {}
+_cache: dict[tuple[str | None, str | None], Kube] = {}
 _lock = threading.Lock()
 
 
@@ -27,10 +27,10 @@ def _module():
 class Kube:
     """The APIs of one cluster (kubeconfig + context)."""
 
-    api: Any      # kubernetes.client.ApiClient
-    core: Any     # CoreV1Api
-    batch: Any    # BatchV1Api
-    custom: Any   # CustomObjectsApi
+    api: Any  # kubernetes.client.ApiClient
+    core: Any  # CoreV1Api
+    batch: Any  # BatchV1Api
+    custom: Any  # CustomObjectsApi
     kubeconfig: str | None
     context: str | None
     _apis: dict[str, str | None] = field(default_factory=dict)  # group → its PodGroup API (discovered once)
@@ -58,8 +58,14 @@ class Kube:
         """``group/version`` of the preferred PodGroup API of ``group`` the server serves (asked
         once per client)."""
         if group not in self._apis:
-            self._apis[group] = next((f"{group}/{v}" for v in self.pod_group_versions().get(group, [])
-                                      if self.serves(group, v, "podgroups")), None)
+            self._apis[group] = next(
+                (
+                    f"{group}/{v}"
+                    for v in self.pod_group_versions().get(group, [])
+                    if self.serves(group, v, "podgroups")
+                ),
+                None,
+            )
         return self._apis[group]
 
 
@@ -79,19 +85,31 @@ def connect(kubeconfig: str | None = None, context: str | None = None, site: str
         from kubernetes import client, config
 
         try:
-            if kubeconfig or os.environ.get("KUBECONFIG") or os.path.exists(os.path.expanduser("~/.kube/config")) \
-                    or context:
+            if (
+                kubeconfig
+                or os.environ.get("KUBECONFIG")
+                or os.path.exists(os.path.expanduser("~/.kube/config"))
+                or context
+            ):
                 api = config.new_client_from_config(config_file=kubeconfig, context=context)
             else:
                 config.load_incluster_config()
                 api = client.ApiClient()
         except Exception as exc:
             where = kubeconfig or os.environ.get("KUBECONFIG") or "~/.kube/config or in-cluster"
-            raise GangError(f"site {site!r} (kubernetes): cannot load the cluster's credentials from {where}: "
-                            f"{type(exc).__name__}: {exc}") from None
+            raise GangError(
+                f"site {site!r} (kubernetes): cannot load the cluster's credentials from {where}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
         del k8s
-        kube = Kube(api=api, core=client.CoreV1Api(api), batch=client.BatchV1Api(api),
-                    custom=client.CustomObjectsApi(api), kubeconfig=kubeconfig, context=context)
+        kube = Kube(
+            api=api,
+            core=client.CoreV1Api(api),
+            batch=client.BatchV1Api(api),
+            custom=client.CustomObjectsApi(api),
+            kubeconfig=kubeconfig,
+            context=context,
+        )
         _cache[key] = kube
         return kube
 

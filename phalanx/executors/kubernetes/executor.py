@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from ...errors import GangError
-from ...store.store import ENV_METADATA, ENV_SPILL, ENV_STORE
 from ...runtime import protocol as P
+from ...store.store import ENV_METADATA, ENV_SPILL, ENV_STORE
 from ..base import Capabilities, Echo, Executor, ExecutorConfig
 from . import manifests as M
 from .client import Kube, connect
@@ -26,8 +27,9 @@ class KubernetesExecutor(Executor):
 
     name = "kubernetes"
     config_model = KubernetesConfig
-    capabilities = Capabilities(reuse_gangs=True, pins_cpus=False, warm_pool=False, runs_commands=True,
-                                mpi_world=False, remote_ranks=True)
+    capabilities = Capabilities(
+        reuse_gangs=True, pins_cpus=False, warm_pool=False, runs_commands=True, mpi_world=False, remote_ranks=True
+    )
     config: KubernetesConfig
 
     @staticmethod
@@ -36,8 +38,9 @@ class KubernetesExecutor(Executor):
         kube = connect(record.get("kubeconfig"), record.get("context"), site="release")
         done = delete_gang(kube, record["namespace"], record["id"])
         where = f"{record['namespace']}/{record['id']}"
-        return f"kubernetes: deleted {', '.join(done)} of job {where}" if done else \
-            f"kubernetes: job {where} already gone"
+        return (
+            f"kubernetes: deleted {', '.join(done)} of job {where}" if done else f"kubernetes: job {where} already gone"
+        )
 
     def check(self, ranks: int, config: ExecutorConfig | None = None) -> None:
         cfg: KubernetesConfig = config or self.config  # type: ignore[assignment]
@@ -51,21 +54,27 @@ class KubernetesExecutor(Executor):
             raise ValueError("kubernetes.volume_mounts: mounts name volumes, but kubernetes.volumes lists none")
         _host_paths(cfg.host_paths)  # raises on a bad entry
 
-    def stage_config(self, override: "ExecutorConfig | Mapping[str, Any] | None" = None) -> KubernetesConfig:
+    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> KubernetesConfig:
         return super().stage_config(override)  # type: ignore[return-value]
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> KubernetesLauncher:
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> KubernetesLauncher:
         """A launcher for one gang; ``slots`` are not used (the scheduler places pods)."""
         cfg: KubernetesConfig = config or self.config  # type: ignore[assignment]
         self.check(ranks, cfg)
         paths = _host_paths(cfg.host_paths)
         memory = f"{max(1, self.rank_memory >> 20)}Mi" if self.rank_memory else None
         launcher = KubernetesLauncher(
-            lambda: connect(cfg.kubeconfig, cfg.context, site=self.site), cfg, site=self.site, echo=echo,
+            lambda: connect(cfg.kubeconfig, cfg.context, site=self.site),
+            cfg,
+            site=self.site,
+            echo=echo,
             gang_api=lambda kube: gang_api(kube, cfg, self.site),
             host_mounts=lambda env: host_mounts(paths, env),
-            workdir=os.getcwd() if any(p == "auto" for p, _ in paths) else None, memory=memory)
+            workdir=os.getcwd() if any(p == "auto" for p, _ in paths) else None,
+            memory=memory,
+        )
         launcher.allocation_hook = self.hook
         return launcher
 
@@ -77,14 +86,18 @@ def gang_api(kube: Kube, cfg: KubernetesConfig, site: str) -> str | None:
     if cfg.gang == "volcano":
         api = kube.pod_group_api(M.VOLCANO_GROUP)
         if api is None:
-            raise GangError(f"site {site!r} (kubernetes): gang: volcano, but the cluster serves no "
-                            f"{M.VOLCANO_GROUP} PodGroup API (is Volcano installed?)")
+            raise GangError(
+                f"site {site!r} (kubernetes): gang: volcano, but the cluster serves no "
+                f"{M.VOLCANO_GROUP} PodGroup API (is Volcano installed?)"
+            )
         return api
     api = kube.pod_group_api(M.NATIVE_GROUP)
     if api is None and cfg.gang == "native":
-        raise GangError(f"site {site!r} (kubernetes): gang: native, but the API server serves no "
-                        f"{M.NATIVE_GROUP} PodGroup (Kubernetes ≥ 1.36 with the GenericWorkload and GangScheduling "
-                        "feature gates); use gang: auto to run without one")
+        raise GangError(
+            f"site {site!r} (kubernetes): gang: native, but the API server serves no "
+            f"{M.NATIVE_GROUP} PodGroup (Kubernetes ≥ 1.36 with the GenericWorkload and GangScheduling "
+            "feature gates); use gang: auto to run without one"
+        )
     return api
 
 

@@ -17,15 +17,15 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
-from urllib.parse import urlparse
+from typing import Any
 
 from ...errors import GangError
 from ...runtime import protocol as P
-from ..network import is_loopback
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import RankOutput
+from ..network import is_loopback
 from . import manifests as M
 from .client import Kube, api_error
 from .config import KubernetesConfig
@@ -43,6 +43,8 @@ def hopeless(waiting: Any) -> bool:
     """A waiting container that will never start by itself."""
     message = waiting.message or ""
     return waiting.reason in HOPELESS_WAITING and not any(m in message for m in TRANSIENT_WAITING_MESSAGES)
+
+
 _LOG_WAIT_S = 3.0  # at most this long for a finished rank's log to arrive before its code is told
 
 
@@ -54,10 +56,18 @@ class KubernetesLauncher(Launcher):
     # kubelet → API server → watch takes 0.5–1.1 s (measured), then the rank's log is let in
     exit_latency = _LOG_WAIT_S + 3.0
 
-    def __init__(self, connect: Callable[[], Kube], config: KubernetesConfig, *, site: str = "kubernetes",
-                 echo: Echo = False, gang_api: Callable[[Kube], str | None] = lambda kube: None,
-                 host_mounts: Callable[[dict[str, str]], list[tuple[str, bool]]] = lambda env: [],
-                 workdir: str | None = None, memory: str | None = None):
+    def __init__(
+        self,
+        connect: Callable[[], Kube],
+        config: KubernetesConfig,
+        *,
+        site: str = "kubernetes",
+        echo: Echo = False,
+        gang_api: Callable[[Kube], str | None] = lambda kube: None,
+        host_mounts: Callable[[dict[str, str]], list[tuple[str, bool]]] = lambda env: [],
+        workdir: str | None = None,
+        memory: str | None = None,
+    ):
         """``connect``: the cluster's APIs (made on first launch); ``gang_api``: the PodGroup
         apiVersion to use on that cluster (None: no gang object); ``host_mounts``: the hostPath
         mounts for a gang's environment; ``memory``: the request when the section sets none."""
@@ -77,7 +87,7 @@ class KubernetesLauncher(Launcher):
         self.ranks = ranks
         self.job: str | None = None
         self.job_obj: dict | None = None
-        self._pods: dict[int, Any] = {}              # rank → its pod (V1Pod), latest seen
+        self._pods: dict[int, Any] = {}  # rank → its pod (V1Pod), latest seen
         self._final: dict[int, tuple[int, str]] = {}  # rank → (exit code, Kubernetes' note) once ended
         self._final_at: dict[int, float] = {}
         self._codes: list[int | None] = [None] * ranks
@@ -108,8 +118,13 @@ class KubernetesLauncher(Launcher):
             self.kube = kube = self._connect()
             env = shared_env(rank_env, (P.ENV_RANK,), "kubernetes")
             authkey = env.pop(P.ENV_AUTHKEY, "") or secrets.token_hex(16)
-            env.update({P.ENV_PDEATHSIG: "0",  # PID 1 of its container: the kubelet is its parent
-                        "PYTHONUNBUFFERED": "1", **cfg.env})
+            env.update(
+                {
+                    P.ENV_PDEATHSIG: "0",  # PID 1 of its container: the kubelet is its parent
+                    "PYTHONUNBUFFERED": "1",
+                    **cfg.env,
+                }
+            )
             self._control_host = env.get(P.ENV_CONTROL, "").rpartition(":")[0]
             gang_id = env.get(P.ENV_GANG_ID) or f"{os.getpid()}-{time.time_ns()}"
             name = M.job_name(cfg.job_name, gang_id)
@@ -120,24 +135,39 @@ class KubernetesLauncher(Launcher):
             argv = list(argv)
             if cfg.python and argv and argv[0] == sys.executable:
                 argv[0] = cfg.python
-            spec = M.GangSpec(name=name, ranks=len(rank_env), argv=argv, env=env, authkey=authkey,
-                              gang_id=gang_id, gang_api=self._ask(kube, self._gang_api),
-                              host_mounts=self._host_mounts(env),
-                              workdir=self.workdir, memory=self.memory)
+            spec = M.GangSpec(
+                name=name,
+                ranks=len(rank_env),
+                argv=argv,
+                env=env,
+                authkey=authkey,
+                gang_id=gang_id,
+                gang_api=self._ask(kube, self._gang_api),
+                host_mounts=self._host_mounts(env),
+                workdir=self.workdir,
+                memory=self.memory,
+            )
             self._output = RankOutput(Path(log_dir), self.echo)
             for r in range(self.ranks):  # a rank that never starts still has a log to show
                 (Path(log_dir) / f"rank-{r}.log").touch(mode=0o600)
             self.job = name
-            self._allocation = {"executor": "kubernetes", "id": name, "namespace": cfg.namespace,
-                                "kubeconfig": kube.kubeconfig, "context": kube.context, "ranks": self.ranks}
+            self._allocation = {
+                "executor": "kubernetes",
+                "id": name,
+                "namespace": cfg.namespace,
+                "kubeconfig": kube.kubeconfig,
+                "context": kube.context,
+                "ranks": self.ranks,
+            }
             held(self.allocation_hook, self._allocation)  # before it exists: deleted by its label
             try:
                 self._ask(kube, lambda k: self._create(k, spec))
             except BaseException:
                 self.kill(grace_s=0)
                 raise
-            self._watcher = threading.Thread(target=self._watch, args=(kube, name), daemon=True,
-                                             name=f"phalanx-k8s-watch-{name}")
+            self._watcher = threading.Thread(
+                target=self._watch, args=(kube, name), daemon=True, name=f"phalanx-k8s-watch-{name}"
+            )
             self._watcher.start()
 
     def _ask(self, kube: Kube, call: Callable[[Kube], Any]) -> Any:
@@ -149,21 +179,24 @@ class KubernetesLauncher(Launcher):
         except Exception as exc:
             if type(exc).__name__ == "ApiException":
                 raise GangError(f"{self._site()}: the API server refused: {api_error(exc)}") from None
-            raise GangError(f"{self._site()}: cannot reach the API server {kube.api.configuration.host}: "
-                            f"{_root_cause(exc)}") from None
+            raise GangError(
+                f"{self._site()}: cannot reach the API server {kube.api.configuration.host}: {_root_cause(exc)}"
+            ) from None
 
     def _create(self, kube: Kube, spec: M.GangSpec) -> None:
         """The Secret and gang objects first (pods need them to start), then the Job; then the
         Job owns them all, so deleting it (or its TTL) deletes everything."""
         cfg = self.config
         ns = cfg.namespace
-        first: list[tuple[dict, Callable[[dict], Any]]] = [(M.secret(cfg, spec),
-                                                            lambda b: kube.core.create_namespaced_secret(ns, b))]
+        first: list[tuple[dict, Callable[[dict], Any]]] = [
+            (M.secret(cfg, spec), lambda b: kube.core.create_namespaced_secret(ns, b))
+        ]
         group = M.pod_group(cfg, spec)
         if group is not None:
             api_group, version = group["apiVersion"].split("/")
-            first.append((group, lambda b: kube.custom.create_namespaced_custom_object(
-                api_group, version, ns, "podgroups", b)))
+            first.append(
+                (group, lambda b: kube.custom.create_namespaced_custom_object(api_group, version, ns, "podgroups", b))
+            )
         if cfg.network == "service" and cfg.workload == "job":  # a JobSet makes its own
             first.append((M.service(cfg, spec), lambda b: kube.core.create_namespaced_service(ns, b)))
         what = "Secret"
@@ -175,27 +208,37 @@ class KubernetesLauncher(Launcher):
             what = made["kind"]
             if what == "JobSet":
                 self.job_obj = kube.custom.create_namespaced_custom_object(
-                    M.JOBSET_GROUP, M.JOBSET_VERSION, ns, M.JOBSET_PLURAL, made)
+                    M.JOBSET_GROUP, M.JOBSET_VERSION, ns, M.JOBSET_PLURAL, made
+                )
             else:
                 self.job_obj = kube.api.sanitize_for_serialization(kube.batch.create_namespaced_job(ns, made))
         except Exception as exc:
             if type(exc).__name__ != "ApiException":
                 raise
-            raise GangError(f"{self._site()}: cannot create the gang's {what} in namespace {ns!r}: "
-                            f"{api_error(exc)}") from None
+            raise GangError(
+                f"{self._site()}: cannot create the gang's {what} in namespace {ns!r}: {api_error(exc)}"
+            ) from None
         owner = {"metadata": {"ownerReferences": [M.owner_reference(self.job_obj)]}}
         for body, _ in first:
             try:
                 self._patch(kube, body, owner)
             except Exception as exc:  # not fatal: kill() and release() delete them by label too
-                log.warning("%s: could not make %s %s the %s's: %s", self._site(), body["kind"],
-                            spec.name, self.job_obj.get("kind", "Job"), api_error(exc))
+                log.warning(
+                    "%s: could not make %s %s the %s's: %s",
+                    self._site(),
+                    body["kind"],
+                    spec.name,
+                    self.job_obj.get("kind", "Job"),
+                    api_error(exc),
+                )
 
     def _need_jobset_api(self, kube: Kube) -> None:
         if not kube.serves(M.JOBSET_GROUP, M.JOBSET_VERSION, M.JOBSET_PLURAL):
-            raise GangError(f"{self._site()}: kubernetes.workload: jobset, but the API server serves no "
-                            f"{M.JOBSET_GROUP}/{M.JOBSET_VERSION} JobSet (is the JobSet controller installed? "
-                            "https://jobset.sigs.k8s.io); use workload: job")
+            raise GangError(
+                f"{self._site()}: kubernetes.workload: jobset, but the API server serves no "
+                f"{M.JOBSET_GROUP}/{M.JOBSET_VERSION} JobSet (is the JobSet controller installed? "
+                "https://jobset.sigs.k8s.io); use workload: job"
+            )
 
     def _patch(self, kube: Kube, body: dict, patch: dict) -> None:
         ns, name = self.config.namespace, body["metadata"]["name"]
@@ -225,9 +268,14 @@ class KubernetesLauncher(Launcher):
                         self._seen(pod, deleted=False)
                     version = listed.metadata.resource_version
                 stream = watch.Watch()
-                for event in stream.stream(kube.core.list_namespaced_pod, ns, label_selector=selector,
-                                           resource_version=version, timeout_seconds=5,
-                                           allow_watch_bookmarks=True):
+                for event in stream.stream(
+                    kube.core.list_namespaced_pod,
+                    ns,
+                    label_selector=selector,
+                    resource_version=version,
+                    timeout_seconds=5,
+                    allow_watch_bookmarks=True,
+                ):
                     if self._stop.is_set():
                         stream.stop()
                         break
@@ -272,9 +320,11 @@ class KubernetesLauncher(Launcher):
         where = f"pod {pod.metadata.name}" + (f" on node {pod.spec.node_name}" if pod.spec.node_name else "")
         host_ip = status.host_ip if self.config.network == "host" else status.pod_ip
         if host_ip and not is_loopback(host_ip) and is_loopback(self._control_host):
-            return _KILLED, (f"{where} ({host_ip}) cannot reach the driver, which listens on "
-                             f"{self._control_host} only: set the site's driver_host (auto, or an address the "
-                             "pods reach)")
+            return _KILLED, (
+                f"{where} ({host_ip}) cannot reach the driver, which listens on "
+                f"{self._control_host} only: set the site's driver_host (auto, or an address the "
+                "pods reach)"
+            )
         container = next((c for c in status.container_statuses or [] if c.name == M.CONTAINER), None)
         state = container.state if container else None
         if state is not None and state.terminated is not None:
@@ -284,8 +334,9 @@ class KubernetesLauncher(Launcher):
                 limit = ((pod.spec.containers[0].resources.limits or {}) if pod.spec.containers else {}).get("memory")
                 return _KILLED, f"{where}: OOMKilled: out of memory (over its memory limit {limit or '?'})"
             if 128 < code < 128 + 65:  # killed by a signal: the runtime reports 128+N
-                return -(code - 128), f"{where}: container {t.reason or 'killed'}" + \
-                    (f": {t.message}" if t.message else "")
+                return -(code - 128), f"{where}: container {t.reason or 'killed'}" + (
+                    f": {t.message}" if t.message else ""
+                )
             return code, ""
         if state is not None and state.waiting is not None and hopeless(state.waiting):
             w = state.waiting
@@ -303,11 +354,15 @@ class KubernetesLauncher(Launcher):
         if rank in self._log_threads or self._output is None:
             return
         container = next((c for c in pod.status.container_statuses or [] if c.name == M.CONTAINER), None)
-        if container is None or container.state is None or \
-                (container.state.running is None and container.state.terminated is None):
+        if (
+            container is None
+            or container.state is None
+            or (container.state.running is None and container.state.terminated is None)
+        ):
             return
-        thread = threading.Thread(target=self._follow_log, args=(rank, pod.metadata.name), daemon=True,
-                                  name=f"phalanx-k8s-log-{rank}")
+        thread = threading.Thread(
+            target=self._follow_log, args=(rank, pod.metadata.name), daemon=True, name=f"phalanx-k8s-log-{rank}"
+        )
         self._log_threads[rank] = thread
         thread.start()
 
@@ -317,8 +372,9 @@ class KubernetesLauncher(Launcher):
             return
         pending = b""
         try:
-            resp = kube.core.read_namespaced_pod_log(pod_name, self.config.namespace, container=M.CONTAINER,
-                                                     follow=True, _preload_content=False)
+            resp = kube.core.read_namespaced_pod_log(
+                pod_name, self.config.namespace, container=M.CONTAINER, follow=True, _preload_content=False
+            )
             for chunk in resp.stream(65536):
                 pending += chunk
                 *lines, pending = pending.split(b"\n")
@@ -329,8 +385,9 @@ class KubernetesLauncher(Launcher):
             resp.release_conn()
         except Exception as exc:
             if not self._stop.is_set():
-                output.write(rank, f"[phalanx kubernetes] could not read the log of pod {pod_name}: "
-                                   f"{api_error(exc)}\n".encode())
+                output.write(
+                    rank, f"[phalanx kubernetes] could not read the log of pod {pod_name}: {api_error(exc)}\n".encode()
+                )
         if pending:
             output.write(rank, pending + b"\n")
 
@@ -366,8 +423,9 @@ class KubernetesLauncher(Launcher):
         why = _waiting_reason(list(pods.values()))
         counts = ", ".join(f"{n} {phase}" for phase, n in phases.items())
         gang = f"; gang scheduled as PodGroup {self.job}" if self._gang_api_used() else ""
-        return f"kubernetes: job {self.config.namespace}/{self.job}: pods {counts}" + \
-            (f" ({why})" if why else "") + gang
+        return (
+            f"kubernetes: job {self.config.namespace}/{self.job}: pods {counts}" + (f" ({why})" if why else "") + gang
+        )
 
     def _gang_api_used(self) -> bool:
         spec = M.pod_spec(self.job_obj or {})
@@ -429,8 +487,9 @@ def _waiting_reason(pods: Sequence[Any]) -> str:
     """Why the gang's pods wait: the scheduler's own message where a pod has one (with gang
     scheduling the pods that would fit only say they wait for the group: the one that does
     not fit says why), else a container's waiting reason."""
-    scheduled = [c for pod in pods for c in pod.status.conditions or []
-                 if c.type == "PodScheduled" and c.status == "False"]
+    scheduled = [
+        c for pod in pods for c in pod.status.conditions or [] if c.type == "PodScheduled" and c.status == "False"
+    ]
     for cond in sorted(scheduled, key=lambda c: (c.message or "").startswith(_GROUP_WAIT)):
         return f"{cond.reason}: {cond.message}" if cond.message else str(cond.reason)
     for pod in pods:
@@ -461,27 +520,42 @@ def delete_gang(kube: Kube, namespace: str, name: str, grace_s: int = 0) -> list
             if exc.status != 404:
                 raise
 
-    gone(lambda: kube.custom.delete_namespaced_custom_object(  # workload: jobset (its Job goes with it)
-        M.JOBSET_GROUP, M.JOBSET_VERSION, namespace, M.JOBSET_PLURAL, name, propagation_policy="Background"),
-        "jobset")
-    gone(lambda: kube.batch.delete_namespaced_job(
-        name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")), "job")
+    gone(
+        lambda: kube.custom.delete_namespaced_custom_object(  # workload: jobset (its Job goes with it)
+            M.JOBSET_GROUP, M.JOBSET_VERSION, namespace, M.JOBSET_PLURAL, name, propagation_policy="Background"
+        ),
+        "jobset",
+    )
+    gone(
+        lambda: kube.batch.delete_namespaced_job(
+            name, namespace, body=client.V1DeleteOptions(propagation_policy="Background")
+        ),
+        "job",
+    )
     pods = kube.core.list_namespaced_pod(namespace, label_selector=selector).items
     live = [p for p in pods if p.metadata.deletion_timestamp is None]
     if live:
-        gone(lambda: kube.core.delete_collection_namespaced_pod(
-            namespace, label_selector=selector, grace_period_seconds=grace_s), f"{len(live)} pods")
+        gone(
+            lambda: kube.core.delete_collection_namespaced_pod(
+                namespace, label_selector=selector, grace_period_seconds=grace_s
+            ),
+            f"{len(live)} pods",
+        )
     gone(lambda: kube.core.delete_namespaced_secret(name, namespace), "secret")
     gone(lambda: kube.core.delete_namespaced_service(name, namespace), "service")
     for group, version in _pod_group_apis(kube):
-        gone(lambda: kube.custom.delete_namespaced_custom_object(group, version, namespace, "podgroups", name),
-             "podgroup")
+        gone(
+            lambda g=group, v=version: kube.custom.delete_namespaced_custom_object(g, v, namespace, "podgroups", name),
+            "podgroup",
+        )
     return done
 
 
 def _pod_group_apis(kube: Kube) -> list[tuple[str, str]]:
-    return [tuple(api.split("/")) for api in  # type: ignore[misc]
-            filter(None, (kube.pod_group_api(g) for g in (M.NATIVE_GROUP, M.VOLCANO_GROUP)))]
+    return [
+        tuple(api.split("/"))
+        for api in filter(None, (kube.pod_group_api(g) for g in (M.NATIVE_GROUP, M.VOLCANO_GROUP)))  # type: ignore[misc]
+    ]
 
 
 def _wait_pods_gone(kube: Kube, namespace: str, name: str, timeout: float) -> None:
@@ -495,8 +569,13 @@ def _wait_pods_gone(kube: Kube, namespace: str, name: str, timeout: float) -> No
     version = listed.metadata.resource_version
     while left and time.monotonic() < deadline:
         stream = watch.Watch()
-        for event in stream.stream(kube.core.list_namespaced_pod, namespace, label_selector=selector,
-                                   resource_version=version, timeout_seconds=max(1, int(deadline - time.monotonic()))):
+        for event in stream.stream(
+            kube.core.list_namespaced_pod,
+            namespace,
+            label_selector=selector,
+            resource_version=version,
+            timeout_seconds=max(1, int(deadline - time.monotonic())),
+        ):
             version = event["object"].metadata.resource_version
             if event["type"] == "DELETED":
                 left.discard(event["object"].metadata.name)

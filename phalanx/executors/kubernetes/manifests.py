@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .config import KubernetesConfig
 
 MANAGED_BY = "app.kubernetes.io/managed-by"
-GANG_LABEL = "phalanx.dev/gang"     # every object of one gang: what release() deletes by
-JOB_LABEL = "phalanx.dev/job"       # the rank pods of one Job: what the launcher watches
+GANG_LABEL = "phalanx.dev/gang"  # every object of one gang: what release() deletes by
+JOB_LABEL = "phalanx.dev/job"  # the rank pods of one Job: what the launcher watches
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 CONTAINER = "rank"
 SECRET_KEY = "authkey"
@@ -40,16 +41,16 @@ def job_name(prefix: str, gang_id: str) -> str:
 class GangSpec:
     """What one gang's objects are made from, beyond the site's config."""
 
-    name: str                          # the Job's (and its Secret's, Service's, PodGroup's) name
+    name: str  # the Job's (and its Secret's, Service's, PodGroup's) name
     ranks: int
     argv: Sequence[str]
-    env: Mapping[str, str]             # the same for every rank (base.shared_env), less the key
-    authkey: str                       # hex: goes into the Secret only, never into the Job
+    env: Mapping[str, str]  # the same for every rank (base.shared_env), less the key
+    authkey: str  # hex: goes into the Secret only, never into the Job
     gang_id: str = ""
-    gang_api: str | None = None        # "scheduling.k8s.io/v1alpha2" etc.: the PodGroup's apiVersion
+    gang_api: str | None = None  # "scheduling.k8s.io/v1alpha2" etc.: the PodGroup's apiVersion
     host_mounts: Sequence[tuple[str, bool]] = ()  # (path, read_only): hostPath volumes at the same path
     workdir: str | None = None
-    memory: str | None = None          # the request when the section sets none (site's memory_gb)
+    memory: str | None = None  # the request when the section sets none (site's memory_gb)
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -64,16 +65,29 @@ def _meta(cfg: KubernetesConfig, spec: GangSpec, name: str | None = None) -> dic
 def secret(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     """The control connection's key, read by the ranks through ``secretKeyRef``: the Job (and
     ``kubectl describe``) never shows it."""
-    return {"apiVersion": "v1", "kind": "Secret", "metadata": _meta(cfg, spec), "type": "Opaque",
-            "stringData": {SECRET_KEY: spec.authkey}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _meta(cfg, spec),
+        "type": "Opaque",
+        "stringData": {SECRET_KEY: spec.authkey},
+    }
 
 
 def service(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     """A headless Service naming every rank pod ``<job>-<index>.<job>`` before it is ready (rank
     0's rendezvous must resolve while the others start)."""
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(cfg, spec),
-            "spec": {"clusterIP": "None", "publishNotReadyAddresses": True, "selector": {JOB_LABEL: spec.name},
-                     "ports": [{"name": "rendezvous", "port": cfg.rendezvous_port}]}}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(cfg, spec),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": {JOB_LABEL: spec.name},
+            "ports": [{"name": "rendezvous", "port": cfg.rendezvous_port}],
+        },
+    }
 
 
 def pod_group(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any] | None:
@@ -82,8 +96,12 @@ def pod_group(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any] | None:
         return None
     group = spec.gang_api.split("/")[0]
     if group == NATIVE_GROUP:
-        return {"apiVersion": spec.gang_api, "kind": "PodGroup", "metadata": _meta(cfg, spec),
-                "spec": {"schedulingPolicy": {"gang": {"minCount": spec.ranks}}}}
+        return {
+            "apiVersion": spec.gang_api,
+            "kind": "PodGroup",
+            "metadata": _meta(cfg, spec),
+            "spec": {"schedulingPolicy": {"gang": {"minCount": spec.ranks}}},
+        }
     if group == VOLCANO_GROUP:
         body: dict[str, Any] = {"minMember": spec.ranks}
         if cfg.queue:
@@ -131,20 +149,31 @@ def job(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     stage retries on a fresh gang), and a failed or disrupted pod fails the whole Job."""
     meta = labels(cfg, spec)
     pod_labels = {**meta, JOB_LABEL: spec.name}
-    volumes = [{"name": f"host-{i}", "hostPath": {"path": path, "type": "Directory"}}
-               for i, (path, _) in enumerate(spec.host_mounts)] + list(cfg.volumes)
-    mounts = [{"name": f"host-{i}", "mountPath": path, "readOnly": ro}
-              for i, (path, ro) in enumerate(spec.host_mounts)] + list(cfg.volume_mounts)
+    volumes = [
+        {"name": f"host-{i}", "hostPath": {"path": path, "type": "Directory"}}
+        for i, (path, _) in enumerate(spec.host_mounts)
+    ] + list(cfg.volumes)
+    mounts = [
+        {"name": f"host-{i}", "mountPath": path, "readOnly": ro} for i, (path, ro) in enumerate(spec.host_mounts)
+    ] + list(cfg.volume_mounts)
     container: dict[str, Any] = {
-        "name": CONTAINER, "image": cfg.image, "imagePullPolicy": cfg.image_pull_policy,
-        "command": list(spec.argv), "env": _env(spec), "resources": resources(cfg, spec)}
+        "name": CONTAINER,
+        "image": cfg.image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "command": list(spec.argv),
+        "env": _env(spec),
+        "resources": resources(cfg, spec),
+    }
     if mounts:
         container["volumeMounts"] = mounts
     if spec.workdir:
         container["workingDir"] = spec.workdir
     pod: dict[str, Any] = {
-        "restartPolicy": "Never", "terminationGracePeriodSeconds": cfg.grace_s, "enableServiceLinks": False,
-        "containers": [container]}
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": cfg.grace_s,
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
     if cfg.network == "host":
         pod.update(hostNetwork=True, dnsPolicy="ClusterFirstWithHostNet")
     else:
@@ -153,8 +182,12 @@ def job(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
         pod["serviceAccountName"] = cfg.service_account
     else:  # ranks never talk to the API server
         pod["automountServiceAccountToken"] = False
-    for key, value in (("nodeSelector", cfg.node_selector), ("tolerations", cfg.tolerations),
-                       ("volumes", volumes), ("priorityClassName", cfg.priority_class)):
+    for key, value in (
+        ("nodeSelector", cfg.node_selector),
+        ("tolerations", cfg.tolerations),
+        ("volumes", volumes),
+        ("priorityClassName", cfg.priority_class),
+    ):
         if value:
             pod[key] = value
     annotations = dict(cfg.annotations)
@@ -167,12 +200,19 @@ def job(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     if annotations:
         template["metadata"]["annotations"] = annotations
     body: dict[str, Any] = {
-        "completions": spec.ranks, "parallelism": spec.ranks, "completionMode": "Indexed", "backoffLimit": 0,
+        "completions": spec.ranks,
+        "parallelism": spec.ranks,
+        "completionMode": "Indexed",
+        "backoffLimit": 0,
         "ttlSecondsAfterFinished": cfg.ttl_after_finished_s,
-        "podFailurePolicy": {"rules": [
-            {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
-            {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
-        "template": template}
+        "podFailurePolicy": {
+            "rules": [
+                {"action": "FailJob", "onExitCodes": {"containerName": CONTAINER, "operator": "NotIn", "values": [0]}},
+                {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget"}]},
+            ]
+        },
+        "template": template,
+    }
     if cfg.active_deadline_s:
         body["activeDeadlineSeconds"] = cfg.active_deadline_s
     job_meta = _meta(cfg, spec)
@@ -193,11 +233,19 @@ def jobset(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     suspend = body.pop("suspend", False)  # kueue: the JobSet is what Kueue admits
     js: dict[str, Any] = {
         "failurePolicy": {"maxRestarts": 0},
-        "network": {"enableDNSHostnames": cfg.network == "service",
-                    **({"subdomain": spec.name} if cfg.network == "service" else {})},
-        "replicatedJobs": [{"name": REPLICATED_JOB, "replicas": 1,
-                            "template": {"metadata": {"labels": labels(cfg, spec)}, "spec": body}}],
-        "ttlSecondsAfterFinished": ttl}
+        "network": {
+            "enableDNSHostnames": cfg.network == "service",
+            **({"subdomain": spec.name} if cfg.network == "service" else {}),
+        },
+        "replicatedJobs": [
+            {
+                "name": REPLICATED_JOB,
+                "replicas": 1,
+                "template": {"metadata": {"labels": labels(cfg, spec)}, "spec": body},
+            }
+        ],
+        "ttlSecondsAfterFinished": ttl,
+    }
     if suspend:
         js["suspend"] = True
     meta = inner["metadata"]
@@ -230,10 +278,32 @@ def owner_reference(owner: Mapping[str, Any]) -> dict[str, Any]:
     """Makes an object the gang's Job's (or JobSet's): Kubernetes' garbage collector deletes it
     with its owner."""
     meta = owner["metadata"]
-    return {"apiVersion": owner.get("apiVersion") or "batch/v1", "kind": owner.get("kind") or "Job",
-            "name": meta["name"], "uid": meta["uid"], "blockOwnerDeletion": False, "controller": False}
+    return {
+        "apiVersion": owner.get("apiVersion") or "batch/v1",
+        "kind": owner.get("kind") or "Job",
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "blockOwnerDeletion": False,
+        "controller": False,
+    }
 
 
-__all__ = ["CONTAINER", "GANG_LABEL", "GangSpec", "INDEX_ANNOTATION", "JOB_LABEL", "job", "job_name", "jobset",
-           "labels", "owner_reference", "pod_group", "pod_spec", "rank_host", "resources", "secret", "service",
-           "workload"]
+__all__ = [
+    "CONTAINER",
+    "GANG_LABEL",
+    "GangSpec",
+    "INDEX_ANNOTATION",
+    "JOB_LABEL",
+    "job",
+    "job_name",
+    "jobset",
+    "labels",
+    "owner_reference",
+    "pod_group",
+    "pod_spec",
+    "rank_host",
+    "resources",
+    "secret",
+    "service",
+    "workload",
+]

@@ -15,8 +15,22 @@ from pydantic import Field, field_validator
 from ..base import ExecutorConfig
 
 # keys of the pilot (the run's allocation): the site's; a stage cannot change them
-PILOT_KEYS = ("resource", "access_schema", "queue", "project", "cores", "nodes", "gpus", "runtime",
-              "sandbox", "resource_config", "interface", "venv", "pilot_timeout", "job_name")
+PILOT_KEYS = (
+    "resource",
+    "access_schema",
+    "queue",
+    "project",
+    "cores",
+    "nodes",
+    "gpus",
+    "runtime",
+    "sandbox",
+    "resource_config",
+    "interface",
+    "venv",
+    "pilot_timeout",
+    "job_name",
+)
 _RESOURCE = re.compile(r"^[A-Za-z0-9_]+\.[A-Za-z0-9_.-]+$")
 _NAME = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 
@@ -29,54 +43,82 @@ class RadicalConfig(ExecutorConfig):
 
     # ---- the pilot: one per run ---------------------------------------------------------
     resource: str = Field(
-        "local.localhost", description="RADICAL-Pilot resource label of the pilot (`<site>.<machine>`, as in "
+        "local.localhost",
+        description="RADICAL-Pilot resource label of the pilot (`<site>.<machine>`, as in "
         "RP's resource_*.json): local.localhost runs the agent here by fork; e.g. tacc.frontera submits a "
-        "batch job")
-    access_schema: Optional[str] = Field(None, description="RP access schema of the resource (local, ssh, "
-                                         "batch...); default: the resource's own")
+        "batch job",
+    )
+    access_schema: Optional[str] = Field(
+        None, description="RP access schema of the resource (local, ssh, batch...); default: the resource's own"
+    )
     queue: Optional[str] = Field(None, description="batch queue (partition) of the pilot's job")
     project: Optional[str] = Field(None, description="project (account) the pilot's job is charged to")
     cores: Optional[int] = Field(
-        None, ge=1, strict=True, description="cores the pilot holds; the site's rank slots are cores / "
+        None,
+        ge=1,
+        strict=True,
+        description="cores the pilot holds; the site's rank slots are cores / "
         "cores_per_rank.  Default (without nodes): the site's cores x cores_per_rank, else this machine's "
-        "cores on local.* resources (cores or nodes is required elsewhere)")
+        "cores on local.* resources (cores or nodes is required elsewhere)",
+    )
     nodes: Optional[int] = Field(None, ge=1, strict=True, description="nodes of the pilot (instead of cores)")
     gpus: int = Field(0, ge=0, strict=True, description="GPUs the pilot holds")
-    runtime: int = Field(60, ge=1, strict=True, description="the pilot's walltime in minutes: its agent ends "
-                         "after it, and with it every gang still on it")
+    runtime: int = Field(
+        60,
+        ge=1,
+        strict=True,
+        description="the pilot's walltime in minutes: its agent ends after it, and with it every gang still on it",
+    )
     sandbox: Optional[str] = Field(
-        None, description="where RP puts the pilot's sandbox (agent files, task scripts, the ranks' spooled "
+        None,
+        description="where RP puts the pilot's sandbox (agent files, task scripts, the ranks' spooled "
         "output): a directory the resource's nodes and the driver share; ~ and $VARS expanded.  Default: "
-        "$PHALANX_STATE/radical (the state directory, private to you)")
+        "$PHALANX_STATE/radical (the state directory, private to you)",
+    )
     resource_config: dict[str, Any] = Field(
-        default_factory=dict, description="keys merged over RP's own config of `resource` (cores_per_node, "
+        default_factory=dict,
+        description="keys merged over RP's own config of `resource` (cores_per_node, "
         "gpus_per_node, launch_methods, task_pre_launch, pre_bootstrap_0, virtenv...).  On local.* resources "
         "cores_per_node defaults to this machine's cores (RP's 8 fake cores make OpenMPI bind to cores that do "
-        "not exist) and gpus_per_node to 0")
+        "not exist) and gpus_per_node to 0",
+    )
     interface: Optional[str] = Field(
-        None, description="network interface RP's ZeroMQ endpoints are advertised on and bound to (lo: "
+        None,
+        description="network interface RP's ZeroMQ endpoints are advertised on and bound to (lo: "
         "loopback only, the pilot's agent and the driver on one host; ib0, hsn0...: an HPC network).  Default: "
-        "RP's own choice, bound on every interface")
+        "RP's own choice, bound on every interface",
+    )
     venv: Union[Literal["auto", "none"], str] = Field(
-        "auto", description="the Python environment RP's client components and a local agent start from "
+        "auto",
+        description="the Python environment RP's client components and a local agent start from "
         "(VIRTUAL_ENV and PATH for them): auto: the driver's own venv when it runs in one; none: the "
-        "environment as it is; or a path")
+        "environment as it is; or a path",
+    )
     pilot_timeout: Optional[float] = Field(
-        None, gt=0, description="seconds the pilot may take to become active (bootstrap, batch queue); "
-        "default: the gang's start timeout (the site's start_timeout)")
-    job_name: str = Field("phalanx", pattern=_NAME, max_length=40, description="prefix of pilot and task "
-                          "ids (RP uids)")
+        None,
+        gt=0,
+        description="seconds the pilot may take to become active (bootstrap, batch queue); "
+        "default: the gang's start timeout (the site's start_timeout)",
+    )
+    job_name: str = Field("phalanx", pattern=_NAME, max_length=40, description="prefix of pilot and task ids (RP uids)")
 
     # ---- every gang: one task with ranks = N ---------------------------------------------
     cores_per_rank: int = Field(1, ge=1, strict=True, description="cores of every rank (its thread count too)")
     gpus_per_rank: float = Field(0, ge=0, description="GPUs of every rank")
-    mem_per_rank: Optional[int] = Field(None, ge=1, strict=True, description="MB of memory per rank the agent "
-                                        "reserves; default: the site's memory_gb over its slots")
+    mem_per_rank: Optional[int] = Field(
+        None,
+        ge=1,
+        strict=True,
+        description="MB of memory per rank the agent reserves; default: the site's memory_gb over its slots",
+    )
     pre_launch: list[str] = Field(
-        default_factory=list, description="shell lines the agent runs before it launches a gang's ranks (before "
-        "mpiexec/srun: MPI settings)")
-    pre_exec: list[str] = Field(default_factory=list, description="shell lines every rank runs before its "
-                                "program (module load, conda activate...)")
+        default_factory=list,
+        description="shell lines the agent runs before it launches a gang's ranks (before mpiexec/srun: MPI settings)",
+    )
+    pre_exec: list[str] = Field(
+        default_factory=list,
+        description="shell lines every rank runs before its program (module load, conda activate...)",
+    )
     env: dict[str, str] = Field(default_factory=dict, description="further environment of every rank")
 
     @field_validator("resource")

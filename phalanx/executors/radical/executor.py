@@ -4,7 +4,8 @@ task with ``ranks = N`` on it (see the package docstring)."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ...errors import GangError
 from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig
@@ -26,20 +27,29 @@ class RadicalExecutor(Executor):
 
     name = "radical"
     config_model = RadicalConfig
-    capabilities = Capabilities(reuse_gangs=True, pins_cpus=False, warm_pool=False, runs_commands=True,
-                                mpi_world=False, remote_ranks=True)
+    capabilities = Capabilities(
+        reuse_gangs=True, pins_cpus=False, warm_pool=False, runs_commands=True, mpi_world=False, remote_ranks=True
+    )
     release = staticmethod(release)
     config: RadicalConfig
 
-    def __init__(self, config: "RadicalConfig | Mapping[str, Any] | None" = None, *, site: str | None = None,
-                 cores: int | None = None, rank_memory: int | None = None):
+    def __init__(
+        self,
+        config: RadicalConfig | Mapping[str, Any] | None = None,
+        *,
+        site: str | None = None,
+        cores: int | None = None,
+        rank_memory: int | None = None,
+    ):
         super().__init__(config, site=site, cores=cores, rank_memory=rank_memory)
         self._pilot: RadicalPilot | None = None
         self._lock = threading.Lock()
         if cores and self.config.cores and cores * self.config.cores_per_rank > self.config.cores:
-            raise ValueError(f"cores: {cores} ranks of {self.config.cores_per_rank} cores are more than the "
-                             f"{self.config.cores} cores the pilot holds (radical.cores): leave cores out or "
-                             "raise radical.cores")
+            raise ValueError(
+                f"cores: {cores} ranks of {self.config.cores_per_rank} cores are more than the "
+                f"{self.config.cores} cores the pilot holds (radical.cores): leave cores out or "
+                "raise radical.cores"
+            )
 
     # ---- run scope --------------------------------------------------------------------------
     def open_run(self, hook: AllocationHook | None = None, demand: Any = None, warm: int = 0) -> None:
@@ -69,22 +79,26 @@ class RadicalExecutor(Executor):
         """The site's cores, else the pilot's cores over ``cores_per_rank``."""
         return self.cores or self.config.slots()
 
-    def stage_config(self, override: "ExecutorConfig | Mapping[str, Any] | None" = None) -> RadicalConfig:
+    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> RadicalConfig:
         return super().stage_config(override)  # type: ignore[return-value]
 
     def check(self, ranks: int, config: ExecutorConfig | None = None) -> None:
         cfg: RadicalConfig = config or self.config  # type: ignore[assignment]
         changed = [k for k in PILOT_KEYS if getattr(cfg, k) != getattr(self.config, k)]
         if changed:
-            raise ValueError(f"radical.{changed[0]}: the pilot is the run's (the site's radical section); "
-                             "a stage cannot change it")
+            raise ValueError(
+                f"radical.{changed[0]}: the pilot is the run's (the site's radical section); a stage cannot change it"
+            )
         cores = cfg.pilot_cores(self.cores)
         if cores and ranks * cfg.cores_per_rank > cores:
-            raise GangError(f"radical: a gang of {ranks} ranks of {cfg.cores_per_rank} cores does not fit the "
-                            f"pilot's {cores} cores (site {self.site!r}): raise radical.cores")
+            raise GangError(
+                f"radical: a gang of {ranks} ranks of {cfg.cores_per_rank} cores does not fit the "
+                f"pilot's {cores} cores (site {self.site!r}): raise radical.cores"
+            )
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> RadicalLauncher:
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> RadicalLauncher:
         """A launcher for one gang on the run's pilot; ``slots`` are not used (RP's agent places
         the ranks on the pilot's cores)."""
         cfg: RadicalConfig = config or self.config  # type: ignore[assignment]

@@ -17,8 +17,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ...errors import GangError
 from ...runtime import protocol as P
@@ -66,8 +67,15 @@ class RadicalLauncher(Launcher):
 
     name = "radical"
 
-    def __init__(self, pilot: RadicalPilot, config: RadicalConfig, *, site: str = "radical", echo: Echo = False,
-                 rank_memory_mb: int | None = None):
+    def __init__(
+        self,
+        pilot: RadicalPilot,
+        config: RadicalConfig,
+        *,
+        site: str = "radical",
+        echo: Echo = False,
+        rank_memory_mb: int | None = None,
+    ):
         self.pilot = pilot
         self.config = config
         self.site = site
@@ -118,15 +126,25 @@ class RadicalLauncher(Launcher):
         gang = env.get(P.ENV_GANG_ID) or f"{os.getpid()}-{time.time_ns()}"
         uid = f"{cfg.job_name}-{gang}" + (f"-{self._launches}" if self._launches > 1 else "")
         environment = {k: dq(v) for k, v in env.items()}
-        environment.update({"PHALANX_RP_WRAPPER": dq(_WRAPPER), "PHALANX_RP_ARGC": str(len(argv)),
-                            **{f"PHALANX_RP_ARG_{i}": dq(str(a)) for i, a in enumerate(argv)}})
+        environment.update(
+            {
+                "PHALANX_RP_WRAPPER": dq(_WRAPPER),
+                "PHALANX_RP_ARGC": str(len(argv)),
+                **{f"PHALANX_RP_ARG_{i}": dq(str(a)) for i, a in enumerate(argv)},
+            }
+        )
         environment.update(cfg.env)  # the site's own: as written (RP's shell expands $VARS in them)
         td: dict[str, Any] = {
-            "uid": uid, "name": uid, "executable": "/bin/sh",
+            "uid": uid,
+            "name": uid,
+            "executable": "/bin/sh",
             "arguments": ["-c", "$PHALANX_RP_WRAPPER", "phalanx-rank"],
-            "ranks": self.ranks, "cores_per_rank": cfg.cores_per_rank, "environment": environment,
+            "ranks": self.ranks,
+            "cores_per_rank": cfg.cores_per_rank,
+            "environment": environment,
             "pre_launch": [_ROOT_OMPI, *cfg.pre_launch] if os.geteuid() == 0 else list(cfg.pre_launch),
-            "pre_exec": list(cfg.pre_exec), "pilot": self.pilot.uid,
+            "pre_exec": list(cfg.pre_exec),
+            "pilot": self.pilot.uid,
         }
         if cfg.gpus_per_rank:
             td["gpus_per_rank"] = cfg.gpus_per_rank
@@ -136,9 +154,15 @@ class RadicalLauncher(Launcher):
         sandbox = (self.pilot.sandbox or Path(".")) / uid
         with self._lock:
             self.uid, self.sandbox = uid, sandbox
-            self._allocation = {"executor": "radical", "kind": "task", "id": uid, "pilot": self.pilot.uid,
-                                "resource": cfg.resource, "host": (self.pilot._record or {}).get("host"),
-                                "sandbox": str(sandbox)}
+            self._allocation = {
+                "executor": "radical",
+                "kind": "task",
+                "id": uid,
+                "pilot": self.pilot.uid,
+                "resource": cfg.resource,
+                "host": (self.pilot._record or {}).get("host"),
+                "sandbox": str(sandbox),
+            }
             held(self.allocation_hook, self._allocation)  # before RP knows it: found by its sandbox
         try:
             with self.pilot.session.api:
@@ -146,8 +170,9 @@ class RadicalLauncher(Launcher):
         except BaseException as exc:
             self._let_go()
             if isinstance(exc, Exception):
-                raise GangError(f"radical: task {uid} was refused{_site(self.site)}: {type(exc).__name__}: "
-                                f"{exc}") from exc
+                raise GangError(
+                    f"radical: task {uid} was refused{_site(self.site)}: {type(exc).__name__}: {exc}"
+                ) from exc
             raise
         with self._lock:
             self.task = task
@@ -163,11 +188,15 @@ class RadicalLauncher(Launcher):
         the pilot is up and RP's agent says "task can never be scheduled"."""
         cores, gpus, cfg = self.pilot.cores, self.pilot.cfg.gpus, self.config
         if cores and ranks * cfg.cores_per_rank > cores:
-            raise GangError(f"radical: a gang of {ranks} ranks x {cfg.cores_per_rank} cores does not fit the "
-                            f"pilot's {cores} cores ({cfg.resource}){_site(self.site)}: raise radical.cores")
+            raise GangError(
+                f"radical: a gang of {ranks} ranks x {cfg.cores_per_rank} cores does not fit the "
+                f"pilot's {cores} cores ({cfg.resource}){_site(self.site)}: raise radical.cores"
+            )
         if cfg.gpus_per_rank and not self.pilot.cfg.nodes and ranks * cfg.gpus_per_rank > gpus:
-            raise GangError(f"radical: a gang of {ranks} ranks x {cfg.gpus_per_rank:g} GPUs does not fit the "
-                            f"pilot's {gpus} GPUs ({cfg.resource}){_site(self.site)}: raise radical.gpus")
+            raise GangError(
+                f"radical: a gang of {ranks} ranks x {cfg.gpus_per_rank:g} GPUs does not fit the "
+                f"pilot's {gpus} GPUs ({cfg.resource}){_site(self.site)}: raise radical.gpus"
+            )
 
     # ---- output ---------------------------------------------------------------------------------
     def _follow(self) -> None:
@@ -182,7 +211,7 @@ class RadicalLauncher(Launcher):
         output, sandbox = self._output, self.sandbox
         if output is None or sandbox is None:
             return
-        for rank in (range(self.ranks) if ranks is None else ranks):
+        for rank in range(self.ranks) if ranks is None else ranks:
             f = self._files.get(rank)
             if f is None:
                 try:
@@ -258,12 +287,16 @@ class RadicalLauncher(Launcher):
                 why = self._exception() or f"exit code {self.task.exit_code}"
                 self._failed = f"radical: task {self.uid} FAILED: {why}{_site(self.site)}"
             else:
-                self._failed = (f"radical: pilot {self.pilot.uid} {pilot_state} while task {self.uid} was "
-                                f"{state}{_site(self.site)}")
+                self._failed = (
+                    f"radical: pilot {self.pilot.uid} {pilot_state} while task {self.uid} was {state}{_site(self.site)}"
+                )
             if not self._killing:
                 self._note(self._failed, open_ranks)
-            code = -int(signal.SIGKILL) if state != "FAILED" or self.task.exit_code is None else \
-                (_shell_code(int(self.task.exit_code)) or 1)
+            code = (
+                -int(signal.SIGKILL)
+                if state != "FAILED" or self.task.exit_code is None
+                else (_shell_code(int(self.task.exit_code)) or 1)
+            )
         elif state == "CANCELED":
             code = -int(signal.SIGTERM)
         else:  # DONE, and a rank wrote no exit code: it never ran its program

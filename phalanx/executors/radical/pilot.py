@@ -32,7 +32,7 @@ from .session import RPSession, session_for
 
 log = logging.getLogger("phalanx.executors.radical")
 FINAL = ("DONE", "FAILED", "CANCELED")
-LOCAL_RUNTIME_MIN = 7 * 24 * 60   # a local pilot ends with its run, not at a walltime
+LOCAL_RUNTIME_MIN = 7 * 24 * 60  # a local pilot ends with its run, not at a walltime
 
 
 def url_path(url: Any) -> Path:
@@ -50,8 +50,13 @@ class RadicalPilot:
     start, the pilot more to become active); the first gang waits for it in ``wait_active``;
     ``close()`` ends it and what still runs on it."""
 
-    def __init__(self, cfg: RadicalConfig, site: str = "radical", site_cores: int | None = None,
-                 hook: AllocationHook | None = None):
+    def __init__(
+        self,
+        cfg: RadicalConfig,
+        site: str = "radical",
+        site_cores: int | None = None,
+        hook: AllocationHook | None = None,
+    ):
         self.cfg = cfg
         self.site = site
         self.cores = cfg.pilot_cores(site_cores)
@@ -69,20 +74,24 @@ class RadicalPilot:
         self._thread: threading.Thread | None = None
 
     # ---- start ------------------------------------------------------------------------------
-    def submit(self) -> "RadicalPilot":
+    def submit(self) -> RadicalPilot:
         """Submit the pilot in the background (once)."""
         with self._lock:
             if self._thread is None and not self.closed:
-                self._thread = threading.Thread(target=self._submit, name=f"phalanx-radical-{self.uid}",
-                                                daemon=True)
+                self._thread = threading.Thread(target=self._submit, name=f"phalanx-radical-{self.uid}", daemon=True)
                 self._thread.start()
         return self
 
     def description(self) -> dict[str, Any]:
         cfg = self.cfg
         runtime = cfg.runtime if "runtime" in cfg.model_fields_set or not cfg.local else LOCAL_RUNTIME_MIN
-        pd: dict[str, Any] = {"uid": self.uid, "resource": cfg.resource, "runtime": runtime,
-                              "sandbox": str(self.session.root), "exit_on_error": False}
+        pd: dict[str, Any] = {
+            "uid": self.uid,
+            "resource": cfg.resource,
+            "runtime": runtime,
+            "sandbox": str(self.session.root),
+            "exit_on_error": False,
+        }
         if self.cores:
             pd["cores"] = self.cores
         if cfg.nodes:
@@ -104,9 +113,15 @@ class RadicalPilot:
                 self.session = session
                 if self.closed:
                     return
-                self._record = {"executor": "radical", "kind": "pilot", "id": self.uid,
-                                "resource": self.cfg.resource, "host": socket.gethostname(), "session": session.uid,
-                                "sandbox": str(session.root / "radical.pilot.sandbox" / session.uid / self.uid)}
+                self._record = {
+                    "executor": "radical",
+                    "kind": "pilot",
+                    "id": self.uid,
+                    "resource": self.cfg.resource,
+                    "host": socket.gethostname(),
+                    "session": session.uid,
+                    "sandbox": str(session.root / "radical.pilot.sandbox" / session.uid / self.uid),
+                }
                 held(self.hook, self._record)  # before RP knows it: found by its sandbox
                 # a TaskManager per pilot: RP's fails every task it manages (of any pilot) as
                 # "pilot died" when one of its pilots ends — another run's, here
@@ -138,18 +153,23 @@ class RadicalPilot:
                 if self.error is not None:
                     if isinstance(self.error, GangError):
                         raise GangError(str(self.error))
-                    raise GangError(f"radical: pilot {self.uid} could not be submitted{_site(self.site)}: "
-                                    f"{type(self.error).__name__}: {self.error}") from self.error
+                    raise GangError(
+                        f"radical: pilot {self.uid} could not be submitted{_site(self.site)}: "
+                        f"{type(self.error).__name__}: {self.error}"
+                    ) from self.error
                 state = self.pilot.state
                 if state == "PMGR_ACTIVE":
                     return
                 if state in FINAL:
-                    raise GangError(f"radical: pilot {self.uid} {state} before it became active"
-                                    f"{_site(self.site)}{self._log_tail()}")
+                    raise GangError(
+                        f"radical: pilot {self.uid} {state} before it became active{_site(self.site)}{self._log_tail()}"
+                    )
             if deadline is not None and time.monotonic() > deadline:
                 what = self.pilot.state if self.pilot is not None else "starting an RP session"
-                raise GangError(f"radical: pilot {self.uid} {what} for more than {timeout:.0f} s "
-                                f"({self.cfg.resource}){_site(self.site)}")
+                raise GangError(
+                    f"radical: pilot {self.uid} {what} for more than {timeout:.0f} s "
+                    f"({self.cfg.resource}){_site(self.site)}"
+                )
             time.sleep(wait)
             wait = min(wait * 1.5, 0.25)
 
@@ -177,8 +197,11 @@ class RadicalPilot:
                 lines.append(f"  {str(self.pilot.stderr).strip().splitlines()[-1]}")
         except Exception:
             pass
-        return (f"; sandbox {self.sandbox}:\n" + "\n".join(lines[-8:])) if lines else \
-            f"; see RP's logs in {self.session.path if self.session else self.sandbox}"
+        return (
+            (f"; sandbox {self.sandbox}:\n" + "\n".join(lines[-8:]))
+            if lines
+            else f"; see RP's logs in {self.session.path if self.session else self.sandbox}"
+        )
 
     @property
     def state(self) -> str:
@@ -294,8 +317,11 @@ def release(record: dict) -> str:
         ended = sweep(sandbox)
     if not asked and not ended:
         return f"radical: pilot {uid} already gone"
-    return (f"radical: pilot {uid} cancelled" + (" through its agent's command port" if asked else "")
-            + (f"; {len(ended)} processes of its sandbox ended" if ended else ""))
+    return (
+        f"radical: pilot {uid} cancelled"
+        + (" through its agent's command port" if asked else "")
+        + (f"; {len(ended)} processes of its sandbox ended" if ended else "")
+    )
 
 
 __all__ = ["FINAL", "RadicalPilot", "agent_command", "processes_in", "release", "sweep", "url_path"]

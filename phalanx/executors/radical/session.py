@@ -47,8 +47,8 @@ log = logging.getLogger("phalanx.executors.radical")
 HOOK_DIR = Path(__file__).resolve().parent / "_hook"
 ENV_BIND = "PHALANX_RADICAL_BIND"
 
-_lock = threading.RLock()          # sessions are made one at a time (they change os.environ)
-_sessions: dict[str, "RPSession"] = {}
+_lock = threading.RLock()  # sessions are made one at a time (they change os.environ)
+_sessions: dict[str, RPSession] = {}
 
 
 def import_rp():
@@ -58,7 +58,8 @@ def import_rp():
     except ImportError as exc:
         raise MissingDependencyError(
             f"executor 'radical' needs the radical.pilot package, which is not installed ({exc.name or exc}); "
-            "install it with: pip install 'phalanx[radical]' (it builds a few sdists: gcc is needed)") from exc
+            "install it with: pip install 'phalanx[radical]' (it builds a few sdists: gcc is needed)"
+        ) from exc
     return rp
 
 
@@ -71,8 +72,9 @@ def interface_address(iface: str) -> str:
         try:
             packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", iface[:15].encode()))  # SIOCGIFADDR
         except OSError as exc:
-            raise GangError(f"radical.interface: {iface!r} is no network interface with an IPv4 address "
-                            f"here ({exc.strerror})") from None
+            raise GangError(
+                f"radical.interface: {iface!r} is no network interface with an IPv4 address here ({exc.strerror})"
+            ) from None
     return socket.inet_ntoa(packed[20:24])
 
 
@@ -105,8 +107,11 @@ def sandbox_root(cfg: RadicalConfig) -> Path:
         root = Path(os.path.expanduser(os.path.expandvars(cfg.sandbox)))
         root.mkdir(parents=True, exist_ok=True)
         return root.absolute()
-    return private_dir(state_dir() / "radical", "RADICAL-Pilot's sessions and pilot sandboxes",
-                       "set radical.sandbox or PHALANX_STATE to a directory of your own")
+    return private_dir(
+        state_dir() / "radical",
+        "RADICAL-Pilot's sessions and pilot sandboxes",
+        "set radical.sandbox or PHALANX_STATE to a directory of your own",
+    )
 
 
 class RPSession:
@@ -155,7 +160,8 @@ class RPSession:
         env: dict[str, str | None] = {
             "RADICAL_CONFIG_USER_DIR": str(self._config_dir(cfg, root)),
             "RADICAL_BASE": str(root / "base"),
-            "RADICAL_REPORT": "FALSE", "RADICAL_PILOT_REPORT": "FALSE",
+            "RADICAL_REPORT": "FALSE",
+            "RADICAL_PILOT_REPORT": "FALSE",
             # profiles stay on: with RADICAL_PROFILE=FALSE RP 1.103's components die on their
             # way out ('Profiler' object has no attribute '_handle')
         }
@@ -164,14 +170,16 @@ class RPSession:
         if venv:
             env["VIRTUAL_ENV"] = venv
             path = os.environ.get("PATH", "")
-            env["PATH"] = os.pathsep.join([str(Path(venv) / "bin")] +
-                                          [p for p in path.split(os.pathsep) if p != str(Path(venv) / "bin")])
+            env["PATH"] = os.pathsep.join(
+                [str(Path(venv) / "bin")] + [p for p in path.split(os.pathsep) if p != str(Path(venv) / "bin")]
+            )
             env["CONDA_PREFIX"] = None  # RP prefers VIRTUAL_ENV, but be sure
         if cfg.interface:
             env["RADICAL_DEFAULT_IFACE"] = cfg.interface
             env[ENV_BIND] = self.bind
-            env["PYTHONPATH"] = os.pathsep.join([str(HOOK_DIR)] + [p for p in os.environ.get(
-                "PYTHONPATH", "").split(os.pathsep) if p])
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(HOOK_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            )
         return env
 
     def _config_dir(self, cfg: RadicalConfig, root: Path) -> Path:
@@ -189,11 +197,14 @@ class RPSession:
         over = resource_overrides(cfg)
         if self.beacon is not None:
             host, port = self.beacon.address
-            watch = " ".join(shlex.quote(a) for a in (sys.executable, str(Path(__file__).with_name("watch.py")),
-                                                      host, str(port)))
+            watch = " ".join(
+                shlex.quote(a) for a in (sys.executable, str(Path(__file__).with_name("watch.py")), host, str(port))
+            )
             # RP's bootstrap runs each line as `eval "$(eval echo LINE)"`: quoted once for the echo
-            over["pre_bootstrap_0"] = [*over.get("pre_bootstrap_0", []),
-                                       shlex.quote(f"{watch} </dev/null >watch.log 2>&1 &")]
+            over["pre_bootstrap_0"] = [
+                *over.get("pre_bootstrap_0", []),
+                shlex.quote(f"{watch} </dev/null >watch.log 2>&1 &"),
+            ]
         if over:
             path = configs / f"resource_{site}.json"
             data = json.loads(path.read_text()) if path.exists() else {}
@@ -220,8 +231,13 @@ class RPSession:
 def session_for(cfg: RadicalConfig) -> RPSession:
     """This process's session for ``cfg``'s start-up settings (made on first use)."""
     root = sandbox_root(cfg)
-    settings = {"resource": cfg.resource, "over": resource_overrides(cfg), "iface": cfg.interface,
-                "venv": venv_of(cfg), "root": str(root)}
+    settings = {
+        "resource": cfg.resource,
+        "over": resource_overrides(cfg),
+        "iface": cfg.interface,
+        "venv": venv_of(cfg),
+        "root": str(root),
+    }
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
     with _lock:
         s = _sessions.get(key)
@@ -231,8 +247,9 @@ def session_for(cfg: RadicalConfig) -> RPSession:
             except (GangError, MissingDependencyError):
                 raise
             except Exception as exc:
-                raise GangError(f"radical: cannot start a RADICAL-Pilot session for {cfg.resource}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+                raise GangError(
+                    f"radical: cannot start a RADICAL-Pilot session for {cfg.resource}: {type(exc).__name__}: {exc}"
+                ) from exc
             if len(_sessions) == 1:
                 atexit.register(close_all)
         return s

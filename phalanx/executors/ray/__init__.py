@@ -64,5 +64,19 @@ from .launcher import RayLauncher
 from .placement import diagnose
 from .release import release
 
-__all__ = ["ENV_ACTOR_ID", "ENV_NODE_ID", "ENV_NODE_IP", "SITE_KEYS", "STRATEGIES", "RankActor", "RayConfig",
-           "RayExecutor", "RayLauncher", "connect", "diagnose", "import_ray", "ray_config", "release"]
+__all__ = [
+    "ENV_ACTOR_ID",
+    "ENV_NODE_ID",
+    "ENV_NODE_IP",
+    "SITE_KEYS",
+    "STRATEGIES",
+    "RankActor",
+    "RayConfig",
+    "RayExecutor",
+    "RayLauncher",
+    "connect",
+    "diagnose",
+    "import_ray",
+    "ray_config",
+    "release",
+]

@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ...procs import die_with_parent
 from ...runtime import protocol as P
@@ -35,8 +36,12 @@ class RankActor:
         """Where this rank runs: pid, Ray node id and IP, host name."""
         import ray
 
-        return {"pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
+        return {
+            "pid": os.getpid(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_ip": ray.util.get_node_ip_address(),
+            "host": socket.gethostname(),
+        }
 
     def redirect(self, log_path: str) -> None:
         """Send this rank's output (file descriptors 1 and 2) to ``log_path`` from now on."""
@@ -53,17 +58,23 @@ class RankActor:
 
         return free_port(host)
 
-    def serve(self, env: dict[str, str], log_path: str, command: list[str] | None = None,
-              cwd: str | None = None, driver_python: str | None = None) -> int:
+    def serve(
+        self,
+        env: dict[str, str],
+        log_path: str,
+        command: list[str] | None = None,
+        cwd: str | None = None,
+        driver_python: str | None = None,
+    ) -> int:
         """Run the rank; its exit code.  ``command`` None: the phalanx worker, in this process;
         else that program as a child process (a command stage), which dies with the actor."""
         import ray
 
         ctx = ray.get_runtime_context()
         env = dict(env)
-        env.pop(P.ENV_CPUS, None)            # core ids mean nothing to Ray's CPU counts
+        env.pop(P.ENV_CPUS, None)  # core ids mean nothing to Ray's CPU counts
         env.pop(P.ENV_CPUS_BY_RANK, None)
-        env[P.ENV_PDEATHSIG] = "0"           # our parent is the raylet; Ray ends us with the job
+        env[P.ENV_PDEATHSIG] = "0"  # our parent is the raylet; Ray ends us with the job
         env[ENV_NODE_ID] = ctx.get_node_id()
         env[ENV_NODE_IP] = ray.util.get_node_ip_address()
         env[ENV_ACTOR_ID] = ctx.get_actor_id() or ""

@@ -7,7 +7,8 @@ validate`` and the published JSON Schemas read it where Ray is not installed.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Mapping, Optional, Union
+from collections.abc import Mapping
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, WithJsonSchema, field_validator
 from pydantic_core import PydanticCustomError
@@ -21,8 +22,7 @@ _MAX_SECONDS = 366 * 86400  # a year: longer timeouts are typos
 Strategy = Annotated[
     Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
     # the model takes any case (spread, Spread); editors get both common spellings
-    WithJsonSchema({"type": "string", "enum": [*STRATEGIES, *(s.lower() for s in STRATEGIES)],
-                    "default": "PACK"}),
+    WithJsonSchema({"type": "string", "enum": [*STRATEGIES, *(s.lower() for s in STRATEGIES)], "default": "PACK"}),
 ]
 Bundle = dict[str, Annotated[float, Field(ge=0)]]  # resource → amount (checked by _check_bundle)
 
@@ -32,24 +32,43 @@ class RayConfig(ExecutorConfig):
     group holds.  A stage's own ``ray:`` section overrides keys of the site's for its gangs."""
 
     address: str = Field(
-        "auto", strict=True, description="the cluster: auto (RAY_ADDRESS, else the latest cluster started on "
-        "this host) | host:port of the GCS | ray://host:10001 (Ray Client) | local (a new one in this process)")
+        "auto",
+        strict=True,
+        description="the cluster: auto (RAY_ADDRESS, else the latest cluster started on "
+        "this host) | host:port of the GCS | ray://host:10001 (Ray Client) | local (a new one in this process)",
+    )
     namespace: Optional[str] = Field(
-        "phalanx", description="Ray namespace of the driver's job and the rank actors (null: Ray's own)")
+        "phalanx", description="Ray namespace of the driver's job and the rank actors (null: Ray's own)"
+    )
     strategy: Strategy = Field(
-        "PACK", description="placement strategy of a gang's group (any case): STRICT_PACK (one node) | PACK | "
-        "SPREAD | STRICT_SPREAD (one rank a node)")
+        "PACK",
+        description="placement strategy of a gang's group (any case): STRICT_PACK (one node) | PACK | "
+        "SPREAD | STRICT_SPREAD (one rank a node)",
+    )
     cpus_per_rank: float = Field(
-        1, gt=0, allow_inf_nan=False, strict=True, description="CPUs in every rank's bundle; also each rank's "
-        "thread count (PHALANX_THREADS, at least 1)")
+        1,
+        gt=0,
+        allow_inf_nan=False,
+        strict=True,
+        description="CPUs in every rank's bundle; also each rank's thread count (PHALANX_THREADS, at least 1)",
+    )
     resources: Union[Bundle, list[Bundle]] = Field(
-        default_factory=dict, description="further resources of every bundle ({GPU: 1}, {node_a: 1}...), or a "
-        "list with one mapping per rank (a gang must then have that many ranks)")
+        default_factory=dict,
+        description="further resources of every bundle ({GPU: 1}, {node_a: 1}...), or a "
+        "list with one mapping per rank (a gang must then have that many ranks)",
+    )
     ready_timeout_s: float = Field(
-        60, gt=0, le=_MAX_SECONDS, allow_inf_nan=False, strict=True, description="seconds to wait for the whole "
-        "placement group (all or nothing) before the gang fails with Ray's reason")
+        60,
+        gt=0,
+        le=_MAX_SECONDS,
+        allow_inf_nan=False,
+        strict=True,
+        description="seconds to wait for the whole "
+        "placement group (all or nothing) before the gang fails with Ray's reason",
+    )
     runtime_env: Optional[dict[str, Any]] = Field(
-        None, description="Ray runtime_env of the rank actors (pip, env_vars, working_dir...)")
+        None, description="Ray runtime_env of the rank actors (pip, env_vars, working_dir...)"
+    )
     init: dict[str, Any] = Field(default_factory=dict, description="further keyword arguments of ray.init()")
 
     @field_validator("namespace", mode="before")
@@ -118,7 +137,7 @@ def _section_error(keys: tuple, message: str) -> PydanticCustomError:
     return PydanticCustomError("section", "{message}", {"keys": keys, "message": message})
 
 
-def ray_config(section: "RayConfig | Mapping[str, Any] | None", site: str = "ray") -> RayConfig:
+def ray_config(section: RayConfig | Mapping[str, Any] | None, site: str = "ray") -> RayConfig:
     """``section`` as a ``RayConfig``; a bad one raises ``PhalanxError`` naming every bad key
     (``site 'gpu' (ray): ray.strategy: unknown strategy 'TIGHT'; known: ...``)."""
     if isinstance(section, RayConfig):

@@ -11,8 +11,9 @@ import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 from ...errors import GangError, MissingDependencyError
 from .network import is_loopback
@@ -29,7 +30,8 @@ def import_ray():
     except ImportError as exc:
         raise MissingDependencyError(
             f"executor 'ray' needs the ray package, which is not installed ({exc.name or exc}); "
-            "install it with: pip install 'phalanx[ray]'") from exc
+            "install it with: pip install 'phalanx[ray]'"
+        ) from exc
     return ray
 
 
@@ -43,16 +45,21 @@ def connected():
         return None
 
 
-def connect(address: str = "auto", namespace: str | None = "phalanx", init: Mapping[str, Any] | None = None,
-            site: str = "ray"):
+def connect(
+    address: str = "auto", namespace: str | None = "phalanx", init: Mapping[str, Any] | None = None, site: str = "ray"
+):
     """The ray module, connected: ``ray.init(address=...)`` unless this process already is
     (then that connection serves, whatever ``address`` says: Ray has one per process)."""
     ray = import_ray()
     with _connect_lock:
         if ray.is_initialized():
             return ray
-        kwargs: dict[str, Any] = {"address": address, "log_to_driver": False,
-                                  "logging_level": logging.WARNING, **(init or {})}
+        kwargs: dict[str, Any] = {
+            "address": address,
+            "log_to_driver": False,
+            "logging_level": logging.WARNING,
+            **(init or {}),
+        }
         if namespace:
             kwargs.setdefault("namespace", namespace)
         target = (os.environ.get("RAY_ADDRESS") if address in (None, "auto") else address) or ""
@@ -76,8 +83,10 @@ def connection_to(address: str, namespace: str | None, site: str = "ray") -> Ite
         if ours:
             connect(address, namespace, site=site)
         elif ray.get_runtime_context().gcs_address != address:
-            raise GangError(f"ray: this process is connected to the Ray cluster at "
-                            f"{ray.get_runtime_context().gcs_address}, not {address}")
+            raise GangError(
+                f"ray: this process is connected to the Ray cluster at "
+                f"{ray.get_runtime_context().gcs_address}, not {address}"
+            )
         try:
             yield ray
         finally:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ...errors import PhalanxError
 from ..base import Capabilities, Echo, Executor, ExecutorConfig
@@ -35,7 +36,7 @@ class RayExecutor(Executor):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._launchers: "weakref.WeakSet[RayLauncher]" = weakref.WeakSet()
+        self._launchers: weakref.WeakSet[RayLauncher] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def open_run(self, hook=None, demand=None, warm: int = 0) -> None:
@@ -68,7 +69,7 @@ class RayExecutor(Executor):
             return None
         return int(cpus // self.config.cpus_per_rank) or None
 
-    def check(self, ranks: int, config: "ExecutorConfig | Mapping[str, Any] | None" = None) -> None:
+    def check(self, ranks: int, config: ExecutorConfig | Mapping[str, Any] | None = None) -> None:
         """A resources list that does not give one bundle per rank (nothing is asked of Ray)."""
         cfg = ray_config(config if config is not None else self.config, self.site)
         try:
@@ -76,8 +77,9 @@ class RayExecutor(Executor):
         except ValueError as exc:
             raise PhalanxError(f"site {self.site!r} (ray): {exc}") from None
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: "ExecutorConfig | None" = None,
-                 echo: Echo = False) -> RayLauncher:
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> RayLauncher:
         """A launcher for one gang of ``ranks`` (``slots`` mean nothing to Ray: it places the
         bundles), telling the run's allocation hook of its placement group."""
         cfg = ray_config(config if config is not None else self.config, self.site)

@@ -7,8 +7,9 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ...errors import GangError
 from ...runtime import protocol as P
@@ -34,8 +35,14 @@ class RayLauncher(Launcher):
 
     name = "ray"
 
-    def __init__(self, config: "RayConfig | Mapping[str, Any] | None" = None, *, echo: Echo = False,
-                 site: str = "ray", **keys: Any):
+    def __init__(
+        self,
+        config: RayConfig | Mapping[str, Any] | None = None,
+        *,
+        echo: Echo = False,
+        site: str = "ray",
+        **keys: Any,
+    ):
         if keys:  # over the section's own
             base = config.model_dump(exclude_unset=True) if isinstance(config, RayConfig) else dict(config or {})
             config = {**base, **keys}
@@ -45,13 +52,13 @@ class RayLauncher(Launcher):
         # one gang at a time; launch() resets these (a Gang restarts on the same launcher)
         self.pg = None
         self.actors: list[Any] = []
-        self.nodes: list[dict[str, Any]] = []    # per rank: pid, node_id, node_ip, host
-        self._done: list[Any] = []                # per rank: ObjectRef of the actor's serve()
+        self.nodes: list[dict[str, Any]] = []  # per rank: pid, node_id, node_ip, host
+        self._done: list[Any] = []  # per rank: ObjectRef of the actor's serve()
         self._codes: list[int | None] = []
-        self._notes: list[str] = []               # Ray's word on ranks that died (reason())
+        self._notes: list[str] = []  # Ray's word on ranks that died (reason())
         self._follower: FileFollower | None = None
         self._log_paths: list[Path] = []
-        self._allocation: dict | None = None      # the gang's placement group (base.held)
+        self._allocation: dict | None = None  # the gang's placement group (base.held)
         self.timings: dict[str, float] = {}
 
     def __repr__(self) -> str:
@@ -88,8 +95,9 @@ class RayLauncher(Launcher):
             self.kill(grace_s=0)
             raise
 
-    def _launch(self, ray, bundles: list[dict[str, float]], argv: Sequence[str], rank_env: list[dict[str, str]],
-                log_dir: Path) -> None:
+    def _launch(
+        self, ray, bundles: list[dict[str, float]], argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path
+    ) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,26 +109,37 @@ class RayLauncher(Launcher):
 
         t0 = time.perf_counter()
         context = ray.get_runtime_context()
-        self._allocation = {"executor": "ray", "kind": "placement_group", "id": f"phalanx-{gang_id}",
-                            "ranks": n, "address": context.gcs_address, "namespace": context.namespace}
+        self._allocation = {
+            "executor": "ray",
+            "kind": "placement_group",
+            "id": f"phalanx-{gang_id}",
+            "ranks": n,
+            "address": context.gcs_address,
+            "namespace": context.namespace,
+        }
         held(self.allocation_hook, self._allocation)  # before it exists: found by name
         self.pg = placement_group(bundles, strategy=c.strategy, name=self._allocation["id"])
         ready, _ = ray.wait([self.pg.ready()], timeout=c.ready_timeout_s)
         if not ready:
             why = why_unplaceable(ray, self.pg, bundles, c.strategy)
-            raise GangError(f"site {self.site!r} (ray): placement group of {describe(bundles, c.strategy)} "
-                            f"not placeable within {c.ready_timeout_s:g} s: {why}")
+            raise GangError(
+                f"site {self.site!r} (ray): placement group of {describe(bundles, c.strategy)} "
+                f"not placeable within {c.ready_timeout_s:g} s: {why}"
+            )
         self.timings["placement_s"] = time.perf_counter() - t0
 
         actor_cls = ray.remote(RankActor)
         for r, bundle in enumerate(bundles):
             opts: dict[str, Any] = {
-                "num_cpus": bundle["CPU"], "max_restarts": 0, "max_task_retries": 0,
+                "num_cpus": bundle["CPU"],
+                "max_restarts": 0,
+                "max_task_retries": 0,
                 # serve() occupies one thread for the rank's life; redirect() needs another
                 "max_concurrency": 2,
                 "name": f"phalanx-{gang_id}-rank{r}",
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r),
+                    placement_group=self.pg, placement_group_bundle_index=r
+                ),
             }
             if bundle.get("GPU"):
                 opts["num_gpus"] = bundle["GPU"]
@@ -136,17 +155,24 @@ class RayLauncher(Launcher):
         try:
             self.nodes = ray.get([a.info.remote() for a in self.actors], timeout=max(c.ready_timeout_s, 30.0))
         except Exception as exc:
-            raise GangError(f"site {self.site!r} (ray): the rank actors did not start: "
-                            f"{type(exc).__name__}: {exc}") from exc
+            raise GangError(
+                f"site {self.site!r} (ray): the rank actors did not start: {type(exc).__name__}: {exc}"
+            ) from exc
         self.timings["actors_s"] = time.perf_counter() - t0 - self.timings["placement_s"]
 
         rank_env = reachable_env(
-            rank_env, self.nodes, site=self.site, driver_ip=ray.util.get_node_ip_address,
-            free_port=lambda ip: ray.get(self.actors[0].free_port.remote(ip), timeout=30))
+            rank_env,
+            self.nodes,
+            site=self.site,
+            driver_ip=ray.util.get_node_ip_address,
+            free_port=lambda ip: ray.get(self.actors[0].free_port.remote(ip), timeout=30),
+        )
         self._log_paths = [log_dir / f"rank-{r}.log" for r in range(n)]
         command = None if is_worker(argv) else list(argv)  # else a command stage's program
-        self._done = [a.serve.remote(env, str(path), command, os.getcwd(), sys.executable)
-                      for a, env, path in zip(self.actors, rank_env, self._log_paths)]
+        self._done = [
+            a.serve.remote(env, str(path), command, os.getcwd(), sys.executable)
+            for a, env, path in zip(self.actors, rank_env, self._log_paths)
+        ]
         if self.echo:
             self._follower = FileFollower(self._log_paths, self.echo, name="phalanx-ray-logs")
 
@@ -196,7 +222,8 @@ class RayLauncher(Launcher):
         if self.nodes:
             text += "; ranks " + ", ".join(
                 f"{r} pid {nd['pid']} on {nd['node_ip']}" + ("" if codes[r] is None else f" exited {codes[r]}")
-                for r, nd in enumerate(self.nodes))
+                for r, nd in enumerate(self.nodes)
+            )
         elif self.actors:
             text += f"; {len(self.actors)} rank actors starting"
         return text

@@ -10,7 +10,8 @@ free port of rank 0's node.
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 from urllib.parse import urlparse
 
 from ...errors import GangError
@@ -18,9 +19,15 @@ from ...runtime import protocol as P
 from ..network import is_loopback
 
 
-def reachable_env(rank_env: list[dict[str, str]], nodes: Sequence[dict[str, Any]], *,
-                  free_port: Callable[[str], int], driver_ip: Callable[[], str], site: str = "ray",
-                  here: str | None = None) -> list[dict[str, str]]:
+def reachable_env(
+    rank_env: list[dict[str, str]],
+    nodes: Sequence[dict[str, Any]],
+    *,
+    free_port: Callable[[str], int],
+    driver_ip: Callable[[], str],
+    site: str = "ray",
+    here: str | None = None,
+) -> list[dict[str, str]]:
     """``rank_env`` for ranks placed on ``nodes`` (per rank: ``host``, ``node_ip``): a
     ``GangError`` when some are on another host than ``here`` (this one) but the driver listens
     on loopback; a loopback TCP rendezvous moved to ``tcp://<rank 0's node>:<free_port(ip)>``
@@ -33,7 +40,8 @@ def reachable_env(rank_env: list[dict[str, str]], nodes: Sequence[dict[str, Any]
         raise GangError(
             f"site {site!r} (ray): ranks were placed on other hosts ({', '.join(elsewhere)}) but the driver "
             f"listens on {control_host} only; set the site's driver_host (auto, or an address they reach, "
-            f"e.g. this driver's Ray node IP {driver_ip()})")
+            f"e.g. this driver's Ray node IP {driver_ip()})"
+        )
     url = urlparse(rank_env[0].get(P.ENV_RDZV, "")) if rank_env else None
     rank0 = nodes[0] if nodes else None
     if url and url.scheme == "tcp" and is_loopback(url.hostname) and rank0 and rank0["host"] != here:

@@ -7,7 +7,8 @@ cluster has, and which of the gang's needs it cannot meet.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def fmt_bundle(bundle: dict[str, float]) -> str:
@@ -22,8 +23,7 @@ def describe(bundles: Sequence[dict[str, float]], strategy: str) -> str:
     return " + ".join(f"{count}×{b}" for b, count in kinds.items()) + f" {strategy}"
 
 
-def diagnose(state: str, nodes: Sequence[dict[str, Any]], bundles: Sequence[dict[str, float]],
-             strategy: str) -> str:
+def diagnose(state: str, nodes: Sequence[dict[str, Any]], bundles: Sequence[dict[str, float]], strategy: str) -> str:
     """``state``: Ray's scheduling state of the group (INFEASIBLE, PENDING...); ``nodes``: the
     live nodes as ``ray.nodes()`` gives them (their ``Resources``)."""
     fits = [nd for nd in nodes if any(_fits(b, nd["Resources"]) for b in bundles)]

@@ -17,13 +17,15 @@ def release(record: dict) -> str:
         actors = 0
         for r in range(int(record.get("ranks", 0))):
             try:
-                ray.kill(ray.get_actor(f"{record['id']}-rank{r}", namespace=record.get("namespace")),
-                         no_restart=True)
+                ray.kill(ray.get_actor(f"{record['id']}-rank{r}", namespace=record.get("namespace")), no_restart=True)
                 actors += 1
             except ValueError:  # no such live actor
                 pass
-        groups = [pg_id for pg_id, t in placement_group_table().items()
-                  if t.get("name") == record["id"] and t.get("state") != "REMOVED"]
+        groups = [
+            pg_id
+            for pg_id, t in placement_group_table().items()
+            if t.get("name") == record["id"] and t.get("state") != "REMOVED"
+        ]
         for pg_id in groups:
             remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_id)))
     if not (actors or groups):

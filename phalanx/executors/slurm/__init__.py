@@ -58,6 +58,19 @@ from .executor import SlurmExecutor
 from .launcher import SlurmJobLauncher, SlurmLauncher, SlurmStepLauncher
 from .pilot import SlurmPilot
 
-__all__ = ["ACTIVE", "FAILED", "HOPELESS", "OPTION_KEYS", "JobInfo", "SlurmCommands", "SlurmConfig",
-           "SlurmExecutor", "SlurmJobLauncher", "SlurmLauncher", "SlurmPilot", "SlurmPilotConfig",
-           "SlurmStepLauncher", "release"]
+__all__ = [
+    "ACTIVE",
+    "FAILED",
+    "HOPELESS",
+    "OPTION_KEYS",
+    "JobInfo",
+    "SlurmCommands",
+    "SlurmConfig",
+    "SlurmExecutor",
+    "SlurmJobLauncher",
+    "SlurmLauncher",
+    "SlurmPilot",
+    "SlurmPilotConfig",
+    "SlurmStepLauncher",
+    "release",
+]

@@ -8,17 +8,44 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ...errors import GangError, MissingDependencyError
 from ...runtime import protocol as P
 
-ACTIVE = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-                    "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT",
-                    "STOPPED", "RESV_DEL_HOLD"})
-FAILED = frozenset({"FAILED", "NODE_FAIL", "TIMEOUT", "OUT_OF_MEMORY", "CANCELLED", "PREEMPTED",
-                    "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+ACTIVE = frozenset(
+    {
+        "PENDING",
+        "CONFIGURING",
+        "RUNNING",
+        "COMPLETING",
+        "SUSPENDED",
+        "REQUEUED",
+        "REQUEUE_HOLD",
+        "REQUEUE_FED",
+        "RESIZING",
+        "SIGNALING",
+        "STAGE_OUT",
+        "STOPPED",
+        "RESV_DEL_HOLD",
+    }
+)
+FAILED = frozenset(
+    {
+        "FAILED",
+        "NODE_FAIL",
+        "TIMEOUT",
+        "OUT_OF_MEMORY",
+        "CANCELLED",
+        "PREEMPTED",
+        "BOOT_FAIL",
+        "DEADLINE",
+        "REVOKED",
+        "SPECIAL_EXIT",
+    }
+)
 # PENDING reasons that no amount of waiting resolves
 HOPELESS = {
     "PartitionConfig": "the job's request does not fit the configuration of partition {partition!r}",
@@ -38,10 +65,10 @@ HOPELESS = {
 @dataclass
 class JobInfo:
     job_id: str
-    state: str                 # PENDING, RUNNING, COMPLETED, ... ; GONE: no longer known
-    reason: str = ""           # SLURM's reason ("Resources", "PartitionNodeLimit", "None")
+    state: str  # PENDING, RUNNING, COMPLETED, ... ; GONE: no longer known
+    reason: str = ""  # SLURM's reason ("Resources", "PartitionNodeLimit", "None")
     nodes: str = ""
-    exit_status: int | None = None   # raw wait status (squeue) or None
+    exit_status: int | None = None  # raw wait status (squeue) or None
     partition: str = ""
 
     @property
@@ -66,8 +93,11 @@ class SlurmCommands:
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The driver's environment without its own SLURM job's variables (the driver may run
         inside a job: its SLURM_JOB_ID, SLURM_NTASKS... would steer sbatch and srun)."""
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not (k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")) and k != "SLURM_CONF")
+        }
         env.pop(P.ENV_RANK, None)
         if self.conf:
             env["SLURM_CONF"] = self.conf
@@ -78,14 +108,21 @@ class SlurmCommands:
         path = shutil.which(name)
         if path is None:
             raise MissingDependencyError(
-                f"executor 'slurm' needs {name!r} on PATH (SLURM's client commands; "
-                "Debian: scripts/setup-slurm.sh)")
+                f"executor 'slurm' needs {name!r} on PATH (SLURM's client commands; Debian: scripts/setup-slurm.sh)"
+            )
         return path
 
-    def run(self, name: str, *args: str, env: Mapping[str, str] | None = None,
-            timeout: float = 60.0, stdin: str | None = None) -> subprocess.CompletedProcess:
-        return subprocess.run([self.exe(name), *args], env=env or self.env(), input=stdin,
-                              capture_output=True, text=True, timeout=timeout)
+    def run(
+        self,
+        name: str,
+        *args: str,
+        env: Mapping[str, str] | None = None,
+        timeout: float = 60.0,
+        stdin: str | None = None,
+    ) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [self.exe(name), *args], env=env or self.env(), input=stdin, capture_output=True, text=True, timeout=timeout
+        )
 
     def job(self, job_id: str) -> JobInfo:
         """The job as the controller sees it; after it aged out (MinJobAge), as sacct does."""
@@ -99,8 +136,14 @@ class SlurmCommands:
                 parts = line.split("|")
                 if len(parts) >= 6 and parts[0].strip() == job_id:
                     code = parts[4].strip()
-                    return JobInfo(job_id, parts[1].strip(), parts[2].strip(), parts[3].strip(),
-                                   int(code) if code.lstrip("-").isdigit() else None, parts[5].strip())
+                    return JobInfo(
+                        job_id,
+                        parts[1].strip(),
+                        parts[2].strip(),
+                        parts[3].strip(),
+                        int(code) if code.lstrip("-").isdigit() else None,
+                        parts[5].strip(),
+                    )
             if not r.stdout.strip():
                 return self._from_sacct(job_id)
         elif "Invalid job id" in r.stderr:
@@ -109,16 +152,26 @@ class SlurmCommands:
 
     def _from_sacct(self, job_id: str) -> JobInfo:
         try:
-            r = self.run("sacct", "-X", "-n", "-P", "-j", job_id,
-                         "-o", "JobID,State,ExitCode,Reason,NodeList,Partition", timeout=30)
+            r = self.run(
+                "sacct",
+                "-X",
+                "-n",
+                "-P",
+                "-j",
+                job_id,
+                "-o",
+                "JobID,State,ExitCode,Reason,NodeList,Partition",
+                timeout=30,
+            )
         except (subprocess.TimeoutExpired, MissingDependencyError):
             return JobInfo(job_id, "GONE")
         for line in r.stdout.splitlines() if r.returncode == 0 else []:
             parts = line.split("|")
             if len(parts) >= 6 and parts[0] == job_id:
                 code, _, sig = parts[2].partition(":")
-                status = (int(sig) & 0x7F) if sig.isdigit() and int(sig) else \
-                    (int(code) << 8 if code.isdigit() else None)
+                status = (
+                    (int(sig) & 0x7F) if sig.isdigit() and int(sig) else (int(code) << 8 if code.isdigit() else None)
+                )
                 return JobInfo(job_id, parts[1].split()[0], parts[3], parts[4], status, parts[5])
         return JobInfo(job_id, "GONE")  # neither squeue nor accounting knows it any more
 
@@ -131,8 +184,11 @@ class SlurmCommands:
 
     def step_ids(self, job_id: str, name: str) -> list[str]:
         r = self.run("squeue", "-h", "-s", "-j", job_id, "-o", "%i|%j", timeout=30)
-        return [line.split("|")[0] for line in r.stdout.splitlines()
-                if line.split("|")[-1] == name] if r.returncode == 0 else []
+        return (
+            [line.split("|")[0] for line in r.stdout.splitlines() if line.split("|")[-1] == name]
+            if r.returncode == 0
+            else []
+        )
 
     def partitions(self) -> list[str]:
         try:
@@ -141,8 +197,7 @@ class SlurmCommands:
             return []
         return sorted(set(r.stdout.split())) if r.returncode == 0 else []
 
-    def submit(self, args: Sequence[str], env: Mapping[str, str], site: str,
-               script: str | None = None) -> str:
+    def submit(self, args: Sequence[str], env: Mapping[str, str], site: str, script: str | None = None) -> str:
         """``sbatch --parsable``; a rejected job raises GangError with sbatch's own words."""
         r = self.run("sbatch", "--parsable", *args, env=env, stdin=script)
         if r.returncode != 0:
@@ -155,8 +210,11 @@ class SlurmCommands:
         m = re.search(r"invalid partition specified: (\S+)", stderr)
         if m:
             known = self.partitions()
-            text = (f"partition {m.group(1)!r} does not exist"
-                    + (f" (partitions: {', '.join(known)})" if known else "") + f" — sbatch: {text}")
+            text = (
+                f"partition {m.group(1)!r} does not exist"
+                + (f" (partitions: {', '.join(known)})" if known else "")
+                + f" — sbatch: {text}"
+            )
         return text
 
     def cancel(self, target: str, sig: str | None = None) -> None:
@@ -205,8 +263,9 @@ def _option_args(options: Mapping[str, Any]) -> list[str]:
 
 
 def _does_not_fit(ranks: int, ntasks: int, site: str) -> str:
-    return (f"slurm: a gang of {ranks} ranks does not fit the pilot's {ntasks} tasks{_site(site)}: "
-            "raise slurm.pilot.ntasks")
+    return (
+        f"slurm: a gang of {ranks} ranks does not fit the pilot's {ntasks} tasks{_site(site)}: raise slurm.pilot.ntasks"
+    )
 
 
 def _hopeless(info: JobInfo, site: str, what: str = "") -> str:
@@ -223,4 +282,3 @@ def _wait_inactive(slurm: SlurmCommands, job: str, within_s: float) -> JobInfo:
             return info
         time.sleep(wait)
         wait = min(wait * 1.5, 0.5)
-

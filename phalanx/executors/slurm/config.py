@@ -21,21 +21,47 @@ OPTIONS: dict[str, str] = {
     "ntasks-per-node": "--ntasks-per-node (alias ranks_per_node): nodes = ceil(ranks / this)",
     "cpus-per-task": "--cpus-per-task: CPUs of each rank, its thread pool's size (default 1)",
     "time": "--time: time limit of a gang's job (of the pilot, unless pilot: sets its own)",
-    "partition": "--partition", "account": "--account", "qos": "--qos",
+    "partition": "--partition",
+    "account": "--account",
+    "qos": "--qos",
     "mem": "--mem: memory per node (default: the site's memory_gb as --mem-per-cpu)",
     "mem-per-cpu": "--mem-per-cpu (default: the site's memory_gb shared over its slots)",
-    "constraint": "--constraint: node features", "reservation": "--reservation", "gres": "--gres",
-    "gpus": "--gpus", "gpus-per-task": "--gpus-per-task", "gpus-per-node": "--gpus-per-node",
-    "exclusive": "--exclusive: whole nodes (true, or user/mcs)", "nodelist": "--nodelist",
-    "exclude": "--exclude: nodes not to use", "licenses": "--licenses", "wckey": "--wckey",
-    "comment": "--comment", "hint": "--hint", "distribution": "--distribution", "network": "--network",
-    "switches": "--switches", "time-min": "--time-min", "begin": "--begin", "deadline": "--deadline",
+    "constraint": "--constraint: node features",
+    "reservation": "--reservation",
+    "gres": "--gres",
+    "gpus": "--gpus",
+    "gpus-per-task": "--gpus-per-task",
+    "gpus-per-node": "--gpus-per-node",
+    "exclusive": "--exclusive: whole nodes (true, or user/mcs)",
+    "nodelist": "--nodelist",
+    "exclude": "--exclude: nodes not to use",
+    "licenses": "--licenses",
+    "wckey": "--wckey",
+    "comment": "--comment",
+    "hint": "--hint",
+    "distribution": "--distribution",
+    "network": "--network",
+    "switches": "--switches",
+    "time-min": "--time-min",
+    "begin": "--begin",
+    "deadline": "--deadline",
     "spread-job": "--spread-job: a gang over as many nodes as possible",
 }
 OPTION_KEYS = frozenset(OPTIONS)
 # what a pilot's step (``srun --jobid``) takes of them; the rest are the allocation's
-STEP_OPTIONS = ("nodes", "ntasks-per-node", "mem", "mem-per-cpu", "gres", "gpus-per-task",
-                "distribution", "nodelist", "exclude", "hint", "spread-job")
+STEP_OPTIONS = (
+    "nodes",
+    "ntasks-per-node",
+    "mem",
+    "mem-per-cpu",
+    "gres",
+    "gpus-per-task",
+    "distribution",
+    "nodelist",
+    "exclude",
+    "hint",
+    "spread-job",
+)
 _ALIASES = {"ranks_per_node": "ntasks_per_node"}
 Option = Union[bool, int, float, str]  # bool first: true stays true, not 1
 _OPTION_TYPES = (bool, int, float, str)
@@ -75,15 +101,15 @@ class _OptionKeys(ExecutorConfig):
         for key, value in data.items():
             name = cls.normalize_key(str(key))
             if name == "ntasks" and name not in cls.model_fields:  # was accepted (and ignored) once
-                raise _section_error(key, "unknown key: a gang's tasks are its ranks (the stage's ranks:); "
-                                          "a pilot's are pilot.ntasks")
+                raise _section_error(
+                    key, "unknown key: a gang's tasks are its ranks (the stage's ranks:); a pilot's are pilot.ntasks"
+                )
             if name not in cls.model_fields:
                 name = key
             if name in out:
                 raise _section_error(key, f"given twice (as {raw[name]!r} and {key!r})")
             if _flag(str(name)) in OPTION_KEYS and not isinstance(value, _OPTION_TYPES):
-                raise _section_error(key, f"must be a string, number or true/false (sbatch "
-                                          f"--{_flag(str(name))}=VALUE)")
+                raise _section_error(key, f"must be a string, number or true/false (sbatch --{_flag(str(name))}=VALUE)")
             out[name], raw[name] = value, key
         return out
 
@@ -94,18 +120,24 @@ class _OptionKeys(ExecutorConfig):
 
 # one field per sbatch/srun option of OPTIONS
 _Options = create_model(  # type: ignore[misc]
-    "_Options", __base__=_OptionKeys, __module__=__name__,
+    "_Options",
+    __base__=_OptionKeys,
+    __module__=__name__,
     # not Optional: null is no value sbatch takes (false leaves a flag out)
-    **{_field(flag): (Option, Field(None, description=f"sbatch/srun {text}"))
-       for flag, text in OPTIONS.items()})
+    **{_field(flag): (Option, Field(None, description=f"sbatch/srun {text}")) for flag, text in OPTIONS.items()},
+)
 
 
 class SlurmPilotConfig(_Options):
     """``slurm.pilot``: the allocation held for a whole run (``allocation: pilot``); its sbatch
     options over the section's own (partition, account, qos, time...)."""
 
-    ntasks: Optional[int] = Field(None, ge=1, strict=True, description="rank slots the pilot holds (--ntasks): the site's "
-                                  "capacity; default: whole nodes (--exclusive)")
+    ntasks: Optional[int] = Field(
+        None,
+        ge=1,
+        strict=True,
+        description="rank slots the pilot holds (--ntasks): the site's capacity; default: whole nodes (--exclusive)",
+    )
 
     def slots(self) -> int | None:
         if self.ntasks:
@@ -120,22 +152,38 @@ class SlurmConfig(_Options):
     """The ``slurm:`` section: how gangs get their nodes, and sbatch/srun options for them."""
 
     allocation: Literal["per-stage", "pilot"] = Field(
-        "per-stage", description="per-stage: every gang is a batch job of its own; pilot: one allocation held "
-        "for the run (pilot:), every gang a job step on a share of it")
-    conf: Optional[str] = Field(None, description="SLURM_CONF for every SLURM command (a cluster other than "
-                                "the default one); ~ and $VARS are expanded")
+        "per-stage",
+        description="per-stage: every gang is a batch job of its own; pilot: one allocation held "
+        "for the run (pilot:), every gang a job step on a share of it",
+    )
+    conf: Optional[str] = Field(
+        None,
+        description="SLURM_CONF for every SLURM command (a cluster other than "
+        "the default one); ~ and $VARS are expanded",
+    )
     mpi: Optional[str] = Field(None, description="srun --mpi=VALUE (communicator: mpi), e.g. pmix")
-    prologue: list[str] = Field(default_factory=list, description="shell lines run before srun in every "
-                                "per-stage job's batch script (module load..., source a venv)")
+    prologue: list[str] = Field(
+        default_factory=list,
+        description="shell lines run before srun in every per-stage job's batch script (module load..., source a venv)",
+    )
     sbatch_args: list[str] = Field(default_factory=list, description="further sbatch arguments, verbatim")
     srun_args: list[str] = Field(default_factory=list, description="further srun arguments, verbatim")
-    poll_interval: float = Field(0.5, gt=0, allow_inf_nan=False, description="seconds between squeue calls "
-                                 "of a gang (be kind to slurmctld)")
+    poll_interval: float = Field(
+        0.5, gt=0, allow_inf_nan=False, description="seconds between squeue calls of a gang (be kind to slurmctld)"
+    )
     pending_timeout: Optional[float] = Field(
-        None, gt=0, allow_inf_nan=False, description="fail a gang (or the pilot) PENDING longer than this many "
-        "seconds; default: wait (up to the site's start_timeout)")
-    job_name: str = Field("phalanx", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$",
-                          description="prefix of job and step names (the pilot's: JOB_NAME-pilot-...)")
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="fail a gang (or the pilot) PENDING longer than this many "
+        "seconds; default: wait (up to the site's start_timeout)",
+    )
+    job_name: str = Field(
+        "phalanx",
+        min_length=1,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="prefix of job and step names (the pilot's: JOB_NAME-pilot-...)",
+    )
     pilot: Optional[SlurmPilotConfig] = Field(None, description="allocation: pilot — the held allocation")
 
     @classmethod

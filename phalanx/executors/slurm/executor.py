@@ -6,7 +6,8 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ...errors import GangError
 from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig
@@ -30,13 +31,21 @@ class SlurmExecutor(Executor):
 
     name = "slurm"
     config_model = SlurmConfig
-    capabilities = Capabilities(reuse_gangs=False, pins_cpus=False, warm_pool=False, runs_commands=True,
-                                mpi_world=True, remote_ranks=True)
+    capabilities = Capabilities(
+        reuse_gangs=False, pins_cpus=False, warm_pool=False, runs_commands=True, mpi_world=True, remote_ranks=True
+    )
     release = staticmethod(release)
     config: SlurmConfig
 
-    def __init__(self, config: "SlurmConfig | Mapping[str, Any] | None" = None, *, site: str | None = None,
-                 cores: int | None = None, rank_memory: int | None = None, pilot: SlurmPilot | None = None):
+    def __init__(
+        self,
+        config: SlurmConfig | Mapping[str, Any] | None = None,
+        *,
+        site: str | None = None,
+        cores: int | None = None,
+        rank_memory: int | None = None,
+        pilot: SlurmPilot | None = None,
+    ):
         """``pilot``: a pilot the caller started and closes (default: the run's own, made on
         first use).  Raises ValueError when the site's ``cores`` are more than the pilot holds."""
         super().__init__(config, site=site, cores=cores, rank_memory=rank_memory)
@@ -45,9 +54,11 @@ class SlurmExecutor(Executor):
         self._lock = threading.Lock()
         held = self._held_slots()
         if cores and held and cores > held:
-            raise ValueError(f"cores: {cores} is more than the {held} tasks the pilot holds (slurm.pilot.ntasks): "
-                             "gangs would wait for slots it does not have; leave cores out (the pilot's ntasks "
-                             "are the site's slots) or raise slurm.pilot.ntasks")
+            raise ValueError(
+                f"cores: {cores} is more than the {held} tasks the pilot holds (slurm.pilot.ntasks): "
+                "gangs would wait for slots it does not have; leave cores out (the pilot's ntasks "
+                "are the site's slots) or raise slurm.pilot.ntasks"
+            )
 
     # ---- run scope --------------------------------------------------------------------------
     def open_run(self, hook: AllocationHook | None = None, demand: Any = None, warm: int = 0) -> None:
@@ -91,7 +102,7 @@ class SlurmExecutor(Executor):
         """The site's cores, else the pilot's ntasks; per stage, None: SLURM queues the jobs."""
         return self.cores or self._held_slots()
 
-    def stage_config(self, override: "ExecutorConfig | Mapping[str, Any] | None" = None) -> SlurmConfig:
+    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> SlurmConfig:
         # a mapping is read as a section first: its keys in SLURM's spellings (ranks-per-node)
         # then meet the site's by field name
         if override and not isinstance(override, ExecutorConfig):
@@ -102,8 +113,9 @@ class SlurmExecutor(Executor):
         cfg: SlurmConfig = config or self.config  # type: ignore[assignment]
         if cfg.allocation == "pilot":
             if cfg.pilot != self.config.pilot:
-                raise ValueError("slurm.pilot: the pilot is the run's (the site's slurm.pilot); a stage "
-                                 "cannot change it")
+                raise ValueError(
+                    "slurm.pilot: the pilot is the run's (the site's slurm.pilot); a stage cannot change it"
+                )
             if cfg.conf != self.config.conf:
                 raise ValueError("slurm.conf: a pilot stage runs on the run's pilot, on the site's cluster")
             slots = self._pilot_slots()
@@ -123,20 +135,30 @@ class SlurmExecutor(Executor):
             options["mem-per-cpu"] = f"{max(1, self.rank_memory // cpus >> 20)}M"
         return options, cpus
 
-    def launcher(self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None,
-                 echo: Echo = False) -> SlurmLauncher:
+    def launcher(
+        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+    ) -> SlurmLauncher:
         """A per-stage job's launcher, or a pilot step's on ``pilot()``; ``slots`` are not used
         (SLURM places the ranks)."""
         cfg: SlurmConfig = config or self.config  # type: ignore[assignment]
         options, cpus = self._gang_options(ranks, cfg)
-        common = dict(site=self.site, options=options, cpus_per_rank=cpus, mpi=cfg.mpi, srun_args=cfg.srun_args,
-                      poll_interval=cfg.poll_interval, pending_timeout=cfg.pending_timeout, job_name=cfg.job_name)
+        common = dict(
+            site=self.site,
+            options=options,
+            cpus_per_rank=cpus,
+            mpi=cfg.mpi,
+            srun_args=cfg.srun_args,
+            poll_interval=cfg.poll_interval,
+            pending_timeout=cfg.pending_timeout,
+            job_name=cfg.job_name,
+        )
         launcher: SlurmLauncher
         if cfg.allocation == "pilot":
             launcher = SlurmStepLauncher(self.pilot(), echo, **common)
         else:
-            launcher = SlurmJobLauncher(echo, slurm=SlurmCommands(cfg.conf), prologue=cfg.prologue,
-                                        sbatch_args=cfg.sbatch_args, **common)
+            launcher = SlurmJobLauncher(
+                echo, slurm=SlurmCommands(cfg.conf), prologue=cfg.prologue, sbatch_args=cfg.sbatch_args, **common
+            )
         launcher.allocation_hook = self.hook
         return launcher
 

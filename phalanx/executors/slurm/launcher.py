@@ -12,28 +12,47 @@ import subprocess
 import threading
 import time
 from abc import abstractmethod
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ...errors import GangError
 from ...procs import signal_group
 from ...runtime import protocol as P
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import FileFollower
-from .commands import (FAILED, HOPELESS, JobInfo, SlurmCommands, _does_not_fit, _hopeless, _option_args,
-                       _site, _wait_inactive, allocation)
+from .commands import (
+    FAILED,
+    HOPELESS,
+    JobInfo,
+    SlurmCommands,
+    _does_not_fit,
+    _hopeless,
+    _option_args,
+    _site,
+    _wait_inactive,
+    allocation,
+)
 from .config import STEP_OPTIONS
 from .pilot import SlurmPilot
 
 # How a rank whose wrapper never wrote an exit code ended, by the job's final state.
-_STATE_SIGNAL = {"CANCELLED": signal.SIGTERM, "TIMEOUT": signal.SIGTERM, "PREEMPTED": signal.SIGTERM,
-                 "DEADLINE": signal.SIGTERM, "NODE_FAIL": signal.SIGKILL,
-                 "OUT_OF_MEMORY": signal.SIGKILL, "BOOT_FAIL": signal.SIGKILL}
+_STATE_SIGNAL = {
+    "CANCELLED": signal.SIGTERM,
+    "TIMEOUT": signal.SIGTERM,
+    "PREEMPTED": signal.SIGTERM,
+    "DEADLINE": signal.SIGTERM,
+    "NODE_FAIL": signal.SIGKILL,
+    "OUT_OF_MEMORY": signal.SIGKILL,
+    "BOOT_FAIL": signal.SIGKILL,
+}
 
 # Runs each rank: exports the rank for programs that read PHALANX_RANK, records the exit code
 # where the driver can read it (srun reports only the largest one).
-_WRAPPER = ('d=$1; shift; PHALANX_RANK=$SLURM_PROCID; export PHALANX_RANK; "$@"; rc=$?; '
-            'f="$d/rank-$SLURM_PROCID.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc')
+_WRAPPER = (
+    'd=$1; shift; PHALANX_RANK=$SLURM_PROCID; export PHALANX_RANK; "$@"; rc=$?; '
+    'f="$d/rank-$SLURM_PROCID.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc'
+)
 
 
 def _code_from_status(status: int) -> int:
@@ -59,10 +78,20 @@ class SlurmLauncher(Launcher):
 
     name = "slurm"
 
-    def __init__(self, echo: Echo = False, *, slurm: SlurmCommands, site: str = "slurm",
-                 options: Mapping[str, Any] | None = None, cpus_per_rank: int = 1, mpi: str | None = None,
-                 srun_args: Sequence[str] = (), poll_interval: float = 0.5,
-                 pending_timeout: float | None = None, job_name: str = "phalanx"):
+    def __init__(
+        self,
+        echo: Echo = False,
+        *,
+        slurm: SlurmCommands,
+        site: str = "slurm",
+        options: Mapping[str, Any] | None = None,
+        cpus_per_rank: int = 1,
+        mpi: str | None = None,
+        srun_args: Sequence[str] = (),
+        poll_interval: float = 0.5,
+        pending_timeout: float | None = None,
+        job_name: str = "phalanx",
+    ):
         """``options``: sbatch/srun options (``{"time": "1:00:00", "spread-job": True}``, as
         ``SlurmConfig.options``) for this gang."""
         self.echo = echo
@@ -80,8 +109,16 @@ class SlurmLauncher(Launcher):
         self._reset(None, 0)
 
     @classmethod
-    def from_site(cls, slurm_section: Mapping[str, Any] | None, ranks: int, *, site: str = "slurm",
-                  echo: Echo = False, pilot: SlurmPilot | None = None, **overrides: Any) -> "SlurmLauncher":
+    def from_site(
+        cls,
+        slurm_section: Mapping[str, Any] | None,
+        ranks: int,
+        *,
+        site: str = "slurm",
+        echo: Echo = False,
+        pilot: SlurmPilot | None = None,
+        **overrides: Any,
+    ) -> SlurmLauncher:
         """The launcher ``SlurmExecutor(slurm_section).launcher(ranks)`` makes, ``overrides``
         (a stage's keys: ``time``, ``nodes``...) over the section.  Pilot mode needs ``pilot``:
         a run's own pilot belongs to its ``SlurmExecutor``, which closes it."""
@@ -90,21 +127,22 @@ class SlurmLauncher(Launcher):
         executor = SlurmExecutor(slurm_section, site=site, pilot=pilot)
         config = executor.stage_config(overrides)
         if config.allocation == "pilot" and pilot is None:
-            raise ValueError("SlurmLauncher.from_site in pilot mode needs pilot= (or use SlurmExecutor, "
-                             "whose run owns its pilot)")
+            raise ValueError(
+                "SlurmLauncher.from_site in pilot mode needs pilot= (or use SlurmExecutor, whose run owns its pilot)"
+            )
         return executor.launcher(ranks, config=config, echo=echo)
 
     # ---- state ----------------------------------------------------------------------------
     def _reset(self, log_dir: Path | None, world_size: int) -> None:
         self.log_dir = log_dir
         self.world_size = world_size
-        self.job_id: str | None = None     # per-stage: the gang's job; pilot: the pilot's job
+        self.job_id: str | None = None  # per-stage: the gang's job; pilot: the pilot's job
         self.step_name = ""
         self.info: JobInfo | None = None
         self._codes: list[int | None] = [None] * world_size
         self._last_poll = 0.0
         self._submitted = 0.0
-        self._failed: str | None = None    # SLURM's reason once the job failed
+        self._failed: str | None = None  # SLURM's reason once the job failed
         self._raised = False
         self._killing = False
         self._allocation: dict | None = None  # this gang's job or step (base.held)
@@ -129,17 +167,25 @@ class SlurmLauncher(Launcher):
             self._submitted = time.monotonic()
             self._start(argv, env)
             if self.echo:
-                self._follower = FileFollower([self.log_dir / f"rank-{r}.log" for r in range(self.world_size)],
-                                              self.echo, name="phalanx-slurm-logs")
+                self._follower = FileFollower(
+                    [self.log_dir / f"rank-{r}.log" for r in range(self.world_size)],
+                    self.echo,
+                    name="phalanx-slurm-logs",
+                )
 
     @abstractmethod
     def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
         """Submit the gang's srun (``self._lock`` held)."""
 
     def _srun_options(self) -> list[str]:
-        out = [f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
-               "--kill-on-bad-exit=0",  # phalanx fails the gang fast itself, with tracebacks
-               f"--output={_pct(self.log_dir)}/rank-%t.log", "--open-mode=append", "--input=none"]
+        out = [
+            f"--ntasks={self.world_size}",
+            f"--cpus-per-task={self.cpus_per_rank}",
+            "--kill-on-bad-exit=0",  # phalanx fails the gang fast itself, with tracebacks
+            f"--output={_pct(self.log_dir)}/rank-%t.log",
+            "--open-mode=append",
+            "--input=none",
+        ]
         if self.mpi:
             out.append(f"--mpi={self.mpi}")
         return out
@@ -196,8 +242,7 @@ class SlurmLauncher(Launcher):
             self._last_poll = now
         return self.info
 
-    def _settle(self, info: JobInfo | None, state: str, status: int | None,
-                code: int | None = None) -> None:
+    def _settle(self, info: JobInfo | None, state: str, status: int | None, code: int | None = None) -> None:
         """The job (or step) ended: ranks that wrote no exit code get one from its state."""
         if code is None:
             if state in _STATE_SIGNAL:
@@ -279,8 +324,9 @@ class SlurmJobLauncher(SlurmLauncher):
     """``allocation: per-stage``: the gang is a batch job of its own (``sbatch`` of a script whose
     ``srun`` starts the ranks)."""
 
-    def __init__(self, echo: Echo = False, *, prologue: Sequence[str] = (), sbatch_args: Sequence[str] = (),
-                 **common: Any):
+    def __init__(
+        self, echo: Echo = False, *, prologue: Sequence[str] = (), sbatch_args: Sequence[str] = (), **common: Any
+    ):
         """``prologue``: shell lines before srun in the job's script; ``common``: see
         ``SlurmLauncher``."""
         super().__init__(echo, **common)
@@ -288,18 +334,31 @@ class SlurmJobLauncher(SlurmLauncher):
         self.sbatch_args = list(sbatch_args)
 
     def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
-        srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args,
-                *self._rank_command(argv)]
+        srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
         script = self.log_dir / "slurm-job.sh"
-        script.write_text("\n".join([
-            "#!/bin/sh",
-            f"# phalanx gang {self.step_name}: {self.world_size} ranks (phalanx.executors.slurm)",
-            *self.prologue,
-            "exec " + " ".join(shlex.quote(a) for a in srun), ""]))
-        args = [f"--job-name={self.step_name}", f"--output={_pct(self.log_dir)}/launcher.log",
-                "--open-mode=append", "--no-requeue",  # a lost node fails the stage: phalanx retries
-                "--export=ALL", f"--ntasks={self.world_size}", f"--cpus-per-task={self.cpus_per_rank}",
-                *_option_args(self.options), *self.sbatch_args, str(script)]
+        script.write_text(
+            "\n".join(
+                [
+                    "#!/bin/sh",
+                    f"# phalanx gang {self.step_name}: {self.world_size} ranks (phalanx.executors.slurm)",
+                    *self.prologue,
+                    "exec " + " ".join(shlex.quote(a) for a in srun),
+                    "",
+                ]
+            )
+        )
+        args = [
+            f"--job-name={self.step_name}",
+            f"--output={_pct(self.log_dir)}/launcher.log",
+            "--open-mode=append",
+            "--no-requeue",  # a lost node fails the stage: phalanx retries
+            "--export=ALL",
+            f"--ntasks={self.world_size}",
+            f"--cpus-per-task={self.cpus_per_rank}",
+            *_option_args(self.options),
+            *self.sbatch_args,
+            str(script),
+        ]
         self._hold(allocation("job", self.step_name, self.slurm))  # before sbatch: see base.held
         try:
             self.job_id = self.slurm.submit(args, env, self.site)
@@ -313,8 +372,15 @@ class SlurmJobLauncher(SlurmLauncher):
         if self._failed is not None or self._killing:
             return
         info = self._poll(force=True)
-        if info is not None and info.state in ("COMPLETING", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                                               "OUT_OF_MEMORY", "PREEMPTED", "DEADLINE"):
+        if info is not None and info.state in (
+            "COMPLETING",
+            "CANCELLED",
+            "TIMEOUT",
+            "NODE_FAIL",
+            "OUT_OF_MEMORY",
+            "PREEMPTED",
+            "DEADLINE",
+        ):
             if info.active:  # ending: its final state comes within moments
                 self.info = info = _wait_inactive(self.slurm, self.job_id, 1.0)
             if not info.active:
@@ -329,8 +395,7 @@ class SlurmJobLauncher(SlurmLauncher):
             if info.reason in HOPELESS:
                 self._raise(_hopeless(info, self.site))
             if self.pending_timeout and waited > self.pending_timeout:
-                self._raise(f"slurm: {info.describe()} for more than {self.pending_timeout:.0f} s"
-                            f"{_site(self.site)}")
+                self._raise(f"slurm: {info.describe()} for more than {self.pending_timeout:.0f} s{_site(self.site)}")
         if info.active or info.state == "UNKNOWN":
             return
         # the job ended: ranks without an exit file never ran, or were killed with the job
@@ -384,19 +449,28 @@ class SlurmStepLauncher(SlurmLauncher):
         if pilot.ntasks and self.world_size > int(pilot.ntasks):
             raise GangError(_does_not_fit(self.world_size, pilot.ntasks, self.site))
         # a pilot queued behind other jobs fails the gang within its start timeout, not never
-        pilot.start(pilot.start_timeout or self.start_timeout, hook=self.allocation_hook,
-                    driver=env.get(P.ENV_CONTROL))
+        pilot.start(pilot.start_timeout or self.start_timeout, hook=self.allocation_hook, driver=env.get(P.ENV_CONTROL))
         self.job_id = pilot.job_id
         self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
         step_options = {k: v for k, v in self.options.items() if k in STEP_OPTIONS}
-        cmd = [self.slurm.exe("srun"), f"--jobid={pilot.job_id}", "--exact", f"--job-name={self.step_name}",
-               *_option_args(step_options), *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
+        cmd = [
+            self.slurm.exe("srun"),
+            f"--jobid={pilot.job_id}",
+            "--exact",
+            f"--job-name={self.step_name}",
+            *_option_args(step_options),
+            *self._srun_options(),
+            *self.srun_args,
+            *self._rank_command(argv),
+        ]
         launcher_log = open(self.log_dir / "launcher.log", "ab", buffering=0)
-        self._srun = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log,
-                                      stderr=subprocess.PIPE, start_new_session=True)
+        self._srun = subprocess.Popen(
+            cmd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.PIPE, start_new_session=True
+        )
         launcher_log.close()
-        threading.Thread(target=self._read_srun_stderr, args=(self._srun,), daemon=True,
-                         name="phalanx-slurm-srun").start()
+        threading.Thread(
+            target=self._read_srun_stderr, args=(self._srun,), daemon=True, name="phalanx-slurm-srun"
+        ).start()
 
     def _read_srun_stderr(self, proc: subprocess.Popen) -> None:
         with open(self.log_dir / "launcher.log", "ab", buffering=0) as out:
@@ -408,7 +482,8 @@ class SlurmStepLauncher(SlurmLauncher):
                     if "temporarily disabled" in line:
                         m = re.search(r"\((.*)\)", line)
                         self._step_note = f"waiting for a share of pilot job {self.job_id}" + (
-                            f" ({m.group(1)})" if m else "")
+                            f" ({m.group(1)})" if m else ""
+                        )
                     elif "Step created" in line:
                         self._step_note = ""
         proc.stderr.close()
@@ -427,11 +502,19 @@ class SlurmStepLauncher(SlurmLauncher):
         errors = [l for l in self._srun_err if "error" in l.lower()]
         # a step cancelled from outside (scancel) ran and was killed: not a start failure
         killed = any(re.search(r"CANCELLED|: (Killed|Terminated)$", l.strip()) for l in errors)
-        if not any(c is not None for c in self._codes) and errors and not killed and not self._raised \
-                and not self._killing and (info is None or info.active):
+        if (
+            not any(c is not None for c in self._codes)
+            and errors
+            and not killed
+            and not self._raised
+            and not self._killing
+            and (info is None or info.active)
+        ):
             self._settle(None, "FAILED", None, _shell_code(rc) if rc > 0 else (rc or 1))
-            self._raise(f"slurm: job step of pilot job {self.job_id} could not start"
-                        f"{_site(self.site)}: {'; '.join(errors[-3:])}")
+            self._raise(
+                f"slurm: job step of pilot job {self.job_id} could not start"
+                f"{_site(self.site)}: {'; '.join(errors[-3:])}"
+            )
         if info is not None and not info.active:
             self._settle(info, info.state, info.exit_status)
         else:

@@ -17,8 +17,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from ...errors import GangError
 from ...paths import default_log_root
@@ -60,15 +61,25 @@ class SlurmPilot:
     A run's pilot is made by its ``SlurmExecutor`` (``from_config``), which also closes it.
     """
 
-    def __init__(self, options: "SlurmPilotConfig | Mapping[str, Any] | None" = None, *,
-                 conf: str | None = None, site: str = "slurm", sbatch_args: Sequence[str] = (),
-                 prologue: Sequence[str] = (), job_name: str = "phalanx-pilot", poll_interval: float = 0.5,
-                 start_timeout: float | None = None, hook: AllocationHook | None = None):
+    def __init__(
+        self,
+        options: SlurmPilotConfig | Mapping[str, Any] | None = None,
+        *,
+        conf: str | None = None,
+        site: str = "slurm",
+        sbatch_args: Sequence[str] = (),
+        prologue: Sequence[str] = (),
+        job_name: str = "phalanx-pilot",
+        poll_interval: float = 0.5,
+        start_timeout: float | None = None,
+        hook: AllocationHook | None = None,
+    ):
         """``options``: the pilot's sbatch options and ``ntasks`` (a ``slurm.pilot`` section);
         ``hook``: told when the pilot is submitted and gone (a run's; without one, the hook
         of the gang that starts it)."""
-        config = options if isinstance(options, SlurmPilotConfig) else \
-            SlurmPilotConfig.model_validate(dict(options or {}))
+        config = (
+            options if isinstance(options, SlurmPilotConfig) else SlurmPilotConfig.model_validate(dict(options or {}))
+        )
         self.ntasks = config.ntasks
         self.options = config.options()
         self.slurm = SlurmCommands(conf)
@@ -84,21 +95,28 @@ class SlurmPilot:
         self.log_dir: Path | None = None
         self._lock = threading.Lock()
         self._closing = False  # close() waits for the lock: a start() waiting in the queue gives up
-        self._hook: AllocationHook | None = None   # the hook told of the current job
+        self._hook: AllocationHook | None = None  # the hook told of the current job
         self._record: dict | None = None
         self._beacon: Beacon | None = None
 
     @classmethod
-    def from_config(cls, config: SlurmConfig, site: str = "slurm",
-                    hook: AllocationHook | None = None) -> "SlurmPilot":
+    def from_config(cls, config: SlurmConfig, site: str = "slurm", hook: AllocationHook | None = None) -> SlurmPilot:
         """The pilot a ``slurm:`` section describes: its ``pilot:`` keys over the section's
         partition/account/qos/time... (see ``SlurmConfig.pilot_config``)."""
-        return cls(config.pilot_config(), conf=config.conf, site=site, sbatch_args=config.sbatch_args,
-                   prologue=config.prologue, job_name=f"{config.job_name}-pilot",
-                   poll_interval=config.poll_interval, start_timeout=config.pending_timeout, hook=hook)
+        return cls(
+            config.pilot_config(),
+            conf=config.conf,
+            site=site,
+            sbatch_args=config.sbatch_args,
+            prologue=config.prologue,
+            job_name=f"{config.job_name}-pilot",
+            poll_interval=config.poll_interval,
+            start_timeout=config.pending_timeout,
+            hook=hook,
+        )
 
     @classmethod
-    def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> "SlurmPilot":
+    def from_site(cls, slurm_section: Mapping[str, Any], site: str = "slurm") -> SlurmPilot:
         """``from_config`` of a section given as a mapping."""
         return cls.from_config(SlurmConfig.model_validate(dict(slurm_section)), site)
 
@@ -106,8 +124,9 @@ class SlurmPilot:
     def running(self) -> bool:
         return self.job_id is not None and self.info is not None and self.info.state == "RUNNING"
 
-    def start(self, timeout: float | None = None, *, hook: AllocationHook | None = None,
-              driver: str | None = None) -> "SlurmPilot":
+    def start(
+        self, timeout: float | None = None, *, hook: AllocationHook | None = None, driver: str | None = None
+    ) -> SlurmPilot:
         """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
         limit, a node failure) is replaced by a fresh one.  ``hook``: told of the job unless
         the pilot has its own (a gang's allocation hook); ``driver``: "host:port" the nodes
@@ -132,15 +151,17 @@ class SlurmPilot:
                     self.slurm.cancel(self.job_id)
                     raise GangError(_hopeless(self.info, self.site, "pilot "))
                 if not self.info.active and self.info.state != "UNKNOWN":
-                    raise GangError(f"slurm: pilot {self.info.describe()}{_site(self.site)}; "
-                                    f"its log: {self.log_dir}/pilot-{self.job_id}.log")
+                    raise GangError(
+                        f"slurm: pilot {self.info.describe()}{_site(self.site)}; "
+                        f"its log: {self.log_dir}/pilot-{self.job_id}.log"
+                    )
                 if self._closing:  # the run ended while the pilot queued
-                    raise GangError(f"slurm: pilot {self.info.describe()} closed before it started"
-                                    f"{_site(self.site)}")
+                    raise GangError(f"slurm: pilot {self.info.describe()} closed before it started{_site(self.site)}")
                 if deadline is not None and time.monotonic() > deadline:
                     self.slurm.cancel(self.job_id)
-                    raise GangError(f"slurm: pilot {self.info.describe()} for more than "
-                                    f"{timeout:.0f} s{_site(self.site)}")
+                    raise GangError(
+                        f"slurm: pilot {self.info.describe()} for more than {timeout:.0f} s{_site(self.site)}"
+                    )
                 time.sleep(wait)
                 wait = min(wait * 2, self.poll_interval)
 
@@ -148,8 +169,12 @@ class SlurmPilot:
         self.log_dir = default_log_root().parent / "slurm-pilots"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.job_name}-{uuid.uuid4().hex[:12]}"  # unique: released by name
-        args = [f"--job-name={name}", f"--output={self.log_dir}/pilot-%j.log",
-                "--no-requeue", *_option_args(self.options)]
+        args = [
+            f"--job-name={name}",
+            f"--output={self.log_dir}/pilot-%j.log",
+            "--no-requeue",
+            *_option_args(self.options),
+        ]
         if self.ntasks:
             args.append(f"--ntasks={self.ntasks}")
         elif "ntasks-per-node" not in self.options:
@@ -158,8 +183,9 @@ class SlurmPilot:
         if driver:
             self._beacon = Beacon(driver.rpartition(":")[0])
             hold = "exec " + shlex.join([sys.executable, "-c", _HOLDER, *map(str, self._beacon.address)])
-        body = "\n".join(["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps",
-                          *self.prologue, hold, ""])
+        body = "\n".join(
+            ["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps", *self.prologue, hold, ""]
+        )
         self._hook, self._record = hook, allocation("pilot", name, self.slurm)
         held(hook, self._record)  # before sbatch: see base.held
         try:
@@ -202,7 +228,7 @@ class SlurmPilot:
             with self._lock:
                 self._forget()
 
-    def __enter__(self) -> "SlurmPilot":
+    def __enter__(self) -> SlurmPilot:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

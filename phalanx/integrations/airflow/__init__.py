@@ -16,11 +16,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["PhalanxRunLink", "PhalanxRunTrigger", "PhalanxStageOperator", "PhalanxWorkflowOperator",
-           "get_provider_info", "phalanx_task"]
+__all__ = [
+    "PhalanxRunLink",
+    "PhalanxRunTrigger",
+    "PhalanxStageOperator",
+    "PhalanxWorkflowOperator",
+    "get_provider_info",
+    "phalanx_task",
+]
 
-_LAZY = {"PhalanxWorkflowOperator": ".operators", "PhalanxStageOperator": ".operators",
-         "PhalanxRunLink": ".operators", "PhalanxRunTrigger": ".triggers", "phalanx_task": ".decorators"}
+_LAZY = {
+    "PhalanxWorkflowOperator": ".operators",
+    "PhalanxStageOperator": ".operators",
+    "PhalanxRunLink": ".operators",
+    "PhalanxRunTrigger": ".triggers",
+    "phalanx_task": ".decorators",
+}
 
 
 def get_provider_info() -> dict[str, Any]:
@@ -36,16 +47,13 @@ def get_provider_info() -> dict[str, Any]:
         "package-name": "phalanx",
         "name": "phalanx",
         "description": "Gang-scheduled BSP dataframe workflows (phalanx) as Airflow tasks: workflow and "
-                       "stage operators, a deferrable run trigger and the @task.phalanx decorator.",
+        "stage operators, a deferrable run trigger and the @task.phalanx decorator.",
         "versions": [__version__],
         "integrations": [{"integration-name": "phalanx", "tags": ["software"]}],
-        "operators": [{"integration-name": "phalanx",
-                       "python-modules": ["phalanx.integrations.airflow.operators"]}],
-        "triggers": [{"integration-name": "phalanx",
-                      "python-modules": ["phalanx.integrations.airflow.triggers"]}],
+        "operators": [{"integration-name": "phalanx", "python-modules": ["phalanx.integrations.airflow.operators"]}],
+        "triggers": [{"integration-name": "phalanx", "python-modules": ["phalanx.integrations.airflow.triggers"]}],
         "extra-links": ["phalanx.integrations.airflow.operators.PhalanxRunLink"],
-        "task-decorators": [{"name": "phalanx",
-                             "class-name": "phalanx.integrations.airflow.decorators.phalanx_task"}],
+        "task-decorators": [{"name": "phalanx", "class-name": "phalanx.integrations.airflow.decorators.phalanx_task"}],
     }
 
 

@@ -40,8 +40,9 @@ def main(argv: list[str]) -> int:
     progress = RunProgress(spec["workflow"], live=False)
     handle = None
     try:
-        handle = RunHandle.start(spec["workflow"], spec["site"], db=db, file=spec["file"],
-                                 resume=spec["resume"], on_event=progress)
+        handle = RunHandle.start(
+            spec["workflow"], spec["site"], db=db, file=spec["file"], resume=spec["resume"], on_event=progress
+        )
         try:
             os.write(fd, f"{handle.run_id}\n".encode())
             os.close(fd)
@@ -57,8 +58,9 @@ def main(argv: list[str]) -> int:
             handle.cancel()
         print(f"run {handle.run_id if handle else '?'} cancelled: every gang was stopped", flush=True)
         return 130
-    print(f"run {result.run_id} {'succeeded' if result.ok else 'FAILED'} (store session {result.session!r})",
-          flush=True)
+    print(
+        f"run {result.run_id} {'succeeded' if result.ok else 'FAILED'} (store session {result.session!r})", flush=True
+    )
     for stage, error in result.failed.items():
         print(f"  stage {stage!r} failed: {error}", flush=True)
     return 0 if result.ok else 1

@@ -3,7 +3,8 @@ ranks never import it)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class TaskFlowApp:
@@ -24,8 +25,10 @@ class TaskFlowApp:
             return result
         if len(self.outputs) == 1:
             return {self.outputs[0]: result}
-        raise TypeError(f"{self.__qualname__} returned a {type(result).__name__}; with outputs {self.outputs} "
-                        "return a dict {output: frame}")
+        raise TypeError(
+            f"{self.__qualname__} returned a {type(result).__name__}; with outputs {self.outputs} "
+            "return a dict {output: frame}"
+        )
 
     def __repr__(self) -> str:
         return f"<phalanx task {self.__qualname__}>"

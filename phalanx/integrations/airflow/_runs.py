@@ -19,13 +19,14 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ...orchestrator.rundb import FINAL, RunDB
 
-RUN_ID_KEY = "phalanx_run_id"     # the task-state key (Airflow >= 3.3) that keeps a task's run id
-DETACH_START_S = 300.0            # as `phalanx run --detach`: how long a driver may take to record its run
+RUN_ID_KEY = "phalanx_run_id"  # the task-state key (Airflow >= 3.3) that keeps a task's run id
+DETACH_START_S = 300.0  # as `phalanx run --detach`: how long a driver may take to record its run
 _RANK_LINE = re.compile(r"^\[rank \d+\] ")
 
 
@@ -39,8 +40,7 @@ def child_env() -> dict[str, str]:
     folder, plugins, its sys.path) the driver and its ranks can import too."""
     paths = [p for p in sys.path if p and os.path.isdir(p)]
     old = os.environ.get("PYTHONPATH", "")
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])),
-            "PYTHONUNBUFFERED": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(paths + ([old] if old else [])), "PYTHONUNBUFFERED": "1"}
 
 
 def pickle_functions_by_value(functions: Iterable[Any]) -> None:
@@ -68,28 +68,40 @@ def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resum
     from ...private import create_private, opener, private_dir
 
     pickle_functions_by_value(wf.apps.values())
-    specs = private_dir(db.state_dir / "airflow" / "specs", "workflows handed to detached drivers",
-                        "set PHALANX_STATE to a directory of your own")
+    specs = private_dir(
+        db.state_dir / "airflow" / "specs",
+        "workflows handed to detached drivers",
+        "set PHALANX_STATE to a directory of your own",
+    )
     spec = specs / f"{uuid.uuid4().hex}.pkl"
-    create_private(spec).write_bytes(cloudpickle.dumps(
-        {"workflow": wf, "site": site, "file": file, "resume": resume, "state": str(db.state_dir)}))
-    drivers = private_dir(db.state_dir / "drivers", "the logs of detached drivers",
-                          "set PHALANX_STATE to a directory of your own")
+    create_private(spec).write_bytes(
+        cloudpickle.dumps({"workflow": wf, "site": site, "file": file, "resume": resume, "state": str(db.state_dir)})
+    )
+    drivers = private_dir(
+        db.state_dir / "drivers", "the logs of detached drivers", "set PHALANX_STATE to a directory of your own"
+    )
     log = driver_log(db, resume) if resume else drivers / f".starting-{uuid.uuid4().hex}.log"
     read, write = os.pipe()
     try:
         with open(log, "ab", opener=opener) as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "phalanx.integrations.airflow._driver", str(spec), str(write)],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, pass_fds=(write,),
-                start_new_session=True, env=child_env())
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write,),
+                start_new_session=True,
+                env=child_env(),
+            )
     finally:
         os.close(write)
     run_id = _read_run_id(read, proc)
     if not run_id:
         spec.unlink(missing_ok=True)
-        raise SubmitError(f"the detached driver ended before its run started (exit code {proc.poll()}); "
-                          f"its output ({log}):\n{_tail(log)}")
+        raise SubmitError(
+            f"the detached driver ended before its run started (exit code {proc.poll()}); "
+            f"its output ({log}):\n{_tail(log)}"
+        )
     if not resume:
         os.replace(log, driver_log(db, run_id))
         log = driver_log(db, run_id)
@@ -204,14 +216,25 @@ def manifest(db: RunDB, run_id: str, store: Any) -> dict[str, Any]:
             entry: dict[str, Any] = {"dataset": f"{session}/{name}", "stage": s["stage"]}
             try:
                 info = sess.info(name)
-                entry.update(rows=info.num_rows, bytes=info.nbytes, partitions=info.num_partitions,
-                              partitioning=json.loads(json.dumps(info.partitioning, default=str)))
+                entry.update(
+                    rows=info.num_rows,
+                    bytes=info.nbytes,
+                    partitions=info.num_partitions,
+                    partitioning=json.loads(json.dumps(info.partitioning, default=str)),
+                )
             except Exception as exc:  # deleted since (phalanx store rm): say so, do not fail the task
                 rows, nbytes = s["outputs"][name]
                 entry.update(rows=rows, bytes=nbytes, missing=f"{type(exc).__name__}: {exc}")
             outputs[name] = entry
-    return {"run_id": run_id, "workflow": run.get("workflow"), "state": run.get("state"), "session": session,
-            "store_root": str(store.root), "outputs": outputs, "status": f"phalanx status {run_id}"}
+    return {
+        "run_id": run_id,
+        "workflow": run.get("workflow"),
+        "state": run.get("state"),
+        "session": session,
+        "store_root": str(store.root),
+        "outputs": outputs,
+        "status": f"phalanx status {run_id}",
+    }
 
 
 def failure_report(db: RunDB, run_id: str) -> tuple[str, str]:
@@ -230,8 +253,10 @@ def failure_report(db: RunDB, run_id: str) -> tuple[str, str]:
         last = attempts[-1] if attempts else {}
         summary = (s["error"] or s["state"]).splitlines()[0]
         first = first or f"stage {s['stage']!r} {s['state']}: {summary}"
-        parts.append(f"stage {s['stage']!r} {s['state']} after {s['attempts']} attempt(s): {s['error'] or ''}\n"
-                     f"{last.get('error') or ''}\n    logs: {last.get('log_dir', '-')}")
+        parts.append(
+            f"stage {s['stage']!r} {s['state']} after {s['attempts']} attempt(s): {s['error'] or ''}\n"
+            f"{last.get('error') or ''}\n    logs: {last.get('log_dir', '-')}"
+        )
     skipped = [s["stage"] for s in stages if s["state"] == "skipped"]
     if skipped:
         parts.append(f"did not run (an upstream stage failed): {', '.join(skipped)}")
@@ -271,7 +296,9 @@ class TaskRunId:
             return
         from ...private import create_private, private_dir
 
-        private_dir(self.path.parent, "the phalanx runs of Airflow tasks", "set PHALANX_STATE to a directory of your own")
+        private_dir(
+            self.path.parent, "the phalanx runs of Airflow tasks", "set PHALANX_STATE to a directory of your own"
+        )
         tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
         create_private(tmp).write_text(json.dumps({"run_id": run_id, "task": json.loads(self.key)}))
         os.replace(tmp, self.path)

@@ -22,7 +22,8 @@ stage_params, deferrable, poll_interval, cancel_on_kill, ...).
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 try:
     from airflow.sdk.bases.decorator import DecoratedOperator, task_decorator_factory
@@ -40,10 +41,10 @@ def _arguments_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     ranks), against which Airflow checks the call's arguments."""
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
-    if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY,
-                                            inspect.Parameter.POSITIONAL_OR_KEYWORD):
-        raise TypeError(f"@task.phalanx function {fn.__qualname__} must take the rank's env first: "
-                        f"def {fn.__name__}(env, ...)")
+    if not params or params[0].kind not in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+        raise TypeError(
+            f"@task.phalanx function {fn.__qualname__} must take the rank's env first: def {fn.__name__}(env, ...)"
+        )
 
     def stand_in(*args: Any, **kwargs: Any) -> Any:  # never called: only its signature is read
         raise RuntimeError("runs on the ranks")
@@ -58,14 +59,18 @@ def _arguments_only(fn: Callable[..., Any]) -> Callable[..., Any]:
 class _PhalanxDecoratedOperator(DecoratedOperator, PhalanxStageOperator):
     custom_operator_name = "@task.phalanx"
     template_fields: Sequence[str] = (*DecoratedOperator.template_fields, *PhalanxStageOperator.template_fields)
-    template_fields_renderers = {**DecoratedOperator.template_fields_renderers,
-                                 **PhalanxStageOperator.template_fields_renderers}
+    template_fields_renderers = {
+        **DecoratedOperator.template_fields_renderers,
+        **PhalanxStageOperator.template_fields_renderers,
+    }
 
-    def __init__(self, *, python_callable: Callable[..., Any], outputs: Sequence[str] | None = None,
-                 **kwargs: Any):
+    def __init__(self, *, python_callable: Callable[..., Any], outputs: Sequence[str] | None = None, **kwargs: Any):
         self.rank_function = python_callable
-        super().__init__(python_callable=_arguments_only(python_callable),
-                         outputs=list(outputs) if outputs is not None else [python_callable.__name__], **kwargs)
+        super().__init__(
+            python_callable=_arguments_only(python_callable),
+            outputs=list(outputs) if outputs is not None else [python_callable.__name__],
+            **kwargs,
+        )
 
     def _stage_spec(self, context: Any, session: str) -> tuple[dict[str, Any], Any]:
         bound = inspect.signature(self.python_callable).bind(*self.op_args, **self.op_kwargs)
@@ -77,10 +82,14 @@ class _PhalanxDecoratedOperator(DecoratedOperator, PhalanxStageOperator):
         return spec, TaskFlowApp(self.rank_function, list(datasets), values, list(self.outputs or []))
 
 
-def phalanx_task(python_callable: Callable[..., Any] | None = None, multiple_outputs: bool | None = None,
-                 **kwargs: Any):
+def phalanx_task(
+    python_callable: Callable[..., Any] | None = None, multiple_outputs: bool | None = None, **kwargs: Any
+):
     """``@task.phalanx(ranks=4, outputs=[...], site=..., stage_params={...}, deferrable=...)``."""
     # the task returns one manifest: never unrolled into XComs per key (a "-> dict" annotation would)
-    return task_decorator_factory(python_callable=python_callable,
-                                  multiple_outputs=False if multiple_outputs is None else multiple_outputs,
-                                  decorated_operator_class=_PhalanxDecoratedOperator, **kwargs)
+    return task_decorator_factory(
+        python_callable=python_callable,
+        multiple_outputs=False if multiple_outputs is None else multiple_outputs,
+        decorated_operator_class=_PhalanxDecoratedOperator,
+        **kwargs,
+    )

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 try:  # Airflow 3.x: operators from the Task SDK
     from airflow.sdk import BaseOperator, BaseOperatorLink
@@ -42,7 +43,7 @@ from ...orchestrator.rundb import FINAL, RunDB
 from . import _runs
 from .triggers import PhalanxRunTrigger
 
-TRIGGER_GRACE_S = 60.0   # Airflow's own deferral timeout: after the trigger's (it cancels the run first)
+TRIGGER_GRACE_S = 60.0  # Airflow's own deferral timeout: after the trigger's (it cancels the run first)
 _INPUT_KEYS = ("dataset", "by", "shuffle", "seed", "columns")
 
 
@@ -69,8 +70,8 @@ class PhalanxRunLink(BaseOperatorLink):
 class _Launch:
     """A checked workflow, the site it runs on, and the file it came from (or "<python>")."""
 
-    wf: Any                      # orchestrator.models.Workflow
-    site: Any                    # orchestrator.models.Site
+    wf: Any  # orchestrator.models.Workflow
+    site: Any  # orchestrator.models.Site
     file: str
 
     def start(self, db: RunDB, resume: str | None, on_event: Callable[[str, str, str], None]):
@@ -95,8 +96,16 @@ class _PhalanxRunOperator(BaseOperator):
     ui_color = "#d9e8f5"
     operator_extra_links = (PhalanxRunLink(),)
 
-    def __init__(self, *, site: str | None = None, state: str | None = None, deferrable: bool | None = None,
-                 poll_interval: float = 2.0, cancel_on_kill: bool = True, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        site: str | None = None,
+        state: str | None = None,
+        deferrable: bool | None = None,
+        poll_interval: float = 2.0,
+        cancel_on_kill: bool = True,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         self.site, self.state = site, state
         self.deferrable = default_deferrable() if deferrable is None else bool(deferrable)
@@ -139,9 +148,18 @@ class _PhalanxRunOperator(BaseOperator):
             if self.execution_timeout is not None:
                 end_time = time.time() + self.execution_timeout.total_seconds()
                 timeout = self.execution_timeout + timedelta(seconds=max(TRIGGER_GRACE_S, 3 * self.poll_interval))
-            self.defer(trigger=PhalanxRunTrigger(run_id, state=str(db.state_dir), poll_interval=self.poll_interval,
-                                                 end_time=end_time, cancel_on_kill=self.cancel_on_kill, since=since),
-                       method_name="execute_complete", timeout=timeout)
+            self.defer(
+                trigger=PhalanxRunTrigger(
+                    run_id,
+                    state=str(db.state_dir),
+                    poll_interval=self.poll_interval,
+                    end_time=end_time,
+                    cancel_on_kill=self.cancel_on_kill,
+                    since=since,
+                ),
+                method_name="execute_complete",
+                timeout=timeout,
+            )
         logs_every = min(self.poll_interval, 0.5)
         if attach or not self.cancel_on_kill:  # a driver of its own, which a killed task leaves running
             run_id = prior if attach else self._submit(launch, db, resume)
@@ -177,17 +195,26 @@ class _PhalanxRunOperator(BaseOperator):
         db = RunDB(self.state)
         run_id = event.get("run_id") or _runs.TaskRunId(context, db).get()
         self._run_id = run_id
-        self.log.info("phalanx run %s %s (the trigger polled the run database %s times)", run_id,
-                      event.get("state"), event.get("polls", "?"))
+        self.log.info(
+            "phalanx run %s %s (the trigger polled the run database %s times)",
+            run_id,
+            event.get("state"),
+            event.get("polls", "?"),
+        )
         for e in db.events(run_id):
-            if e["ts"] >= since - 1 and e["stage"] and e["kind"] in ("start", "succeeded", "failed", "reused",
-                                                                        "rerun", "skipped", "cancelled"):
+            if (
+                e["ts"] >= since - 1
+                and e["stage"]
+                and e["kind"] in ("start", "succeeded", "failed", "reused", "rerun", "skipped", "cancelled")
+            ):
                 self.log.info("phalanx %s %s: %s", e["stage"], e["kind"], e["message"])
         self._emit(_runs.RankLogs(db, run_id, since).poll(final=True))
         if event.get("timed_out"):
             self._write_report(db, run_id)
-            raise AirflowTaskTimeout(f"phalanx run {run_id}: execution_timeout ({self.execution_timeout}) passed "
-                                     f"while deferred; the run was cancelled ({event.get('state')})")
+            raise AirflowTaskTimeout(
+                f"phalanx run {run_id}: execution_timeout ({self.execution_timeout}) passed "
+                f"while deferred; the run was cancelled ({event.get('state')})"
+            )
         return self._finish(context, self._checked(context), db, run_id)
 
     def resume_execution(self, next_method: str, next_kwargs: dict[str, Any] | None, context: Any):
@@ -197,8 +224,7 @@ class _PhalanxRunOperator(BaseOperator):
             run_id = _runs.TaskRunId(context, RunDB(self.state)).get()
             if run_id:
                 self._run_id = run_id
-                self.log.error("phalanx run %s: cancelled (%s)", run_id,
-                               _runs.cancel_run(run_id, self.state))
+                self.log.error("phalanx run %s: cancelled (%s)", run_id, _runs.cancel_run(run_id, self.state))
         return super().resume_execution(next_method, next_kwargs, context)
 
     def on_kill(self) -> None:
@@ -208,8 +234,9 @@ class _PhalanxRunOperator(BaseOperator):
         if self._handle is not None:
             self.log.info("phalanx run %s: cancelling (the task is being stopped)", self._handle.run_id)
             stopped = self._handle.cancel()
-            self.log.info("phalanx run %s: %s", self._handle.run_id,
-                          "every rank stopped" if stopped else "ranks still stopping")
+            self.log.info(
+                "phalanx run %s: %s", self._handle.run_id, "every rank stopped" if stopped else "ranks still stopping"
+            )
         elif self._run_id:
             self.log.info("phalanx run %s: %s", self._run_id, _runs.cancel_run(self._run_id, self.state))
 
@@ -221,10 +248,23 @@ class _PhalanxRunOperator(BaseOperator):
             raise AirflowException(str(exc)) from None
 
     def _announce(self, db: RunDB, run_id: str, resume: str | None, attach: bool, how: str) -> None:
-        verb = ("re-attached to the still running" if attach else
-                "resumed (stages whose outputs are sealed are reused)" if resume else "started")
-        self.log.info("phalanx run %s %s, %s.  See: phalanx status %s · phalanx logs %s · phalanx report %s "
-                      "(state %s)", run_id, verb, how, run_id, run_id, run_id, db.state_dir)
+        verb = (
+            "re-attached to the still running"
+            if attach
+            else "resumed (stages whose outputs are sealed are reused)"
+            if resume
+            else "started"
+        )
+        self.log.info(
+            "phalanx run %s %s, %s.  See: phalanx status %s · phalanx logs %s · phalanx report %s (state %s)",
+            run_id,
+            verb,
+            how,
+            run_id,
+            run_id,
+            run_id,
+            db.state_dir,
+        )
 
     def _on_event(self, stage: str, kind: str, message: str) -> None:
         if stage:
@@ -248,8 +288,11 @@ class _PhalanxRunOperator(BaseOperator):
         run = db.run(run_id) or {"state": "unknown"}
         reused = [e["stage"] for e in db.events(run_id) if e["kind"] == "reused"]
         if reused:
-            self.log.info("phalanx run %s: not run again (outputs sealed by an earlier attempt): %s", run_id,
-                          ", ".join(dict.fromkeys(reused)))
+            self.log.info(
+                "phalanx run %s: not run again (outputs sealed by an earlier attempt): %s",
+                run_id,
+                ", ".join(dict.fromkeys(reused)),
+            )
         if run["state"] != "succeeded":
             line, full = _runs.failure_report(db, run_id)
             self.log.error("%s", full)
@@ -345,14 +388,24 @@ class PhalanxStageOperator(_PhalanxRunOperator):
     Other arguments as ``PhalanxWorkflowOperator`` (site, deferrable, poll_interval, cancel_on_kill, state).
     """
 
-    template_fields: Sequence[str] = ("app", "command", "inputs", "outputs", "stage_params", "session", "site",
-                                      "state")
+    template_fields: Sequence[str] = ("app", "command", "inputs", "outputs", "stage_params", "session", "site", "state")
     template_fields_renderers = {"inputs": "json", "stage_params": "json"}
 
-    def __init__(self, *, app: str | None = None, command: Sequence[str] | None = None, ranks: int = 1,
-                 inputs: dict[str, Any] | None = None, outputs: Sequence[str] | None = None,
-                 stage_params: dict[str, Any] | None = None, session: str | None = None, kind: str | None = None,
-                 retries_in_run: int = 0, stage_timeout: float | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *,
+        app: str | None = None,
+        command: Sequence[str] | None = None,
+        ranks: int = 1,
+        inputs: dict[str, Any] | None = None,
+        outputs: Sequence[str] | None = None,
+        stage_params: dict[str, Any] | None = None,
+        session: str | None = None,
+        kind: str | None = None,
+        retries_in_run: int = 0,
+        stage_timeout: float | None = None,
+        **kwargs: Any,
+    ):
         super().__init__(**kwargs)
         if app is not None and command is not None:
             raise ValueError("give app or command, not both")
@@ -380,8 +433,12 @@ class PhalanxStageOperator(_PhalanxRunOperator):
             return spec, None
         if not self.app:
             raise AirflowFailException(f"task {self.task_id}: app= or command= is needed")
-        spec.update(kind=self.kind or "bsp", app=self.app, outputs=list(self.outputs or []),
-                    inputs={name: dataset_input(name, v, session) for name, v in self.inputs.items()})
+        spec.update(
+            kind=self.kind or "bsp",
+            app=self.app,
+            outputs=list(self.outputs or []),
+            inputs={name: dataset_input(name, v, session) for name, v in self.inputs.items()},
+        )
         return spec, None
 
     def _session(self, context: Any) -> str:
@@ -429,12 +486,16 @@ class PhalanxStageOperator(_PhalanxRunOperator):
 
         ti = context["ti"]
         key = json.dumps([ti.dag_id, ti.run_id, ti.task_id, getattr(ti, "map_index", -1)])
-        folder = private_dir(RunDB(self.state).state_dir / "airflow" / "workflows", "workflows of Airflow tasks",
-                             "set PHALANX_STATE to a directory of your own")
+        folder = private_dir(
+            RunDB(self.state).state_dir / "airflow" / "workflows",
+            "workflows of Airflow tasks",
+            "set PHALANX_STATE to a directory of your own",
+        )
         path = folder / f"{data['name']}.{hashlib.sha256(key.encode()).hexdigest()[:12]}.yaml"
-        text = (f"# Airflow task {ti.dag_id}.{ti.task_id} (run {ti.run_id}) as a phalanx workflow, written by "
-                f"PhalanxStageOperator; it writes to store session {session!r}\n"
-                + yaml.safe_dump(data, sort_keys=False))
+        text = (
+            f"# Airflow task {ti.dag_id}.{ti.task_id} (run {ti.run_id}) as a phalanx workflow, written by "
+            f"PhalanxStageOperator; it writes to store session {session!r}\n" + yaml.safe_dump(data, sort_keys=False)
+        )
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         create_private(tmp, truncate=True).write_text(text)
         os.replace(tmp, path)
@@ -471,14 +532,18 @@ def dataset_input(name: str, value: Any, session: str | None = None) -> Any:
             return dataset_input(name, outputs[name]["dataset"], session)
         if len(outputs) == 1:
             return dataset_input(name, next(iter(outputs.values()))["dataset"], session)
-        raise AirflowFailException(f"input {name!r}: run {value.get('run_id')} has outputs {sorted(outputs)}; "
-                                   f"pick one: task.output[{sorted(outputs)[0]!r}]")
+        raise AirflowFailException(
+            f"input {name!r}: run {value.get('run_id')} has outputs {sorted(outputs)}; "
+            f"pick one: task.output[{sorted(outputs)[0]!r}]"
+        )
     if isinstance(value, dict) and "dataset" in value:
         dataset = dataset_input(name, value["dataset"], session)
         extra = {k: value[k] for k in _INPUT_KEYS[1:] if value.get(k) is not None}
         return {"dataset": dataset, **extra} if extra else dataset
-    raise AirflowFailException(f"input {name!r}: expected a dataset (\"SESSION/NAME\", an upstream task's "
-                               f"manifest or output), got {type(value).__name__}: {value!r:.80}")
+    raise AirflowFailException(
+        f'input {name!r}: expected a dataset ("SESSION/NAME", an upstream task\'s '
+        f"manifest or output), got {type(value).__name__}: {value!r:.80}"
+    )
 
 
 def is_dataset(value: Any) -> bool:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 try:  # Airflow 3.x
     from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -30,20 +31,36 @@ class PhalanxRunTrigger(BaseTrigger):
     "since"}`` (``since``: when the deferring try submitted the run, handed back as given).
     ``end_time``: a Unix time after which the run is cancelled (the task's execution_timeout)."""
 
-    def __init__(self, run_id: str, state: str | None = None, poll_interval: float = 2.0,
-                 end_time: float | None = None, cancel_on_kill: bool = True, since: float = 0.0):
+    def __init__(
+        self,
+        run_id: str,
+        state: str | None = None,
+        poll_interval: float = 2.0,
+        end_time: float | None = None,
+        cancel_on_kill: bool = True,
+        since: float = 0.0,
+    ):
         super().__init__()
         self.run_id, self.state, self.poll_interval = run_id, state, float(poll_interval)
         self.end_time, self.cancel_on_kill, self.since = end_time, cancel_on_kill, since
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
-        return ("phalanx.integrations.airflow.triggers.PhalanxRunTrigger",
-                {"run_id": self.run_id, "state": self.state, "poll_interval": self.poll_interval,
-                 "end_time": self.end_time, "cancel_on_kill": self.cancel_on_kill, "since": self.since})
+        return (
+            "phalanx.integrations.airflow.triggers.PhalanxRunTrigger",
+            {
+                "run_id": self.run_id,
+                "state": self.state,
+                "poll_interval": self.poll_interval,
+                "end_time": self.end_time,
+                "cancel_on_kill": self.cancel_on_kill,
+                "since": self.since,
+            },
+        )
 
     def _event(self, state: str, polls: int, timed_out: bool = False) -> TriggerEvent:
-        return TriggerEvent({"run_id": self.run_id, "state": state, "polls": polls, "timed_out": timed_out,
-                             "since": self.since})
+        return TriggerEvent(
+            {"run_id": self.run_id, "state": state, "polls": polls, "timed_out": timed_out, "since": self.since}
+        )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from ...orchestrator.handle import run_status
@@ -63,8 +80,7 @@ class PhalanxRunTrigger(BaseTrigger):
                 yield self._event(status.state, polls)
                 return
             if self.end_time is not None and time.time() >= self.end_time:
-                self.log.error("phalanx run %s: the task's execution_timeout passed; cancelling the run",
-                               self.run_id)
+                self.log.error("phalanx run %s: the task's execution_timeout passed; cancelling the run", self.run_id)
                 state = await asyncio.to_thread(self._cancel)
                 yield self._event(state, polls, timed_out=True)
                 return

@@ -24,14 +24,14 @@ from .ranks import progress
 class Settings:
     """How the notebook views behave; change them on ``phalanx.integrations.jupyter.settings``."""
 
-    live: bool = True            # show live views at all (False: gang.run prints as in a terminal)
+    live: bool = True  # show live views at all (False: gang.run prints as in a terminal)
     widgets: bool | None = None  # ipywidgets for live views; None: when installed
-    show_after: float = 0.5      # seconds a run must take before its live view appears
-    refresh_s: float = 0.25      # how often live views update
-    drain_s: float = 3.0         # after a run, how long to wait for the ranks' last output lines
-    fail_grace: float = 3.0      # %%px: after a rank raised, how long the others may take to finish
-    preview_rows: int = 10       # rows of a DataFrame preview
-    max_lines: int = 2000        # output lines kept per rank and run (all of them are in the logs)
+    show_after: float = 0.5  # seconds a run must take before its live view appears
+    refresh_s: float = 0.25  # how often live views update
+    drain_s: float = 3.0  # after a run, how long to wait for the ranks' last output lines
+    fail_grace: float = 3.0  # %%px: after a rank raised, how long the others may take to finish
+    preview_rows: int = 10  # rows of a DataFrame preview
+    max_lines: int = 2000  # output lines kept per rank and run (all of them are in the logs)
 
 
 settings = Settings()

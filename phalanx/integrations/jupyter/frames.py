@@ -31,8 +31,10 @@ class RemoteFrame:
     def _parts(self, limit: int | None) -> list[dict]:
         gang = self._gang
         if not gang.running or gang.gang_id != self.gang_id:
-            raise GangError(f"frame {self.name!r} lived on gang {self.gang_id}, which was stopped: its ranks "
-                            "and their names are gone")
+            raise GangError(
+                f"frame {self.name!r} lived on gang {self.gang_id}, which was stopped: its ranks "
+                "and their names are gone"
+            )
         with view_options(quiet=True):
             parts = gang.run(FRAME_APP, self.name, limit)
         errors = [p["error"] for p in parts if "error" in p]
@@ -98,5 +100,7 @@ def preview(name: str, parts: list[dict], rows_shown: int) -> tuple[str, str]:
     sizes = [p["rows"] for p in parts]
     head = pa.concat_tables([p["head"] for p in parts], promote_options="default").slice(0, rows_shown).to_pandas()
     by = next((p["partitioned_by"] for p in parts if p.get("partitioned_by")), None)
-    return (H.frame_html(name, sum(sizes), sizes, head, by, rows_shown),
-            H.frame_text(name, sum(sizes), sizes, head, by, rows_shown))
+    return (
+        H.frame_html(name, sum(sizes), sizes, head, by, rows_shown),
+        H.frame_text(name, sum(sizes), sizes, head, by, rows_shown),
+    )

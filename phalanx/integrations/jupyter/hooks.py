@@ -9,27 +9,38 @@ stage table shows them.  Nothing here imports IPython unless a kernel runs this 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from . import kernel, settings
-from .html import gang_html, gang_text, handle_html, handle_text  # noqa: F401  (the hooks)
+from .html import gang_html, gang_text, handle_html, handle_text
 
 log = logging.getLogger("phalanx.jupyter")
-__all__ = ["ViewOptions", "echo", "gang_html", "gang_text", "handle_html", "handle_text", "handle_view",
-           "live_runs", "run_view", "view_options"]
+__all__ = [
+    "ViewOptions",
+    "echo",
+    "gang_html",
+    "gang_text",
+    "handle_html",
+    "handle_text",
+    "handle_view",
+    "live_runs",
+    "run_view",
+    "view_options",
+]
 
 
 @dataclass
 class ViewOptions:
     """How the next ``gang.run`` of this context is shown."""
 
-    mode: str = "run"          # "run": the view renders itself at the end; "px": the %%px magic does
+    mode: str = "run"  # "run": the view renders itself at the end; "px": the %%px magic does
     title: str | None = None
-    quiet: bool = False        # no view at all (a frame preview fetching rows)
-    view: Any = None           # the view made for the run (read by the magic)
+    quiet: bool = False  # no view at all (a frame preview fetching rows)
+    view: Any = None  # the view made for the run (read by the magic)
 
 
 _options: ContextVar[ViewOptions | None] = ContextVar("phalanx_view_options", default=None)

@@ -19,12 +19,12 @@ import threading
 import time
 from typing import Any
 
-_named: dict[str, Any] = {}        # %px_gang --name NAME → its gang
-_current: list[str] = []           # the name %%px uses without -g (last started)
-_adopted: list[Any] = []           # every gang a cell of this kernel made
+_named: dict[str, Any] = {}  # %px_gang --name NAME → its gang
+_current: list[str] = []  # the name %%px uses without -g (last started)
+_adopted: list[Any] = []  # every gang a cell of this kernel made
 _lock = threading.Lock()
 _installed = False
-CLOSE_AT_EXIT_S = 4.0              # jupyter_client kills a kernel that takes longer than 5 s to exit
+CLOSE_AT_EXIT_S = 4.0  # jupyter_client kills a kernel that takes longer than 5 s to exit
 
 
 def shell() -> Any:
@@ -102,8 +102,10 @@ def current_name() -> str | None:
 def _after_cell(result: Any = None) -> None:
     for gang in unreferenced():
         if gang.running:
-            print(f"phalanx: gang {gang.gang_id} ({gang.world_size} ranks) is no longer referenced: closed",
-                  file=sys.stderr)
+            print(
+                f"phalanx: gang {gang.gang_id} ({gang.world_size} ranks) is no longer referenced: closed",
+                file=sys.stderr,
+            )
             gang.close()
 
 

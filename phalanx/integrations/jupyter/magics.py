@@ -91,9 +91,9 @@ class PhalanxMagics(Magics):
     def px_gang(self, line: str) -> Any:
         """Start a persistent gang for %%px cells (the current one from now on), or close one.
 
-            %px_gang 4 [--site ray-local] [--name NAME]    start (replacing NAME's gang)
-            %px_gang --close [--name NAME]                 close
-            %px_gang                                       the gangs of this kernel
+        %px_gang 4 [--site ray-local] [--name NAME]    start (replacing NAME's gang)
+        %px_gang --close [--name NAME]                 close
+        %px_gang                                       the gangs of this kernel
         """
         args = parse_argstring(self.px_gang, line)
         if args.close or args.reset:
@@ -121,8 +121,17 @@ class PhalanxMagics(Magics):
                 print(f"{'*' if name == current else ' '} {name}: {g!r}")
             return None
         name = args.name or "default"
-        options = {k: v for k, v in {"site": args.site, "executor": args.executor, "communicator": args.communicator,
-                                     "rendezvous": args.rendezvous, "store": args.store}.items() if v}
+        options = {
+            k: v
+            for k, v in {
+                "site": args.site,
+                "executor": args.executor,
+                "communicator": args.communicator,
+                "rendezvous": args.rendezvous,
+                "store": args.store,
+            }.items()
+            if v
+        }
         gang = Gang(args.ranks, session=args.session, **options)
         gang.start()
         old = kernel.name_gang(name, gang)
@@ -133,10 +142,17 @@ class PhalanxMagics(Magics):
 
     # ---- %%px ------------------------------------------------------------------------------------
     @magic_arguments()
-    @argument("-g", "--gang", default=None, help="a gang's %%px_gang name, or a variable holding a px.Gang "
-              "(default: the current gang)")
-    @argument("--ranks", default=None, help="ranks whose output, value and --out come back, e.g. 0,2 "
-              "(every rank runs the cell)")
+    @argument(
+        "-g",
+        "--gang",
+        default=None,
+        help="a gang's %%px_gang name, or a variable holding a px.Gang (default: the current gang)",
+    )
+    @argument(
+        "--ranks",
+        default=None,
+        help="ranks whose output, value and --out come back, e.g. 0,2 (every rank runs the cell)",
+    )
     @argument("--out", default=None, help="set NAME here to its value on each rank (a list in rank order)")
     @line_cell_magic
     def px(self, line: str, cell: str | None = None) -> None:
@@ -166,8 +182,11 @@ class PhalanxMagics(Magics):
         if out is not None and not out.isidentifier():
             raise UsageError(f"--out {out}: not a Python name")
         if not gang.running and gang.gang_id:
-            print(f"gang {gang.gang_id} was stopped (an interrupt or a failed rank): a fresh gang starts; the "
-                  "names of earlier cells are gone", file=sys.stderr)
+            print(
+                f"gang {gang.gang_id} was stopped (an interrupt or a failed rank): a fresh gang starts; the "
+                "names of earlier cells are gone",
+                file=sys.stderr,
+            )
         n = cell_number(self.shell)
         filename = f"<%px cell {n}>"
         register_source(filename, code)
@@ -190,8 +209,11 @@ class PhalanxMagics(Magics):
             view.finish(obj)
         elif obj is not None:
             display(obj)
-        failures = [RankFailure(r, rep.failure["exc_type"], rep.failure["message"], rep.failure["traceback"])
-                    for r, rep in enumerate(replies) if rep.failure]
+        failures = [
+            RankFailure(r, rep.failure["exc_type"], rep.failure["message"], rep.failure["traceback"])
+            for r, rep in enumerate(replies)
+            if rep.failure
+        ]
         if failures:
             raise attach(RankError(failures))
         if out is not None:

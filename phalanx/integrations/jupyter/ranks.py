@@ -30,10 +30,10 @@ from typing import Any
 
 from ...runtime.tasks import resolve_app
 
-MARK = "[phalanx] "                 # every control line starts so; never shown as rank output
-END = MARK + "end "                 # "[phalanx] end TOKEN ok|error SECONDS [JSON]"
-PROGRESS = MARK + "progress "       # "[phalanx] progress DONE/TOTAL LABEL"
-_TEXT_MAX = 20_000                  # characters of a value's text shown per rank
+MARK = "[phalanx] "  # every control line starts so; never shown as rank output
+END = MARK + "end "  # "[phalanx] end TOKEN ok|error SECONDS [JSON]"
+PROGRESS = MARK + "progress "  # "[phalanx] progress DONE/TOTAL LABEL"
+_TEXT_MAX = 20_000  # characters of a value's text shown per rank
 _HTML_MAX = 200_000
 
 
@@ -70,8 +70,7 @@ class Watched:
             status, detail = ("error", failure) if failure else ("ok", None)
             return result
         except BaseException as exc:
-            detail = {"exc_type": type(exc).__name__, "message": str(exc)[:2000],
-                      "traceback": format_exception(exc)}
+            detail = {"exc_type": type(exc).__name__, "message": str(exc)[:2000], "traceback": format_exception(exc)}
             raise
         finally:
             line = f"{END}{self.token} {status} {time.perf_counter() - t0:.6f}"
@@ -95,18 +94,18 @@ def _chain(te: traceback.TracebackException):
 
 
 # ---- %%px cells ---------------------------------------------------------------------------------
-_SPACES: dict[str, dict[str, Any]] = {}   # gang id → the names that cells assigned on this rank
+_SPACES: dict[str, dict[str, Any]] = {}  # gang id → the names that cells assigned on this rank
 
 
 @dataclass
 class CellReply:
     """What one rank sends back for a ``%%px`` cell."""
 
-    failure: dict | None = None      # exc_type, message, traceback: the cell raised here
-    value: dict | None = None        # the last expression's value: {"text/plain": ..., "text/html": ...}
-    frame: dict | None = None        # ... when it is a px.DataFrame: rows here and its first rows
-    out: bytes | None = None         # --out NAME: the value, cloudpickled
-    out_frame: dict | None = None    # --out NAME of a px.DataFrame: rows here and its first rows
+    failure: dict | None = None  # exc_type, message, traceback: the cell raised here
+    value: dict | None = None  # the last expression's value: {"text/plain": ..., "text/html": ...}
+    frame: dict | None = None  # ... when it is a px.DataFrame: rows here and its first rows
+    out: bytes | None = None  # --out NAME: the value, cloudpickled
+    out_frame: dict | None = None  # --out NAME of a px.DataFrame: rows here and its first rows
 
 
 def namespace(env) -> dict[str, Any]:
@@ -114,8 +113,13 @@ def namespace(env) -> dict[str, Any]:
     key = env.gang_id or f"env-{id(env)}"
     ns = _SPACES.get(key)
     if ns is None:
-        ns = _SPACES[key] = {"__name__": "__px__", "__builtins__": builtins,
-                             "px": sys.modules["phalanx"], "rank": env.rank, "world_size": env.world_size}
+        ns = _SPACES[key] = {
+            "__name__": "__px__",
+            "__builtins__": builtins,
+            "px": sys.modules["phalanx"],
+            "rank": env.rank,
+            "world_size": env.world_size,
+        }
     ns["env"] = env
     return ns
 
@@ -144,8 +148,11 @@ def run_cell(env, code: str, filename: str, shown: list[int], out: str | None, p
             reply.value = mime_bundle(value)
     if out and (show or _is_frame(ns.get(out))):
         if out not in ns:
-            reply.failure = {"exc_type": "NameError", "message": f"--out {out}: name {out!r} is not defined "
-                             f"on rank {env.rank}", "traceback": ""}
+            reply.failure = {
+                "exc_type": "NameError",
+                "message": f"--out {out}: name {out!r} is not defined on rank {env.rank}",
+                "traceback": "",
+            }
         elif _is_frame(ns[out]):
             reply.out_frame = _frame_head(ns[out], preview_rows)
         else:
@@ -154,8 +161,11 @@ def run_cell(env, code: str, filename: str, shown: list[int], out: str | None, p
             try:
                 reply.out = cloudpickle.dumps(ns[out], protocol=5)
             except Exception as exc:
-                reply.failure = {"exc_type": type(exc).__name__, "traceback": "",
-                                 "message": f"--out {out}: cannot send {type(ns[out]).__name__} back: {exc}"}
+                reply.failure = {
+                    "exc_type": type(exc).__name__,
+                    "traceback": "",
+                    "message": f"--out {out}: cannot send {type(ns[out]).__name__} back: {exc}",
+                }
     return reply
 
 
@@ -184,8 +194,11 @@ def _is_frame(value: Any) -> bool:
 
 def _frame_head(df, rows: int) -> dict:
     table = df.to_arrow()
-    return {"rows": table.num_rows, "head": table.slice(0, rows),
-            "partitioned_by": list(df.partitioned_by) if df.partitioned_by else None}
+    return {
+        "rows": table.num_rows,
+        "head": table.slice(0, rows),
+        "partitioned_by": list(df.partitioned_by) if df.partitioned_by else None,
+    }
 
 
 def frame_part(env, name: str, limit: int | None) -> dict:

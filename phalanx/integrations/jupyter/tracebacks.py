@@ -13,10 +13,14 @@ from __future__ import annotations
 import linecache
 import os
 import re
+
 from ...errors import RankError
 
 _FRAME = re.compile(r'^  File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>.*)$')
-_HIDDEN = (os.path.join("phalanx", "runtime", "worker.py"), os.path.join("phalanx", "integrations", "jupyter", "ranks.py"))
+_HIDDEN = (
+    os.path.join("phalanx", "runtime", "worker.py"),
+    os.path.join("phalanx", "integrations", "jupyter", "ranks.py"),
+)
 RED, BOLD, RESET = "\x1b[0;31m", "\x1b[1m", "\x1b[0m"
 
 

@@ -56,7 +56,7 @@ def split_rank(text: str) -> tuple[int | None, str]:
     if text.startswith("[rank "):
         close = text.find("]", 6)
         if close > 6 and text[6:close].isdigit():
-            return int(text[6:close]), text[close + 2:] if text[close + 1:close + 2] == " " else text[close + 1:]
+            return int(text[6:close]), text[close + 2 :] if text[close + 1 : close + 2] == " " else text[close + 1 :]
     return None, text
 
 
@@ -86,15 +86,15 @@ class RankRouter:
 class RankState:
     lines: deque = field(default_factory=lambda: deque(maxlen=settings.max_lines))
     count: int = 0
-    pending: list = field(default_factory=list)   # lines the live widget has not shown yet
+    pending: list = field(default_factory=list)  # lines the live widget has not shown yet
     ended: bool = False
-    status: str | None = None                     # "ok" / "error" (from the end line)
+    status: str | None = None  # "ok" / "error" (from the end line)
     seconds: float | None = None
-    detail: dict | None = None                    # the error of a rank that raised
-    done: float | None = None                     # progress(done, total, label)
+    detail: dict | None = None  # the error of a rank that raised
+    done: float | None = None  # progress(done, total, label)
     total: float | None = None
     label: str = ""
-    outcome: str | None = None                    # failed / stopped / interrupted, from the driver's side
+    outcome: str | None = None  # failed / stopped / interrupted, from the driver's side
 
 
 class RunView:
@@ -112,10 +112,10 @@ class RunView:
         self.lock = threading.Lock()
         self.all_ended = threading.Event()
         self.state, self.note = "running", ""
-        self.killed = False              # %%px: the view stopped the gang (a rank raised, others hung)
+        self.killed = False  # %%px: the view stopped the gang (a rank raised, others hung)
         self.first_error: float | None = None
         self.live: Any = None
-        self.streaming = False           # a live widget takes lines as they come (``pending``)
+        self.streaming = False  # a live widget takes lines as they come (``pending``)
         self.memory: list[str] = ["—"] * self.world
         self.t0 = self.t1 = 0.0
         self._stop = threading.Event()
@@ -138,7 +138,7 @@ class RunView:
         if not 0 <= rank < self.world:
             return
         if body.startswith(END):
-            parts = body[len(END):].split(" ", 3)
+            parts = body[len(END) :].split(" ", 3)
             if len(parts) < 3 or parts[0] != self.token:
                 return  # a late line of an earlier run
             if self.router is not None:
@@ -156,7 +156,7 @@ class RunView:
                 if all(s.ended for s in self.ranks):
                     self.all_ended.set()
         elif body.startswith(PROGRESS):
-            fields = body[len(PROGRESS):].split(" ", 1)
+            fields = body[len(PROGRESS) :].split(" ", 1)
             done, _, total = fields[0].partition("/")
             with self.lock:
                 st = self.ranks[rank]
@@ -167,7 +167,7 @@ class RunView:
                 st.label = fields[1] if len(fields) > 1 else ""
 
     # ---- the run ---------------------------------------------------------------------------
-    def __enter__(self) -> "RunView":
+    def __enter__(self) -> RunView:
         self.t0 = time.monotonic()
         if self.router is not None:
             self.router.view = self
@@ -180,8 +180,10 @@ class RunView:
             if et is None and self.router is not None and not self.all_ended.wait(settings.drain_s):
                 if self.router.echoes is None:  # not one end line ever came: this executor does not echo
                     self.router.echoes = False
-                self.note = (f"the last output of some ranks did not arrive within {settings.drain_s:g} s: "
-                             f"see the logs in {self.gang.log_dir}")
+                self.note = (
+                    f"the last output of some ranks did not arrive within {settings.drain_s:g} s: "
+                    f"see the logs in {self.gang.log_dir}"
+                )
         finally:
             self._stop.set()
             if self._thread is not None:
@@ -219,8 +221,11 @@ class RunView:
                 self.note = self.note or f"{type(ev).__name__}: {ev}"
             for st in self.ranks:
                 if st.outcome is None:
-                    st.outcome = ("done" if st.status == "ok" else "failed") if st.ended else (
-                        "interrupted" if isinstance(ev, KeyboardInterrupt) else "stopped")
+                    st.outcome = (
+                        ("done" if st.status == "ok" else "failed")
+                        if st.ended
+                        else ("interrupted" if isinstance(ev, KeyboardInterrupt) else "stopped")
+                    )
         self._sample_memory()
 
     def _worth_showing(self, ev: BaseException | None) -> bool:
@@ -244,9 +249,13 @@ class RunView:
     def failures_seen(self) -> list[RankFailure]:
         """Ranks whose end line reported an error (what is known when the view stopped the gang)."""
         with self.lock:
-            return [RankFailure(r, st.detail.get("exc_type", ""), st.detail.get("message", ""),
-                                st.detail.get("traceback", "")) for r, st in enumerate(self.ranks)
-                    if st.status == "error" and st.detail]
+            return [
+                RankFailure(
+                    r, st.detail.get("exc_type", ""), st.detail.get("message", ""), st.detail.get("traceback", "")
+                )
+                for r, st in enumerate(self.ranks)
+                if st.status == "error" and st.detail
+            ]
 
     def unfinished(self) -> list[int]:
         with self.lock:
@@ -275,17 +284,21 @@ class RunView:
             return
         self.killed = True
         late = self.unfinished()
-        self.note = (f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} still running "
-                     f"{settings.fail_grace:g} s after a rank raised (waiting for it in a collective?): the gang "
-                     "was stopped; the next cell starts a fresh one")
+        self.note = (
+            f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} still running "
+            f"{settings.fail_grace:g} s after a rank raised (waiting for it in a collective?): the gang "
+            "was stopped; the next cell starts a fresh one"
+        )
         self.gang._teardown(graceful=False)  # the run's thread then raises GangError
 
     def _sample_memory(self) -> None:
         gang = self.gang
         if not gang.running:
             return
-        self.memory = [H.rank_memory(gang.pids[r] if r < len(gang.pids) else None,
-                                     gang.hosts[r] if r < len(gang.hosts) else None) for r in range(self.world)]
+        self.memory = [
+            H.rank_memory(gang.pids[r] if r < len(gang.pids) else None, gang.hosts[r] if r < len(gang.hosts) else None)
+            for r in range(self.world)
+        ]
 
     def snapshot(self, tail: int | None = None) -> dict:
         """Everything a picture of the run needs, consistent (taken under the lock)."""
@@ -294,8 +307,13 @@ class RunView:
         with self.lock:
             ranks = []
             for r, st in enumerate(self.ranks):
-                state = st.outcome or ("done" if st.status == "ok" else "failed" if st.ended else
-                                       ("running" if gang.running else "starting"))
+                state = st.outcome or (
+                    "done"
+                    if st.status == "ok"
+                    else "failed"
+                    if st.ended
+                    else ("running" if gang.running else "starting")
+                )
                 fraction = (st.done / st.total if st.total else None) if st.done is not None else None
                 if fraction is None and st.ended:
                     fraction = 1.0
@@ -307,12 +325,28 @@ class RunView:
                 where = ""
                 if r < len(gang.hosts) and gang.hosts[r]:
                     where = f"{gang.hosts[r]} pid {gang.pids[r]}"
-                ranks.append({"rank": r, "state": state, "seconds": st.seconds if st.ended else now,
-                              "fraction": fraction, "progress": progress, "memory": self.memory[r],
-                              "lines": st.count, "text": "\n".join(lines), "dropped": st.count - len(lines),
-                              "where": where})
-        return {"title": self.title, "gang_id": gang.gang_id or "—", "state": self.state, "elapsed": now,
-                "note": self.note, "ranks": ranks}
+                ranks.append(
+                    {
+                        "rank": r,
+                        "state": state,
+                        "seconds": st.seconds if st.ended else now,
+                        "fraction": fraction,
+                        "progress": progress,
+                        "memory": self.memory[r],
+                        "lines": st.count,
+                        "text": "\n".join(lines),
+                        "dropped": st.count - len(lines),
+                        "where": where,
+                    }
+                )
+        return {
+            "title": self.title,
+            "gang_id": gang.gang_id or "—",
+            "state": self.state,
+            "elapsed": now,
+            "note": self.note,
+            "ranks": ranks,
+        }
 
     def rendered(self, final: bool) -> Rendered:
         return Rendered(H.run_html(self, final), H.run_text(self, final))
@@ -374,8 +408,10 @@ class WidgetLive:
         self.bars = [W.FloatProgress(value=0.0, min=0.0, max=1.0, layout=W.Layout(width="180px")) for _ in range(n)]
         self.stats = [W.HTML() for _ in range(n)]
         self.outs = [W.Output(layout=W.Layout(max_height="18em", overflow="auto")) for _ in range(n)]
-        rows = [W.HBox([W.HTML(f"<b>rank {r}</b>", layout=W.Layout(width="64px")), self.bars[r], self.stats[r]])
-                for r in range(n)]
+        rows = [
+            W.HBox([W.HTML(f"<b>rank {r}</b>", layout=W.Layout(width="64px")), self.bars[r], self.stats[r]])
+            for r in range(n)
+        ]
         self.tab = W.Tab(children=self.outs)
         self.tab.titles = tuple(f"rank {r}" for r in range(n))
         self.box = W.VBox([self.header, *rows, self.tab])
@@ -393,18 +429,23 @@ class WidgetLive:
             for st in view.ranks:
                 st.pending = []
         snap = view.snapshot(tail=1)
-        self.header.value = (f"<b>{H.esc(snap['title'])}</b> on gang <code>{H.esc(snap['gang_id'])}</code> "
-                             f"{H.badge(snap['state'])} · {H.esc(H.seconds(snap['elapsed']))}")
+        self.header.value = (
+            f"<b>{H.esc(snap['title'])}</b> on gang <code>{H.esc(snap['gang_id'])}</code> "
+            f"{H.badge(snap['state'])} · {H.esc(H.seconds(snap['elapsed']))}"
+        )
         for r, rank in enumerate(snap["ranks"]):
             if pending[r]:
                 self.outs[r].append_stdout("\n".join(pending[r]) + "\n")
             bar = self.bars[r]
             bar.value = rank["fraction"] or 0.0
-            bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning",
-                             "interrupted": "warning"}.get(rank["state"], "info")
-            self.stats[r].value = (f"{H.badge(rank['state'])} {H.esc(H.seconds(rank['seconds']))} · "
-                                   f"{H.esc(rank['progress'] or '')} · memory {H.esc(rank['memory'])} · "
-                                   f"{rank['lines']} lines")
+            bar.bar_style = {"done": "success", "failed": "danger", "stopped": "warning", "interrupted": "warning"}.get(
+                rank["state"], "info"
+            )
+            self.stats[r].value = (
+                f"{H.badge(rank['state'])} {H.esc(H.seconds(rank['seconds']))} · "
+                f"{H.esc(rank['progress'] or '')} · memory {H.esc(rank['memory'])} · "
+                f"{rank['lines']} lines"
+            )
         titles = tuple(f"rank {r['rank']} ({r['lines']})" for r in snap["ranks"])
         if titles != tuple(self.tab.titles):
             self.tab.titles = titles
@@ -431,8 +472,7 @@ class HandleView:
             self.display = display(self.widget, display_id=True)
         else:
             self.display = display(first, display_id=True)
-        self.thread = threading.Thread(target=self._follow, name=f"phalanx-notebook-run-{handle.run_id}",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._follow, name=f"phalanx-notebook-run-{handle.run_id}", daemon=True)
         self.thread.start()
 
     def _follow(self) -> None:

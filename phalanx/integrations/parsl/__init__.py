@@ -33,17 +33,39 @@ from typing import Any
 from ._refs import BSPResult, DatasetRef, WorkflowResult
 
 _LAZY = {
-    "bsp_app": "._apps", "BSPApp": "._apps", "BSPTask": "._apps", "ParslRankError": "._apps",
-    "ResourceSpecError": "._apps", "resource_specification": "._apps",
-    "check_resource_specification": "._apps", "close_warm_gangs": "._apps", "warm_gang_info": "._apps",
-    "config_from_site": "._config", "mpiexec_dir": "._config", "slurm_provider": "._config",
-    "workflow_app": "._workflow", "WorkflowFailed": "._workflow",
+    "bsp_app": "._apps",
+    "BSPApp": "._apps",
+    "BSPTask": "._apps",
+    "ParslRankError": "._apps",
+    "ResourceSpecError": "._apps",
+    "resource_specification": "._apps",
+    "check_resource_specification": "._apps",
+    "close_warm_gangs": "._apps",
+    "warm_gang_info": "._apps",
+    "config_from_site": "._config",
+    "mpiexec_dir": "._config",
+    "slurm_provider": "._config",
+    "workflow_app": "._workflow",
+    "WorkflowFailed": "._workflow",
     "PrefixLauncher": "._launcher",
 }
 
-__all__ = ["BSPApp", "BSPResult", "DatasetRef", "ParslRankError", "ResourceSpecError", "WorkflowFailed",
-           "WorkflowResult", "bsp_app", "check_resource_specification", "close_warm_gangs", "config_from_site",
-           "output", "resource_specification", "workflow_app"]
+__all__ = [
+    "BSPApp",
+    "BSPResult",
+    "DatasetRef",
+    "ParslRankError",
+    "ResourceSpecError",
+    "WorkflowFailed",
+    "WorkflowResult",
+    "bsp_app",
+    "check_resource_specification",
+    "close_warm_gangs",
+    "config_from_site",
+    "output",
+    "resource_specification",
+    "workflow_app",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -20,16 +20,21 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ...errors import PhalanxError, RankError
 from ._refs import BSPResult, DatasetRef, new_session, single_output
 
 PLACEMENTS = ("auto", "mpi", "site")
 # which of the prefixes Parsl composes for an MPI task starts the ranks (None: the executor's own)
-PREFIXES = {None: "PARSL_MPI_PREFIX", "srun": "PARSL_SRUN_PREFIX", "mpiexec": "PARSL_MPIEXEC_PREFIX",
-            "aprun": "PARSL_APRUN_PREFIX"}
+PREFIXES = {
+    None: "PARSL_MPI_PREFIX",
+    "srun": "PARSL_SRUN_PREFIX",
+    "mpiexec": "PARSL_MPIEXEC_PREFIX",
+    "aprun": "PARSL_APRUN_PREFIX",
+}
 _SPEC_KEYS = ("num_nodes", "ranks_per_node", "num_ranks", "launcher_options")
 
 
@@ -55,8 +60,9 @@ def resource_specification(ranks: int, ranks_per_node: int | None = None) -> dic
     return {"num_nodes": math.ceil(ranks / per_node), "ranks_per_node": per_node, "num_ranks": ranks}
 
 
-def check_resource_specification(spec: dict[str, Any], ranks: int, nodes_per_block: int | None = None,
-                                 cores_per_node: int | None = None) -> dict[str, Any]:
+def check_resource_specification(
+    spec: dict[str, Any], ranks: int, nodes_per_block: int | None = None, cores_per_node: int | None = None
+) -> dict[str, Any]:
     """The spec as Parsl gets it, or ``ResourceSpecError`` saying what is wrong — before the
     task is submitted: Parsl's MPIExecutor hangs forever on a spec without ``num_nodes``
     (parsl issue 3427), writes ``-ppn 1.5`` when ``num_ranks`` does not divide by
@@ -66,33 +72,44 @@ def check_resource_specification(spec: dict[str, Any], ranks: int, nodes_per_blo
         raise ResourceSpecError(f"parsl_resource_specification must be a non-empty dict, got {spec!r}")
     unknown = sorted(set(spec) - set(_SPEC_KEYS))
     if unknown:
-        raise ResourceSpecError(f"parsl_resource_specification: unknown keys {unknown}; an MPIExecutor "
-                                f"takes {', '.join(_SPEC_KEYS)}")
+        raise ResourceSpecError(
+            f"parsl_resource_specification: unknown keys {unknown}; an MPIExecutor takes {', '.join(_SPEC_KEYS)}"
+        )
     if "num_nodes" not in spec:
         raise ResourceSpecError(
             f"parsl_resource_specification {spec} has no 'num_nodes': Parsl's MPIExecutor accepts such a "
             "spec and then never returns the task (parsl issue 3427). Give num_nodes and ranks_per_node, "
-            "or leave the spec to bsp_app(ranks=N, ranks_per_node=P)")
+            "or leave the spec to bsp_app(ranks=N, ranks_per_node=P)"
+        )
     nodes = _count(spec["num_nodes"], "parsl_resource_specification num_nodes")
     num_ranks = _count(spec.get("num_ranks", ranks), "parsl_resource_specification num_ranks")
     per_node = spec.get("ranks_per_node")
-    per_node = math.ceil(num_ranks / nodes) if per_node is None else \
-        _count(per_node, "parsl_resource_specification ranks_per_node")
+    per_node = (
+        math.ceil(num_ranks / nodes)
+        if per_node is None
+        else _count(per_node, "parsl_resource_specification ranks_per_node")
+    )
     if "num_ranks" not in spec:
         num_ranks = nodes * per_node
     if num_ranks != ranks:
-        raise ResourceSpecError(f"parsl_resource_specification asks {num_ranks} ranks "
-                                f"({spec}); the app has ranks={ranks}")
+        raise ResourceSpecError(
+            f"parsl_resource_specification asks {num_ranks} ranks ({spec}); the app has ranks={ranks}"
+        )
     if num_ranks > nodes * per_node:
-        raise ResourceSpecError(f"parsl_resource_specification: {num_ranks} ranks do not fit {nodes} node(s) "
-                                f"x {per_node} ranks_per_node")
+        raise ResourceSpecError(
+            f"parsl_resource_specification: {num_ranks} ranks do not fit {nodes} node(s) x {per_node} ranks_per_node"
+        )
     if nodes_per_block is not None and nodes > nodes_per_block:
-        raise ResourceSpecError(f"parsl_resource_specification asks {nodes} nodes; the executor's blocks have "
-                                f"{nodes_per_block} (provider nodes_per_block): the task would wait forever")
+        raise ResourceSpecError(
+            f"parsl_resource_specification asks {nodes} nodes; the executor's blocks have "
+            f"{nodes_per_block} (provider nodes_per_block): the task would wait forever"
+        )
     if cores_per_node is not None and per_node > cores_per_node:
-        raise ResourceSpecError(f"parsl_resource_specification asks {per_node} ranks per node; the executor's "
-                                f"blocks hold {cores_per_node} CPUs per node (provider cores_per_node): give "
-                                f"bsp_app(ranks_per_node={cores_per_node}) or a larger block")
+        raise ResourceSpecError(
+            f"parsl_resource_specification asks {per_node} ranks per node; the executor's "
+            f"blocks hold {cores_per_node} CPUs per node (provider cores_per_node): give "
+            f"bsp_app(ranks_per_node={cores_per_node}) or a larger block"
+        )
     out = {"num_nodes": nodes, "ranks_per_node": per_node, "num_ranks": num_ranks}
     if spec.get("launcher_options"):
         out["launcher_options"] = str(spec["launcher_options"])
@@ -109,10 +126,26 @@ def _count(value: Any, what: str) -> int:
 class BSPTask:
     """What Parsl runs: drive one gang for one app call (picklable, small)."""
 
-    def __init__(self, fn_pickle: bytes, name: str, ranks: int, placement: str, *, outputs: Sequence[str],
-                 communicator: str | None, site: Any, session: str | None, store: str | None,
-                 metadata: str | None, persistent: bool, timeout: float | None, echo: bool,
-                 driver_host: str | None, start_timeout: float | None, launcher: str | None = None):
+    def __init__(
+        self,
+        fn_pickle: bytes,
+        name: str,
+        ranks: int,
+        placement: str,
+        *,
+        outputs: Sequence[str],
+        communicator: str | None,
+        site: Any,
+        session: str | None,
+        store: str | None,
+        metadata: str | None,
+        persistent: bool,
+        timeout: float | None,
+        echo: bool,
+        driver_host: str | None,
+        start_timeout: float | None,
+        launcher: str | None = None,
+    ):
         self.fn_pickle, self.name, self.ranks, self.placement = fn_pickle, name, ranks, placement
         self.outputs, self.communicator, self.site = list(outputs), communicator, site
         self.session, self.store, self.metadata = session, store, metadata
@@ -163,13 +196,20 @@ class BSPTask:
         prefix = os.environ.get(PREFIXES[self.launcher], "")
         given = os.environ.get("PARSL_NUM_RANKS")
         if given is not None and given.isdigit() and int(given) != self.ranks:
-            raise PhalanxError(f"{self.name}: Parsl gave this task {given} ranks (PARSL_NUM_RANKS); the app has "
-                               f"ranks={self.ranks}")
+            raise PhalanxError(
+                f"{self.name}: Parsl gave this task {given} ranks (PARSL_NUM_RANKS); the app has ranks={self.ranks}"
+            )
         # no site here: config_from_site exported the site's driver host and rendezvous to the worker
-        gang = Gang(self.ranks, executor=PrefixLauncher(prefix, echo=self.echo), communicator=self.communicator,
-                    store=store.for_session("parsl"), echo=self.echo,
-                    control_host=self.driver_host or os.environ.get("PHALANX_PARSL_DRIVER_HOST"),
-                    rendezvous=os.environ.get("PHALANX_PARSL_RENDEZVOUS"), start_timeout=self.start_timeout)
+        gang = Gang(
+            self.ranks,
+            executor=PrefixLauncher(prefix, echo=self.echo),
+            communicator=self.communicator,
+            store=store.for_session("parsl"),
+            echo=self.echo,
+            control_host=self.driver_host or os.environ.get("PHALANX_PARSL_DRIVER_HOST"),
+            rendezvous=os.environ.get("PHALANX_PARSL_RENDEZVOUS"),
+            start_timeout=self.start_timeout,
+        )
         try:
             return gang.run(app, *args, timeout=self.timeout, **kwargs), gang.gang_id
         finally:
@@ -194,14 +234,28 @@ class BSPTask:
         from ...gang import Gang
 
         site = self._site_model()
-        return Gang(self.ranks, site=site, communicator=self.communicator, store=store.for_session("parsl"),
-                    echo=self.echo, control_host=self.driver_host, start_timeout=self.start_timeout)
+        return Gang(
+            self.ranks,
+            site=site,
+            communicator=self.communicator,
+            store=store.for_session("parsl"),
+            echo=self.echo,
+            control_host=self.driver_host,
+            start_timeout=self.start_timeout,
+        )
 
     def _key(self, store: Any) -> tuple:
         site = self.site
         site_id = getattr(site, "name", None) if hasattr(site, "create_executor") else site
-        return (str(site_id), self.ranks, self.communicator, str(store.root), store.meta.url,
-                self.driver_host, os.environ.get("PARSL_WORKER_BLOCK_ID", ""))
+        return (
+            str(site_id),
+            self.ranks,
+            self.communicator,
+            str(store.root),
+            store.meta.url,
+            self.driver_host,
+            os.environ.get("PARSL_WORKER_BLOCK_ID", ""),
+        )
 
 
 # The warm gang of this process (a Parsl worker of one block): one at a time, so a worker never
@@ -254,33 +308,56 @@ class BSPApp:
     """A BSP function as a Parsl app: calling it submits one gang run and returns an ``AppFuture``
     whose result is a ``BSPResult`` (per-rank results, ``outputs``: dataset references)."""
 
-    def __init__(self, fn: Callable[..., Any], *, ranks: int, site: Any = None, communicator: str | None = None,
-                 outputs: Sequence[str] = (), placement: str = "auto", persistent: bool = False,
-                 ranks_per_node: int | None = None, session: str | None = None, store: str | Path | None = None,
-                 metadata: str | None = None, executors: "str | Sequence[str]" = "all",
-                 timeout: float | None = None, echo: bool = False, driver_host: str | None = None,
-                 start_timeout: float | None = None, cache: bool = False, name: str | None = None,
-                 launcher: str | None = None):
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        ranks: int,
+        site: Any = None,
+        communicator: str | None = None,
+        outputs: Sequence[str] = (),
+        placement: str = "auto",
+        persistent: bool = False,
+        ranks_per_node: int | None = None,
+        session: str | None = None,
+        store: str | Path | None = None,
+        metadata: str | None = None,
+        executors: str | Sequence[str] = "all",
+        timeout: float | None = None,
+        echo: bool = False,
+        driver_host: str | None = None,
+        start_timeout: float | None = None,
+        cache: bool = False,
+        name: str | None = None,
+        launcher: str | None = None,
+    ):
         if placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
         _count(ranks, "ranks")
         if ranks_per_node is not None:
             _count(ranks_per_node, "ranks_per_node")
         if launcher not in PREFIXES:
-            raise ValueError(f"launcher must be one of srun, mpiexec, aprun (default: the MPIExecutor's "
-                             f"mpi_launcher), got {launcher!r}")
+            raise ValueError(
+                f"launcher must be one of srun, mpiexec, aprun (default: the MPIExecutor's "
+                f"mpi_launcher), got {launcher!r}"
+            )
         if placement == "mpi" and persistent:
-            raise ValueError("persistent=True keeps a gang of phalanx's site executor warm; on an MPIExecutor "
-                             "(placement='mpi') every task gets its nodes anew")
+            raise ValueError(
+                "persistent=True keeps a gang of phalanx's site executor warm; on an MPIExecutor "
+                "(placement='mpi') every task gets its nodes anew"
+            )
         if placement == "mpi" and site is not None:
-            raise ValueError("site= places the ranks with phalanx's executor for that site (placement='site'); "
-                             "placement='mpi' starts them with the MPIExecutor's $PARSL_MPI_PREFIX")
+            raise ValueError(
+                "site= places the ranks with phalanx's executor for that site (placement='site'); "
+                "placement='mpi' starts them with the MPIExecutor's $PARSL_MPI_PREFIX"
+            )
         if communicator is not None:
             from ...runtime.comm import communicators
 
             if communicator not in communicators.names():
-                raise ValueError(f"communicator must be one of {', '.join(communicators.names())}, "
-                                 f"got {communicator!r}")
+                raise ValueError(
+                    f"communicator must be one of {', '.join(communicators.names())}, got {communicator!r}"
+                )
         for out in outputs:
             from ...orchestrator.models import check_name
 
@@ -316,8 +393,13 @@ class BSPApp:
 
         dfk = dfk or DataFlowKernelLoader.dfk()
         known = [label for label in dfk.executors if label != "_parsl_internal"]
-        labels = known if self.executors == "all" else \
-            [self.executors] if isinstance(self.executors, str) else list(self.executors)
+        labels = (
+            known
+            if self.executors == "all"
+            else [self.executors]
+            if isinstance(self.executors, str)
+            else list(self.executors)
+        )
         missing = [label for label in labels if label not in dfk.executors]
         if missing:
             raise ValueError(f"{self.name}: no executor {missing} in the loaded Parsl config (it has {known})")
@@ -331,16 +413,21 @@ class BSPApp:
             elif not any(mpi.values()):
                 placement = "site"
             else:
-                raise ValueError(f"{self.name}: executors {labels} mix MPIExecutors "
-                                 f"({[k for k, v in mpi.items() if v]}) and others: name one kind with "
-                                 "bsp_app(executors=[LABEL]) or placement=")
+                raise ValueError(
+                    f"{self.name}: executors {labels} mix MPIExecutors "
+                    f"({[k for k, v in mpi.items() if v]}) and others: name one kind with "
+                    "bsp_app(executors=[LABEL]) or placement="
+                )
         if placement == "mpi" and not all(mpi.values()):
-            raise ValueError(f"{self.name}: placement 'mpi' needs MPIExecutors; "
-                             f"{[k for k, v in mpi.items() if not v]} are not")
+            raise ValueError(
+                f"{self.name}: placement 'mpi' needs MPIExecutors; {[k for k, v in mpi.items() if not v]} are not"
+            )
         if placement == "site" and any(mpi.values()):
-            raise ValueError(f"{self.name}: the ranks are placed by phalanx's executor for the site, which an "
-                             f"MPIExecutor's task ({[k for k, v in mpi.items() if v]}) does not do: give "
-                             "bsp_app(executors=[an HTEX or thread executor's label]) or placement='mpi'")
+            raise ValueError(
+                f"{self.name}: the ranks are placed by phalanx's executor for the site, which an "
+                f"MPIExecutor's task ({[k for k, v in mpi.items() if v]}) does not do: give "
+                "bsp_app(executors=[an HTEX or thread executor's label]) or placement='mpi'"
+            )
         return placement, labels
 
     def __call__(self, *args: Any, parsl_resource_specification: dict | None = None, **kwargs: Any):
@@ -352,15 +439,19 @@ class BSPApp:
         extra: dict[str, Any] = {}
         if placement == "mpi":
             if self.persistent:
-                raise ValueError(f"{self.name}: persistent=True needs placement 'site' (an HTEX or thread "
-                                 "executor); an MPIExecutor task gets its nodes anew")
+                raise ValueError(
+                    f"{self.name}: persistent=True needs placement 'site' (an HTEX or thread "
+                    "executor); an MPIExecutor task gets its nodes anew"
+                )
             providers = [getattr(dfk.executors[label], "provider", None) for label in labels]
             nodes = min((p.nodes_per_block for p in providers if getattr(p, "nodes_per_block", None)), default=None)
             cores = min((p.cores_per_node for p in providers if getattr(p, "cores_per_node", None)), default=None)
-            spec = parsl_resource_specification if parsl_resource_specification is not None \
+            spec = (
+                parsl_resource_specification
+                if parsl_resource_specification is not None
                 else resource_specification(self.ranks, self.ranks_per_node or cores)
-            extra["parsl_resource_specification"] = check_resource_specification(dict(spec), self.ranks, nodes,
-                                                                                 cores)
+            )
+            extra["parsl_resource_specification"] = check_resource_specification(dict(spec), self.ranks, nodes, cores)
         elif parsl_resource_specification:
             extra["parsl_resource_specification"] = parsl_resource_specification
         if self._fn_pickle is None:
@@ -369,11 +460,24 @@ class BSPApp:
             # by value where the module's name is this app (the usual decorator): ranks need not
             # import the module that defines it, and globals it uses are the module's as of now
             self._fn_pickle = cloudpickle.dumps(self.fn, protocol=5)
-        task = BSPTask(self._fn_pickle, self.name, self.ranks, placement, outputs=self.outputs,
-                       communicator=self.communicator, site=self.site if placement == "site" else None,
-                       session=self.session, store=self.store, metadata=self.metadata,
-                       persistent=self.persistent, timeout=self.timeout, echo=self.echo,
-                       driver_host=self.driver_host, start_timeout=self.start_timeout, launcher=self.launcher)
+        task = BSPTask(
+            self._fn_pickle,
+            self.name,
+            self.ranks,
+            placement,
+            outputs=self.outputs,
+            communicator=self.communicator,
+            site=self.site if placement == "site" else None,
+            session=self.session,
+            store=self.store,
+            metadata=self.metadata,
+            persistent=self.persistent,
+            timeout=self.timeout,
+            echo=self.echo,
+            driver_host=self.driver_host,
+            start_timeout=self.start_timeout,
+            launcher=self.launcher,
+        )
         if placement == "site" and task.site is None:
             task.site = "local"
         app = PythonApp(task, data_flow_kernel=dfk, executors=labels, cache=self.cache)
@@ -389,12 +493,27 @@ def _nodes_per_block(executor: Any) -> int | None:
     return getattr(provider, "nodes_per_block", None)
 
 
-def bsp_app(fn: Callable[..., Any] | None = None, *, ranks: int, site: Any = None, communicator: str | None = None,
-            outputs: Sequence[str] = (), placement: str = "auto", persistent: bool = False,
-            ranks_per_node: int | None = None, session: str | None = None, store: str | Path | None = None,
-            metadata: str | None = None, executors: "str | Sequence[str]" = "all", timeout: float | None = None,
-            echo: bool = False, driver_host: str | None = None, start_timeout: float | None = None,
-            cache: bool = False, launcher: str | None = None) -> Any:
+def bsp_app(
+    fn: Callable[..., Any] | None = None,
+    *,
+    ranks: int,
+    site: Any = None,
+    communicator: str | None = None,
+    outputs: Sequence[str] = (),
+    placement: str = "auto",
+    persistent: bool = False,
+    ranks_per_node: int | None = None,
+    session: str | None = None,
+    store: str | Path | None = None,
+    metadata: str | None = None,
+    executors: str | Sequence[str] = "all",
+    timeout: float | None = None,
+    echo: bool = False,
+    driver_host: str | None = None,
+    start_timeout: float | None = None,
+    cache: bool = False,
+    launcher: str | None = None,
+) -> Any:
     """Turn ``fn(env, *args, **kwargs)`` into a Parsl app that runs it on a gang of ``ranks``.
 
     ``app(*args, **kwargs)`` returns an ``AppFuture`` whose result is a ``BSPResult``: one value
@@ -417,9 +536,25 @@ def bsp_app(fn: Callable[..., Any] | None = None, *, ranks: int, site: Any = Non
     """
 
     def wrap(f: Callable[..., Any]) -> BSPApp:
-        return BSPApp(f, ranks=ranks, site=site, communicator=communicator, outputs=outputs, placement=placement,
-                      persistent=persistent, ranks_per_node=ranks_per_node, session=session, store=store,
-                      metadata=metadata, executors=executors, timeout=timeout, echo=echo,
-                      driver_host=driver_host, start_timeout=start_timeout, cache=cache, launcher=launcher)
+        return BSPApp(
+            f,
+            ranks=ranks,
+            site=site,
+            communicator=communicator,
+            outputs=outputs,
+            placement=placement,
+            persistent=persistent,
+            ranks_per_node=ranks_per_node,
+            session=session,
+            store=store,
+            metadata=metadata,
+            executors=executors,
+            timeout=timeout,
+            echo=echo,
+            driver_host=driver_host,
+            start_timeout=start_timeout,
+            cache=cache,
+            launcher=launcher,
+        )
 
     return wrap(fn) if fn is not None else wrap

@@ -31,7 +31,7 @@ MODES = ("site", "mpi")
 # Open MPI settings of phalanx's mpirun executor (executors/mpirun.py: one host, shared memory)
 _OMPI_MCA = {"btl": "self,vader", "orte_abort_on_non_zero_status": "1", "odls_base_sigkill_timeout": "0"}
 
-_WRAPPER = '''\
+_WRAPPER = """\
 #!{python} -S
 # mpiexec with MPICH/Hydra's options (Parsl's $PARSL_MPI_PREFIX: -n N -ppn P -hosts H1,H2) for
 # Open MPI; written by phalanx.integrations.parsl.config_from_site.
@@ -60,14 +60,25 @@ for name in sorted(os.environ):  # names only: values (the control key) stay out
     if name.startswith("PHALANX_") or name in ("PYTHONPATH", "PYTHONUNBUFFERED"):
         cmd += ["-x", name]
 os.execv(OMPI, cmd + args)
-'''
+"""
 
 
-def config_from_site(site: Any = "local", *, mode: str = "site", run_dir: str | os.PathLike | None = None,
-                     label: str | None = None, workers: int = 1, nodes_per_block: int | None = None,
-                     max_blocks: int = 1, walltime: str | None = None, ranks_per_node: int | None = None,
-                     worker_init: str = "",
-                     mpiexec: str = "auto", strategy_period: float = 0.2, **config: Any) -> Any:
+def config_from_site(
+    site: Any = "local",
+    *,
+    mode: str = "site",
+    run_dir: str | os.PathLike | None = None,
+    label: str | None = None,
+    workers: int = 1,
+    nodes_per_block: int | None = None,
+    max_blocks: int = 1,
+    walltime: str | None = None,
+    ranks_per_node: int | None = None,
+    worker_init: str = "",
+    mpiexec: str = "auto",
+    strategy_period: float = 0.2,
+    **config: Any,
+) -> Any:
     """A Parsl ``Config`` for ``site`` (a name from site-configs/, a file, or a loaded ``Site``).
 
     ``mode``: ``"site"`` (HTEX; ``bsp_app`` places ranks with phalanx's executor for the site)
@@ -93,17 +104,35 @@ def config_from_site(site: Any = "local", *, mode: str = "site", run_dir: str | 
     if mode == "site":
         executor = _htex(site, label or "phalanx", address, workers, max_blocks, init, worker_init)
     elif site.executor == "slurm":
-        executor = _slurm_mpi(site, label or "phalanx-mpi", address, workers, nodes_per_block, max_blocks,
-                              walltime, ranks_per_node, init, worker_init)
+        executor = _slurm_mpi(
+            site,
+            label or "phalanx-mpi",
+            address,
+            workers,
+            nodes_per_block,
+            max_blocks,
+            walltime,
+            ranks_per_node,
+            init,
+            worker_init,
+        )
     elif site.executor in ("local", "mpirun"):
-        executor = _local_mpi(site, label or "phalanx-mpi", address, workers, nodes_per_block, init,
-                              worker_init, support, mpiexec)
+        executor = _local_mpi(
+            site, label or "phalanx-mpi", address, workers, nodes_per_block, init, worker_init, support, mpiexec
+        )
     else:
-        raise ValueError(f"mode 'mpi' needs a SLURM site or this machine (executor local or mpirun); site "
-                         f"{site.name!r} has executor {site.executor!r}: use mode 'site' (phalanx's executor "
-                         "places the ranks)")
-    options = {"strategy": "none", "strategy_period": strategy_period, "usage_tracking": 0,
-               "run_dir": str(run_dir), **config}
+        raise ValueError(
+            f"mode 'mpi' needs a SLURM site or this machine (executor local or mpirun); site "
+            f"{site.name!r} has executor {site.executor!r}: use mode 'site' (phalanx's executor "
+            "places the ranks)"
+        )
+    options = {
+        "strategy": "none",
+        "strategy_period": strategy_period,
+        "usage_tracking": 0,
+        "run_dir": str(run_dir),
+        **config,
+    }
     return Config(executors=[executor], **options)
 
 
@@ -147,31 +176,54 @@ def _htex_commands(mpi: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if (scripts / "interchange.py").exists():
         # MPIExecutor types it as one string (run as a program: the script's own #! line)
-        out["interchange_launch_cmd"] = str(scripts / "interchange.py") if mpi else \
-            [sys.executable, str(scripts / "interchange.py")]
+        out["interchange_launch_cmd"] = (
+            str(scripts / "interchange.py") if mpi else [sys.executable, str(scripts / "interchange.py")]
+        )
     if (scripts / "process_worker_pool.py").exists():
         from parsl.executors.high_throughput.executor import DEFAULT_LAUNCH_CMD
 
         out["launch_cmd"] = DEFAULT_LAUNCH_CMD.replace(
-            "process_worker_pool.py", f"{shlex.quote(sys.executable)} {shlex.quote(str(scripts / 'process_worker_pool.py'))}", 1)
+            "process_worker_pool.py",
+            f"{shlex.quote(sys.executable)} {shlex.quote(str(scripts / 'process_worker_pool.py'))}",
+            1,
+        )
     return out
 
 
-def _htex(site: Any, label: str, address: str, workers: int, max_blocks: int, init: list[str],
-          worker_init: str) -> Any:
+def _htex(site: Any, label: str, address: str, workers: int, max_blocks: int, init: list[str], worker_init: str) -> Any:
     from parsl.executors import HighThroughputExecutor
     from parsl.launchers import SimpleLauncher
     from parsl.providers import LocalProvider
 
-    provider = LocalProvider(init_blocks=1, min_blocks=0, max_blocks=max_blocks, launcher=SimpleLauncher(),
-                             worker_init="\n".join(init + [worker_init]))
-    return HighThroughputExecutor(label=label, address=address, loopback_address="127.0.0.1",
-                                  max_workers_per_node=workers, cores_per_worker=1e-6, provider=provider,
-                                  **_htex_commands())
+    provider = LocalProvider(
+        init_blocks=1,
+        min_blocks=0,
+        max_blocks=max_blocks,
+        launcher=SimpleLauncher(),
+        worker_init="\n".join(init + [worker_init]),
+    )
+    return HighThroughputExecutor(
+        label=label,
+        address=address,
+        loopback_address="127.0.0.1",
+        max_workers_per_node=workers,
+        cores_per_worker=1e-6,
+        provider=provider,
+        **_htex_commands(),
+    )
 
 
-def _local_mpi(site: Any, label: str, address: str, workers: int, nodes_per_block: int | None,
-               init: list[str], worker_init: str, support: Path, mpiexec: str) -> Any:
+def _local_mpi(
+    site: Any,
+    label: str,
+    address: str,
+    workers: int,
+    nodes_per_block: int | None,
+    init: list[str],
+    worker_init: str,
+    support: Path,
+    mpiexec: str,
+) -> Any:
     from parsl.executors import MPIExecutor
     from parsl.launchers import SimpleLauncher
     from parsl.providers import LocalProvider
@@ -184,14 +236,36 @@ def _local_mpi(site: Any, label: str, address: str, workers: int, nodes_per_bloc
     bin_dir = mpiexec_dir(support / "bin", mpiexec)
     if bin_dir is not None:
         init.append(f"export PATH={shlex.quote(str(bin_dir))}:$PATH")
-    provider = LocalProvider(init_blocks=1, min_blocks=0, max_blocks=1, launcher=SimpleLauncher(),
-                             worker_init="\n".join(init + [worker_init]))
-    return MPIExecutor(label=label, address=address, loopback_address="127.0.0.1", max_workers_per_block=workers,
-                       mpi_launcher="mpiexec", provider=provider, **_htex_commands(mpi=True))
+    provider = LocalProvider(
+        init_blocks=1,
+        min_blocks=0,
+        max_blocks=1,
+        launcher=SimpleLauncher(),
+        worker_init="\n".join(init + [worker_init]),
+    )
+    return MPIExecutor(
+        label=label,
+        address=address,
+        loopback_address="127.0.0.1",
+        max_workers_per_block=workers,
+        mpi_launcher="mpiexec",
+        provider=provider,
+        **_htex_commands(mpi=True),
+    )
 
 
-def _slurm_mpi(site: Any, label: str, address: str, workers: int, nodes_per_block: int | None, max_blocks: int,
-               walltime: str | None, ranks_per_node: int | None, init: list[str], worker_init: str) -> Any:
+def _slurm_mpi(
+    site: Any,
+    label: str,
+    address: str,
+    workers: int,
+    nodes_per_block: int | None,
+    max_blocks: int,
+    walltime: str | None,
+    ranks_per_node: int | None,
+    init: list[str],
+    worker_init: str,
+) -> Any:
     from parsl.executors import MPIExecutor
     from parsl.launchers import SimpleLauncher
 
@@ -209,14 +283,31 @@ def _slurm_mpi(site: Any, label: str, address: str, workers: int, nodes_per_bloc
         lines.insert(0, f"export SLURM_MPI_TYPE={shlex.quote(cfg.mpi)}")
     provider = slurm_provider(
         conf=cfg.conf if cfg is not None else None,
-        partition=_str(opts.get("partition")), account=_str(opts.get("account")), qos=_str(opts.get("qos")),
-        constraint=_str(opts.get("constraint")), nodes_per_block=nodes, cores_per_node=per_node,
-        init_blocks=1, min_blocks=0,
-        max_blocks=max_blocks, walltime=walltime or _str(opts.get("time")) or "00:30:00",
-        exclusive=opts.get("exclusive") is True, scheduler_options="\n".join(scheduler),
-        worker_init="\n".join(lines), launcher=SimpleLauncher(), cmd_timeout=30)
-    return MPIExecutor(label=label, address=address, loopback_address="127.0.0.1", max_workers_per_block=workers,
-                       mpi_launcher="srun", provider=provider, **_htex_commands(mpi=True))
+        partition=_str(opts.get("partition")),
+        account=_str(opts.get("account")),
+        qos=_str(opts.get("qos")),
+        constraint=_str(opts.get("constraint")),
+        nodes_per_block=nodes,
+        cores_per_node=per_node,
+        init_blocks=1,
+        min_blocks=0,
+        max_blocks=max_blocks,
+        walltime=walltime or _str(opts.get("time")) or "00:30:00",
+        exclusive=opts.get("exclusive") is True,
+        scheduler_options="\n".join(scheduler),
+        worker_init="\n".join(lines),
+        launcher=SimpleLauncher(),
+        cmd_timeout=30,
+    )
+    return MPIExecutor(
+        label=label,
+        address=address,
+        loopback_address="127.0.0.1",
+        max_workers_per_block=workers,
+        mpi_launcher="srun",
+        provider=provider,
+        **_htex_commands(mpi=True),
+    )
 
 
 def _str(value: Any) -> str | None:
@@ -257,16 +348,21 @@ def mpiexec_dir(directory: Path, mpiexec: str = "auto") -> Path | None:
         exe = shutil.which(mpiexec)
         if exe is None:
             raise MissingDependencyError(f"mpiexec {mpiexec!r} not found")
-        _write_exe(target, f"#!/bin/sh\nexec {shlex.quote(exe)} \"$@\"\n")
+        _write_exe(target, f'#!/bin/sh\nexec {shlex.quote(exe)} "$@"\n')
         return directory
     found = shutil.which("mpiexec")
     if mpiexec == "auto" and found and _flavour(found) == "hydra":
         return None
-    ompi = shutil.which("mpiexec.openmpi") or (found if found and _flavour(found) == "openmpi" else None) \
+    ompi = (
+        shutil.which("mpiexec.openmpi")
+        or (found if found and _flavour(found) == "openmpi" else None)
         or shutil.which("mpirun")
+    )
     if ompi is None:
-        raise MissingDependencyError("mode 'mpi' on this machine needs an mpiexec: Open MPI (apt-get install "
-                                     "openmpi-bin; phalanx wraps it) or MPICH (apt-get install mpich)")
+        raise MissingDependencyError(
+            "mode 'mpi' on this machine needs an mpiexec: Open MPI (apt-get install "
+            "openmpi-bin; phalanx wraps it) or MPICH (apt-get install mpich)"
+        )
     _write_exe(target, _WRAPPER.format(python=sys.executable, ompi=os.path.realpath(ompi), mca=_OMPI_MCA))
     return directory
 

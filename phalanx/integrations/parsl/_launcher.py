@@ -15,8 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from ...errors import GangError
 from ...executors.base import Echo, Launcher, shared_env
@@ -58,8 +58,10 @@ class PrefixLauncher(Launcher):
 
     def __init__(self, prefix: str, echo: Echo = False):
         if not prefix.strip():
-            raise GangError("no MPI launcher prefix: $PARSL_MPI_PREFIX is empty (is this app running on "
-                            "a Parsl MPIExecutor, with a parsl_resource_specification?)")
+            raise GangError(
+                "no MPI launcher prefix: $PARSL_MPI_PREFIX is empty (is this app running on "
+                "a Parsl MPIExecutor, with a parsl_resource_specification?)"
+            )
         self.prefix = prefix
         self.echo = echo
         self.world_size = 0
@@ -79,15 +81,20 @@ class PrefixLauncher(Launcher):
         kind = os.path.basename(words[0]) if words else ""
         if not kind.startswith("srun"):
             env.pop("SLURM_PROCID", None)
-        env.update({ENV_RANK_VARS: ",".join(rank_vars(self.prefix)), ENV_RANK_LOG_DIR: str(log_dir),
-                    "PYTHONUNBUFFERED": "1"})
+        env.update(
+            {ENV_RANK_VARS: ",".join(rank_vars(self.prefix)), ENV_RANK_LOG_DIR: str(log_dir), "PYTHONUNBUFFERED": "1"}
+        )
         self._output = RankOutput(Path(log_dir), False)  # makes the directory (0700)
         for r in range(self.world_size):  # a rank that never starts still has a (empty) log
             (Path(log_dir) / f"rank-{r}.log").touch(mode=0o600)
         self.proc = subprocess.Popen(
-            words + list(RANK_ARGV), env=env, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            start_new_session=True)  # its own group: kill() reaches the launcher and what it forked
+            words + list(RANK_ARGV),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # its own group: kill() reaches the launcher and what it forked
         output = self._output
         world = self.world_size
 
@@ -100,8 +107,7 @@ class PrefixLauncher(Launcher):
 
         self._pump = start_pump(self.proc.stdout, output, route, "phalanx-log-parsl-mpi")
         if self.echo:
-            self._follower = FileFollower([Path(log_dir) / f"rank-{r}.log" for r in range(self.world_size)],
-                                          self.echo)
+            self._follower = FileFollower([Path(log_dir) / f"rank-{r}.log" for r in range(self.world_size)], self.echo)
 
     def exitcodes(self) -> list[int | None]:
         code = self.proc.poll() if self.proc is not None else None

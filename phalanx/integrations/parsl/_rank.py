@@ -19,8 +19,8 @@ from typing import Any
 
 from ._refs import DatasetRef
 
-ENV_RANK_VARS = "PHALANX_RANK_VARS"          # e.g. "PMI_RANK,OMPI_COMM_WORLD_RANK,PMIX_RANK"
-ENV_RANK_LOG_DIR = "PHALANX_RANK_LOG_DIR"    # where rank R writes rank-R.log
+ENV_RANK_VARS = "PHALANX_RANK_VARS"  # e.g. "PMI_RANK,OMPI_COMM_WORLD_RANK,PMIX_RANK"
+ENV_RANK_LOG_DIR = "PHALANX_RANK_LOG_DIR"  # where rank R writes rank-R.log
 DEFAULT_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "ALPS_APP_PE")
 
 
@@ -88,9 +88,11 @@ class RankApp:
             result = self._seal(scope, result)
         missing = [name for name in self.outputs if not scope.out_store.exists(name)]
         if missing:
-            raise RuntimeError(f"app {self.name!r} finished without sealing its outputs {missing} "
-                               "(return {name: frame}, return the frame of its only output, or call "
-                               "env.output(name, frame))")
+            raise RuntimeError(
+                f"app {self.name!r} finished without sealing its outputs {missing} "
+                "(return {name: frame}, return the frame of its only output, or call "
+                "env.output(name, frame))"
+            )
         return result
 
     def _seal(self, scope: _Scope, result: Any) -> Any:
@@ -118,8 +120,12 @@ def main() -> int:
     names = [n for n in os.environ.get(ENV_RANK_VARS, ",".join(DEFAULT_RANK_VARS)).split(",") if n]
     found = next((n for n in names if os.environ.get(n, "").strip().lstrip("-").isdigit()), None)
     if found is None:
-        print(f"phalanx rank: none of {', '.join(names)} is set: not started by the MPI launcher "
-              f"of the prefix ($PARSL_MPI_PREFIX)", file=sys.stderr, flush=True)
+        print(
+            f"phalanx rank: none of {', '.join(names)} is set: not started by the MPI launcher "
+            f"of the prefix ($PARSL_MPI_PREFIX)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 2
     rank = int(os.environ[found])
     os.environ["PHALANX_RANK"] = str(rank)

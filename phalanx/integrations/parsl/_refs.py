@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -30,9 +31,9 @@ class DatasetRef:
     name: str
     session: str
     root: str
-    metadata: Optional[str] = None   # the store's catalogue URL (default: SQLite beside the root)
-    rows: Optional[int] = None       # rows when it was sealed (for show; the store is the truth)
-    by: Optional[tuple[str, ...]] = None          # read options for the consumer's ranks
+    metadata: Optional[str] = None  # the store's catalogue URL (default: SQLite beside the root)
+    rows: Optional[int] = None  # rows when it was sealed (for show; the store is the truth)
+    by: Optional[tuple[str, ...]] = None  # read options for the consumer's ranks
     shuffle: Optional[str] = None
     seed: int = 0
     columns: Optional[tuple[str, ...]] = None
@@ -41,15 +42,15 @@ class DatasetRef:
         return f"{self.session}/{self.name}"
 
     # ---- how the next app reads it -------------------------------------------------------------
-    def hashed(self, *keys: str) -> "DatasetRef":
+    def hashed(self, *keys: str) -> DatasetRef:
         """The same dataset, hash-partitioned by ``keys`` for the consumer's ranks."""
         return dataclasses.replace(self, by=tuple(keys), shuffle=None)
 
-    def shuffled(self, seed: int = 0) -> "DatasetRef":
+    def shuffled(self, seed: int = 0) -> DatasetRef:
         """The same dataset as a seeded random permutation of its rows."""
         return dataclasses.replace(self, by=None, shuffle="random", seed=seed)
 
-    def select(self, *columns: str) -> "DatasetRef":
+    def select(self, *columns: str) -> DatasetRef:
         """Only these columns (and the keys of ``hashed``)."""
         return dataclasses.replace(self, columns=tuple(columns))
 
@@ -65,16 +66,16 @@ class DatasetRef:
         return opts
 
     # ---- outside a gang ------------------------------------------------------------------------
-    def store(self) -> "Store":
+    def store(self) -> Store:
         from ...store import Store
 
         return Store(self.root, self.session, metadata=self.metadata)
 
-    def read(self, columns: Sequence[str] | None = None) -> "pa.Table":
+    def read(self, columns: Sequence[str] | None = None) -> pa.Table:
         """The whole dataset as one Arrow table (checksums verified)."""
         return self.store().read(self.name, columns=columns)
 
-    def info(self) -> "DatasetInfo":
+    def info(self) -> DatasetInfo:
         return self.store().info(self.name)
 
     def exists(self) -> bool:
@@ -84,19 +85,25 @@ class DatasetRef:
         self.store().delete(self.name)
 
     @classmethod
-    def of(cls, store: "Store", name: str) -> "DatasetRef":
+    def of(cls, store: Store, name: str) -> DatasetRef:
         """The reference of dataset ``name`` as ``store`` holds it now."""
         info = store.info(name)
-        return cls(name=name, session=store.session, root=str(store.root), metadata=store.meta.url,
-                   rows=info.num_rows)
+        return cls(name=name, session=store.session, root=str(store.root), metadata=store.meta.url, rows=info.num_rows)
 
 
 class BSPResult(list):
     """What a ``bsp_app``'s future gives: one result per rank (what the function returned, less
     the frames it sealed), and ``outputs``: a ``DatasetRef`` per sealed dataset."""
 
-    def __init__(self, per_rank: Sequence[Any] = (), outputs: dict[str, DatasetRef] | None = None,
-                 session: str = "", gang_id: str = "", placement: str = "", seconds: float = 0.0):
+    def __init__(
+        self,
+        per_rank: Sequence[Any] = (),
+        outputs: dict[str, DatasetRef] | None = None,
+        session: str = "",
+        gang_id: str = "",
+        placement: str = "",
+        seconds: float = 0.0,
+    ):
         super().__init__(per_rank)
         self.outputs: dict[str, DatasetRef] = dict(outputs or {})
         self.session, self.gang_id, self.placement, self.seconds = session, gang_id, placement, seconds
@@ -123,8 +130,10 @@ def single_output(value: Any, what: str = "argument") -> Any:
     """A ``BSPResult``/``WorkflowResult`` given where a dataset goes: its only output's reference."""
     if isinstance(value, (BSPResult, WorkflowResult)):
         if len(value.outputs) != 1:
-            raise TypeError(f"{what}: an app result with outputs {sorted(value.outputs)} is not one dataset; "
-                            "pass phalanx.integrations.parsl.output(future, NAME)")
+            raise TypeError(
+                f"{what}: an app result with outputs {sorted(value.outputs)} is not one dataset; "
+                "pass phalanx.integrations.parsl.output(future, NAME)"
+            )
         return next(iter(value.outputs.values()))
     return value
 

@@ -39,8 +39,7 @@ class RunFuture(Future):
         return f"<phalanx workflow {self.workflow!r} run {self.run_id}: {type(exc).__name__}: {exc}>"
 
 
-def workflow_app(workflow: Any, site: Any = None, *, state: str | Path | None = None,
-                 resume: str | None = None) -> Any:
+def workflow_app(workflow: Any, site: Any = None, *, state: str | Path | None = None, resume: str | None = None) -> Any:
     """A Parsl join app running ``workflow`` (a ``px.Workflow``, a workflow model or a YAML
     file) on ``site`` (default: the workflow's).  ``app(**bindings)`` returns an ``AppFuture``;
     each binding ``NAME=ref`` (a ``DatasetRef``, an app's single-output result, or a future of
@@ -78,17 +77,23 @@ def _bind(wf: Any, site: Any, bindings: dict[str, Any]) -> None:
     external = {spec.dataset for st in wf.stages.values() for spec in st.inputs.values()} - produced
     unknown = sorted(set(bindings) - external)
     if unknown:
-        raise TypeError(f"workflow {wf.name!r} has no external input {unknown} to bind; its inputs that no "
-                        f"stage produces: {sorted(external) or 'none'}")
+        raise TypeError(
+            f"workflow {wf.name!r} has no external input {unknown} to bind; its inputs that no "
+            f"stage produces: {sorted(external) or 'none'}"
+        )
     root = str(Store(site.store.root, metadata=site.store.metadata).root)
     for name, value in bindings.items():
         ref = single_output(value, f"workflow {wf.name!r} input {name!r}")
         if not isinstance(ref, DatasetRef):
-            raise TypeError(f"workflow {wf.name!r} input {name!r}: a DatasetRef (or an app result with one "
-                            f"output) binds a dataset, not {type(ref).__name__}")
+            raise TypeError(
+                f"workflow {wf.name!r} input {name!r}: a DatasetRef (or an app result with one "
+                f"output) binds a dataset, not {type(ref).__name__}"
+            )
         if ref.root != root:
-            raise ValueError(f"workflow {wf.name!r} input {name!r}: {ref} is in the store at {ref.root}; the site "
-                             f"{site.name!r} reads the store at {root}")
+            raise ValueError(
+                f"workflow {wf.name!r} input {name!r}: {ref} is in the store at {ref.root}; the site "
+                f"{site.name!r} reads the store at {root}"
+            )
         for st in wf.stages.values():
             for spec in st.inputs.values():
                 if spec.dataset == name:
@@ -119,8 +124,7 @@ def _start(workflow: Any, site: Any, state: Any, resume: str | None, bindings: d
                 status = handle.status()
                 bad = {n: s for n, s in status.stages.items() if s.state in ("failed", "cancelled")}
                 text = "; ".join(f"stage {n} {s.state}: {s.error or ''}".strip() for n, s in bad.items())
-                raise WorkflowFailed(f"{status.state}: {text or 'no stage succeeded'} "
-                                     f"(phalanx status {handle.run_id})")
+                raise WorkflowFailed(f"{status.state}: {text or 'no stage succeeded'} (phalanx status {handle.run_id})")
             store = Store(site_model.store.root, handle.session, metadata=site_model.store.metadata)
             outputs = {out: DatasetRef.of(store, out) for st in wf.stages.values() for out in st.outputs}
             done.set_result(WorkflowResult(handle.run_id, handle.session, outputs))

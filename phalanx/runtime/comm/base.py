@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pickle
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -27,7 +28,7 @@ class Communicator(ABC):
     name: str = "abstract"
 
     @classmethod
-    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "Communicator":
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> Communicator:
         """How a rank builds its communicator (collective).  This default connects the gang's
         rendezvous store (``torch.distributed.Store``) and hands it to the constructor."""
         from ..rendezvous import backend_for
@@ -76,7 +77,7 @@ class Communicator(ABC):
         send = np.empty(sum(counts), dtype=np.uint8)
         pos = 0
         for v, n in zip(views, counts):
-            send[pos:pos + n] = np.frombuffer(v, dtype=np.uint8)
+            send[pos : pos + n] = np.frombuffer(v, dtype=np.uint8)
             pos += n
         return self.exchange_contiguous(send, counts)
 
@@ -84,9 +85,9 @@ class Communicator(ABC):
         recv, recv_counts = self.alltoallv(send, send_counts)
         offsets = np.concatenate([[0], np.cumsum(recv_counts)])
         mv = memoryview(recv)
-        return [mv[int(offsets[i]):int(offsets[i + 1])] for i in range(self.world_size)]
+        return [mv[int(offsets[i]) : int(offsets[i + 1])] for i in range(self.world_size)]
 
-    def exchange_tables(self, parts: "list[pa.Table]", schema: "pa.Schema") -> "list[pa.Table]":
+    def exchange_tables(self, parts: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
         """alltoallv of Arrow tables: ``parts[i]`` goes to rank i; returns what each rank sent
         here, in rank order (``parts[rank]`` itself for this rank: it never leaves the process).
 
@@ -113,8 +114,10 @@ class Communicator(ABC):
             counts.append(sink.tell() - start)
         send = np.frombuffer(sink.getvalue(), dtype=np.uint8)
         views = self.exchange_contiguous(send, counts)
-        return [parts[me] if src == me else (read_ipc_stream(view) if view.nbytes else schema.empty_table())
-                for src, view in enumerate(views)]
+        return [
+            parts[me] if src == me else (read_ipc_stream(view) if view.nbytes else schema.empty_table())
+            for src, view in enumerate(views)
+        ]
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
@@ -174,7 +177,7 @@ class Communicator(ABC):
 
 
 # ---- Arrow IPC streams in caller-provided memory (used by exchange_tables) --------------------
-def ipc_stream_size(table: "pa.Table", schema: "pa.Schema") -> int:
+def ipc_stream_size(table: pa.Table, schema: pa.Schema) -> int:
     """The bytes ``write_ipc_stream`` will write for ``table``: metadata only, no data copied."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
@@ -185,7 +188,7 @@ def ipc_stream_size(table: "pa.Table", schema: "pa.Schema") -> int:
     return sink.size()
 
 
-def write_ipc_stream(table: "pa.Table", schema: "pa.Schema", out: np.ndarray) -> None:
+def write_ipc_stream(table: pa.Table, schema: pa.Schema, out: np.ndarray) -> None:
     """``table`` as one IPC stream into the uint8 array ``out`` (exactly ``ipc_stream_size`` long)."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
@@ -197,7 +200,7 @@ def write_ipc_stream(table: "pa.Table", schema: "pa.Schema", out: np.ndarray) ->
         raise RuntimeError(f"IPC stream of {sink.tell()} bytes, {out.size} were planned")
 
 
-def read_ipc_stream(view: Any) -> "pa.Table":
+def read_ipc_stream(view: Any) -> pa.Table:
     """The table in one IPC stream, read in place: its buffers point into ``view`` (and keep it alive)."""
     import pyarrow as pa
     import pyarrow.ipc as ipc

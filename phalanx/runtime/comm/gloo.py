@@ -10,7 +10,7 @@ communicators without torch.
 from __future__ import annotations
 
 import datetime
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -27,11 +27,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class GlooCommunicator(ShmDataPath, Communicator):
     name = "gloo"
 
-    def __init__(self, rank: int, world_size: int, store: "dist.Store", timeout_s: float = 1800.0):
+    def __init__(self, rank: int, world_size: int, store: dist.Store, timeout_s: float = 1800.0):
         super().__init__(rank, world_size)
         # One default process group per rank process: DDP in ml/ reuses it.
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
         self.group = dist.group.WORLD
@@ -45,8 +48,10 @@ class GlooCommunicator(ShmDataPath, Communicator):
         # numpy's allocator gives large buffers huge pages: ~40% faster than torch.empty here
         recv = torch.from_numpy(np.empty(int(rc.sum()), dtype=np.uint8))
         dist.all_to_all_single(
-            recv, _as_tensor(send),
-            output_split_sizes=rc.tolist(), input_split_sizes=list(map(int, send_counts)),
+            recv,
+            _as_tensor(send),
+            output_split_sizes=rc.tolist(),
+            input_split_sizes=list(map(int, send_counts)),
         )
         return recv.numpy(), rc
 
@@ -67,7 +72,7 @@ class GlooCommunicator(ShmDataPath, Communicator):
         out = torch.from_numpy(np.empty(width * self.world_size, dtype=np.uint8))
         _all_gather_single(out, padded)
         flat = out.numpy()
-        return [flat[i * width: i * width + int(n)] for i, n in enumerate(sizes_np)]
+        return [flat[i * width : i * width + int(n)] for i, n in enumerate(sizes_np)]
 
     def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
         size = torch.tensor([data.nbytes if self.rank == root else 0], dtype=torch.int64)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -16,7 +16,7 @@ class MPICommunicator(Communicator):
     name = "mpi"
 
     @classmethod
-    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "MPICommunicator":
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> MPICommunicator:
         return cls(rank=rank, world_size=world_size)  # mpirun/srun wired the ranks already
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, comm=None, **_: object):
@@ -25,8 +25,7 @@ class MPICommunicator(Communicator):
         if rank is not None and rank != self.rank:
             raise RuntimeError(f"MPI says this is rank {self.rank}, the launcher said {rank}")
         if world_size is not None and world_size != self.world_size:
-            raise RuntimeError(
-                f"MPI world has {self.world_size} ranks, the gang expected {world_size}")
+            raise RuntimeError(f"MPI world has {self.world_size} ranks, the gang expected {world_size}")
 
     def alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         sc = np.asarray(send_counts, dtype=np.int64)
@@ -35,8 +34,7 @@ class MPICommunicator(Communicator):
         recv = np.empty(int(rc.sum()), dtype=np.uint8)
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-        self.mpi.Alltoallv([np.ascontiguousarray(send, dtype=np.uint8), (sc, sd), MPI.BYTE],
-                           [recv, (rc, rd), MPI.BYTE])
+        self.mpi.Alltoallv([np.ascontiguousarray(send, dtype=np.uint8), (sc, sd), MPI.BYTE], [recv, (rc, rd), MPI.BYTE])
         return recv, rc
 
     def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
@@ -45,7 +43,7 @@ class MPICommunicator(Communicator):
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]])
         out = np.empty(int(sizes.sum()), dtype=np.uint8)
         self.mpi.Allgatherv(np.ascontiguousarray(data, dtype=np.uint8), [out, (sizes, displs), MPI.BYTE])
-        return [out[int(d):int(d + n)] for d, n in zip(displs, sizes)]
+        return [out[int(d) : int(d + n)] for d, n in zip(displs, sizes)]
 
     def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
         size = np.array([data.nbytes if self.rank == root else 0], dtype=np.int64)

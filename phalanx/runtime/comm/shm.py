@@ -48,8 +48,9 @@ import os
 import socket
 import uuid
 import weakref
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -62,17 +63,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_SHM = "PHALANX_SHM"                    # "0": tcp/gloo keep every byte on their wire
-ENV_SHM_DIR = "PHALANX_SHM_DIR"            # where the per-gang segment directory is made
-ENV_SHM_LIMIT = "PHALANX_SHM_LIMIT"        # bytes one rank's segments may hold (default: no limit)
+ENV_SHM = "PHALANX_SHM"  # "0": tcp/gloo keep every byte on their wire
+ENV_SHM_DIR = "PHALANX_SHM_DIR"  # where the per-gang segment directory is made
+ENV_SHM_LIMIT = "PHALANX_SHM_LIMIT"  # bytes one rank's segments may hold (default: no limit)
 ENV_SHM_POOL_MAX = "PHALANX_SHM_POOL_MAX"  # larger segments are used once, not kept for reuse
 ENV_SHM_FALLBACK = "PHALANX_SHM_FALLBACK"  # "0": no room in shared memory is an error
-ENV_SHM_HOSTS = "PHALANX_SHM_HOSTS"        # tests: one host label per rank, comma-separated
-_ENV_SESSION = "PHALANX_STORE_SESSION"     # the gang's store session (set by the driver)
+ENV_SHM_HOSTS = "PHALANX_SHM_HOSTS"  # tests: one host label per rank, comma-separated
+_ENV_SESSION = "PHALANX_STORE_SESSION"  # the gang's store session (set by the driver)
 
-ALIGN = 64                 # pieces start 64-byte aligned (Arrow buffers stay aligned)
-POOL_SLOTS = 62            # slots 0..61 are reusable; the held mask is one int64
-ONE_SHOT = 63              # the slot number of a segment used once
+ALIGN = 64  # pieces start 64-byte aligned (Arrow buffers stay aligned)
+POOL_SLOTS = 62  # slots 0..61 are reusable; the held mask is one int64
+ONE_SHOT = 63  # the slot number of a segment used once
 MiB = 1 << 20
 # control words, per (source, destination)
 W = 8
@@ -147,8 +148,10 @@ def segment_dir(tag: str) -> Path:
         return Path(store) / session / ".staging" / tag
     root = default_shm_root()
     if root is None:
-        raise PhalanxError(f"no shared memory for the exchange: {store} is not on tmpfs and this "
-                           f"machine has no /dev/shm; set {ENV_SHM_DIR} to a tmpfs directory")
+        raise PhalanxError(
+            f"no shared memory for the exchange: {store} is not on tmpfs and this "
+            f"machine has no /dev/shm; set {ENV_SHM_DIR} to a tmpfs directory"
+        )
     return root / "exchange" / tag
 
 
@@ -175,8 +178,8 @@ class _Segment:
         self.slot, self.gen, self.size, self.path, self.mm = slot, gen, size, path, mm
         self.buf = np.frombuffer(mm, dtype=np.uint8)
         self.last_used = -10
-        self.held = 0          # bit mask of peers that still hold views of it
-        self.linked = True     # its name is still in the directory
+        self.held = 0  # bit mask of peers that still hold views of it
+        self.linked = True  # its name is still in the directory
 
     def release(self) -> None:
         self.buf = None
@@ -203,7 +206,7 @@ class _Mapped:
 class ShmEngine:
     """The shared-memory data path of a communicator (``comm``, a ``ShmDataPath``)."""
 
-    def __init__(self, comm: "ShmDataPath", hosts: list[str], tag: str, hierarchical: bool):
+    def __init__(self, comm: ShmDataPath, hosts: list[str], tag: str, hierarchical: bool):
         self.comm = comm
         self.rank, self.n = comm.rank, comm.world_size
         self.local = [h == hosts[self.rank] for h in hosts]
@@ -216,14 +219,14 @@ class ShmEngine:
         self.seq = 0
         self.gen = 0
         self.pool: dict[int, _Segment] = {}
-        self.one_shot: list[_Segment] = []       # created this exchange, until unlinked
+        self.one_shot: list[_Segment] = []  # created this exchange, until unlinked
         self.maps: list[dict[int, _Mapped]] = [{} for _ in range(self.n)]
         self.recv_bufs: list[tuple[np.ndarray, weakref.ref | None]] = []  # alltoallv's, reused
         self.stats = {"exchanges": 0, "segments_created": 0, "bytes_created": 0, "fallbacks": 0}
 
     # ---- construction (collective) ------------------------------------------------------
     @classmethod
-    def start(cls, comm: "ShmDataPath", required: bool) -> "ShmEngine | None":
+    def start(cls, comm: ShmDataPath, required: bool) -> ShmEngine | None:
         """Compare host ids (one allgather); None where no two ranks share a host (or, unless
         ``required``, where the gang spans hosts or shared memory is unusable here)."""
         labels = os.environ.get(ENV_SHM_HOSTS)
@@ -248,8 +251,11 @@ class ShmEngine:
         unseen = _probe(comm, hosts, segment_dir(tag), infos[0][1])
         if unseen:  # one kernel, but not one shared memory (containers: a /dev/shm of their own)
             if required:
-                raise PhalanxError(f"communicator shm: ranks on one host do not share {segment_dir(tag)}: "
-                                   + "; ".join(unseen) + f" (set {ENV_SHM_DIR} to a tmpfs directory they share)")
+                raise PhalanxError(
+                    f"communicator shm: ranks on one host do not share {segment_dir(tag)}: "
+                    + "; ".join(unseen)
+                    + f" (set {ENV_SHM_DIR} to a tmpfs directory they share)"
+                )
             return None
         return cls(comm, hosts, tag, hierarchical=required)
 
@@ -278,7 +284,7 @@ class ShmEngine:
                 no_space = str(exc)
         if seg is not None:
             for d in local:
-                fill(d, seg.buf[offsets[d]: offsets[d] + sizes[d]])
+                fill(d, seg.buf[offsets[d] : offsets[d] + sizes[d]])
             seg.last_used = k
         held = self._held_masks()
         ctrl = np.zeros((n, W), dtype=np.int64)
@@ -300,8 +306,10 @@ class ShmEngine:
             why = "; ".join(f"rank {p}: {reasons[p]}" for p in short)
             if not self.fallback:
                 self._after_new(got)
-                raise ShmSpaceError(errno.ENOSPC, f"shared-memory exchange: {why} "
-                                    f"({ENV_SHM_FALLBACK}=0, so no fallback to {self.comm.name}'s wire)")
+                raise ShmSpaceError(
+                    errno.ENOSPC,
+                    f"shared-memory exchange: {why} ({ENV_SHM_FALLBACK}=0, so no fallback to {self.comm.name}'s wire)",
+                )
             if me == short[0]:
                 log.warning("shared-memory exchange: %s; this exchange goes through %s's wire", why, self.comm.name)
             self.stats["fallbacks"] += 1
@@ -350,13 +358,16 @@ class ShmEngine:
         pos = 0
         for d, c in enumerate(counts):
             if c:
-                fill(d, send[pos:pos + c])
+                fill(d, send[pos : pos + c])
                 pos += c
         recv, recv_counts = self.comm.wire_alltoallv(send, counts)
         recv.flags.writeable = False
         offs = np.concatenate([[0], np.cumsum(recv_counts)])
-        return {p: recv[int(offs[p]):int(offs[p + 1])] for p in range(self.n)
-                if p != self.rank and (p in dests or not self.local[p])}
+        return {
+            p: recv[int(offs[p]) : int(offs[p + 1])]
+            for p in range(self.n)
+            if p != self.rank and (p in dests or not self.local[p])
+        }
 
     def _all_to_all(self, ctrl: np.ndarray) -> np.ndarray:
         return self.comm.all_to_all_rows(ctrl)
@@ -438,8 +449,10 @@ class ShmEngine:
     def _create(self, slot: int, size: int) -> _Segment:
         held_now = sum(s.size for s in self.pool.values())
         if self.limit is not None and held_now + size > self.limit:
-            raise _NoSpace(f"a {_human(size)} segment in {self.dir} would bring this rank's shared "
-                           f"memory to {_human(held_now + size)}, over {ENV_SHM_LIMIT}={self.limit}")
+            raise _NoSpace(
+                f"a {_human(size)} segment in {self.dir} would bring this rank's shared "
+                f"memory to {_human(held_now + size)}, over {ENV_SHM_LIMIT}={self.limit}"
+            )
         self.gen += 1
         path = self.dir / f"{self.rank}-{slot}-{self.gen}"
         for attempt in range(3):  # another rank may remove the empty directory meanwhile
@@ -462,8 +475,10 @@ class ShmEngine:
                 _unlink(path)
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
                     st = os.statvfs(self.dir)
-                    raise _NoSpace(f"no room for a {_human(size)} segment at {path} ({_human(st.f_bavail * st.f_frsize)} "
-                                   f"free of {_human(st.f_blocks * st.f_frsize)}): {exc.strerror}") from None
+                    raise _NoSpace(
+                        f"no room for a {_human(size)} segment at {path} ({_human(st.f_bavail * st.f_frsize)} "
+                        f"free of {_human(st.f_blocks * st.f_frsize)}): {exc.strerror}"
+                    ) from None
                 raise
         finally:
             os.close(fd)
@@ -556,7 +571,7 @@ class ShmDataPath:
     co-located ranks through shared memory, and the rest through the wire."""
 
     shm_required = False  # True: the shared-memory path always, for same-host peers
-    shm: "ShmEngine | None" = None
+    shm: ShmEngine | None = None
     rank: int
     world_size: int
 
@@ -586,15 +601,15 @@ class ShmDataPath:
             raise ValueError(f"alltoallv needs {self.world_size} counts, got {len(counts)}")
         offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
-        views = self.shm.exchange_pieces(counts, lambda d, out: np.copyto(out, flat[offs[d]:offs[d + 1]]))
+        views = self.shm.exchange_pieces(counts, lambda d, out: np.copyto(out, flat[offs[d] : offs[d + 1]]))
         me = self.rank
-        mine = flat[offs[me]:offs[me + 1]]
+        mine = flat[offs[me] : offs[me + 1]]
         pieces = [mine if v is None else v for v in views]
         recv_counts = np.array([p.size for p in pieces], dtype=np.int64)
         recv = self.shm.recv_buffer(int(recv_counts.sum()))
         pos = 0
         for p in pieces:
-            recv[pos:pos + p.size] = p
+            recv[pos : pos + p.size] = p
             pos += p.size
         return recv, recv_counts
 
@@ -613,16 +628,17 @@ class ShmDataPath:
         counts = [int(c) for c in send_counts]
         offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
-        return self.exchange([flat[offs[d]:offs[d + 1]] for d in range(self.world_size)])
+        return self.exchange([flat[offs[d] : offs[d + 1]] for d in range(self.world_size)])
 
-    def exchange_tables(self, parts: "list[pa.Table]", schema: "pa.Schema") -> "list[pa.Table]":
+    def exchange_tables(self, parts: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
         if self.shm is None:
             return super().exchange_tables(parts, schema)  # type: ignore[misc]
         from .base import ipc_stream_size, read_ipc_stream, write_ipc_stream
 
         me = self.rank
-        sizes = [0 if d == me or part.num_rows == 0 else ipc_stream_size(part, schema)
-                 for d, part in enumerate(parts)]
+        sizes = [0 if d == me or part.num_rows == 0 else ipc_stream_size(part, schema) for d, part in enumerate(parts)]
         views = self.shm.exchange_pieces(sizes, lambda d, out: write_ipc_stream(parts[d], schema, out))
-        return [parts[me] if src == me else (read_ipc_stream(v) if v.size else schema.empty_table())
-                for src, v in enumerate(views)]
+        return [
+            parts[me] if src == me else (read_ipc_stream(v) if v.size else schema.empty_table())
+            for src, v in enumerate(views)
+        ]

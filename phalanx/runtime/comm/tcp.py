@@ -24,7 +24,7 @@ from __future__ import annotations
 import select
 import socket
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -41,13 +41,12 @@ class TCPCommunicator(ShmDataPath, Communicator):
     name = "tcp"
 
     @classmethod
-    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "TCPCommunicator":
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> TCPCommunicator:
         from ..rendezvous import gang_authkey
 
         return cls(rank, world_size, rendezvous_url, gang_authkey(f"communicator {cls.name}"), timeout_s=timeout_s)
 
-    def __init__(self, rank: int, world_size: int, rendezvous_url: str, authkey: bytes,
-                 timeout_s: float = 1800.0):
+    def __init__(self, rank: int, world_size: int, rendezvous_url: str, authkey: bytes, timeout_s: float = 1800.0):
         super().__init__(rank, world_size)
         self.timeout_s = timeout_s
         self.peers: dict[int, socket.socket] = {}
@@ -74,13 +73,15 @@ class TCPCommunicator(ShmDataPath, Communicator):
             listener.listen(max(128, self.world_size))
             host, port = listener.getsockname()[:2]
             mine = f"{host}:{port}"
-            addresses = backend_for(url).share(url, self.rank, self.world_size, mine.encode(),
-                                               max(deadline - time.monotonic(), 0.001), authkey)
+            addresses = backend_for(url).share(
+                url, self.rank, self.world_size, mine.encode(), max(deadline - time.monotonic(), 0.001), authkey
+            )
             for peer in range(self.rank):
                 h, p = addresses[peer].decode().rsplit(":", 1)
                 self.peers[peer] = connect_peer((h, int(p)), self.rank, peer, authkey, deadline, what)
-            above = accept_peers(listener, mine, self.world_size - 1 - self.rank, self.rank, self.world_size,
-                                 authkey, deadline, what)
+            above = accept_peers(
+                listener, mine, self.world_size - 1 - self.rank, self.rank, self.world_size, authkey, deadline, what
+            )
             if any(p < self.rank for p in above):
                 for sock in above.values():
                     sock.close()
@@ -101,8 +102,10 @@ class TCPCommunicator(ShmDataPath, Communicator):
         all at once.  A failure midway leaves the streams out of step: every later collective
         of this communicator raises instead of reading misaligned bytes."""
         if self._broken:
-            raise PhalanxError(f"communicator {self.name}: rank {self.rank} cannot run another collective "
-                               f"after an earlier one failed ({self._broken})")
+            raise PhalanxError(
+                f"communicator {self.name}: rank {self.rank} cannot run another collective "
+                f"after an earlier one failed ({self._broken})"
+            )
         try:
             self._transfer_all(sends, recvs)
         except BaseException as exc:
@@ -136,8 +139,9 @@ class TCPCommunicator(ShmDataPath, Communicator):
                 continue
             if not events:
                 waiting = sorted(set(out) | set(inb))
-                raise PhalanxError(f"communicator {self.name}: rank {self.rank} waited {self.timeout_s:.0f}s "
-                                   f"for rank(s) {waiting}")
+                raise PhalanxError(
+                    f"communicator {self.name}: rank {self.rank} waited {self.timeout_s:.0f}s for rank(s) {waiting}"
+                )
             for fd, ev in events:
                 p = by_fd[fd]
                 if p in inb and ev & (_POLLIN | _POLLERR):
@@ -176,8 +180,10 @@ class TCPCommunicator(ShmDataPath, Communicator):
 
     def _lost(self, p: int, exc: OSError | None) -> PhalanxError:
         why = f": {exc}" if exc else ""
-        return PhalanxError(f"communicator {self.name}: rank {self.rank} lost its connection to rank {p} "
-                            f"(that rank ended or failed){why}")
+        return PhalanxError(
+            f"communicator {self.name}: rank {self.rank} lost its connection to rank {p} "
+            f"(that rank ended or failed){why}"
+        )
 
     def _counts_all_to_all(self, counts: Sequence[int]) -> np.ndarray:
         """counts[p] to rank p; returns what each rank sent here (one int64 per rank)."""
@@ -196,10 +202,11 @@ class TCPCommunicator(ShmDataPath, Communicator):
         roff = np.concatenate([[0], np.cumsum(recv_counts)]).tolist()
         recv = np.empty(int(roff[-1]), dtype=np.uint8)
         me = self.rank
-        recv[roff[me]:roff[me + 1]] = flat[soff[me]:soff[me + 1]]
+        recv[roff[me] : roff[me + 1]] = flat[soff[me] : soff[me + 1]]
         src, dst = memoryview(flat), memoryview(recv)
-        self._transfer({p: src[soff[p]:soff[p + 1]] for p in self.peers},
-                       {p: dst[roff[p]:roff[p + 1]] for p in self.peers})
+        self._transfer(
+            {p: src[soff[p] : soff[p + 1]] for p in self.peers}, {p: dst[roff[p] : roff[p + 1]] for p in self.peers}
+        )
         return recv, recv_counts
 
     def all_to_all_rows(self, rows: np.ndarray) -> np.ndarray:
@@ -208,8 +215,10 @@ class TCPCommunicator(ShmDataPath, Communicator):
         got[self.rank] = rows[self.rank]
         src, dst = memoryview(rows.reshape(-1)).cast("B"), memoryview(got.reshape(-1)).cast("B")
         width = rows[0].nbytes
-        self._transfer({p: src[p * width:(p + 1) * width] for p in self.peers},
-                       {p: dst[p * width:(p + 1) * width] for p in self.peers})
+        self._transfer(
+            {p: src[p * width : (p + 1) * width] for p in self.peers},
+            {p: dst[p * width : (p + 1) * width] for p in self.peers},
+        )
         return got
 
     def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
@@ -247,15 +256,14 @@ class TCPCommunicator(ShmDataPath, Communicator):
         width = src.nbytes
         flat_in = memoryview(parts.reshape(-1)).cast("B")
         flat_out = memoryview(src.reshape(-1)).cast("B")
-        self._transfer({p: flat_out for p in self.peers},
-                       {p: flat_in[p * width:(p + 1) * width] for p in self.peers})
+        self._transfer({p: flat_out for p in self.peers}, {p: flat_in[p * width : (p + 1) * width] for p in self.peers})
         return np.asarray(NUMPY_REDUCE[op](parts, axis=0, dtype=src.dtype))
 
     def barrier(self) -> None:
         one = np.zeros(1, dtype=np.uint8)
         got = np.zeros(self.world_size, dtype=np.uint8)
         mv = memoryview(got)
-        self._transfer({p: memoryview(one) for p in self.peers}, {p: mv[p:p + 1] for p in self.peers})
+        self._transfer({p: memoryview(one) for p in self.peers}, {p: mv[p : p + 1] for p in self.peers})
 
     def close(self) -> None:
         self.close_shm()

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
 from .base import NUMPY_REDUCE, Communicator, ReduceOp
-
 
 
 def _import_ucxx() -> Any:
@@ -43,14 +43,14 @@ class UCXCommunicator(Communicator):
     name = "ucx"
 
     @classmethod
-    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> "UCXCommunicator":
+    def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> UCXCommunicator:
         from ..rendezvous import share
 
-        return cls(rank, world_size, lambda mine: share(rendezvous_url, rank, world_size, mine, timeout_s),
-                   timeout_s=timeout_s)
+        return cls(
+            rank, world_size, lambda mine: share(rendezvous_url, rank, world_size, mine, timeout_s), timeout_s=timeout_s
+        )
 
-    def __init__(self, rank: int, world_size: int, share: Callable[[bytes], list[bytes]],
-                 timeout_s: float = 1800.0):
+    def __init__(self, rank: int, world_size: int, share: Callable[[bytes], list[bytes]], timeout_s: float = 1800.0):
         """``share(my worker address)`` returns every rank's (the rendezvous' ``share``)."""
         super().__init__(rank, world_size)
         self._ucxx = ucxx = _import_ucxx()
@@ -59,8 +59,10 @@ class UCXCommunicator(Communicator):
         self._seq = 0
         shared = share(bytes(ucxx.get_worker_address()))
         addresses = {r: shared[r] for r in range(world_size) if r != rank}
-        self._eps = {r: self._run(ucxx.create_endpoint_from_worker_address(
-            ucxx.get_ucx_address_from_buffer(a))) for r, a in addresses.items()}
+        self._eps = {
+            r: self._run(ucxx.create_endpoint_from_worker_address(ucxx.get_ucx_address_from_buffer(a)))
+            for r, a in addresses.items()
+        }
         self.barrier()  # every endpoint is up before anyone sends data
 
     # ---- plumbing --------------------------------------------------------------------------
@@ -87,8 +89,10 @@ class UCXCommunicator(Communicator):
         got = np.zeros(self.world_size, dtype=np.int64)
         got[self.rank] = mine[self.rank]
         box = {r: np.empty(1, dtype=np.int64) for r in self._eps}
-        await asyncio.gather(*[self._send(r, np.array([mine[r]], dtype=np.int64)) for r in self._eps],
-                             *[self._recv(r, box[r]) for r in self._eps])
+        await asyncio.gather(
+            *[self._send(r, np.array([mine[r]], dtype=np.int64)) for r in self._eps],
+            *[self._recv(r, box[r]) for r in self._eps],
+        )
         for r, b in box.items():
             got[r] = b[0]
         return got
@@ -104,11 +108,13 @@ class UCXCommunicator(Communicator):
             at = np.concatenate([[0], np.cumsum(recv_counts)]).astype(np.int64)
             recv = np.empty(int(at[-1]), dtype=np.uint8)
             me = self.rank
-            recv[at[me]:at[me + 1]] = send[offsets[me]:offsets[me + 1]]
+            recv[at[me] : at[me + 1]] = send[offsets[me] : offsets[me + 1]]
             await asyncio.gather(
-                *[self._send(r, send[offsets[r]:offsets[r + 1]], 1) for r in self._eps if counts[r]],
-                *[self._recv(r, recv[at[r]:at[r + 1]], 1) for r in self._eps if recv_counts[r]])
+                *[self._send(r, send[offsets[r] : offsets[r + 1]], 1) for r in self._eps if counts[r]],
+                *[self._recv(r, recv[at[r] : at[r + 1]], 1) for r in self._eps if recv_counts[r]],
+            )
             return recv, recv_counts
+
         return self._collective(run())
 
     def allgather_bytes(self, data: np.ndarray) -> list[np.ndarray]:
@@ -117,9 +123,12 @@ class UCXCommunicator(Communicator):
         async def run() -> list[np.ndarray]:
             sizes = await self._sizes([data.nbytes] * self.world_size)
             out = {r: np.empty(int(sizes[r]), dtype=np.uint8) for r in self._eps}
-            await asyncio.gather(*[self._send(r, data, 1) for r in self._eps if data.nbytes],
-                                 *[self._recv(r, out[r], 1) for r in self._eps if sizes[r]])
+            await asyncio.gather(
+                *[self._send(r, data, 1) for r in self._eps if data.nbytes],
+                *[self._recv(r, out[r], 1) for r in self._eps if sizes[r]],
+            )
             return [data.copy() if r == self.rank else out[r] for r in range(self.world_size)]
+
         return self._collective(run())
 
     def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
@@ -137,6 +146,7 @@ class UCXCommunicator(Communicator):
             if buf.nbytes:
                 await self._recv(root, buf, 1)
             return buf
+
         return self._collective(run())
 
     def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:

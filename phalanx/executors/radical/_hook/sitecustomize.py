@@ -23,6 +23,7 @@ def install(addr):
 
     def patch(module):
         if module.__name__ == "radical.utils.zmq.utils" and not getattr(module, "_phalanx_bind", None):
+
             def zmq_bind(sock):
                 import zmq
                 from radical.utils.url import Url

@@ -2,7 +2,7 @@
 # Installs everything phalanx and its tests need, from scratch, into ./.venv:
 #   system: redis-server (Redis rendezvous tests), Open MPI (MPI communicator), Slurm + munge,
 #           containerd + runc and Kubernetes built from the Go module proxy (scripts/setup-k8s.sh)
-#   python: phalanx with the test and benchmark extras (torch is large: ~3 GB download,
+#   python: phalanx with every extra its tests use, torch included (large: ~3 GB download,
 #           reused from pip's cache on later runs)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,6 +27,6 @@ bash scripts/setup-k8s.sh     # a Kubernetes control plane + real nodes for the 
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test,bench,ray,kubernetes,jupyter,parsl,ucx,radical]"
+.venv/bin/python -m pip install -q -e ".[torch,test,dev,bench,ray,kubernetes,jupyter,parsl,ucx,radical]"
 bash scripts/setup-airflow.sh  # Airflow 3 beside it (the airflow extra) and the provider entry point
 .venv/bin/python -c "import phalanx, torch, pyarrow, polars, duckdb; print('phalanx', phalanx.__version__, 'ready')"

@@ -19,12 +19,13 @@ import duckdb
 import numpy as np
 import pandas as pd
 import pytest
+from reference import expected_features
 
 import phalanx as px
 from phalanx.examples import synthetic
+from phalanx.orchestrator.loading import load_workflow
 from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
-from phalanx.orchestrator.validate import load_workflow
 
 ROOT = Path(__file__).resolve().parents[1]
 ETL = ROOT / "workflows" / "etl_to_training.yaml"
@@ -118,42 +119,6 @@ def test_generate_makes_the_data_it_promises(etl):
         ["generate", "features", "train", "report"], "succeeded"
     )
     assert stages["generate"]["outputs"]["transactions"][0] == ROWS
-
-
-def expected_features(tx: pd.DataFrame, users: pd.DataFrame) -> pd.DataFrame:
-    """The features stage, recomputed with pandas from the generated datasets."""
-    tx = tx.assign(weekend=tx.ts.dt.day_of_week >= 5, online=tx.channel != "store")
-    g = (
-        tx.groupby("user_id")
-        .agg(
-            n_tx=("tx_id", "count"),
-            total_amount=("amount", "sum"),
-            avg_amount=("amount", "mean"),
-            max_amount=("amount", "max"),
-            n_weekend=("weekend", "sum"),
-            n_online=("online", "sum"),
-            n_refund=("is_refund", "sum"),
-            first_ts=("ts", "min"),
-            last_ts=("ts", "max"),
-        )
-        .reset_index()
-    )
-    df = g.merge(users, on="user_id", how="inner")
-    days = lambda s: s.astype("datetime64[s]").astype("int64") / 86400  # noqa: E731
-    signup = pd.to_datetime(df.signup_date).astype("datetime64[s]").astype("int64") / 86400
-    df["n_tx_log"] = np.log1p(df.n_tx)
-    df["total_log"] = np.log1p(df.total_amount)
-    df["avg_log"] = np.log1p(df.avg_amount.fillna(0))
-    df["max_log"] = np.log1p(df.max_amount.fillna(0))
-    df["weekend_share"] = df.n_weekend / df.n_tx
-    df["online_share"] = df.n_online / df.n_tx
-    df["refund_share"] = df.n_refund / df.n_tx
-    df["active_years"] = (days(df.last_ts) - days(df.first_ts)) / 365.25
-    df["tenure_years"] = (days(df.last_ts) - signup) / 365.25
-    df["age_scaled"] = df.age.fillna(40) / 100
-    df["age_missing"] = df.age.isna().astype(float)
-    df["label"] = df.churned.astype(float)
-    return df.sort_values("user_id").reset_index(drop=True)
 
 
 def test_features_match_pandas(etl):

@@ -1,4 +1,4 @@
-"""Communicator conformance: the contract (tests/conformance/comm_contract.py) on tcp (the
+"""Communicator conformance: the contract (phalanx.testing.communicator) on tcp (the
 default: its shared-memory data path on one host, and its own sockets with PHALANX_SHM=0), Gloo
 (the same two ways), shm, MPI and UCX at every world size, plus library noise and fail-fast.
 
@@ -12,11 +12,12 @@ import shutil
 import time
 
 import pytest
-from conformance.comm_contract import CommContract, app_every_collective_warnings_caught, app_fail_on_rank_1, app_print
 
 import phalanx as px
 from phalanx.errors import RankError
 from phalanx.procs import descendants as _descendants
+from phalanx.testing.comm_apps import app_every_collective_warnings_caught, app_fail_on_rank_1, app_print
+from phalanx.testing.communicator import CommContract
 
 
 def _mpi_missing() -> str | None:
@@ -42,25 +43,27 @@ CASES = (
 )
 
 
-@pytest.fixture(scope="module", params=CASES)
-def comm_gang(request):
-    communicator, ranks = request.param
-    executor = "mpirun" if communicator == "mpi" else "local"
-    mp = pytest.MonkeyPatch()
-    if communicator.endswith("-noshm"):  # the communicator's own wire: shared memory turned off
-        communicator = communicator[: -len("-noshm")]
-        mp.setenv("PHALANX_SHM", "0")
-    g = px.Gang(ranks=ranks, executor=executor, communicator=communicator, echo=False)
-    try:
-        g.start()
-    finally:
-        mp.undo()  # the ranks have their environment: later gangs get the default
-    yield g
-    g.close()
-
-
 class TestCommConformance(CommContract):
-    """tcp, Gloo, shm, MPI and UCX at every world size (the ``comm_gang`` fixture above)."""
+    """tcp, Gloo, shm, MPI and UCX at every world size."""
+
+    @pytest.fixture(scope="class", params=CASES)
+    @classmethod
+    def comm_gang(cls, request):
+        """One gang per (communicator, world size) for the class: the mix-in's own takes a
+        communicator name; these also run with shared memory off and MPI under mpirun."""
+        communicator, ranks = request.param
+        executor = "mpirun" if communicator == "mpi" else "local"
+        mp = pytest.MonkeyPatch()
+        if communicator.endswith("-noshm"):  # the communicator's own wire: shared memory turned off
+            communicator = communicator[: -len("-noshm")]
+            mp.setenv("PHALANX_SHM", "0")
+        g = px.Gang(ranks=ranks, executor=executor, communicator=communicator, echo=False)
+        try:
+            g.start()
+        finally:
+            mp.undo()  # the ranks have their environment: later gangs get the default
+        yield g
+        g.close()
 
 
 def test_no_library_noise_in_rank_output(tmp_path):

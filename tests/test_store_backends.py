@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from conformance.store_contract import MetadataContract, TierContract
 from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
 from phalanx.runtime.rendezvous import free_port
-from phalanx.store.metadata import SQLiteMetadata, open_metadata
+from phalanx.store.metadata import open_metadata
 from phalanx.store.store import parse_bytes
 from phalanx.store.tiers import serialize
+from phalanx.testing.store import MetadataContract, TierContract
 
 BUCKET = "phalanx-test"
 
@@ -88,37 +88,28 @@ def s3_keys(store: px.Store, under: str = "") -> list[str]:
 
 
 # ---- metadata conformance: SQLite and Redis ------------------------------------------------
-@pytest.fixture(params=["sqlite", "redis"])
-def meta(request, tmp_path):
-    if request.param == "sqlite":
-        m = SQLiteMetadata(tmp_path / "meta.sqlite")
-    else:
+class TestMetadataConformance(MetadataContract):
+    """SQLite and a real redis-server (phalanx.testing.store: the mix-in opens each catalogue)."""
+
+    @pytest.fixture(params=["sqlite", "redis"])
+    def metadata_url(self, request, tmp_path):
+        if request.param == "sqlite":
+            return str(tmp_path / "meta.sqlite")
         pytest.importorskip("redis")
         url = request.getfixturevalue("redis_url")
-        m = open_metadata(f"{url}?prefix=t-{uuid.uuid4().hex[:8]}:")
-    yield m
-    m.close()
-
-
-class TestMetadataConformance(MetadataContract):
-    """SQLite and a real redis-server (the ``meta`` fixture above)."""
+        return f"{url}?prefix=t-{uuid.uuid4().hex[:8]}:"
 
 
 # ---- tier conformance: a directory and S3 --------------------------------------------------
-@pytest.fixture(params=["file", "s3"])
-def tstore(request, tmp_path):
-    """A store on each tier, with SQLite metadata in a temporary directory."""
-    if request.param == "file":
-        root = str(tmp_path / "root")
-    else:
-        root = s3_root(request.getfixturevalue("s3_endpoint"))
-    s = px.Store(root, session="conf", metadata=f"sqlite://{tmp_path / 'meta.sqlite'}")
-    yield s
-    s.delete_session()
-
-
 class TestTierConformance(TierContract):
-    """A directory and an S3 server (moto on loopback: the ``tstore`` fixture above)."""
+    """A directory and an S3 server (moto on loopback); the mix-in opens a store on each, with
+    SQLite metadata in a temporary directory."""
+
+    @pytest.fixture(params=["file", "s3"])
+    def tier_root(self, request, tmp_path):
+        if request.param == "file":
+            return str(tmp_path / "root")
+        return s3_root(request.getfixturevalue("s3_endpoint"))
 
 
 def test_s3_reads_download_and_objects_are_laid_out_by_session_name_version(s3_endpoint, tmp_path):

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import pytest
 
+from phalanx.testing.executor import mark_known_failures
+
 from .known_failures import KNOWN_FAILURES
-from .sites import MARKS, build, selected
+from .sites import MARKS, selected, serve
 
 
 def pytest_generate_tests(metafunc):
@@ -23,18 +25,11 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(config, items):
     """Contract points today's code breaks on a site: strict xfail, so the fix flips them
     (non-strict where today's failure is a race)."""
-    for item in items:
-        site = getattr(item, "callspec", None) and item.callspec.params.get("site")
-        known = KNOWN_FAILURES.get((item.originalname, site)) if site else None
-        if known:
-            reason, strict = (known, True) if isinstance(known, str) else known
-            item.add_marker(pytest.mark.xfail(strict=strict, reason=reason))
+    mark_known_failures(items, KNOWN_FAILURES)
 
 
 @pytest.fixture(scope="module")
 def site(request):
     """The ``ContractSite`` of this parameter; at the end of the module's tests on it, anything
     a gang left behind is freed (and a leftover is an error there: the tests must have seen it)."""
-    s = build(request.param, request)
-    yield s
-    s.free_everything_seen()
+    yield from serve(request)

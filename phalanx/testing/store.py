@@ -1,27 +1,39 @@
 """The store's contracts, once: every metadata backend and every store tier passes the same
-tests.  ``tests/test_store_backends.py`` runs them on SQLite and Redis, a directory and S3; a
-new backend (a plug-in's too) subclasses the mix-in and provides its fixture::
+tests.  tests/test_store_backends.py runs them on SQLite and Redis, a directory and S3; a new
+backend (a plug-in's too) subclasses the mix-in and says where its store or catalogue is::
+
+    from phalanx.testing.store import MetadataContract, TierContract
 
     class TestMyTier(TierContract):
         @pytest.fixture
-        def tstore(self, tmp_path):
-            yield px.Store("mytier://...", session="conf", metadata=f"sqlite://{tmp_path}/m.sqlite")
+        def tier_root(self, tmp_path):
+            return "mytier://bucket/prefix"  # a fresh, empty root: the mix-in opens px.Store on it
+
+    class TestMyCatalogue(MetadataContract):
+        @pytest.fixture
+        def metadata_url(self, tmp_path):
+            return "mydb://host/db"  # an empty catalogue: the mix-in opens it (open_metadata)
+
+A store that needs more than a URL overrides ``tstore`` (a ``px.Store``, session "conf") or
+``meta`` (an open, empty backend) instead.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from test_store import every_type_table, same_table
 
 import phalanx as px
 from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
-from phalanx.store.metadata import DatasetInfo, PartitionInfo, open_metadata
+from phalanx.store.metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
 from phalanx.store.tiers import serialize
+from phalanx.testing.tables import every_type_table, same_table
 
 
 def dataset(session="s", name="d", version="v1", location="/x/v1", rows=(3, 4), created=None) -> DatasetInfo:
@@ -42,8 +54,18 @@ def dataset(session="s", name="d", version="v1", location="/x/v1", rows=(3, 4), 
 
 
 class MetadataContract:
-    """A metadata backend's contract; a subclass provides the ``meta`` fixture (an open
-    backend, empty)."""
+    """A metadata backend's contract; a subclass provides the ``metadata_url`` fixture (an
+    empty catalogue) or the ``meta`` fixture (an open backend, empty)."""
+
+    @pytest.fixture
+    def metadata_url(self) -> str:
+        pytest.fail(f"{type(self).__name__}: override the 'metadata_url' fixture (or 'meta')")
+
+    @pytest.fixture
+    def meta(self, metadata_url: str) -> Iterator[MetadataBackend]:
+        m = open_metadata(metadata_url)
+        yield m
+        m.close()
 
     def test_seal_then_get_gives_back_everything(self, meta):
         d = dataset()
@@ -138,8 +160,20 @@ def exists_at(store: px.Store, location: str) -> bool:
 
 
 class TierContract:
-    """A store tier's contract; a subclass provides the ``tstore`` fixture (a ``px.Store`` on
-    the tier, session "conf")."""
+    """A store tier's contract; a subclass provides the ``tier_root`` fixture (the URL of a
+    fresh root on the tier) or the ``tstore`` fixture (a ``px.Store`` on the tier, session
+    "conf")."""
+
+    @pytest.fixture
+    def tier_root(self) -> str:
+        pytest.fail(f"{type(self).__name__}: override the 'tier_root' fixture (or 'tstore')")
+
+    @pytest.fixture
+    def tstore(self, tier_root: str, tmp_path: Path) -> Iterator[px.Store]:
+        """A store on the tier, with SQLite metadata in a temporary directory."""
+        s = px.Store(tier_root, session="conf", metadata=f"sqlite://{tmp_path / 'meta.sqlite'}")
+        yield s
+        s.delete_session()
 
     def test_round_trip_of_every_type(self, tstore):
         t = every_type_table()

@@ -1,9 +1,10 @@
-"""What the contract runs on the ranks: BSP apps, workflow stage apps and command-stage programs.
+"""What the executor contract runs on the ranks: BSP apps, workflow stage apps and command-stage
+programs.
 
-Imported by the ranks by reference (``conformance.ranks:where``): every site here runs its
-ranks on this host with the driver's ``sys.path``.  Whatever a rank learns about where it runs
-(its pid, host, SLURM job and step, Ray actor) is a "fact": the suite compares facts with what
-the gang reports and later checks that nothing they name is left.
+Ranks import them by reference (``phalanx.testing.ranks:where``), so this module lives in the
+package and imports neither pytest nor the contract.  Whatever a rank learns about where it runs
+(its pid, host, SLURM job and step, Ray actor) is a "fact": the contract compares facts with
+what the gang reports and later checks that nothing they name is left.
 """
 
 from __future__ import annotations

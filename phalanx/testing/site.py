@@ -117,7 +117,9 @@ class ContractSite:
 
     def capacity(self) -> int:
         """Rank slots the site can ever give at once (the site model's answer)."""
-        return self.model().capacity()
+        slots = self.model().capacity()
+        assert slots is not None, f"site {self.name!r}: its model declares no capacity (the contract needs one)"
+        return slots
 
     def can(self, capability: str) -> bool:
         """What the site's executor declares (``phalanx.executors.capabilities``)."""
@@ -336,7 +338,11 @@ class ContractSite:
 
     def slurm(self, *args: str) -> str:
         r = subprocess.run(
-            list(args), env={**os.environ, "SLURM_CONF": self.slurm_conf}, capture_output=True, text=True, timeout=60
+            list(args),
+            env={**os.environ, "SLURM_CONF": self.slurm_conf or ""},
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         if r.returncode:
             raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
@@ -392,7 +398,7 @@ class ContractSite:
                 if ident in jobs or any(g in name for g in self.seen.gang_ids):
                     subprocess.run(
                         ["scancel", ident],
-                        env={**os.environ, "SLURM_CONF": self.slurm_conf},
+                        env={**os.environ, "SLURM_CONF": self.slurm_conf or ""},
                         capture_output=True,
                         timeout=60,
                     )

@@ -64,8 +64,10 @@ def test_the_shell_plugin_passes_the_executor_contract(tmp_path):
     # installed: the plug-in (its module and entry point) and phalanx (this checkout), not tests/
     path = [str(_register_entry_point(tmp_path)), str(PLUGINS), str(ROOT)]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    # its temporary directories under ours: its cleanup of old ones never meets this session's
+    pytest = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", f"--basetemp={tmp_path / 'tmp'}"]
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", "tests"],
+        [*pytest, "tests"],
         capture_output=True,
         text=True,
         env=env,

@@ -79,7 +79,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         with progress:
             handle = RunHandle.start(wf, site, db=db, file=str(args.workflow), resume=args.resume, on_event=progress)
             if args.run_id_fd is not None:  # a detached driver: the run exists, tell `run --detach`
-                _announce(args.run_id_fd, handle.run_id)
+                from .orchestrator.detached import announce
+
+                announce(args.run_id_fd, handle.run_id)
             result = handle.result()
     except RunLockedError as exc:  # a second driver of one run
         print(f"phalanx run: {exc}", file=sys.stderr)
@@ -119,41 +121,12 @@ def _print_failures(db, run_id: str, failed: dict[str, str], skipped: list[str],
         print(f"resume with: phalanx run {file} --resume {run_id}", file=sys.stderr)
 
 
-# ---- detached runs: a driver of its own that outlives the terminal ------------------------------
-DETACH_START_S = 300.0  # how long `run --detach` waits for its driver to record the run
-
-
-def driver_log(db, run_id: str) -> Path:
-    """Where a detached driver of ``run_id`` writes (every driver of the run, appended)."""
-    return db.state_dir / "drivers" / f"{run_id}.log"
-
-
-def _announce(fd: int, run_id: str) -> None:
-    import os
-
-    try:
-        os.write(fd, f"{run_id}\n".encode())
-        os.close(fd)
-    except OSError:  # `run --detach` gave up waiting: the run goes on regardless
-        pass
-    print(f"run {run_id}: detached driver, pid {os.getpid()}", flush=True)
-
-
+# ---- detached runs: a driver of its own that outlives the terminal (orchestrator/detached.py) ----
 def _detach(args: argparse.Namespace, db) -> int:
-    """Start the driver as a process of its own session (no terminal, stdin /dev/null, output
-    to a log only this user can read); print the run id once the run is in the run DB."""
-    import os
-    import select
-    import subprocess
-    import uuid
+    """Start the driver (``phalanx run`` of this file) detached; print the run id once the run is
+    in the run DB."""
+    from .orchestrator.detached import DriverStartError, start_driver
 
-    from .private import opener, private_dir
-
-    drivers = private_dir(
-        db.state_dir / "drivers", "the logs of detached drivers", "set PHALANX_STATE to a directory of your own"
-    )
-    # a new run's id is the driver's to make: its log is renamed once the id is known
-    log = driver_log(db, args.resume) if args.resume else drivers / f".starting-{uuid.uuid4().hex}.log"
     argv = [
         sys.executable,
         "-m",
@@ -165,60 +138,22 @@ def _detach(args: argparse.Namespace, db) -> int:
         *(f"--set={s}" for s in args.set),
         *([f"--site={args.site}"] if args.site else []),
         *([f"--resume={args.resume}"] if args.resume else []),
+        "--run-id-fd",  # start_driver appends the pipe's descriptor
     ]
-    read, write = os.pipe()
     try:
-        with open(log, "ab", opener=opener) as out:
-            proc = subprocess.Popen(
-                [*argv, f"--run-id-fd={write}"],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write,),
-                start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            )
-    finally:
-        os.close(write)
-    run_id, deadline = b"", time.monotonic() + DETACH_START_S
-    with os.fdopen(read, "rb") as pipe:
-        while not run_id.endswith(b"\n") and time.monotonic() < deadline:
-            if select.select([pipe], [], [], 0.5)[0]:
-                chunk = os.read(pipe.fileno(), 256)
-                if not chunk:
-                    break  # the driver ended (or closed the pipe) without a run
-                run_id += chunk
-    run_id_s = run_id.decode().strip()
-    if not run_id_s:
-        if proc.poll() is None:  # no run after DETACH_START_S: nothing to leave running
-            proc.kill()
-        code = proc.wait()
-        print(
-            f"phalanx run: the detached driver ended before its run started (exit code {code}); "
-            f"its output ({log}):\n{_tail_of(log)}",
-            file=sys.stderr,
-        )
+        driver = start_driver(argv, db, resume=args.resume)
+    except DriverStartError as exc:
+        print(f"phalanx run: {exc}", file=sys.stderr)
         return 1
-    if not args.resume:
-        final = driver_log(db, run_id_s)
-        os.replace(log, final)  # the driver keeps writing to it (its open file follows)
-        log = final
-    db.event(run_id_s, "detached", f"driver process {proc.pid}, log {log}")
-    print(run_id_s)
+    run_id = driver.run_id
+    print(run_id)
     print(
-        f"run {run_id_s} goes on in the background (driver pid {proc.pid}); its log: {log}\n"
-        f"  phalanx status {run_id_s} · phalanx wait {run_id_s} · phalanx logs {run_id_s} --driver · "
-        f"phalanx cancel {run_id_s}",
+        f"run {run_id} goes on in the background (driver pid {driver.pid}); its log: {driver.log}\n"
+        f"  phalanx status {run_id} · phalanx wait {run_id} · phalanx logs {run_id} --driver · "
+        f"phalanx cancel {run_id}",
         file=sys.stderr,
     )
     return 0
-
-
-def _tail_of(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
@@ -226,11 +161,11 @@ def cmd_wait(args: argparse.Namespace) -> int:
     0 succeeded, 1 failed/cancelled/lost (a driver that died is noticed), 124 timed out."""
     import socket
 
+    from .orchestrator.detached import driver_log, wait_run
     from .orchestrator.handle import run_status
     from .orchestrator.rundb import RunDB
 
     db = RunDB(args.state)
-    deadline = None if args.timeout is None else time.monotonic() + args.timeout
     status = run_status(db, args.run)  # a driver gone without a word makes the run "lost" here
     if status is None:
         print(f"phalanx wait: no run {args.run!r} in {db.path}", file=sys.stderr)
@@ -243,15 +178,15 @@ def cmd_wait(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     try:
-        while not status.finished:
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                print(f"run {args.run} still {status.state} after {args.timeout:g}s")
-                return 124
-            time.sleep(0.5 if left is None else min(0.5, left))
-            status = run_status(db, args.run)
+        status = wait_run(db, args.run, timeout=args.timeout)
     except KeyboardInterrupt:  # stops the waiting, not the run
         return 130
+    if status is None:  # removed from the run DB while we waited
+        print(f"phalanx wait: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
+    if not status.finished:
+        print(f"run {args.run} still {status.state} after {args.timeout:g}s")
+        return 124
     run = db.run(args.run)
     took = f" in {run['ended'] - run['started']:.1f}s" if run["ended"] and run["started"] else ""
     print(f"run {args.run} {status.state}{took} (store session {status.session!r})")
@@ -287,10 +222,10 @@ def _interrupt(signum, frame):
 
 def cmd_cancel(args: argparse.Namespace) -> int:
     """Stop a running run: its driver gets SIGTERM and stops every gang as on Ctrl-C."""
-    import os
     import socket
 
-    from .orchestrator.rundb import FINAL, RunDB, wait_exit
+    from .orchestrator.detached import stop_driver
+    from .orchestrator.rundb import FINAL, RunDB
 
     db = RunDB(args.state)
     run = db.run(args.run)  # a driver that died unannounced is marked "lost" here
@@ -308,9 +243,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         )
         return 1
     pid = run["pid"]
-    os.kill(pid, signal.SIGTERM)
-    if not wait_exit(pid, args.wait):  # the driver did not stop in time: its ranks leave it (heartbeat, PDEATHSIG)
-        os.kill(pid, signal.SIGKILL)
+    if not stop_driver(pid, args.wait):
         print(f"run {args.run}: driver {pid} did not stop within {args.wait:.0f}s; killed it", file=sys.stderr)
     print(f"run {args.run} {db.run(args.run)['state']}")
     return 0
@@ -330,6 +263,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from .orchestrator.detached import driver_log
     from .orchestrator.rundb import RunDB
 
     db = RunDB(args.state)
@@ -368,6 +302,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
+    from .orchestrator.detached import driver_log
     from .orchestrator.rundb import RunDB
 
     db = RunDB(args.state)

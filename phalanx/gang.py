@@ -27,6 +27,7 @@ from .executors import create as create_executor
 from .executors.base import Executor, Launcher
 from .executors.control import ControlServer
 from .executors.local import WORKER_ARGV
+from .executors.logs import tail as tail_of_log
 from .paths import default_log_root
 from .procs import pid_alive
 from .runtime import protocol as P
@@ -486,7 +487,8 @@ class Gang:
             how = f"exited with code {code}"
         else:
             how = "lost its connection to the driver"
-        tail = _tail(self.log_dir / f"rank-{rank}.log") if self.log_dir else ""
+        tail = tail_of_log(self.log_dir / f"rank-{rank}.log") if self.log_dir else ""
+        tail = f"last lines of its log:\n{tail}" if tail else ""
         return RankFailure(rank, "", f"rank process {how}", traceback=tail, exitcode=code)
 
     def _wait_exitcode(self, rank: int, within_s: float = 1.0) -> int | None:
@@ -506,14 +508,6 @@ def _ranks(ranks: set[int] | list[int]) -> str:
     """ "rank 2" or "ranks 0, 1, 3"."""
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    return ("last lines of its log:\n" + "\n".join(text[-lines:])) if text else ""
 
 
 def _load_site(site: str | Path) -> Any:

@@ -4,6 +4,7 @@ Two sources, one format: ``RankOutput`` + ``start_pump`` copy the pipes of proce
 driver started (local, mpirun) to ``log_dir/rank-R.log``; ``FileFollower`` tails log files
 the ranks write themselves on other hosts (srun's ``--output``, a Ray actor's redirected
 stdout).  Both echo through ``echo_line``: ``[rank R] text`` to stderr, or to a callable.
+``tail`` reads the last lines of a log back, for the message of a rank or driver that failed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from typing import IO, Any
 
 from ..private import makedirs, opener
 from .base import Echo
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a log file (a rank's, a driver's); "" if it cannot be read."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def echo_line(echo: Echo, rank: int | None, line: bytes | str) -> None:

@@ -13,7 +13,6 @@ stops every gang, exit 0 when the run succeeded.  It never imports Airflow.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ def _interrupt(signum, frame):
 def main(argv: list[str]) -> int:
     import cloudpickle
 
+    from ...orchestrator.detached import announce
     from ...orchestrator.handle import RunHandle
     from ...orchestrator.progress import RunProgress
     from ...orchestrator.rundb import RunDB, RunLockedError
@@ -43,12 +43,7 @@ def main(argv: list[str]) -> int:
         handle = RunHandle.start(
             spec["workflow"], spec["site"], db=db, file=spec["file"], resume=spec["resume"], on_event=progress
         )
-        try:
-            os.write(fd, f"{handle.run_id}\n".encode())
-            os.close(fd)
-        except OSError:  # the operator gave up waiting: the run goes on regardless
-            pass
-        print(f"run {handle.run_id}: detached driver, pid {os.getpid()}", flush=True)
+        announce(fd, handle.run_id)  # the operator's start_driver returns
         result = handle.result()
     except RunLockedError as exc:
         print(f"phalanx driver: {exc}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """What the Airflow operators do with phalanx runs, without importing Airflow.
 
 Detached drivers (``_driver``: as ``phalanx run --detach``'s, for a workflow already loaded and
-checked in the worker, so one interpreter starts instead of two), cancelling a run from another
+checked in the worker, so one interpreter starts instead of two; started, waited for and
+cancelled by ``phalanx.orchestrator.detached`` as the CLI's are), cancelling a run from another
 process, the ranks' log lines of a run as they are written, the small manifest that goes to
 XCom, and where a task keeps its run id between tries.  Everything here reads the run database
 the way ``phalanx status`` does.
@@ -14,19 +15,16 @@ import importlib.machinery
 import json
 import os
 import re
-import select
-import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ...orchestrator import detached
 from ...orchestrator.rundb import FINAL, RunDB
 
 RUN_ID_KEY = "phalanx_run_id"  # the task-state key (Airflow >= 3.3) that keeps a task's run id
-DETACH_START_S = 300.0  # as `phalanx run --detach`: how long a driver may take to record its run
 _RANK_LINE = re.compile(r"^\[rank \d+\] ")
 
 
@@ -64,8 +62,7 @@ def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resum
     run is in the run database.  Its output goes to ``STATE/drivers/RUN.log``."""
     import cloudpickle
 
-    from ...cli import driver_log
-    from ...private import create_private, opener, private_dir
+    from ...private import create_private, private_dir
 
     pickle_functions_by_value(wf.apps.values())
     specs = private_dir(
@@ -77,82 +74,25 @@ def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resum
     create_private(spec).write_bytes(
         cloudpickle.dumps({"workflow": wf, "site": site, "file": file, "resume": resume, "state": str(db.state_dir)})
     )
-    drivers = private_dir(
-        db.state_dir / "drivers", "the logs of detached drivers", "set PHALANX_STATE to a directory of your own"
-    )
-    log = driver_log(db, resume) if resume else drivers / f".starting-{uuid.uuid4().hex}.log"
-    read, write = os.pipe()
+    argv = [sys.executable, "-m", "phalanx.integrations.airflow._driver", str(spec)]  # + the run id's pipe
     try:
-        with open(log, "ab", opener=opener) as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "phalanx.integrations.airflow._driver", str(spec), str(write)],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                pass_fds=(write,),
-                start_new_session=True,
-                env=child_env(),
-            )
-    finally:
-        os.close(write)
-    run_id = _read_run_id(read, proc)
-    if not run_id:
+        return detached.start_driver(argv, db, resume=resume, env=child_env(), tail_lines=30).run_id
+    except detached.DriverStartError as exc:
         spec.unlink(missing_ok=True)
-        raise SubmitError(
-            f"the detached driver ended before its run started (exit code {proc.poll()}); "
-            f"its output ({log}):\n{_tail(log)}"
-        )
-    if not resume:
-        os.replace(log, driver_log(db, run_id))
-        log = driver_log(db, run_id)
-    db.event(run_id, "detached", f"driver process {proc.pid}, log {log}")
-    return run_id
-
-
-def _read_run_id(fd: int, proc: subprocess.Popen) -> str:
-    data, deadline = b"", time.monotonic() + DETACH_START_S
-    with os.fdopen(fd, "rb") as pipe:
-        while not data.endswith(b"\n") and time.monotonic() < deadline:
-            if select.select([pipe], [], [], 0.5)[0]:
-                chunk = os.read(pipe.fileno(), 256)
-                if not chunk:
-                    break
-                data += chunk
-    if not data.endswith(b"\n") and proc.poll() is None:  # no run after DETACH_START_S: stop it
-        proc.kill()
-        proc.wait()
-    return data.decode().strip()
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
+        raise SubmitError(str(exc)) from None
 
 
 # ---- stopping a run from another process ---------------------------------------------------------
 def cancel_run(run_id: str, state: str | Path | None, wait: float = 30.0) -> str:
     """Stop a run driven by another process of this host (``phalanx cancel``: its driver stops
     every gang and waits until no rank process is left); returns the run's state after."""
-    import signal
-
-    from ...orchestrator.rundb import wait_exit
-
     db = RunDB(state)
     run = db.run(run_id)  # a driver that died unannounced makes the run "lost" here
     if run is None or run["state"] in FINAL:
         return run["state"] if run else "unknown"
-    pid = run["pid"]
-    if pid == os.getpid():
+    if run["pid"] == os.getpid():
         raise RuntimeError(f"run {run_id} is driven by this process: cancel its handle instead")
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        pass
-    if not wait_exit(pid, wait):  # ranks leave a dead driver on their own (heartbeat, parent-death signal)
-        os.kill(pid, signal.SIGKILL)
-        wait_exit(pid, 10)
+    detached.stop_driver(run["pid"], wait)
     return (db.run(run_id) or {}).get("state", "unknown")
 
 
@@ -306,11 +246,5 @@ class TaskRunId:
 
 def wait_polling(db: RunDB, run_id: str, interval: float, on_poll: Callable[[], None]) -> str:
     """Poll the run DB until the run is finished (a dead driver's run reads "lost"); its state."""
-    from ...orchestrator.handle import run_status
-
-    while True:
-        on_poll()
-        status = run_status(db, run_id)
-        if status is None or status.finished:
-            return status.state if status else "unknown"
-        time.sleep(interval)
+    status = detached.wait_run(db, run_id, interval=interval, on_poll=on_poll)
+    return status.state if status else "unknown"

@@ -1,0 +1,167 @@
+"""Detached drivers: a run whose driver is a process of its own that outlives whoever started it.
+
+One copy of the mechanism for its two starters, ``phalanx run --detach`` (``phalanx.cli``) and the
+deferrable Airflow operators (``phalanx.integrations.airflow``):
+
+- ``start_driver`` starts a driver program in its own session (no terminal, stdin /dev/null, its
+  output to ``STATE/drivers/RUN.log``, readable by this user only) and returns once the driver has
+  recorded its run in the run database and written the run id to the pipe it was given;
+- ``announce`` is the driver's side of that pipe;
+- ``wait_run`` polls the run database until a run driven from anywhere has finished;
+- ``stop_driver`` stops a driver of this host as ``phalanx cancel`` does (SIGTERM, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import PhalanxError
+
+if TYPE_CHECKING:
+    from .handle import RunStatus
+    from .rundb import RunDB
+
+DETACH_START_S = 300.0  # how long a starter waits for its driver to record the run
+
+
+class DriverStartError(PhalanxError):
+    """The detached driver ended (or was stopped) before its run was in the run database."""
+
+
+@dataclass(frozen=True)
+class Detached:
+    run_id: str
+    pid: int  # the driver process
+    log: Path  # its output
+
+
+def driver_log(db: RunDB, run_id: str) -> Path:
+    """Where a detached driver of ``run_id`` writes (every driver of the run, appended)."""
+    return db.state_dir / "drivers" / f"{run_id}.log"
+
+
+def start_driver(
+    argv: Sequence[str],
+    db: RunDB,
+    *,
+    resume: str | None = None,
+    env: Mapping[str, str] | None = None,
+    tail_lines: int = 20,
+) -> Detached:
+    """Start ``argv + [FD]`` as a detached driver; FD is the pipe it writes the run id to
+    (``announce``).  Returns once the run id came; raises ``DriverStartError`` (with the last
+    ``tail_lines`` of the driver's output) when the driver ended first or took longer than
+    ``DETACH_START_S`` (then it is killed: nothing is left running without a run)."""
+    from ..executors.logs import tail
+    from ..private import opener, private_dir
+
+    drivers = private_dir(
+        db.state_dir / "drivers", "the logs of detached drivers", "set PHALANX_STATE to a directory of your own"
+    )
+    # a new run's id is the driver's to make: its log is renamed once the id is known
+    log = driver_log(db, resume) if resume else drivers / f".starting-{uuid.uuid4().hex}.log"
+    read, write = os.pipe()
+    try:
+        with open(log, "ab", opener=opener) as out:
+            proc = subprocess.Popen(
+                [*argv, str(write)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                pass_fds=(write,),
+                start_new_session=True,
+                env=dict(env) if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+    finally:
+        os.close(write)
+    run_id = _read_run_id(read)
+    if not run_id:
+        if proc.poll() is None:  # no run after DETACH_START_S: nothing to leave running
+            proc.kill()
+        code = proc.wait()
+        raise DriverStartError(
+            f"the detached driver ended before its run started (exit code {code}); "
+            f"its output ({log}):\n{tail(log, tail_lines)}"
+        )
+    if not resume:
+        final = driver_log(db, run_id)
+        os.replace(log, final)  # the driver keeps writing to it (its open file follows)
+        log = final
+    db.event(run_id, "detached", f"driver process {proc.pid}, log {log}")
+    return Detached(run_id, proc.pid, log)
+
+
+def _read_run_id(fd: int) -> str:
+    """What the driver wrote to ``fd`` (its run id); "" if it closed the pipe or took too long."""
+    data, deadline = b"", time.monotonic() + DETACH_START_S
+    with os.fdopen(fd, "rb") as pipe:
+        while not data.endswith(b"\n") and time.monotonic() < deadline:
+            if select.select([pipe], [], [], 0.5)[0]:
+                chunk = os.read(pipe.fileno(), 256)
+                if not chunk:
+                    break  # the driver ended (or closed the pipe) without a run
+                data += chunk
+    return data.decode().strip()
+
+
+def announce(fd: int, run_id: str) -> None:
+    """The driver's report to its starter: the run is in the run database (``start_driver``)."""
+    try:
+        os.write(fd, f"{run_id}\n".encode())
+        os.close(fd)
+    except OSError:  # the starter gave up waiting: the run goes on regardless
+        pass
+    print(f"run {run_id}: detached driver, pid {os.getpid()}", flush=True)
+
+
+def wait_run(
+    db: RunDB,
+    run_id: str,
+    *,
+    timeout: float | None = None,
+    interval: float = 0.5,
+    on_poll: Callable[[], None] | None = None,
+) -> RunStatus | None:
+    """Poll the run database until the run has finished (a driver gone without a word makes it
+    "lost") or ``timeout`` seconds passed; its last status (None: no such run).  ``on_poll`` is
+    called before each look."""
+    from .handle import run_status
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        if on_poll is not None:
+            on_poll()
+        status = run_status(db, run_id)
+        left = None if deadline is None else deadline - time.monotonic()
+        if status is None or status.finished or (left is not None and left <= 0):
+            return status
+        time.sleep(interval if left is None else min(interval, left))
+
+
+def stop_driver(pid: int, wait: float = 30.0) -> bool:
+    """Stop the driver ``pid`` of this host: SIGTERM (it stops every gang as on Ctrl-C), SIGKILL
+    after ``wait`` seconds (its ranks then leave it: heartbeat, parent-death signal).  True if it
+    stopped on SIGTERM."""
+    from .rundb import wait_exit
+
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return True
+    if wait_exit(pid, wait):
+        return True
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return True
+    wait_exit(pid, 10)
+    return False

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 
 def _load_site(name: str):
     """px.Gang(site=NAME): site files are the orchestrator's, imported on first use."""
-    from .orchestrator.validate import load_site
+    from .orchestrator.loading import load_site
 
     return load_site(name)
 

@@ -27,7 +27,7 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .orchestrator.validate import load_workflow
+    from .orchestrator.loading import load_workflow
     from .orchestrator.yamlio import ConfigError
 
     try:
@@ -51,8 +51,8 @@ def _slots(capacity: int | None) -> str:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from .orchestrator.handle import RunHandle
+    from .orchestrator.loading import load_workflow
     from .orchestrator.rundb import RunDB, RunLockedError
-    from .orchestrator.validate import load_workflow
     from .orchestrator.yamlio import ConfigError
 
     db = RunDB(args.state)

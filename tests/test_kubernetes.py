@@ -372,9 +372,9 @@ def run_etl(site: dict, tmp: Path):
     run DB and store root of its own."""
     from test_examples import ETL, ETL_SMALL
 
+    from phalanx.orchestrator.loading import load_workflow
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
-    from phalanx.orchestrator.validate import load_workflow
 
     tmp.mkdir()
     site = {**site, "store": {"root": str(tmp / "store")}}

@@ -34,7 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 # ---- the section, without RP ---------------------------------------------------------------
 def test_the_site_files_validate_and_an_unknown_key_is_named_with_its_line(tmp_path):
-    from phalanx.orchestrator.validate import load_site
+    from phalanx.orchestrator.loading import load_site
 
     for name in ("radical-local", "radical-example"):
         site = load_site(str(REPO / "site-configs" / f"{name}.yaml"))

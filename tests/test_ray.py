@@ -400,7 +400,7 @@ def test_the_executor_builds_launchers_from_the_site_section_and_a_stages():
 @pytest.mark.parametrize("name", ["ray-local", "ray-example"])
 def test_site_files_are_valid(name):
     from phalanx.executors import create
-    from phalanx.orchestrator.validate import load_site
+    from phalanx.orchestrator.loading import load_site
 
     site = load_site(str(Path(__file__).parents[1] / "site-configs" / f"{name}.yaml"))
     assert site.executor == "ray"

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from phalanx.cli import schema_files
+from phalanx.orchestrator.loading import load_workflow
 from phalanx.orchestrator.models import Site
-from phalanx.orchestrator.validate import check, load_workflow
+from phalanx.orchestrator.validate import check
 from phalanx.orchestrator.yamlio import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -167,7 +168,7 @@ def test_unknown_site_and_site_file_errors(tmp_path):
 
 
 def test_site_configs_in_the_repository_are_valid():
-    from phalanx.orchestrator.validate import load_site
+    from phalanx.orchestrator.loading import load_site
 
     for path in (ROOT / "site-configs").glob("*.yaml"):
         assert load_site(str(path)).name == path.stem

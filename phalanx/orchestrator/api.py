@@ -195,7 +195,8 @@ def _checked(
     workflow: Workflow | WorkflowModel | str | Path, site: str | Path | Site | None, existing: set[str] | None
 ) -> tuple[WorkflowModel, Site, str]:
     """The workflow's model, its site and the file it came from, checked (``ConfigError``)."""
-    from .validate import check, load_site, load_workflow
+    from .loading import load_site, load_workflow
+    from .validate import check
 
     file = "<python>"
     if isinstance(workflow, (str, Path)):

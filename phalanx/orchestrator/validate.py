@@ -6,14 +6,13 @@ Every problem names the file, line and field; all problems are reported at once.
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from ..errors import PhalanxError
 from .models import Site, Workflow
-from .yamlio import ConfigError, field_path, load_model, load_yaml, locate, parse, parse_yaml
+from .yamlio import locate
 
 
 def dependencies(wf: Workflow) -> dict[str, set[str]]:
@@ -182,89 +181,3 @@ def _not_sealed_in(site: Site, session: str, name: str) -> str | None:
     except (PhalanxError, ValueError, OSError) as exc:  # the store cannot be opened
         return f"cannot read store session {session!r}: {exc}"
     return f"dataset {name!r} is not in store session {session!r} of {store.root}"
-
-
-SITE_DIRS_ENV = "PHALANX_SITE_PATH"
-
-
-def find_site(name_or_path: str, near: Path | None = None) -> Path | None:
-    """A site file by path, or ``<name>.yaml`` in $PHALANX_SITE_PATH, ./site-configs,
-    or the site-configs directory beside the workflow's directory."""
-    import os
-
-    def exists(p: Path) -> bool:
-        try:
-            return p.exists()
-        except (OSError, ValueError):  # a name too long for a path
-            return False
-
-    if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
-        p = Path(name_or_path)
-        return p if exists(p) else None
-    dirs = [Path(d) for d in os.environ.get(SITE_DIRS_ENV, "").split(os.pathsep) if d]
-    dirs.append(Path.cwd() / "site-configs")
-    if near is not None:
-        dirs += [near / "site-configs", near.parent / "site-configs"]
-    for d in dirs:
-        for ext in (".yaml", ".yml"):
-            if exists(d / f"{name_or_path}{ext}"):
-                return d / f"{name_or_path}{ext}"
-    return None
-
-
-def load_site(name_or_path: str, near: Path | None = None, where: str | None = None) -> Site:
-    """``where``: the field that named the site ("wf.yaml:2: site"), for the error."""
-    path = find_site(name_or_path, near)
-    if path is None:
-        if name_or_path == "local":
-            return Site(name="local")  # this machine with defaults: no file needed
-        what = f"{where}: no such site file {name_or_path!r}" if where else f"site {name_or_path!r}: no such site file"
-        raise ConfigError([f"{what} (looked in ${SITE_DIRS_ENV}, ./site-configs and beside the workflow)"])
-    return load_model(Site, path)
-
-
-def load_workflow(
-    path: str | Path,
-    site: str | None = None,
-    overrides: dict[str, Any] | None = None,
-    existing: set[str] | None = None,
-    check_imports: bool = True,
-) -> tuple[Workflow, Site]:
-    """Parse and check a workflow file; raises ConfigError listing every problem."""
-    data, root, source = load_yaml(path)
-    overridden = _apply_overrides(data, overrides or {}) if isinstance(data, dict) else []
-    wf = parse(Workflow, data, source, root, overridden)
-    st = load_site(site or wf.site, Path(path).resolve().parent, where=None if site else wf.where(("site",)))
-    problems = check(wf, st, existing=existing, check_imports=check_imports)
-    if problems:
-        raise ConfigError(problems)
-    return wf, st
-
-
-def _apply_overrides(data: dict, overrides: dict[str, Any]) -> list[tuple[str, ...]]:
-    """Set every override; the key paths set, or a ConfigError naming each bad one."""
-    problems = []
-    for dotted, value in overrides.items():
-        try:
-            _set_dotted(data, dotted, value)
-        except ConfigError as exc:
-            problems += exc.problems
-    if problems:
-        raise ConfigError(problems)
-    return [tuple(dotted.split(".")) for dotted in overrides]
-
-
-def _set_dotted(data: dict, dotted: str, value: Any) -> None:
-    """``--set stages.x.params.rows=10``: YAML-typed value at a dotted path."""
-    keys = dotted.split(".")
-    node = data
-    for i, key in enumerate(keys[:-1]):
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
-            raise ConfigError(
-                [
-                    f"--set {dotted}: {field_path(keys[: i + 1])}: is not a mapping, so "
-                    f"{keys[i + 1]!r} cannot be set in it"
-                ]
-            )
-    node[keys[-1]] = parse_yaml(value, f"--set {dotted}", lines=False)[0] if isinstance(value, str) else value

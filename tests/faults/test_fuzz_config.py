@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from phalanx.cli import _overrides
-from phalanx.orchestrator.validate import load_workflow
+from phalanx.orchestrator.loading import load_workflow
 from phalanx.orchestrator.yamlio import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -332,8 +332,9 @@ class PhalanxWorkflowOperator(_PhalanxRunOperator):
         self.workflow, self.set = workflow, dict(set or {})
 
     def _prepare(self, context: Any) -> _Launch:
+        from ...orchestrator.loading import load_site, load_workflow
         from ...orchestrator.models import Workflow as WorkflowModel
-        from ...orchestrator.validate import check, load_site, load_workflow
+        from ...orchestrator.validate import check
         from ...orchestrator.yamlio import ConfigError
 
         if isinstance(self.workflow, (str, Path)):
@@ -451,8 +452,9 @@ class PhalanxStageOperator(_PhalanxRunOperator):
         return session_name(f"{ti.dag_id}-{ti.run_id}" + (f"-{index}" if index is not None and index >= 0 else ""))
 
     def _prepare(self, context: Any) -> _Launch:
+        from ...orchestrator.loading import load_site
         from ...orchestrator.models import Workflow as WorkflowModel
-        from ...orchestrator.validate import check, load_site
+        from ...orchestrator.validate import check
         from ...orchestrator.yamlio import ConfigError, parse
         from ...store import Store
 

@@ -175,7 +175,7 @@ class BSPTask:
     def _site_model(self) -> Any:
         if self.site is None or hasattr(self.site, "create_executor"):
             return self.site
-        from ...orchestrator.validate import load_site
+        from ...orchestrator.loading import load_site
 
         return load_site(str(self.site))
 

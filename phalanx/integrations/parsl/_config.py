@@ -157,7 +157,7 @@ def _site_env(site: Any) -> list[str]:
 def _site(site: Any) -> Any:
     if hasattr(site, "create_executor"):
         return site
-    from ...orchestrator.validate import load_site
+    from ...orchestrator.loading import load_site
 
     return load_site(str(site))
 

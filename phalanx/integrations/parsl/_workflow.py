@@ -55,7 +55,7 @@ def workflow_app(workflow: Any, site: Any = None, *, state: str | Path | None = 
 
 
 def _model(workflow: Any, site: Any) -> tuple[Any, Any]:
-    from ...orchestrator.validate import load_site, load_workflow
+    from ...orchestrator.loading import load_site, load_workflow
 
     if isinstance(workflow, (str, Path)):
         wf, site_model = load_workflow(workflow, site=site if isinstance(site, (str, Path)) or site is None else None)

@@ -71,8 +71,13 @@ class ObjectTier(Tier):
         self.fs = pafs.S3FileSystem(**self.options)
         query = urlparse(url).query
         # the URL as given (options included): what ranks get through PHALANX_STORE
-        self.root_url = f"s3://{self.base}" + (f"?{query}" if query else "")
+        self._root_url = f"s3://{self.base}" + (f"?{query}" if query else "")
         self.url = f"s3://{self.base}"  # the prefix every location of this tier starts with
+
+    @property
+    def root_url(self) -> str:
+        """The URL as given, options included: what ranks get through ``PHALANX_STORE``."""
+        return self._root_url
 
     def __repr__(self) -> str:
         return f"ObjectTier({self.root_url})"

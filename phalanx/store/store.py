@@ -15,7 +15,6 @@ import copy
 import logging
 import os
 import re
-import stat
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -60,8 +59,8 @@ def parse_bytes(text: str | int | None) -> int | None:
 def default_metadata_url(tier: Tier) -> str:
     """SQLite beside the payload of a file tier; for an object tier, a local SQLite file named
     after the bucket and prefix (one host only: name a Redis URL for more)."""
-    if isinstance(tier, FileTier):
-        return f"sqlite://{tier.root / 'meta.sqlite'}"
+    if tier.local_root is not None:
+        return f"sqlite://{tier.local_root / 'meta.sqlite'}"
     local = default_spill_root().parent / "metadata" / tier.kind
     safe = re.sub(r"[^A-Za-z0-9._/-]", "_", tier.url.split("://", 1)[1])
     return f"sqlite://{local / safe / 'meta.sqlite'}"
@@ -113,11 +112,12 @@ class Store:
         self.session = _check_session(session)
         text = os.fspath(root) if root else (os.environ.get(ENV_STORE) or str(default_store_root()))
         self.tier: Tier = open_tier(text)
-        self.root: Path | str = self.tier.root if isinstance(self.tier, FileTier) else self.tier.root_url
+        local_root = self.tier.local_root
+        self.root: Path | str = local_root if local_root is not None else self.tier.root_url
         budget = parse_bytes(memory_budget if memory_budget is not None else os.environ.get(ENV_BUDGET))
         if budget is not None and budget < 0:
             raise ValueError(f"memory_budget must be ≥ 0 bytes, got {budget}")
-        if budget is not None and not isinstance(self.tier, FileTier):
+        if budget is not None and local_root is None:
             raise ValueError(f"a memory budget needs a directory root (shared memory), not {text!r}")
         self.memory_budget = budget
         if metadata is None:
@@ -127,7 +127,7 @@ class Store:
         self.spill_tier: FileTier | None = None
         if budget is not None or spill_root:
             self.spill_tier = FileTier(spill_root or default_spill_root())
-            if self.spill_tier.root == getattr(self.tier, "root", None):
+            if self.spill_tier.root == local_root:
                 raise ValueError(f"the spill directory must differ from the store root ({text})")
 
     def for_session(self, session: str) -> Store:
@@ -493,7 +493,8 @@ class Store:
         self.purge_retired()
 
     def root_trash(self) -> Path | None:
-        return Path(self.tier.root) / ".retired" if isinstance(self.tier, FileTier) else None
+        local_root = self.tier.local_root
+        return local_root / ".retired" if local_root is not None else None
 
     def purge_retired(self, older_than: float | None = None) -> int:
         """Remove retired versions older than ``older_than`` seconds (default: the grace)."""
@@ -546,7 +547,7 @@ class Store:
         found = []
         for tier, st in self._staged("*"):
             if session is None or st.session == session:
-                nbytes, written = _usage(tier, st.location)
+                nbytes, written = tier.usage(st.location)
                 found.append(Unsealed(st.session, st.name, st.version, st.location, nbytes, max(0.0, now - written)))
         return sorted(found, key=lambda u: (u.session, u.staging_id))
 
@@ -562,24 +563,11 @@ class Store:
         """Unsealed writes whose staging id matches ``<owner>-*`` (``owner`` may be ``*``), on
         the root and the spill tier; written-in-place prefixes the metadata sealed are skipped."""
         for tier in (self.tier, self.spill_tier):
-            for st in tier.staged(owner) if tier is not None else ():
+            if tier is None:
+                continue
+            for st in tier.staged(owner):
                 if st.name is not None:
                     cur = self.meta.get(st.session, st.name)
                     if cur is not None and cur.version == st.version and cur.location == st.location:
                         continue
                 yield tier, st
-
-
-def _usage(tier: Tier, location: str) -> tuple[int, float]:
-    """Bytes under a location and when it was last written (seconds since the epoch)."""
-    if not isinstance(tier, FileTier):
-        return tier.usage(location)  # type: ignore[attr-defined]  # ObjectTier
-    nbytes, written = 0, 0.0
-    for path in (Path(location), *Path(location).rglob("*")):
-        try:
-            st = path.stat()
-        except FileNotFoundError:  # sealed or removed while we looked
-            continue
-        nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
-        written = max(written, st.st_mtime)
-    return nbytes, written

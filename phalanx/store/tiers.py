@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import NamedTuple
@@ -152,6 +153,19 @@ class Tier(ABC):
     def scratch(self, session: str, tag: str) -> str:
         """A private location to copy into before ``commit`` (moves between tiers)."""
 
+    @property
+    def root_url(self) -> str:
+        """The root as ``open_tier`` reopens it in another process (what a gang's ranks get
+        through ``PHALANX_STORE``): ``url`` unless the tier's options travel in the URL too."""
+        return self.url
+
+    @property
+    def local_root(self) -> Path | None:
+        """The tier's root as a directory of this host, or None (an object store).  The store
+        keeps what only a directory can hold beside it: the default SQLite metadata, retired
+        versions awaiting removal, and the memory a budget limits."""
+        return None
+
     def owns(self, location: str) -> bool:
         return location.startswith(self.url.rstrip("/") + "/")
 
@@ -189,6 +203,10 @@ class Tier(ABC):
     def staged(self, owner: str) -> list[Staged]:
         """Writes whose staging id starts with ``<owner>-`` that may not be sealed."""
 
+    @abstractmethod
+    def usage(self, location: str) -> tuple[int, float]:
+        """Bytes under ``location`` and when it was last written (seconds since the epoch)."""
+
     def close(self) -> None:
         pass
 
@@ -206,6 +224,10 @@ class FileTier(Tier):
 
     def __repr__(self) -> str:
         return f"FileTier({self.url})"
+
+    @property
+    def local_root(self) -> Path:
+        return self.root
 
     # kept for callers of the first version of the store
     def staging_dir(self, session: str, staging_id: str) -> Path:
@@ -264,6 +286,17 @@ class FileTier(Tier):
 
     def staged(self, owner: str) -> list[Staged]:
         return [Staged(p.parent.parent.name, None, p.name, str(p)) for p in self.root.glob(f"*/.staging/{owner}-*")]
+
+    def usage(self, location: str) -> tuple[int, float]:
+        nbytes, written = 0, 0.0
+        for path in (Path(location), *Path(location).rglob("*")):
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # sealed or removed while we looked
+                continue
+            nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
+            written = max(written, st.st_mtime)
+        return nbytes, written
 
 
 def _new_partition(location: str, index: int) -> Path:

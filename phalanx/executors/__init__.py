@@ -51,7 +51,7 @@ def capabilities(name: str) -> Capabilities:
     return executors.load(name).capabilities
 
 
-def create(name: str, config: ExecutorConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> Executor:
+def create(name: str, config: ExecutorConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> Executor[Any]:
     """Executor ``name`` with the site section ``config`` (``kwargs``: site, cores, rank_memory)."""
     return executors.load(name)(config, **kwargs)
 

@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic_core import PydanticCustomError
@@ -175,6 +175,9 @@ class ExecutorConfig(BaseModel):
         return None
 
 
+ConfigT = TypeVar("ConfigT", bound=ExecutorConfig)  # an executor's section model
+
+
 def suggest(value: str, known: Sequence[str]) -> str:
     """ " (did you mean 'x'?)" for a near miss, else "; known: a, b, c"."""
     import difflib
@@ -183,23 +186,25 @@ def suggest(value: str, known: Sequence[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else f"; known: {', '.join(known)}"
 
 
-class Executor(ABC):
+class Executor(ABC, Generic[ConfigT]):
     """One kind of place gangs run: a typed config, capabilities, and a factory of launchers.
 
     Anything that lives as long as a run (a SLURM pilot allocation, warm rank processes, a
     connection to a Ray cluster) is made in ``open_run`` and ends in ``close_run``; nothing is
     process-global, so two runs in one process never end each other's allocations.  A new
     backend is one module holding its ``Executor`` subclass and config model, one registry line
-    (``phalanx.executors``) or an entry point of the group ``phalanx.executors``.
+    (``phalanx.executors``) or an entry point of the group ``phalanx.executors``.  A subclass
+    names its config model twice: as the type parameter (``Executor[SlurmConfig]``, for the
+    type checker) and as ``config_model`` (for validation at run time).
     """
 
     name: ClassVar[str] = "abstract"
-    config_model: ClassVar[type[ExecutorConfig]] = ExecutorConfig
+    config_model: ClassVar[type[ExecutorConfig]] = ExecutorConfig  # ConfigT's class
     capabilities: ClassVar[Capabilities] = Capabilities()
 
     def __init__(
         self,
-        config: ExecutorConfig | Mapping[str, Any] | None = None,
+        config: ConfigT | Mapping[str, Any] | None = None,
         *,
         site: str | None = None,
         cores: int | None = None,
@@ -208,9 +213,7 @@ class Executor(ABC):
         """``config``: the site's section (validated here if a mapping); ``cores``: the site's
         rank slots when it caps them; ``rank_memory``: bytes each rank may hold, enforced
         where the executor can."""
-        self.config = (
-            config if isinstance(config, ExecutorConfig) else self.config_model.model_validate(dict(config or {}))
-        )
+        self.config: ConfigT = config if isinstance(config, ExecutorConfig) else self._validate(dict(config or {}))
         self.site = site or self.name
         self.cores = cores
         self.rank_memory = rank_memory
@@ -228,7 +231,7 @@ class Executor(ABC):
     def close_run(self) -> None:
         """The run ended: free what ``open_run`` or later gangs made for the whole run."""
 
-    def __enter__(self) -> Executor:
+    def __enter__(self) -> Executor[ConfigT]:
         self.open_run()
         return self
 
@@ -247,21 +250,30 @@ class Executor(ABC):
         driver left; a human line saying what was done."""
         raise NotImplementedError(f"executor {record.get('executor')!r} records no allocations")
 
-    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> ExecutorConfig:
+    def _validate(self, data: Mapping[str, Any]) -> ConfigT:
+        # config_model is ConfigT's class (a ClassVar cannot name a type parameter)
+        return cast(ConfigT, self.config_model.model_validate(data))
+
+    def effective_config(self, config: ConfigT | None = None) -> ConfigT:
+        """The config a gang runs with: ``config`` (a stage's, from ``stage_config``) if given,
+        else the site's."""
+        return config if config is not None else self.config
+
+    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> ConfigT:
         """The site's config with a stage's own section of the same name over it."""
         if not override:
             return self.config
         over = override.model_dump(exclude_unset=True) if isinstance(override, ExecutorConfig) else dict(override)
-        return self.config_model.model_validate({**self.config.model_dump(exclude_unset=True), **over})
+        return self._validate({**self.config.model_dump(exclude_unset=True), **over})
 
-    def check(self, ranks: int, config: ExecutorConfig) -> None:
+    def check(self, ranks: int, config: ConfigT) -> None:
         """Raise what a gang of ``ranks`` with ``config`` would fail on at launch (a resources
         list of the wrong length...), without starting anything: ``phalanx validate`` and the
         scheduler call it before a stage starts."""
 
     @abstractmethod
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: ConfigT | None = None, echo: Echo = False
     ) -> Launcher:
         """A launcher for one gang of ``ranks`` on the scheduler's ``slots`` (indices below
         ``capacity``), with ``config`` (default: the site's), telling ``self.hook``."""

@@ -65,7 +65,7 @@ class LocalConfig(ExecutorConfig):
     )
 
 
-class LocalExecutor(Executor):
+class LocalExecutor(Executor[LocalConfig]):
     """Ranks are processes of this machine; the site's slots are its CPUs."""
 
     name = "local"
@@ -92,9 +92,9 @@ class LocalExecutor(Executor):
             pool.close()
 
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: LocalConfig | None = None, echo: Echo = False
     ) -> LocalLauncher:
-        pin, mine = slot_cpus(self.capacity(), (config or self.config).pin, slots)
+        pin, mine = slot_cpus(self.capacity(), self.effective_config(config).pin, slots)
         launcher = LocalLauncher(echo=echo, pin=pin, cpus=mine, pool=self._pool, mem_limit_bytes=self.rank_memory)
         launcher.allocation_hook = self.hook
         return launcher

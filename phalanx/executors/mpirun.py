@@ -92,7 +92,7 @@ class MPIRunConfig(ExecutorConfig):
     )
 
 
-class MPIRunExecutor(Executor):
+class MPIRunExecutor(Executor[MPIRunConfig]):
     """Every gang is one ``mpirun`` on this machine: its ranks are one MPI_COMM_WORLD."""
 
     name = "mpirun"
@@ -103,9 +103,9 @@ class MPIRunExecutor(Executor):
         return self.cores or len(usable_cpus())
 
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: MPIRunConfig | None = None, echo: Echo = False
     ) -> MPIRunLauncher:
-        cfg = config or self.config
+        cfg = self.effective_config(config)
         pin, cpus = slot_cpus(self.capacity(), cfg.pin, slots)
         launcher = MPIRunLauncher(echo=echo, pin=pin, cpus=cpus, mpirun=cfg.mpirun, mca=cfg.mca, extra_args=cfg.args)
         launcher.allocation_hook = self.hook

@@ -13,14 +13,14 @@ from urllib.parse import urlparse
 from ...errors import GangError
 from ...runtime import protocol as P
 from ...store.store import ENV_METADATA, ENV_SPILL, ENV_STORE
-from ..base import Capabilities, Echo, Executor, ExecutorConfig
+from ..base import Capabilities, Echo, Executor
 from . import manifests as M
 from .client import Kube, connect
 from .config import KubernetesConfig
 from .launcher import KubernetesLauncher, delete_gang
 
 
-class KubernetesExecutor(Executor):
+class KubernetesExecutor(Executor[KubernetesConfig]):
     """Gangs as Indexed Jobs on a Kubernetes cluster.  The API server decides where and when
     pods run (``capacity()`` is None unless the site caps its cores): a gang waits in the
     scheduler's queue, all of it or none with gang scheduling, within the site's start timeout."""
@@ -30,7 +30,6 @@ class KubernetesExecutor(Executor):
     capabilities = Capabilities(
         reuse_gangs=True, pins_cpus=False, warm_pool=False, runs_commands=True, mpi_world=False, remote_ranks=True
     )
-    config: KubernetesConfig
 
     @staticmethod
     def release(record: dict) -> str:
@@ -42,8 +41,8 @@ class KubernetesExecutor(Executor):
             f"kubernetes: deleted {', '.join(done)} of job {where}" if done else f"kubernetes: job {where} already gone"
         )
 
-    def check(self, ranks: int, config: ExecutorConfig | None = None) -> None:
-        cfg: KubernetesConfig = config or self.config  # type: ignore[assignment]
+    def check(self, ranks: int, config: KubernetesConfig | None = None) -> None:
+        cfg = self.effective_config(config)
         if not cfg.image:
             raise ValueError("kubernetes.image: required — the container image the ranks run in")
         if cfg.gang == "kueue" and not cfg.queue:
@@ -54,14 +53,11 @@ class KubernetesExecutor(Executor):
             raise ValueError("kubernetes.volume_mounts: mounts name volumes, but kubernetes.volumes lists none")
         _host_paths(cfg.host_paths)  # raises on a bad entry
 
-    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> KubernetesConfig:
-        return super().stage_config(override)  # type: ignore[return-value]
-
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: KubernetesConfig | None = None, echo: Echo = False
     ) -> KubernetesLauncher:
         """A launcher for one gang; ``slots`` are not used (the scheduler places pods)."""
-        cfg: KubernetesConfig = config or self.config  # type: ignore[assignment]
+        cfg = self.effective_config(config)
         self.check(ranks, cfg)
         paths = _host_paths(cfg.host_paths)
         memory = f"{max(1, self.rank_memory >> 20)}Mi" if self.rank_memory else None

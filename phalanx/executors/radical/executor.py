@@ -8,13 +8,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...errors import GangError
-from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig
+from ..base import AllocationHook, Capabilities, Echo, Executor
 from .config import PILOT_KEYS, RadicalConfig
 from .launcher import RadicalLauncher
 from .pilot import RadicalPilot, release
 
 
-class RadicalExecutor(Executor):
+class RadicalExecutor(Executor[RadicalConfig]):
     """Gangs as tasks of the run's RADICAL-Pilot pilot.
 
     The pilot is run-scoped: submitted by ``open_run`` (in the background: an RP session takes
@@ -31,7 +31,6 @@ class RadicalExecutor(Executor):
         reuse_gangs=True, pins_cpus=False, warm_pool=False, runs_commands=True, mpi_world=False, remote_ranks=True
     )
     release = staticmethod(release)
-    config: RadicalConfig
 
     def __init__(
         self,
@@ -79,11 +78,8 @@ class RadicalExecutor(Executor):
         """The site's cores, else the pilot's cores over ``cores_per_rank``."""
         return self.cores or self.config.slots()
 
-    def stage_config(self, override: ExecutorConfig | Mapping[str, Any] | None = None) -> RadicalConfig:
-        return super().stage_config(override)  # type: ignore[return-value]
-
-    def check(self, ranks: int, config: ExecutorConfig | None = None) -> None:
-        cfg: RadicalConfig = config or self.config  # type: ignore[assignment]
+    def check(self, ranks: int, config: RadicalConfig | None = None) -> None:
+        cfg = self.effective_config(config)
         changed = [k for k in PILOT_KEYS if getattr(cfg, k) != getattr(self.config, k)]
         if changed:
             raise ValueError(
@@ -97,11 +93,11 @@ class RadicalExecutor(Executor):
             )
 
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: RadicalConfig | None = None, echo: Echo = False
     ) -> RadicalLauncher:
         """A launcher for one gang on the run's pilot; ``slots`` are not used (RP's agent places
         the ranks on the pilot's cores)."""
-        cfg: RadicalConfig = config or self.config  # type: ignore[assignment]
+        cfg = self.effective_config(config)
         memory = max(1, self.rank_memory >> 20) if self.rank_memory else None
         launcher = RadicalLauncher(self.pilot(), cfg, site=self.site, echo=echo, rank_memory_mb=memory)
         launcher.allocation_hook = self.hook

@@ -19,7 +19,7 @@ from .release import release
 log = logging.getLogger("phalanx.executors.ray")
 
 
-class RayExecutor(Executor):
+class RayExecutor(Executor[RayConfig]):
     """Gangs are placement groups of a Ray cluster, one actor per rank.
 
     Run scope: ``open_run`` connects to the cluster when the site gives no ``cores`` (the
@@ -78,11 +78,11 @@ class RayExecutor(Executor):
             raise PhalanxError(f"site {self.site!r} (ray): {exc}") from None
 
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: RayConfig | None = None, echo: Echo = False
     ) -> RayLauncher:
         """A launcher for one gang of ``ranks`` (``slots`` mean nothing to Ray: it places the
         bundles), telling the run's allocation hook of its placement group."""
-        cfg = ray_config(config if config is not None else self.config, self.site)
+        cfg = ray_config(self.effective_config(config), self.site)
         self.check(ranks, cfg)
         launcher = RayLauncher(cfg, echo=echo, site=self.site)
         launcher.allocation_hook = self.hook

@@ -19,7 +19,7 @@ from .pilot import SlurmPilot
 log = logging.getLogger("phalanx.executors.slurm")
 
 
-class SlurmExecutor(Executor):
+class SlurmExecutor(Executor[SlurmConfig]):
     """Gangs on a SLURM cluster, through its commands.  ``allocation: per-stage``: every gang is
     a batch job; ``allocation: pilot``: every gang is a job step of the run's pilot.
 
@@ -35,7 +35,6 @@ class SlurmExecutor(Executor):
         reuse_gangs=False, pins_cpus=False, warm_pool=False, runs_commands=True, mpi_world=True, remote_ranks=True
     )
     release = staticmethod(release)
-    config: SlurmConfig
 
     def __init__(
         self,
@@ -107,10 +106,10 @@ class SlurmExecutor(Executor):
         # then meet the site's by field name
         if override and not isinstance(override, ExecutorConfig):
             override = self.config_model.model_validate(dict(override))
-        return super().stage_config(override)  # type: ignore[return-value]
+        return super().stage_config(override)
 
-    def check(self, ranks: int, config: ExecutorConfig | None = None) -> None:
-        cfg: SlurmConfig = config or self.config  # type: ignore[assignment]
+    def check(self, ranks: int, config: SlurmConfig | None = None) -> None:
+        cfg = self.effective_config(config)
         if cfg.allocation == "pilot":
             if cfg.pilot != self.config.pilot:
                 raise ValueError(
@@ -136,11 +135,11 @@ class SlurmExecutor(Executor):
         return options, cpus
 
     def launcher(
-        self, ranks: int, *, slots: Sequence[int] = (), config: ExecutorConfig | None = None, echo: Echo = False
+        self, ranks: int, *, slots: Sequence[int] = (), config: SlurmConfig | None = None, echo: Echo = False
     ) -> SlurmLauncher:
         """A per-stage job's launcher, or a pilot step's on ``pilot()``; ``slots`` are not used
         (SLURM places the ranks)."""
-        cfg: SlurmConfig = config or self.config  # type: ignore[assignment]
+        cfg = self.effective_config(config)
         options, cpus = self._gang_options(ranks, cfg)
         common = dict(
             site=self.site,

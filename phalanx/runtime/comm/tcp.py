@@ -12,7 +12,7 @@ the current collective owes it.
 
 When ranks share a host, the bytes of ``alltoallv``/``exchange``/``exchange_tables`` go through
 shared memory (``shm.ShmDataPath``) and the sockets carry only the control rows, as for Gloo;
-``communicator: shm`` is this communicator with the shared-memory path required.
+``communicator: shm`` is this communicator with the shared-memory path required (``tcp_shm``).
 
 Control collectives are all-pairs (O(ranks) messages per rank): meant for gangs of up to a few
 hundred ranks; larger gangs use ``mpi``.  A peer that dies is noticed at once (its connection
@@ -276,11 +276,3 @@ class TCPCommunicator(ShmDataPath, Communicator):
             except OSError:
                 pass
         self.peers.clear()
-
-
-class ShmCommunicator(TCPCommunicator):
-    """``tcp`` with the shared-memory path required for co-located ranks (a gang that spans
-    hosts too: shared memory within a host, the sockets between hosts)."""
-
-    name = "shm"
-    shm_required = True

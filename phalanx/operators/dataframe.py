@@ -286,7 +286,7 @@ class DataFrame:
 
     def drop_duplicates(self, subset: str | Sequence[str] | None = None, keep: str | bool = "first") -> DataFrame:
         """Remove duplicate rows over the whole frame (collective); ``keep`` as in pandas."""
-        from .shuffle import drop_duplicates
+        from .distinct import drop_duplicates
 
         cols = as_list(subset) or self.columns
         check_columns(self.schema, cols, "drop_duplicates")

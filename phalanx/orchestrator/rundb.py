@@ -38,7 +38,7 @@ CREATE TABLE IF NOT EXISTS allocations (
     record TEXT NOT NULL, created REAL NOT NULL, released REAL,
     PRIMARY KEY (run_id, executor, ident));
 """
-# Columns added after the first release: (table, column, type); added to older databases on open.
+# Columns added since the first version of the schema: (table, column, type); added to older databases on open.
 _ADDED = [
     ("runs", "pid", "INTEGER"),
     ("runs", "host", "TEXT"),
@@ -173,7 +173,8 @@ class RunDB:
                 (run_id, stage, record["executor"], str(record["id"]), json.dumps(record), time.time()),
             )
 
-    def release_allocation(self, run_id: str, record: dict) -> None:
+    def mark_released(self, run_id: str, record: dict) -> None:
+        """Record that an allocation is gone (its launcher freed it, or ``release_leftovers`` did)."""
         with self._con() as con:
             con.execute(
                 "UPDATE allocations SET released=? WHERE run_id=? AND executor=? AND ident=?",
@@ -241,7 +242,7 @@ class RunDB:
                     run_id, "release", f"could not release {alloc['executor']} {alloc['ident']}: {exc}", alloc["stage"]
                 )
                 continue
-            self.release_allocation(run_id, alloc["record"])
+            self.mark_released(run_id, alloc["record"])
             self.event(run_id, "release", f"left by the driver: {line}", alloc["stage"])
             lines.append(line)
         return lines

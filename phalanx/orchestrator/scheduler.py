@@ -391,7 +391,7 @@ class RunAllocations:
         self.db.add_allocation(self.run_id, self.stage, record)
 
     def released(self, record: dict) -> None:
-        self.db.release_allocation(self.run_id, record)
+        self.db.mark_released(self.run_id, record)
 
 
 def unverified(store: Store, outputs: list[str]) -> str | None:

@@ -65,7 +65,7 @@ class Communicator(ABC):
     def barrier(self) -> None: ...
 
     def close(self) -> None:
-        """Release the backend's resources; the communicator is unusable afterwards."""
+        """Free the backend's resources; the communicator is unusable afterwards."""
 
     # ---- built on the primitives --------------------------------------------------------
     def exchange(self, buffers: Sequence[Any]) -> list[memoryview]:

@@ -181,7 +181,8 @@ class _Segment:
         self.held = 0  # bit mask of peers that still hold views of it
         self.linked = True  # its name is still in the directory
 
-    def release(self) -> None:
+    def unmap(self) -> None:
+        """Drop this rank's writable mapping of the segment (a view still held keeps it alive)."""
         self.buf = None
         try:
             self.mm.close()
@@ -347,7 +348,7 @@ class ShmEngine:
                 _unlink(seg.path)
                 seg.linked = False
         for seg in self.one_shot:  # the peers' mappings hold its memory from now on
-            seg.release()
+            seg.unmap()
         self.one_shot.clear()
         _rmdir(self.dir)  # the last rank to leave an empty directory removes it
 
@@ -436,7 +437,7 @@ class ShmEngine:
         if free:
             victim = max(free, key=lambda s: s.size)
             del self.pool[victim.slot]
-            victim.release()
+            victim.unmap()
             slot = victim.slot
         elif len(self.pool) < POOL_SLOTS:
             slot = min(set(range(POOL_SLOTS)) - set(self.pool))
@@ -493,7 +494,7 @@ class ShmEngine:
         for seg in list(self.pool.values()) + self.one_shot:
             if seg.linked:
                 _unlink(seg.path)
-            seg.release()
+            seg.unmap()
         self.pool.clear()
         self.one_shot.clear()
         self.maps = [{} for _ in range(self.n)]

@@ -47,6 +47,7 @@ class GlooCommunicator(ShmDataPath, Communicator):
         rc = recv_counts.numpy()
         # numpy's allocator gives large buffers huge pages: ~40% faster than torch.empty here
         recv = torch.from_numpy(np.empty(int(rc.sum()), dtype=np.uint8))
+        # one flat tensor with split sizes: Gloo's list form of all_to_all rejects uneven sizes
         dist.all_to_all_single(
             recv,
             _as_tensor(send),

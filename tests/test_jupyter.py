@@ -183,6 +183,8 @@ def test_failing_rank_shows_its_traceback_and_the_gang_is_usable_again(nb):
 def test_interrupt_stops_every_rank_within_seconds(nb, tmp_path):
     from jupyter_kernel import processes_with_env, until
 
+    # a running gang whatever the tests before left (one that failed midway leaves it stopped)
+    assert nb.value("gang.run(lambda env: env.rank)") == [0, 1]
     gang_id, pids = nb.value("gang.gang_id"), nb.value("gang.pids")
     assert sorted(processes_with_env("PHALANX_GANG_ID", gang_id)) == sorted(pids)
     msg_id = nb.kc.execute(f"gang.run(jupyter_apps.write_pid_and_block, {str(tmp_path)!r})")

@@ -61,6 +61,13 @@ class Watched:
     def __init__(self, app: Any, token: str):
         self.app, self.token = app, token
 
+    def __reduce__(self) -> tuple:
+        # the app of a cell travels by value: keep its cell's file name, which cloudpickle
+        # (3.1.3 on) drops, so that the driver can show the cell's lines in a rank's traceback
+        from ...runtime.pickling import dumps
+
+        return _watched, (dumps(self.app), self.token)
+
     def __call__(self, env, *args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
         status, detail = "error", None
@@ -75,6 +82,12 @@ class Watched:
         finally:
             line = f"{END}{self.token} {status} {time.perf_counter() - t0:.6f}"
             _write_line(line + (" " + json.dumps(detail) if detail else ""))
+
+
+def _watched(app: bytes, token: str) -> Watched:
+    import cloudpickle
+
+    return Watched(cloudpickle.loads(app), token)
 
 
 def format_exception(exc: BaseException) -> str:

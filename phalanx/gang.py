@@ -39,6 +39,7 @@ log = logging.getLogger("phalanx.gang")
 
 _FAIL_GRACE_S = 1.0  # after a first failure, how long other ranks get to report theirs
 _POLL_S = 0.2
+_FAILED = (P.Failed, P.Disconnected)  # the control events that end a rank's part in a task
 _COMMAND_POLL_S = 0.05  # how often a command gang's exit codes are read
 _live_gangs: weakref.WeakSet[Gang] = weakref.WeakSet()
 
@@ -155,7 +156,7 @@ class Gang:
             if codes[r] is None and host == here and not pid_alive(pid)
         ]
         with self._control.events.mutex:  # a rank's lost connection is an event nobody read yet
-            lost = sorted({r for r, msg in self._control.events.queue if msg[0] in ("eof", "error")})
+            lost = sorted({r for r, msg in self._control.events.queue if isinstance(msg, _FAILED)})
         dead += [f"rank {r} lost its connection" for r in lost if not any(d.startswith(f"rank {r} ") for d in dead)]
         return "; ".join(dead) or None
 
@@ -240,7 +241,7 @@ class Gang:
             codes = launcher.exitcodes()
             failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                failures = {r: self._failure_of(r, ("eof",)) for r in failed}
+                failures = {r: self._failure_of(r, P.Disconnected()) for r in failed}
                 stopped = [r for r, c in enumerate(codes) if c is None]
                 raise RankError(list(failures.values()), stopped)
             if all(c == 0 for c in codes):
@@ -278,11 +279,11 @@ class Gang:
                     f"start within the start timeout (start_timeout={self.start_timeout:g}s)",
                 )
             rank, msg = event
-            if msg[0] == "hello":
-                pids[rank], hosts[rank] = msg[2], (msg[3] if len(msg) > 3 else "")
-            elif msg[0] == "ready":
+            if isinstance(msg, P.Hello):
+                pids[rank], hosts[rank] = msg.pid, msg.host
+            elif isinstance(msg, P.Ready):
                 ready.add(rank)
-            elif msg[0] in ("error", "eof"):
+            elif isinstance(msg, _FAILED):
                 failures[rank] = self._failure_of(rank, msg)
         if failures:
             self._collect_more(failures, set(range(self.world_size)) - ready, None)
@@ -324,7 +325,7 @@ class Gang:
         if graceful and control is not None:
             for rank in list(control.conns):
                 try:
-                    control.send(rank, "shutdown")
+                    control.send(rank, P.Shutdown())
                 except OSError:
                     pass
             deadline = time.monotonic() + 5.0
@@ -389,7 +390,7 @@ class Gang:
         task = self._task
         try:
             for rank in range(self.world_size):
-                self._control.send(rank, "run", task, app, args, kwargs, params)
+                self._control.send(rank, P.Run(task, app, args, kwargs, params))
             return self._gather(task, timeout)
         except BaseException:
             # Ctrl-C, a timeout or a failed rank: no rank may be left behind in a collective.
@@ -409,9 +410,9 @@ class Gang:
                     f"finish within the stage timeout (timeout={timeout:g}s)",
                 )
             rank, msg = event
-            if msg[0] == "result" and msg[1] == task:
-                results[rank] = msg[2]
-            elif msg[0] in ("error", "eof"):
+            if isinstance(msg, P.Result) and msg.task == task:
+                results[rank] = msg.value
+            elif isinstance(msg, _FAILED):
                 failures[rank] = self._failure_of(rank, msg)
         if failures:
             pending = set(range(self.world_size)) - set(results) - set(failures)
@@ -434,19 +435,19 @@ class Gang:
                 return
             if rank not in pending:
                 continue
-            if msg[0] in ("error", "eof"):
+            if isinstance(msg, _FAILED):
                 failures[rank] = self._failure_of(rank, msg)
                 # a rank that vanished after a peer had failed of its own accord (not of a lost
                 # peer) was ended with it (mpirun ends the whole job): that peer is the cause
-                failures[rank].after_peer = msg[0] == "eof" and any(
+                failures[rank].after_peer = isinstance(msg, P.Disconnected) and any(
                     not f.collateral for r, f in failures.items() if r != rank
                 )
                 pending.discard(rank)
-            elif msg[0] == "result" and results is not None:
-                results[rank] = msg[2]
+            elif isinstance(msg, P.Result) and results is not None:
+                results[rank] = msg.value
                 pending.discard(rank)
 
-    def _next_event(self, deadline: float | None) -> tuple[int, tuple] | None:
+    def _next_event(self, deadline: float | None) -> tuple[int, P.ToDriver] | None:
         """The next (rank, message) from the ranks; None once ``deadline`` has passed."""
         while True:
             control, launcher = self._control, self._launcher
@@ -461,7 +462,7 @@ class Gang:
                 return None
             for rank, code in enumerate(launcher.exitcodes()):
                 if code is not None and rank not in control.conns:
-                    return rank, ("eof",)  # died before it ever connected
+                    return rank, P.Disconnected()  # died before it ever connected
 
     def _timed_out(self, late: set[int], done: str, what: str) -> GangError:
         """e.g. "ranks 1, 3 did not manage to finish within the stage timeout (timeout=5s);
@@ -475,9 +476,9 @@ class Gang:
             text += f" ({status})"
         return GangError(f"{text}; logs in {self.log_dir}")
 
-    def _failure_of(self, rank: int, msg: tuple) -> RankFailure:
-        if msg[0] == "error":
-            return msg[2]
+    def _failure_of(self, rank: int, msg: P.Failed | P.Disconnected) -> RankFailure:
+        if isinstance(msg, P.Failed):
+            return msg.failure
         code = self._wait_exitcode(rank, getattr(self._launcher, "exit_latency", 1.0))
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"

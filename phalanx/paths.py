@@ -26,6 +26,7 @@ ENV_LOG_DIR = "PHALANX_LOG_DIR"
 ENV_STATE = "PHALANX_STATE"
 ENV_STORE = "PHALANX_STORE"  # a directory, or an s3:// URL (the store accepts one)
 ENV_SPILL = "PHALANX_STORE_SPILL"
+ENV_SHM_DIR = "PHALANX_SHM_DIR"  # read by the shared-memory communicator (runtime.comm.shm)
 
 
 def default_log_root() -> Path:
@@ -92,4 +93,4 @@ def default_shm_root() -> Path | None:
     base = Path("/dev/shm")
     if not base.is_dir():
         return None
-    return _own_dir(base, "shared-memory exchange segments", "PHALANX_SHM_DIR")
+    return _own_dir(base, "shared-memory exchange segments", ENV_SHM_DIR)

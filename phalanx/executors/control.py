@@ -15,7 +15,6 @@ import secrets
 import signal
 import threading
 from multiprocessing.connection import Connection, Listener
-from typing import Any
 
 from ..runtime import protocol as P
 
@@ -33,7 +32,7 @@ class ControlServer:
         self.world_size = world_size
         self.authkey = secrets.token_bytes(16)
         self.listener = Listener((host, 0), authkey=self.authkey)
-        self.events: queue.Queue[tuple[int, tuple]] = queue.Queue()
+        self.events: queue.Queue[tuple[int, P.ToDriver]] = queue.Queue()
         self.conns: dict[int, Connection] = {}
         self.driver_timeout = float(driver_timeout or os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S)
         # one writer at a time per connection: the gang's sends and the heartbeat thread's
@@ -60,12 +59,12 @@ class ControlServer:
         while not self._closed:
             try:
                 conn = self.listener.accept()
-                hello = P.recv(conn)
+                hello: P.Hello = P.recv(conn)
             except Exception:  # listener closed, or a peer failed the handshake
                 if self._closed:
                     return
                 continue
-            rank = hello[1]
+            rank = hello.rank
             self._send_locks[rank] = threading.Lock()
             self.conns[rank] = conn
             self.events.put((rank, hello))
@@ -78,27 +77,19 @@ class ControlServer:
             try:
                 msg = P.recv(conn)
             except (EOFError, OSError):
-                self.events.put((rank, ("eof",)))
+                self.events.put((rank, P.Disconnected()))
                 return
             except Exception as exc:  # a result that cannot be unpickled on the driver
                 from ..errors import RankFailure
 
-                self.events.put(
-                    (
-                        rank,
-                        (
-                            "error",
-                            None,
-                            RankFailure(rank, type(exc).__name__, f"could not read the rank's message: {exc}"),
-                        ),
-                    )
-                )
+                failure = RankFailure(rank, type(exc).__name__, f"could not read the rank's message: {exc}")
+                self.events.put((rank, P.Failed(None, failure)))
                 continue
             self.events.put((rank, msg))
 
-    def send(self, rank: int, *msg: Any) -> None:
+    def send(self, rank: int, msg: P.ToRank) -> None:
         with self._send_locks[rank]:
-            P.send(self.conns[rank], *msg)
+            P.send(self.conns[rank], msg)
 
     def _heartbeat(self) -> None:
         if hasattr(signal, "pthread_sigmask"):  # a rank that just left must not kill a driver

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from pydantic import Field
 
 from ..procs import signal_group
+from ..runtime.envvars import ENV_CPUS, ENV_THREADS
 from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher
 from .logs import RankOutput, start_pump, whole_lines
 
@@ -39,9 +40,9 @@ def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None)
     threads = max(1, len(cpus) // world_size)
     out = []
     for r in range(world_size):
-        env = {"PHALANX_THREADS": str(threads)}
+        env = {ENV_THREADS: str(threads)}
         if pin and world_size <= len(cpus):
-            env["PHALANX_CPUS"] = ",".join(map(str, cpus[r * threads : (r + 1) * threads]))
+            env[ENV_CPUS] = ",".join(map(str, cpus[r * threads : (r + 1) * threads]))
         out.append(env)
     return out
 

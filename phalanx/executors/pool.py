@@ -17,6 +17,8 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 
+from ..runtime.envvars import ENV_PDEATHSIG, ENV_PRELOAD
+
 WARM_ARGV = (sys.executable, "-m", "phalanx.runtime.worker", "--warm")
 
 
@@ -45,8 +47,8 @@ class WarmPool:
         env = {
             **os.environ,
             "PYTHONUNBUFFERED": "1",
-            "PHALANX_PDEATHSIG": "1",
-            "PHALANX_PRELOAD": ",".join(self.preload),
+            ENV_PDEATHSIG: "1",
+            ENV_PRELOAD: ",".join(self.preload),
         }
         return subprocess.Popen(
             list(WARM_ARGV),

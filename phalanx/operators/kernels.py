@@ -271,8 +271,10 @@ def duckdb_connection():
 
         import duckdb
 
+        from ..runtime.envvars import ENV_THREADS
+
         _duckdb = duckdb.connect()
-        threads = int(os.environ.get("PHALANX_THREADS", "0") or 0) or (os.cpu_count() or 1)
+        threads = int(os.environ.get(ENV_THREADS, "0") or 0) or (os.cpu_count() or 1)
         _duckdb.execute(f"SET threads={threads}")
         _duckdb.execute("SET preserve_insertion_order=false")  # joins need no output order
     return _duckdb

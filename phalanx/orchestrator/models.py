@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from ..executors.base import Executor, suggest
+from ..runtime.envvars import ENV_PARAM_PREFIX
 from .yamlio import Located
 
 MAX_NAME = 100  # a workflow's name names its store session and directories
@@ -161,7 +162,7 @@ class _StageFields(_Strict):
             if not _ENV_NAME.fullmatch(key):
                 raise ValueError(
                     f"param {key!r} cannot be an environment variable "
-                    f"(PHALANX_PARAM_{key.upper()}): use letters, digits and '_'"
+                    f"({ENV_PARAM_PREFIX}{key.upper()}): use letters, digits and '_'"
                 )
         return self
 

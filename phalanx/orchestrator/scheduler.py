@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from ..errors import GangError, RankError
 from ..gang import Gang
+from ..runtime.envvars import ENV_PARAM_PREFIX
 from ..store import Store
 from .fingerprint import changes, fingerprints
 from .models import Site, Workflow
@@ -353,7 +354,7 @@ class Scheduler:
             error = f"executor {self.site.executor!r} cannot start programs: command stages cannot run on it"
             return error, error, None
         gang = self._gang(name, slots, log_dir)
-        env = {f"PHALANX_PARAM_{k.upper()}": str(v) for k, v in st.params.items()}
+        env = {f"{ENV_PARAM_PREFIX}{k.upper()}": str(v) for k, v in st.params.items()}
         self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {st.command[0]!r} on slots {slots}")
         with self._lock:
             self._gangs[name] = gang

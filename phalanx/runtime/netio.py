@@ -33,6 +33,7 @@ import threading
 import time
 
 from ..errors import PhalanxError
+from .envvars import ENV_BIND_HOST, ENV_CONTROL
 
 log = logging.getLogger(__name__)
 
@@ -254,12 +255,12 @@ def bind_host(rendezvous_url: str, deadline: float | None = None) -> str:
     rendezvous names no host (``file://``, MPI) — loopback when that host is loopback."""
     from urllib.parse import urlparse
 
-    explicit = os.environ.get("PHALANX_BIND_HOST", "").strip()
+    explicit = os.environ.get(ENV_BIND_HOST, "").strip()
     if explicit:
         return explicit
     target = urlparse(rendezvous_url).hostname if "://" in rendezvous_url else None
     if not target:
-        target = os.environ.get("PHALANX_CONTROL", "").rpartition(":")[0] or "127.0.0.1"
+        target = os.environ.get(ENV_CONTROL, "").rpartition(":")[0] or "127.0.0.1"
     deadline = deadline if deadline is not None else time.monotonic() + 60
     pause = 0.01
     while True:  # a peer's name (a Kubernetes pod's) may resolve only once that pod runs
@@ -269,7 +270,7 @@ def bind_host(rendezvous_url: str, deadline: float | None = None) -> str:
         except socket.gaierror as exc:
             if time.monotonic() + pause > deadline:
                 raise PhalanxError(
-                    f"cannot resolve {target!r} to choose the address to listen on: {exc} (set PHALANX_BIND_HOST)"
+                    f"cannot resolve {target!r} to choose the address to listen on: {exc} (set {ENV_BIND_HOST})"
                 ) from exc
             time.sleep(pause)
             pause = min(pause * 2, 1.0)

@@ -1,38 +1,44 @@
 """Messages between the driver and the rank processes of a gang (over one TCP connection each).
 
-Every message is a tuple whose first item names it; payloads are cloudpickled once.
+Every message is one of the small frozen dataclasses below, cloudpickled once (payloads
+included); driver and ranks always run the same phalanx, so they share these classes.
 
-rank → driver: ("hello", rank, pid, host) · ("ready", rank, seconds) · ("result", task, value)
-               ("error", task | None, RankFailure)
-driver → rank: ("run", task, app, args, kwargs, params) · ("shutdown",)
+rank → driver: ``Hello`` (first, on connecting) · ``Ready`` · ``Result`` · ``Failed``
+driver → rank: ``Run`` · ``Shutdown``
                and, every ``heartbeat_s(timeout)``, an empty message (``HEARTBEAT``, never a
                pickle): a rank that hears nothing for ``PHALANX_DRIVER_TIMEOUT`` seconds, or sees
                the connection end, takes its driver for gone and exits (``worker.DriverWatch``)
+driver only:   ``Disconnected``, which the driver's reader of a connection queues when it ends
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cloudpickle
 
-ENV_CONTROL = "PHALANX_CONTROL"  # host:port of the driver's control listener
-ENV_AUTHKEY = "PHALANX_AUTHKEY"  # hex; authenticates the control connection
-ENV_RANK = "PHALANX_RANK"
-ENV_WORLD_SIZE = "PHALANX_WORLD_SIZE"
-ENV_RDZV = "PHALANX_RDZV"  # rendezvous URL prepared by the driver
-ENV_COMM = "PHALANX_COMM"  # communicator name
-ENV_GANG_ID = "PHALANX_GANG_ID"
-ENV_CPUS = "PHALANX_CPUS"  # "0,1": CPU affinity for this rank
-ENV_CPUS_BY_RANK = "PHALANX_CPUS_BY_RANK"  # "0|1|2,3": per rank, when all ranks share one env
-ENV_THREADS = "PHALANX_THREADS"  # threads for this rank's local kernels
-ENV_TIMEOUT = "PHALANX_TIMEOUT"  # seconds for rendezvous and collectives
-ENV_PDEATHSIG = "PHALANX_PDEATHSIG"  # "1": die with the launching process
-ENV_DRIVER_TIMEOUT = "PHALANX_DRIVER_TIMEOUT"  # seconds of silence after which the driver is gone
-ENV_HOST = "PHALANX_HOST"  # where the rank runs, as its executor names it (node/pod)
+# The rank protocol's variables (defined in envvars; launchers use them as ``P.ENV_*``).
+from .envvars import ENV_AUTHKEY as ENV_AUTHKEY
+from .envvars import ENV_COMM as ENV_COMM
+from .envvars import ENV_CONTROL as ENV_CONTROL
+from .envvars import ENV_CPUS as ENV_CPUS
+from .envvars import ENV_CPUS_BY_RANK as ENV_CPUS_BY_RANK
+from .envvars import ENV_DRIVER_TIMEOUT as ENV_DRIVER_TIMEOUT
+from .envvars import ENV_GANG_ID as ENV_GANG_ID
+from .envvars import ENV_HOST as ENV_HOST
+from .envvars import ENV_PDEATHSIG as ENV_PDEATHSIG
+from .envvars import ENV_RANK as ENV_RANK
+from .envvars import ENV_RDZV as ENV_RDZV
+from .envvars import ENV_THREADS as ENV_THREADS
+from .envvars import ENV_TIMEOUT as ENV_TIMEOUT
+from .envvars import ENV_WORLD_SIZE as ENV_WORLD_SIZE
+
+if TYPE_CHECKING:
+    from ..errors import RankFailure
 
 HEARTBEAT = b""  # the driver's "still here"
 HEARTBEAT_S = 1.0  # how often the driver sends it, at most
@@ -68,13 +74,72 @@ def rank_from_environ() -> tuple[int, int]:
     return _first(_RANK_VARS), _first(_SIZE_VARS)
 
 
-def send(conn: Connection, *msg: Any) -> None:
+# ---- the messages ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Hello:
+    """A rank has connected (the first message on its connection)."""
+
+    rank: int
+    pid: int
+    host: str  # where it runs, as its executor names it (``rank_host``)
+
+
+@dataclass(frozen=True)
+class Ready:
+    """A rank has built its communicator and waits for apps."""
+
+    rank: int
+    seconds: float  # from the process's start
+
+
+@dataclass(frozen=True)
+class Result:
+    """What a rank's app returned for task ``task``."""
+
+    task: int
+    value: Any
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A rank failed: its app raised (``task``), or it could not join the gang (``task`` None)."""
+
+    task: int | None
+    failure: RankFailure
+
+
+@dataclass(frozen=True)
+class Disconnected:
+    """A rank's connection ended (queued by the driver's reader; never sent)."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run ``app(env, *args, **kwargs)`` as task ``task``, with ``env.params`` = ``params``."""
+
+    task: int
+    app: Any
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Leave: close the communicator and exit."""
+
+
+ToDriver = Hello | Ready | Result | Failed | Disconnected
+ToRank = Run | Shutdown
+
+
+def send(conn: Connection, msg: ToDriver | ToRank) -> None:
     conn.send_bytes(cloudpickle.dumps(msg, protocol=5))
 
 
-def recv(conn: Connection) -> tuple:
+def recv(conn: Connection) -> Any:
     return loads(conn.recv_bytes())
 
 
-def loads(data: bytes) -> tuple:
+def loads(data: bytes) -> Any:
     return pickle.loads(data)

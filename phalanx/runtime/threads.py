@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import os
 
-ENV_THREADS = "PHALANX_THREADS"
-ENV_CPUS = "PHALANX_CPUS"
-ENV_CPUS_BY_RANK = "PHALANX_CPUS_BY_RANK"
+from .envvars import ENV_CPUS, ENV_CPUS_BY_RANK, ENV_THREADS
+
 # thread-pool sizes read at import by polars, OpenMP (torch, numpy's BLAS), MKL, OpenBLAS
 POOL_VARS = ("POLARS_MAX_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 

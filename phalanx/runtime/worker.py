@@ -23,10 +23,11 @@ import time
 
 from ..procs import descendants, die_with_parent
 from . import threads as threads_
+from .envvars import ENV_PDEATHSIG, ENV_PRELOAD
 
 
 def _die_with_parent() -> None:
-    if os.environ.get("PHALANX_PDEATHSIG") == "1" and not die_with_parent(signal.SIGKILL):
+    if os.environ.get(ENV_PDEATHSIG) == "1" and not die_with_parent(signal.SIGKILL):
         os._exit(1)  # the parent died before the kernel could be told
 
 
@@ -43,16 +44,16 @@ def main() -> int:
     rank, world_size = P.rank_from_environ()
     host, _, port = os.environ[P.ENV_CONTROL].rpartition(":")
     conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[P.ENV_AUTHKEY]))
-    P.send(conn, "hello", rank, os.getpid(), P.rank_host())
+    P.send(conn, P.Hello(rank, os.getpid(), P.rank_host()))
     watch = DriverWatch(conn, rank, float(os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S))
     watch.start()
 
     try:
         env = _build_env(rank, world_size, threads)
     except BaseException as exc:  # report why this rank could not join, then leave
-        P.send(conn, "error", None, failure_from_exception(rank, exc))
+        P.send(conn, P.Failed(None, failure_from_exception(rank, exc)))
         return 1
-    P.send(conn, "ready", rank, time.perf_counter() - t0)
+    P.send(conn, P.Ready(rank, time.perf_counter() - t0))
     return _serve(conn, watch, env)
 
 
@@ -66,7 +67,7 @@ class DriverWatch(threading.Thread):
         super().__init__(name="phalanx-driver-watch", daemon=True)
         self.conn, self.rank, self.timeout_s = conn, rank, timeout_s
         self.inbox: queue.Queue[bytes] = queue.Queue()
-        self.stopping = threading.Event()  # set by the main thread on "shutdown"
+        self.stopping = threading.Event()  # set by the main thread on Shutdown
 
     def run(self) -> None:
         from . import protocol as P
@@ -80,7 +81,7 @@ class DriverWatch(threading.Thread):
                     continue
                 data = self.conn.recv_bytes()
             except (EOFError, OSError):
-                # after "shutdown" the driver closes the connection: that is no loss (the
+                # after Shutdown the driver closes the connection: that is no loss (the
                 # main thread may not have taken the message from the inbox yet)
                 if self.stopping.wait(1.0 if self.inbox.qsize() else 0.0):
                     return
@@ -141,18 +142,17 @@ def _serve(conn, watch: DriverWatch, env) -> int:
     from .tasks import failure_from_exception, resolve_app
 
     while True:
-        msg = P.loads(watch.inbox.get())  # the driver's end ends this process (DriverWatch)
-        if msg[0] == "shutdown":
+        msg: P.ToRank = P.loads(watch.inbox.get())  # the driver's end ends this process (DriverWatch)
+        if isinstance(msg, P.Shutdown):
             watch.stopping.set()
             env.comm.close()
             return 0
-        _, task, app, args, kwargs, params = msg
-        env.params = dict(params or {})
+        env.params = dict(msg.params or {})
         try:
-            result = resolve_app(app)(env, *args, **kwargs)
-            P.send(conn, "result", task, result)
+            result = resolve_app(msg.app)(env, *msg.args, **msg.kwargs)
+            P.send(conn, P.Result(msg.task, result))
         except BaseException as exc:
-            P.send(conn, "error", task, failure_from_exception(env.rank, exc))
+            P.send(conn, P.Failed(msg.task, failure_from_exception(env.rank, exc)))
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -165,7 +165,7 @@ def warm_main() -> int:
     import json
 
     _die_with_parent()
-    for module in filter(None, os.environ.get("PHALANX_PRELOAD", "").split(",")):
+    for module in filter(None, os.environ.get(ENV_PRELOAD, "").split(",")):
         try:
             importlib.import_module(module)
         except ImportError:

@@ -27,6 +27,7 @@ import pyarrow as pa
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
 from ..paths import ENV_SPILL, ENV_STORE, default_spill_root, default_store_root
 from ..private import makedirs
+from ..runtime.envvars import ENV_STORE_BUDGET, ENV_STORE_METADATA, ENV_STORE_SESSION
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
 from .tiers import FileTier, Staged, Tier, checksum_buffer, open_tier, part_file
 
@@ -34,12 +35,9 @@ log = logging.getLogger("phalanx.store")
 
 DEFAULT_SESSION = "default"
 
-# What a gang's ranks read back (Store.env); the two paths, ENV_STORE (PHALANX_STORE: a directory
+# What a gang's ranks read back (Store.env): ENV_STORE_* (runtime.envvars); the two paths, ENV_STORE (PHALANX_STORE: a directory
 # or s3://bucket/prefix?endpoint_override=…) and ENV_SPILL (PHALANX_STORE_SPILL: the disk
 # directory datasets over the budget spill to), are defined with their defaults in phalanx.paths.
-ENV_SESSION = "PHALANX_STORE_SESSION"  # session (namespace)
-ENV_METADATA = "PHALANX_STORE_METADATA"  # sqlite:///path/meta.sqlite | redis://host:port/db
-ENV_BUDGET = "PHALANX_STORE_BUDGET"  # memory budget of a file-tier root, bytes ("4GiB" works)
 
 
 def parse_bytes(text: str | int | None) -> int | None:
@@ -114,14 +112,14 @@ class Store:
         self.tier: Tier = open_tier(text)
         local_root = self.tier.local_root
         self.root: Path | str = local_root if local_root is not None else self.tier.root_url
-        budget = parse_bytes(memory_budget if memory_budget is not None else os.environ.get(ENV_BUDGET))
+        budget = parse_bytes(memory_budget if memory_budget is not None else os.environ.get(ENV_STORE_BUDGET))
         if budget is not None and budget < 0:
             raise ValueError(f"memory_budget must be ≥ 0 bytes, got {budget}")
         if budget is not None and local_root is None:
             raise ValueError(f"a memory budget needs a directory root (shared memory), not {text!r}")
         self.memory_budget = budget
         if metadata is None:
-            metadata = os.environ.get(ENV_METADATA) or default_metadata_url(self.tier)
+            metadata = os.environ.get(ENV_STORE_METADATA) or default_metadata_url(self.tier)
         self.meta: MetadataBackend = open_metadata(metadata)
         spill_root = spill or os.environ.get(ENV_SPILL) or None
         self.spill_tier: FileTier | None = None
@@ -139,15 +137,15 @@ class Store:
     @classmethod
     def from_env(cls) -> Store:
         """The store ``rank_env()`` describes: how a rank opens its gang's store."""
-        return cls(session=os.environ.get(ENV_SESSION) or DEFAULT_SESSION)
+        return cls(session=os.environ.get(ENV_STORE_SESSION) or DEFAULT_SESSION)
 
     def rank_env(self) -> dict[str, str]:
         """The environment that makes ``Store()`` in another process (a rank) open this store."""
         return {
             ENV_STORE: str(self.root),
-            ENV_SESSION: self.session,
-            ENV_METADATA: self._rank_metadata_url(),
-            ENV_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
+            ENV_STORE_SESSION: self.session,
+            ENV_STORE_METADATA: self._rank_metadata_url(),
+            ENV_STORE_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
             ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
         }
 

@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 
 from ...errors import GangError
 from ...runtime import protocol as P
-from ...store.store import ENV_METADATA, ENV_SPILL, ENV_STORE
+from ...runtime.envvars import ENV_SPILL, ENV_STORE, ENV_STORE_METADATA
 from ..base import Capabilities, Echo, Executor
 from . import manifests as M
 from .client import Kube, connect
@@ -146,7 +146,7 @@ def _written_dirs(env: Mapping[str, str]) -> list[str]:
         value = env.get(key, "")
         if value and "://" not in value:
             found.append(value)
-    for key in (ENV_METADATA, P.ENV_RDZV):
+    for key in (ENV_STORE_METADATA, P.ENV_RDZV):
         url = urlparse(env.get(key, ""))
         if url.scheme in ("sqlite", "file") and url.path:
             found.append(str(Path(url.path).parent))

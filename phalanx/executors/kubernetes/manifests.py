@@ -130,15 +130,16 @@ def resources(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, dict[str, str]
 
 def _env(spec: GangSpec) -> list[dict[str, Any]]:
     from ...runtime import protocol as P
+    from ...runtime.envvars import ENV_NODE, ENV_POD
 
     out: list[dict[str, Any]] = [
         # the pod's index is its rank (JOB_COMPLETION_INDEX too; PHALANX_RANK for command stages)
         {"name": P.ENV_RANK, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{INDEX_ANNOTATION}']"}}},
         {"name": P.ENV_AUTHKEY, "valueFrom": {"secretKeyRef": {"name": spec.name, "key": SECRET_KEY}}},
         # where the rank runs for the driver's records: a container's hostname and pid say little
-        {"name": "PHALANX_NODE", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        {"name": "PHALANX_POD", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": P.ENV_HOST, "value": "$(PHALANX_NODE)/$(PHALANX_POD)"},
+        {"name": ENV_NODE, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": ENV_POD, "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": P.ENV_HOST, "value": f"$({ENV_NODE})/$({ENV_POD})"},
     ]
     out += [{"name": k, "value": v} for k, v in spec.env.items()]
     return out

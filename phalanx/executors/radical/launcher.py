@@ -23,6 +23,7 @@ from typing import Any
 
 from ...errors import GangError
 from ...runtime import protocol as P
+from ...runtime.envvars import ENV_RP_ARG_PREFIX, ENV_RP_ARGC, ENV_RP_WRAPPER
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import RankOutput
 from .config import RadicalConfig
@@ -128,9 +129,9 @@ class RadicalLauncher(Launcher):
         environment = {k: dq(v) for k, v in env.items()}
         environment.update(
             {
-                "PHALANX_RP_WRAPPER": dq(_WRAPPER),
-                "PHALANX_RP_ARGC": str(len(argv)),
-                **{f"PHALANX_RP_ARG_{i}": dq(str(a)) for i, a in enumerate(argv)},
+                ENV_RP_WRAPPER: dq(_WRAPPER),
+                ENV_RP_ARGC: str(len(argv)),
+                **{f"{ENV_RP_ARG_PREFIX}{i}": dq(str(a)) for i, a in enumerate(argv)},
             }
         )
         environment.update(cfg.env)  # the site's own: as written (RP's shell expands $VARS in them)
@@ -138,7 +139,7 @@ class RadicalLauncher(Launcher):
             "uid": uid,
             "name": uid,
             "executable": "/bin/sh",
-            "arguments": ["-c", "$PHALANX_RP_WRAPPER", "phalanx-rank"],
+            "arguments": ["-c", f"${ENV_RP_WRAPPER}", "phalanx-rank"],
             "ranks": self.ranks,
             "cores_per_rank": cfg.cores_per_rank,
             "environment": environment,

@@ -40,12 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import GangError, MissingDependencyError
+from ...runtime.envvars import ENV_RADICAL_BIND
 from ..network import Beacon
 from .config import RadicalConfig
 
 log = logging.getLogger("phalanx.executors.radical")
 HOOK_DIR = Path(__file__).resolve().parent / "_hook"
-ENV_BIND = "PHALANX_RADICAL_BIND"
 
 _lock = threading.RLock()  # sessions are made one at a time (they change os.environ)
 _sessions: dict[str, RPSession] = {}
@@ -176,7 +176,7 @@ class RPSession:
             env["CONDA_PREFIX"] = None  # RP prefers VIRTUAL_ENV, but be sure
         if cfg.interface:
             env["RADICAL_DEFAULT_IFACE"] = cfg.interface
-            env[ENV_BIND] = self.bind
+            env[ENV_RADICAL_BIND] = self.bind
             env["PYTHONPATH"] = os.pathsep.join(
                 [str(HOOK_DIR)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
             )

@@ -22,10 +22,9 @@ from typing import Any
 
 from ...procs import die_with_parent
 from ...runtime import protocol as P
-
-ENV_NODE_ID = "PHALANX_RAY_NODE_ID"
-ENV_NODE_IP = "PHALANX_RAY_NODE_IP"
-ENV_ACTOR_ID = "PHALANX_RAY_ACTOR_ID"
+from ...runtime.envvars import ENV_RAY_ACTOR_ID as ENV_ACTOR_ID  # the names phalanx.executors.ray exports
+from ...runtime.envvars import ENV_RAY_NODE_ID as ENV_NODE_ID
+from ...runtime.envvars import ENV_RAY_NODE_IP as ENV_NODE_IP
 
 
 class RankActor:

@@ -14,6 +14,7 @@ from typing import Any
 from ...errors import GangError
 from ...runtime import protocol as P
 from ...runtime import threads as threads_
+from ...runtime.envvars import ENV_THREADS
 from ..base import Echo, Launcher, held, released
 from ..logs import FileFollower
 from .actor import RankActor, is_worker
@@ -313,9 +314,9 @@ def rank_runtime_env(user: Mapping[str, Any] | None, env: Mapping[str, str]) -> 
     them a 1-thread rank on a 2-CPU node had 2 polars threads."""
     out = dict(user or {})
     variables = dict(out.get("env_vars") or {})
-    threads = env.get(threads_.ENV_THREADS)
+    threads = env.get(ENV_THREADS)
     if threads:
-        variables[threads_.ENV_THREADS] = threads
+        variables[ENV_THREADS] = threads
         variables.update({var: threads for var in threads_.POOL_VARS})
     if variables:
         out["env_vars"] = variables

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import PhalanxError, RankError
+from ...runtime.envvars import ENV_PARSL_DRIVER_HOST, ENV_PARSL_RENDEZVOUS
 from ._refs import BSPResult, DatasetRef, new_session, single_output
 
 PLACEMENTS = ("auto", "mpi", "site")
@@ -206,8 +207,8 @@ class BSPTask:
             communicator=self.communicator,
             store=store.for_session("parsl"),
             echo=self.echo,
-            control_host=self.driver_host or os.environ.get("PHALANX_PARSL_DRIVER_HOST"),
-            rendezvous=os.environ.get("PHALANX_PARSL_RENDEZVOUS"),
+            control_host=self.driver_host or os.environ.get(ENV_PARSL_DRIVER_HOST),
+            rendezvous=os.environ.get(ENV_PARSL_RENDEZVOUS),
             start_timeout=self.start_timeout,
         )
         try:

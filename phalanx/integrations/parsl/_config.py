@@ -57,7 +57,7 @@ if ppn:
 for key, value in MCA.items():
     cmd += ["--mca", key, value]
 for name in sorted(os.environ):  # names only: values (the control key) stay out of ps
-    if name.startswith("PHALANX_") or name in ("PYTHONPATH", "PYTHONUNBUFFERED"):
+    if name.startswith(ENV_PREFIX) or name in ("PYTHONPATH", "PYTHONUNBUFFERED"):
         cmd += ["-x", name]
 os.execv(OMPI, cmd + args)
 """
@@ -138,19 +138,16 @@ def config_from_site(
 
 # What an MPIExecutor task takes from the site (it has no site of its own): where ranks reach
 # their driver, how they rendezvous, and the store (read by BSPTask and by Store()).
-ENV_DRIVER_HOST = "PHALANX_PARSL_DRIVER_HOST"
-ENV_RENDEZVOUS = "PHALANX_PARSL_RENDEZVOUS"
 
 
 def _site_env(site: Any) -> list[str]:
-    from ...paths import ENV_STORE
-    from ...store.store import ENV_METADATA
+    from ...runtime.envvars import ENV_PARSL_DRIVER_HOST, ENV_PARSL_RENDEZVOUS, ENV_STORE, ENV_STORE_METADATA
 
-    env = {ENV_DRIVER_HOST: site.driver_host, ENV_RENDEZVOUS: site.rendezvous}
+    env = {ENV_PARSL_DRIVER_HOST: site.driver_host, ENV_PARSL_RENDEZVOUS: site.rendezvous}
     if site.store.root:
         env[ENV_STORE] = site.store.root
     if site.store.metadata:
-        env[ENV_METADATA] = site.store.metadata
+        env[ENV_STORE_METADATA] = site.store.metadata
     return [f"export {k}={shlex.quote(str(v))}" for k, v in env.items()]
 
 

@@ -24,7 +24,7 @@ from ...executors.local import WORKER_ARGV
 from ...executors.logs import FileFollower, RankOutput, start_pump
 from ...procs import descendants, leads_group, pid_alive, signal_group, signal_pid
 from ...runtime import protocol as P
-from ._rank import ENV_RANK_LOG_DIR, ENV_RANK_VARS
+from ...runtime.envvars import ENV_RANK_LOG_DIR, ENV_RANK_VARS
 
 RANK_ARGV = (sys.executable, "-m", "phalanx.integrations.parsl._rank")
 

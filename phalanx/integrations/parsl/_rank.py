@@ -17,10 +17,9 @@ import os
 import sys
 from typing import Any
 
+from ...runtime.envvars import ENV_RANK, ENV_RANK_LOG_DIR, ENV_RANK_VARS
 from ._refs import DatasetRef
 
-ENV_RANK_VARS = "PHALANX_RANK_VARS"  # e.g. "PMI_RANK,OMPI_COMM_WORLD_RANK,PMIX_RANK"
-ENV_RANK_LOG_DIR = "PHALANX_RANK_LOG_DIR"  # where rank R writes rank-R.log
 DEFAULT_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "ALPS_APP_PE")
 
 
@@ -128,7 +127,7 @@ def main() -> int:
         )
         return 2
     rank = int(os.environ[found])
-    os.environ["PHALANX_RANK"] = str(rank)
+    os.environ[ENV_RANK] = str(rank)
     log_dir = os.environ.get(ENV_RANK_LOG_DIR)
     if log_dir:
         fd = os.open(os.path.join(log_dir, f"rank-{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

@@ -56,6 +56,16 @@ import numpy as np
 
 from ...errors import PhalanxError
 from ...paths import default_shm_root, default_store_root
+from ..envvars import (
+    ENV_GANG_ID,
+    ENV_SHM,
+    ENV_SHM_DIR,
+    ENV_SHM_FALLBACK,
+    ENV_SHM_HOSTS,
+    ENV_SHM_LIMIT,
+    ENV_SHM_POOL_MAX,
+    ENV_STORE_SESSION,
+)
 from .base import Communicator
 
 if TYPE_CHECKING:
@@ -63,13 +73,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ENV_SHM = "PHALANX_SHM"  # "0": tcp/gloo keep every byte on their wire
-ENV_SHM_DIR = "PHALANX_SHM_DIR"  # where the per-gang segment directory is made
-ENV_SHM_LIMIT = "PHALANX_SHM_LIMIT"  # bytes one rank's segments may hold (default: no limit)
-ENV_SHM_POOL_MAX = "PHALANX_SHM_POOL_MAX"  # larger segments are used once, not kept for reuse
-ENV_SHM_FALLBACK = "PHALANX_SHM_FALLBACK"  # "0": no room in shared memory is an error
-ENV_SHM_HOSTS = "PHALANX_SHM_HOSTS"  # tests: one host label per rank, comma-separated
-_ENV_SESSION = "PHALANX_STORE_SESSION"  # the gang's store session (set by the driver)
 
 ALIGN = 64  # pieces start 64-byte aligned (Arrow buffers stay aligned)
 POOL_SLOTS = 62  # slots 0..61 are reusable; the held mask is one int64
@@ -144,7 +147,7 @@ def segment_dir(tag: str) -> Path:
         return Path(explicit) / tag
     store = str(default_store_root())
     if "://" not in store and _on_tmpfs(Path(store)):
-        session = os.environ.get(_ENV_SESSION) or "default"
+        session = os.environ.get(ENV_STORE_SESSION) or "default"
         return Path(store) / session / ".staging" / tag
     root = default_shm_root()
     if root is None:
@@ -232,7 +235,7 @@ class ShmEngine:
         ``required``, where the gang spans hosts or shared memory is unusable here)."""
         labels = os.environ.get(ENV_SHM_HOSTS)
         mine = labels.split(",")[comm.rank] if labels else host_id()
-        gang = os.environ.get("PHALANX_GANG_ID") or "comm"
+        gang = os.environ.get(ENV_GANG_ID) or "comm"
         nonce = uuid.uuid4().hex[:8] if comm.rank == 0 else None
         problem = None
         try:

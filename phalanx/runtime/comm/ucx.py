@@ -21,12 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from ..envvars import ENV_HOST
 from .base import NUMPY_REDUCE, Communicator, ReduceOp
 
 
 def _import_ucxx() -> Any:
     # A worker on loopback-only sites must not offer its address on other interfaces.
-    if os.environ.get("PHALANX_HOST", "127.0.0.1") in ("127.0.0.1", "localhost"):
+    if os.environ.get(ENV_HOST, "127.0.0.1") in ("127.0.0.1", "localhost"):
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_TLS", "tcp,self")  # sm,self is unreachable here (COMMS.md)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unused on CPU

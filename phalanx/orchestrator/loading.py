@@ -8,11 +8,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..runtime.envvars import ENV_SITE_PATH
 from .models import Site, Workflow
 from .validate import check
 from .yamlio import ConfigError, field_path, load_model, load_yaml, parse, parse_yaml
-
-SITE_DIRS_ENV = "PHALANX_SITE_PATH"
 
 
 def find_site(name_or_path: str, near: Path | None = None) -> Path | None:
@@ -28,7 +27,7 @@ def find_site(name_or_path: str, near: Path | None = None) -> Path | None:
     if name_or_path.endswith((".yaml", ".yml")) or os.sep in name_or_path:
         p = Path(name_or_path)
         return p if exists(p) else None
-    dirs = [Path(d) for d in os.environ.get(SITE_DIRS_ENV, "").split(os.pathsep) if d]
+    dirs = [Path(d) for d in os.environ.get(ENV_SITE_PATH, "").split(os.pathsep) if d]
     dirs.append(Path.cwd() / "site-configs")
     if near is not None:
         dirs += [near / "site-configs", near.parent / "site-configs"]
@@ -46,7 +45,7 @@ def load_site(name_or_path: str, near: Path | None = None, where: str | None = N
         if name_or_path == "local":
             return Site(name="local")  # this machine with defaults: no file needed
         what = f"{where}: no such site file {name_or_path!r}" if where else f"site {name_or_path!r}: no such site file"
-        raise ConfigError([f"{what} (looked in ${SITE_DIRS_ENV}, ./site-configs and beside the workflow)"])
+        raise ConfigError([f"{what} (looked in ${ENV_SITE_PATH}, ./site-configs and beside the workflow)"])
     return load_model(Site, path)
 
 

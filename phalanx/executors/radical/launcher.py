@@ -24,6 +24,7 @@ from typing import Any
 from ...errors import GangError
 from ...runtime import protocol as P
 from ...runtime.envvars import ENV_RP_ARG_PREFIX, ENV_RP_ARGC, ENV_RP_WRAPPER
+from .. import exit_files
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import RankOutput
 from .config import RadicalConfig
@@ -36,13 +37,16 @@ log = logging.getLogger("phalanx.executors.radical")
 # sandbox, where the driver reads them.  RP writes arguments and environment into its exec
 # script inside double quotes (arguments through sh_quote, which leaves $ and ` alone), so
 # what must arrive as it is travels in the environment, escaped for double quotes.
-_WRAPPER = """set --; i=0
+_WRAPPER = (
+    """set --; i=0
 while [ "$i" -lt "$PHALANX_RP_ARGC" ]; do eval "set -- \\"\\$@\\" \\"\\$PHALANX_RP_ARG_$i\\""; i=$((i+1)); done
 d=$RP_TASK_SANDBOX; r=${RP_RANK:-0}; PHALANX_RANK=$r; export PHALANX_RANK
 exec >>"$d/rank-$r.out" 2>&1 </dev/null
 "$@"; rc=$?
-f="$d/rank-$r.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc
 """
+    + exit_files.record("$d", "$r")
+    + "; exit $rc\n"
+)
 
 
 def dq(value: str) -> str:
@@ -55,11 +59,6 @@ def dq(value: str) -> str:
 # OpenMPI refuses root without these (mpiexec starts the ranks of a multi-rank task)
 _ROOT_OMPI = "export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1"
 _FOLLOW_S = 0.1
-
-
-def _shell_code(rc: int) -> int:
-    """The wrapper's ``$?``: 128+N means the rank was killed by signal N."""
-    return -(rc - 128) if 128 < rc < 128 + 65 else rc
 
 
 class RadicalLauncher(Launcher):
@@ -251,12 +250,8 @@ class RadicalLauncher(Launcher):
             fresh = []
             for r, code in enumerate(self._codes):
                 if code is None:
-                    try:
-                        text = (self.sandbox / f"rank-{r}.exit").read_text().strip()
-                    except OSError:
-                        continue
-                    if text.lstrip("-").isdigit():
-                        self._codes[r] = _shell_code(int(text))
+                    self._codes[r] = exit_files.read(self.sandbox, r)
+                    if self._codes[r] is not None:
                         fresh.append(r)
             if fresh:
                 self._drain(fresh)  # the gang reads a failed rank's log tail next
@@ -273,12 +268,7 @@ class RadicalLauncher(Launcher):
         time.sleep(0.05)  # a rank's wrapper may be writing its file as the task ends
         open_ranks = [r for r, c in enumerate(self._codes) if c is None]
         for r in open_ranks:
-            try:
-                text = (self.sandbox / f"rank-{r}.exit").read_text().strip()
-                if text.lstrip("-").isdigit():
-                    self._codes[r] = _shell_code(int(text))
-            except OSError:
-                pass
+            self._codes[r] = exit_files.read(self.sandbox, r)
         open_ranks = [r for r, c in enumerate(self._codes) if c is None]
         if not open_ranks:
             return
@@ -296,7 +286,7 @@ class RadicalLauncher(Launcher):
             code = (
                 -int(signal.SIGKILL)
                 if state != "FAILED" or self.task.exit_code is None
-                else (_shell_code(int(self.task.exit_code)) or 1)
+                else (exit_files.shell_code(int(self.task.exit_code)) or 1)
             )
         elif state == "CANCELED":
             code = -int(signal.SIGTERM)

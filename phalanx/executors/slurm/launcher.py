@@ -19,6 +19,7 @@ from typing import Any
 from ...errors import GangError
 from ...procs import signal_group
 from ...runtime import protocol as P
+from .. import exit_files
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import FileFollower
 from .commands import (
@@ -51,7 +52,8 @@ _STATE_SIGNAL = {
 # where the driver can read it (srun reports only the largest one).
 _WRAPPER = (
     'd=$1; shift; PHALANX_RANK=$SLURM_PROCID; export PHALANX_RANK; "$@"; rc=$?; '
-    'f="$d/rank-$SLURM_PROCID.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc'
+    + exit_files.record("$d", "$SLURM_PROCID")
+    + "; exit $rc"
 )
 
 
@@ -60,11 +62,6 @@ def _code_from_status(status: int) -> int:
     if status & 0x7F:
         return -(status & 0x7F)
     return status >> 8
-
-
-def _shell_code(rc: int) -> int:
-    """The wrapper's ``$?``: 128+N means the rank was killed by signal N."""
-    return -(rc - 128) if 128 < rc < 128 + 65 else rc
 
 
 class SlurmLauncher(Launcher):
@@ -157,8 +154,7 @@ class SlurmLauncher(Launcher):
             self._stop_follower()
             self._reset(Path(log_dir).absolute(), len(rank_env))
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            for old in self.log_dir.glob("rank-*.exit*"):  # a gang restarted in the same dir
-                old.unlink(missing_ok=True)
+            exit_files.clear(self.log_dir)  # a gang restarted in the same dir
             common = _common_env(rank_env)
             common["PYTHONUNBUFFERED"] = "1"
             gang = common.get(P.ENV_GANG_ID) or f"{os.getpid()}-{time.time_ns()}"
@@ -226,12 +222,7 @@ class SlurmLauncher(Launcher):
     def _read_exit_files(self) -> None:
         for r, code in enumerate(self._codes):
             if code is None:
-                try:
-                    text = (self.log_dir / f"rank-{r}.exit").read_text().strip()
-                except OSError:
-                    continue
-                if text.lstrip("-").isdigit():
-                    self._codes[r] = _shell_code(int(text))
+                self._codes[r] = exit_files.read(self.log_dir, r)
 
     def _poll(self, force: bool = False) -> JobInfo | None:
         if self.job_id is None:
@@ -510,7 +501,7 @@ class SlurmStepLauncher(SlurmLauncher):
             and not self._killing
             and (info is None or info.active)
         ):
-            self._settle(None, "FAILED", None, _shell_code(rc) if rc > 0 else (rc or 1))
+            self._settle(None, "FAILED", None, exit_files.shell_code(rc) if rc > 0 else (rc or 1))
             self._raise(
                 f"slurm: job step of pilot job {self.job_id} could not start"
                 f"{_site(self.site)}: {'; '.join(errors[-3:])}"
@@ -518,7 +509,7 @@ class SlurmStepLauncher(SlurmLauncher):
         if info is not None and not info.active:
             self._settle(info, info.state, info.exit_status)
         else:
-            code = -int(signal.SIGKILL) if killed else (_shell_code(rc) if rc > 0 else rc)
+            code = -int(signal.SIGKILL) if killed else (exit_files.shell_code(rc) if rc > 0 else rc)
             self._settle(None, "FAILED" if code else "COMPLETED", None, code or None)
 
     def _status(self, info: JobInfo) -> str:

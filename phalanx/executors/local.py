@@ -16,6 +16,7 @@ from pydantic import Field
 
 from ..procs import signal_group
 from ..runtime.envvars import ENV_CPUS, ENV_THREADS
+from ..runtime.procinfo import memory
 from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher
 from .logs import RankOutput, start_pump, whole_lines
 
@@ -210,10 +211,12 @@ class MemoryWatch:
             for rank, p in enumerate(self.procs):
                 if p.returncode is not None or rank in self.over:
                     continue
-                mem = proc_memory(p.pid)
-                self.peak[rank] = max(self.peak[rank], mem.get("VmHWM", 0))
-                if self.limit and mem.get("RssAnon", 0) > self.limit:
-                    self.over[rank] = mem["RssAnon"]
+                mem = memory(p.pid)
+                if mem is None:  # it has just exited
+                    continue
+                self.peak[rank] = max(self.peak[rank], mem.peak)
+                if self.limit and mem.private > self.limit:
+                    self.over[rank] = mem.private
                     signal_group(p.pid, signal.SIGKILL)
 
     def stop(self) -> None:
@@ -241,20 +244,6 @@ class MemoryWatch:
         if before[1] is None:  # no record to read (not Linux)
             return f" — likely out of memory ({peak})"
         return f" (not out of memory: the kernel recorded no OOM kill; {peak})"
-
-
-def proc_memory(pid: int) -> dict[str, int]:
-    """RssAnon and VmHWM (peak resident set) of a live process in bytes; {} once it has exited."""
-    out = {}
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key in ("RssAnon", "VmHWM"):
-                    out[key] = int(value.split()[0]) * 1024
-    except (OSError, ValueError):
-        pass
-    return out
 
 
 def memory_cgroup_file(pid: int) -> str | None:

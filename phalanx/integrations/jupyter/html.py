@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ...redact import redact
+from ...runtime.procinfo import memory
 
 if TYPE_CHECKING:
     from ...gang import Gang
@@ -98,32 +99,14 @@ def seconds(s: float | None) -> str:
 
 
 # ---- memory of ranks on this host -----------------------------------------------------------------
-def proc_memory(pid: int | None) -> tuple[int, int] | None:
-    """(resident, peak resident) bytes of a live process of this host; None when unknown."""
-    if not pid:
-        return None
-    rss = hwm = None
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key == "VmRSS":
-                    rss = int(value.split()[0]) * 1024
-                elif key == "VmHWM":
-                    hwm = int(value.split()[0]) * 1024
-    except (OSError, ValueError):
-        return None
-    return (rss, hwm or rss) if rss is not None else None
-
-
 def is_here(host: str | None) -> bool:
     """Whether a rank's host (as the rank reported it) is this machine: its pid means something here."""
     return not host or host in (socket.gethostname(), socket.getfqdn(), "localhost")
 
 
 def rank_memory(pid: int | None, host: str | None) -> str:
-    mem = proc_memory(pid) if is_here(host) else None
-    return f"{size(mem[0])} (peak {size(mem[1])})" if mem else "—"
+    mem = memory(pid) if is_here(host) else None  # the private memory a rank's limit counts
+    return f"{size(mem.private)} (peak {size(mem.peak)})" if mem else "—"
 
 
 # ---- gangs ----------------------------------------------------------------------------------------

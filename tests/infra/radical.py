@@ -82,4 +82,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    # run as a script, this file's directory comes first on sys.path, and this file would be
+    # the package ``radical``
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
     sys.exit(main(sys.argv[1:]))

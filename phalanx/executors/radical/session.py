@@ -42,6 +42,7 @@ from typing import Any
 from ...errors import GangError, MissingDependencyError
 from ...runtime.envvars import ENV_RADICAL_BIND
 from ..network import Beacon
+from . import counters
 from .config import RadicalConfig
 
 log = logging.getLogger("phalanx.executors.radical")
@@ -60,6 +61,7 @@ def import_rp():
             f"executor 'radical' needs the radical.pilot package, which is not installed ({exc.name or exc}); "
             "install it with: pip install 'phalanx[radical]' (it builds a few sdists: gcc is needed)"
         ) from exc
+    counters.install()  # before RP makes its first id: see counters.py
     return rp
 
 

@@ -55,7 +55,15 @@ PACKAGE = "phalanx"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     (
         "base",
-        ("phalanx.errors", "phalanx._registry", "phalanx.paths", "phalanx.private", "phalanx.redact", "phalanx.procs"),
+        (
+            "phalanx.errors",
+            "phalanx._registry",
+            "phalanx.extras",
+            "phalanx.paths",
+            "phalanx.private",
+            "phalanx.redact",
+            "phalanx.procs",
+        ),
     ),
     ("runtime", ("phalanx.runtime",)),
     ("operators", ("phalanx.operators",)),
@@ -76,6 +84,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "phalanx.examples",
         ),
     ),
+    # the contracts plug-ins run (pytest test classes): above everything they exercise
+    ("testing", ("phalanx.testing",)),
 ]
 
 # Violations being fixed by the executor refactor (issue 10; files the lead owns: gang.py,

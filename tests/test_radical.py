@@ -88,6 +88,33 @@ def test_the_rank_wrapper_gets_every_argument_as_written(tmp_path):
     assert (tmp_path / "rank-1.exit").read_text().strip() == "3"
 
 
+def test_radical_utils_id_counters_never_close_another_threads_file(tmp_path, monkeypatch):
+    """radical.utils closes an id counter's file twice; another thread that opens a file between
+    the two closes gets that number (here: takes it right after the first close).  Its file must
+    stay open (without phalanx's fix, RP's profile writes failed with EBADF now and then)."""
+    ru = pytest.importorskip("radical.utils")
+    from phalanx.executors.radical import counters
+
+    counters.install()
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT)
+    taken: list[int] = []
+    real_close = os.close
+
+    def close_then_reuse(fd: int) -> None:
+        real_close(fd)
+        if not taken:  # the first close of the counter's file: its number is another file's now
+            os.dup2(other, fd)
+            taken.append(fd)
+
+    monkeypatch.setattr(os, "close", close_then_reuse)
+    ru.generate_id("phalanx-test.%(item_counter)04d", ru.ID_CUSTOM, ns=str(tmp_path))  # an absolute ns: files here
+    monkeypatch.undo()
+    assert taken, "radical.utils opened no counter file"
+    assert os.fstat(taken[0]).st_ino == os.fstat(other).st_ino  # still open, still the other file
+    os.close(taken[0])
+    os.close(other)
+
+
 # ---- real RP -------------------------------------------------------------------------------
 def needs_rp(fn):
     """Marker ``radical``; skipped with the reason where RP cannot run."""

@@ -35,16 +35,16 @@ Echo = bool | Callable[[str], None]  # True: rank lines to stderr; a callable ge
 
 
 class AllocationHook(Protocol):
-    def held(self, record: dict) -> None: ...
+    def held(self, record: dict[str, Any]) -> None: ...
 
-    def released(self, record: dict) -> None: ...
+    def released(self, record: dict[str, Any]) -> None: ...
 
 
-_held_here: dict[tuple[str, str], dict] = {}  # (executor, id) → record: held by this process
+_held_here: dict[tuple[str, str], dict[str, Any]] = {}  # (executor, id) → record: held by this process
 _held_lock = threading.Lock()
 
 
-def held(hook: AllocationHook | None, record: dict) -> None:
+def held(hook: AllocationHook | None, record: dict[str, Any]) -> None:
     """An allocation exists (or is about to: submitted under its ``id``)."""
     with _held_lock:
         if not _held_here:  # registered late: runs before Ray's own exit handler disconnects
@@ -54,7 +54,7 @@ def held(hook: AllocationHook | None, record: dict) -> None:
         hook.held(record)
 
 
-def released(hook: AllocationHook | None, record: dict) -> None:
+def released(hook: AllocationHook | None, record: dict[str, Any]) -> None:
     """The allocation is gone."""
     with _held_lock:
         _held_here.pop((record["executor"], str(record["id"])), None)
@@ -245,7 +245,7 @@ class Executor(ABC, Generic[ConfigT]):
         return self.cores or self.config.slots()
 
     @staticmethod
-    def release(record: dict) -> str:
+    def release(record: dict[str, Any]) -> str:
         """Free an allocation this executor recorded (``held``) from any process — one a killed
         driver left; a human line saying what was done."""
         raise NotImplementedError(f"executor {record.get('executor')!r} records no allocations")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import pyarrow as pa
 
@@ -10,7 +11,7 @@ from ..runtime.comm.base import Communicator
 from . import kernels
 from .shuffle import shuffle_table
 
-_KEEP = {"first": "first", "last": "last", False: "none"}
+_KEEP: dict[str | bool, Literal["first", "last", "none"]] = {"first": "first", "last": "last", False: "none"}
 
 
 def drop_duplicates(

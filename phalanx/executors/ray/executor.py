@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...errors import PhalanxError
-from ..base import Capabilities, Echo, Executor, ExecutorConfig
+from ..base import Capabilities, Echo, Executor
 from .config import RayConfig, ray_config
 from .connection import connect, connected
 from .launcher import RayLauncher
@@ -69,7 +69,7 @@ class RayExecutor(Executor[RayConfig]):
             return None
         return int(cpus // self.config.cpus_per_rank) or None
 
-    def check(self, ranks: int, config: ExecutorConfig | Mapping[str, Any] | None = None) -> None:
+    def check(self, ranks: int, config: RayConfig | Mapping[str, Any] | None = None) -> None:
         """A resources list that does not give one bundle per rank (nothing is asked of Ray)."""
         cfg = ray_config(config if config is not None else self.config, self.site)
         try:

@@ -126,7 +126,7 @@ class SlurmExecutor(Executor[SlurmConfig]):
         """(sbatch/srun options, CPUs per rank) of one gang: nodes from ranks_per_node, and
         the site's memory per rank as --mem-per-cpu unless the section sets mem or mem_per_cpu."""
         options = cfg.options()
-        cpus = _whole(options.pop("cpus-per-task", None) or 1, "cpus_per_task")
+        cpus = _whole(options.pop("cpus-per-task", 1) or 1, "cpus_per_task")
         per_node = options.get("ntasks-per-node")
         if per_node and "nodes" not in options:
             options["nodes"] = max(1, math.ceil(ranks / _whole(per_node, "ntasks_per_node")))

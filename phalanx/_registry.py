@@ -35,7 +35,7 @@ class Registry:
         self._extras[name] = dict(targets)
 
     def _plugins(self) -> None:
-        if self._plugins_loaded:
+        if self._plugins_loaded or self.group is None:
             return
         self._plugins_loaded = True
         from importlib.metadata import entry_points

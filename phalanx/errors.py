@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from .redact import redact
 
@@ -11,7 +12,7 @@ class PhalanxError(Exception):
     """Base class of every phalanx error.  Its message never carries a credential: a URL's
     password or a secret-named value in it is replaced by ``***`` (``phalanx.redact``)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: object, **kwargs: Any) -> None:
         super().__init__(*(redact(a) if isinstance(a, str) else a for a in args), **kwargs)
 
 

@@ -50,7 +50,7 @@ class BSPEnv:
     params: dict[str, Any] = field(default_factory=dict)
     threads: int = 1
     gang_id: str = ""
-    log: logging.Logger = field(default=None, repr=False)  # type: ignore[assignment]
+    log: logging.Logger = field(default=None, repr=False)  # type: ignore[assignment]  # None only until __post_init__ sets the rank's logger
     _store: Any = field(default=None, repr=False)
     _stage: StageScope | None = field(default=None, repr=False)  # while a workflow stage's app runs
 
@@ -59,7 +59,7 @@ class BSPEnv:
             self.log = rank_logger(self.rank)
 
     @property
-    def store(self):
+    def store(self) -> Any:
         """The intermediate store, for collective ``put``/``get`` (opened on first use)."""
         if self._store is None:
             if _store_opener is None:
@@ -98,11 +98,11 @@ class BSPEnv:
         """The datasets the stage seals."""
         return list(self._stage.outputs) if self._stage is not None else []
 
-    def input(self, name: str):
+    def input(self, name: str) -> Any:
         """The stage input ``name`` as a DataFrame, repartitioned as the workflow says."""
         return self._scope(f"env.input({name!r})").input(name)
 
-    def output(self, name: str, data: Any):
+    def output(self, name: str, data: Any) -> Any:
         """Seal ``data`` as the stage output ``name`` (every rank passes its partition)."""
         return self._scope(f"env.output({name!r}, ...)").output(name, data)
 

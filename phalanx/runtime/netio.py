@@ -31,6 +31,7 @@ import socket
 import struct
 import threading
 import time
+from typing import Any
 
 from ..errors import PhalanxError
 from .envvars import ENV_BIND_HOST, ENV_CONTROL
@@ -178,18 +179,19 @@ def accept_peers(
     ``HANDSHAKE_S``: a connection that fails one is closed with a warning and the wait goes on,
     so an intruder can neither fail the gang nor hold up the real peers."""
     key = mesh_key(authkey)
-    done: queue.Queue = queue.Queue()
+    # a handshake's outcome: the peer's rank and its socket, or why it was refused
+    done: queue.Queue[tuple[int, socket.socket] | str] = queue.Queue()
     wake_r, wake_w = socket.socketpair()
     got: dict[int, socket.socket] = {}
     pending = 0
 
-    def shake(sock: socket.socket, addr: tuple) -> None:
+    def shake(sock: socket.socket, addr: tuple[Any, ...]) -> None:
         try:
             peer = _respond(sock, rank, world_size, key, address, min(deadline, time.monotonic() + HANDSHAKE_S), what)
-            done.put((peer, sock, None))
+            done.put((peer, sock))
         except Exception as exc:
             sock.close()
-            done.put((None, None, f"rank {rank} refused a connection from {addr[0]}:{addr[1]}: {exc}"))
+            done.put(f"rank {rank} refused a connection from {addr[0]}:{addr[1]}: {exc}")
         try:
             wake_w.send(b"x")
         except OSError:
@@ -208,13 +210,15 @@ def accept_peers(
                 wake_r.recv(4096)
             while True:
                 try:
-                    peer, sock, why = done.get_nowait()
+                    outcome = done.get_nowait()
                 except queue.Empty:
                     break
                 pending -= 1
-                if why:
-                    log.warning(why)
-                elif peer in got:
+                if isinstance(outcome, str):
+                    log.warning(outcome)
+                    continue
+                peer, sock = outcome
+                if peer in got:
                     sock.close()
                     raise PhalanxError(f"{what}: rank {rank} got a second connection from rank {peer}")
                 else:
@@ -278,4 +282,5 @@ def bind_host(rendezvous_url: str, deadline: float | None = None) -> str:
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((addr, 9))  # no packet is sent: it only picks the route
-        return probe.getsockname()[0]
+        host: str = probe.getsockname()[0]  # (host, port) for AF_INET
+        return host

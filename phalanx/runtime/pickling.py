@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import types
 from collections import ChainMap
+from collections.abc import Callable
 from typing import Any
 
 import cloudpickle
@@ -19,16 +20,16 @@ import cloudpickle
 _cloudpickle_code = cloudpickle.Pickler.dispatch_table[types.CodeType]
 
 
-def _named(make: Any, args: tuple, filename: str) -> types.CodeType:
+def _named(make: Callable[..., types.CodeType], args: tuple[Any, ...], filename: str) -> types.CodeType:
     return make(*args).replace(co_filename=filename)
 
 
-def _reduce_code(code: types.CodeType) -> tuple:
+def _reduce_code(code: types.CodeType) -> tuple[Callable[..., types.CodeType], tuple[Any, ...]]:
     make, args = _cloudpickle_code(code)
     return _named, (make, args, code.co_filename)
 
 
-class _Pickler(cloudpickle.Pickler):
+class _Pickler(cloudpickle.Pickler):  # type: ignore[misc]  # cloudpickle ships no types (an Any base)
     dispatch_table = ChainMap({types.CodeType: _reduce_code}, cloudpickle.Pickler.dispatch_table)
 
 

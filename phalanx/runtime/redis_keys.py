@@ -3,10 +3,14 @@ and the gang's key prefix, and removing a gang's keys after it ended."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlparse
 
+if TYPE_CHECKING:
+    import redis
 
-def client_and_prefix(url: str):
+
+def client_and_prefix(url: str) -> tuple[redis.Redis[bytes], str]:
     """A redis-py client for ``url`` (its ``prefix`` query removed) and the gang's key prefix."""
     try:
         import redis

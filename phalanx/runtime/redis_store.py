@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from typing import cast
 
 import redis
 import torch.distributed as dist
@@ -16,6 +17,11 @@ from ..redact import redact
 from .redis_keys import client_and_prefix
 
 _POLL_S = 0.002
+
+
+def _bytes(value: str | bytes) -> bytes:
+    """A value as Redis stores it: Gloo hands bytes, a Python caller may hand str."""
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 class RedisStore(dist.Store):
@@ -32,12 +38,15 @@ class RedisStore(dist.Store):
     def _k(self, key: str) -> str:
         return self.prefix + key
 
-    def set(self, key: str, value) -> None:
-        self.client.set(self._k(key), bytes(value) if not isinstance(value, str) else value.encode())
+    def set(self, key: str, value: str | bytes) -> None:
+        self.client.set(self._k(key), _bytes(value))
 
     def get(self, key: str) -> bytes:
         self.wait([key])
-        return self.client.get(self._k(key))
+        value = self.client.get(self._k(key))
+        if value is None:  # deleted between the wait and the read
+            raise KeyError(f"rendezvous {redact(self.url)}: key {key!r} was deleted while it was read")
+        return value
 
     def add(self, key: str, amount: int) -> int:
         return int(self.client.incrby(self._k(key), amount))
@@ -53,14 +62,16 @@ class RedisStore(dist.Store):
                 raise TimeoutError(f"rendezvous {redact(self.url)}: keys {keys} not set after {limit:.0f}s")
             time.sleep(_POLL_S)
 
-    def compare_set(self, key: str, expected, desired) -> bytes:
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         script = (
             "local v = redis.call('GET', KEYS[1]) "
             "if (v == false and ARGV[1] == '') or v == ARGV[1] then "
             "redis.call('SET', KEYS[1], ARGV[2]) return ARGV[2] end "
             "if v == false then return ARGV[1] end return v"
         )
-        return self.client.eval(script, 1, self._k(key), bytes(expected), bytes(desired))
+        # the script returns a string: bytes, the client not decoding responses
+        reply = self.client.eval(script, 1, self._k(key), _bytes(expected), _bytes(desired))  # type: ignore[no-untyped-call]  # types-redis leaves eval unannotated
+        return cast(bytes, reply)
 
     def delete_key(self, key: str) -> bool:
         return bool(self.client.delete(self._k(key)))

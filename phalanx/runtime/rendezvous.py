@@ -19,13 +19,18 @@ import socket
 import time
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 from urllib.parse import parse_qs, urlencode, urlparse
 
 from .._registry import Registry
 from ..errors import PhalanxError
 from ..private import makedirs
 from ..redact import redact
+
+if TYPE_CHECKING:
+    from torch.distributed import Store
 
 
 class Rendezvous(ABC):
@@ -38,7 +43,7 @@ class Rendezvous(ABC):
 
     @classmethod
     @abstractmethod
-    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float) -> Store:
         """Rank side: the store every rank of the gang shares."""
 
     @classmethod
@@ -60,7 +65,8 @@ def _timeout(s: float) -> datetime.timedelta:
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def reserve_port(host: str) -> socket.socket | None:
@@ -76,6 +82,14 @@ def reserve_port(host: str) -> socket.socket | None:
         sock.close()
         return None
     return sock
+
+
+def _tcp_address(url: str) -> tuple[str, int]:
+    """The host and port of a ``tcp://host:port`` rendezvous URL (as ``prepare`` writes it)."""
+    u = urlparse(url)
+    if u.hostname is None or u.port is None:
+        raise PhalanxError(f"rendezvous {url!r}: a tcp rendezvous is tcp://host:port")
+    return u.hostname, u.port
 
 
 class TCPRendezvous(Rendezvous):
@@ -102,24 +116,24 @@ class TCPRendezvous(Rendezvous):
             sock.close()
 
     @classmethod
-    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float) -> Store:
         from torch.distributed import TCPStore
 
-        u = urlparse(url)
+        host, port = _tcp_address(url)
         if rank != 0:
             return TCPStore(
-                u.hostname, u.port, world_size, is_master=False, timeout=_timeout(timeout_s), wait_for_workers=False
+                host, port, world_size, is_master=False, timeout=_timeout(timeout_s), wait_for_workers=False
             )
         # TCPStore alone listens on every interface: bind the socket to the URL's host
         # (loopback for a gang on one machine) and hand it over.
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((u.hostname, u.port))
+        sock.bind((host, port))
         sock.listen(max(128, world_size))
         # detach: the store's server owns the descriptor from now on (Python must not close it)
         return TCPStore(
-            u.hostname,
-            u.port,
+            host,
+            port,
             world_size,
             is_master=True,
             timeout=_timeout(timeout_s),
@@ -134,27 +148,27 @@ class TCPRendezvous(Rendezvous):
         ways), sends its value and receives the table; then the port is closed."""
         from .netio import accept_peers, connect_peer, recv_frame, send_frame
 
-        u = urlparse(url)
+        host, port = _tcp_address(url)
         deadline = time.monotonic() + timeout_s
         what = f"rendezvous {url}"
         if rank != 0:
-            sock = connect_peer((u.hostname, u.port), rank, 0, authkey, deadline, what)
+            sock = connect_peer((host, port), rank, 0, authkey, deadline, what)
             with sock:
                 send_frame(sock, value)
                 return [recv_frame(sock) for _ in range(world_size)]
-        values: list[bytes | None] = [value] + [None] * (world_size - 1)
+        received = {0: value}
         conns: dict[int, socket.socket] = {}
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            listener.bind((u.hostname, u.port))
+            listener.bind((host, port))
             listener.listen(max(128, world_size))
-            conns = accept_peers(
-                listener, f"{u.hostname}:{u.port}", world_size - 1, 0, world_size, authkey, deadline, what
-            )
+            conns = accept_peers(listener, f"{host}:{port}", world_size - 1, 0, world_size, authkey, deadline, what)
             for peer, sock in conns.items():
                 sock.settimeout(max(deadline - time.monotonic(), 0.001))
-                values[peer] = recv_frame(sock)
+                received[peer] = recv_frame(sock)
+            # accept_peers returned world_size - 1 distinct ranks, each in 1..world_size-1: all of them
+            values = [received[r] for r in range(world_size)]
             for sock in conns.values():
                 for v in values:
                     send_frame(sock, v)
@@ -175,7 +189,7 @@ class FileRendezvous(Rendezvous):
         return f"file://{directory / f'rdzv-{gang_id}'}"
 
     @classmethod
-    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float) -> Store:
         from torch.distributed import FileStore
 
         store = FileStore(urlparse(url).path, world_size)
@@ -221,7 +235,7 @@ class RedisRendezvous(Rendezvous):
         return u._replace(query=urlencode(query, doseq=True)).geturl()
 
     @classmethod
-    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float):
+    def connect(cls, url: str, rank: int, world_size: int, timeout_s: float) -> Store:
         from .redis_store import RedisStore
 
         return RedisStore(url, timeout_s=timeout_s)
@@ -242,18 +256,20 @@ class RedisRendezvous(Rendezvous):
         delete_prefix(url)
 
 
-def _poll_all(read, world_size: int, timeout_s: float, what: str) -> list[bytes]:
+def _poll_all(read: Callable[[int], bytes | None], world_size: int, timeout_s: float, what: str) -> list[bytes]:
     """``read(r)`` for every rank, retried (1 ms, backing off to 50 ms) until each gave a value."""
     deadline = time.monotonic() + timeout_s
-    values: list[bytes | None] = [None] * world_size
+    values: dict[int, bytes] = {}
     pause = 0.001
     while True:
         for r in range(world_size):
-            if values[r] is None:
-                values[r] = read(r)
-        missing = [r for r, v in enumerate(values) if v is None]
+            if r not in values:
+                value = read(r)
+                if value is not None:
+                    values[r] = value
+        missing = [r for r in range(world_size) if r not in values]
         if not missing:
-            return values
+            return [values[r] for r in range(world_size)]
         if time.monotonic() > deadline:
             raise PhalanxError(f"{what}: rank(s) {missing} did not arrive within {timeout_s:.0f}s")
         time.sleep(pause)
@@ -273,7 +289,8 @@ def backend_for(spec: str) -> type[Rendezvous]:
         raise PhalanxError(
             f"unknown rendezvous {spec!r}: use 'tcp', 'file', 'file:///shared/dir' or 'redis://host:port/db'"
         )
-    return rendezvous_backends.load(scheme)
+    # the registry holds any kind of target; this one's are Rendezvous classes
+    return cast("type[Rendezvous]", rendezvous_backends.load(scheme))
 
 
 def gang_authkey(what: str) -> bytes:

@@ -10,7 +10,7 @@ from typing import Any
 from ..errors import RankFailure
 
 
-def resolve_app(app: Any) -> Callable[..., Any]:
+def resolve_app(app: object) -> Callable[..., Any]:
     """A callable as is, or ``"package.module:function"`` imported on this rank."""
     if callable(app):
         return app

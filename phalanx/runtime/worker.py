@@ -20,10 +20,16 @@ import signal
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from ..procs import descendants, die_with_parent
 from . import threads as threads_
 from .envvars import ENV_PDEATHSIG, ENV_PRELOAD
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from .env import BSPEnv
 
 
 def _die_with_parent() -> None:
@@ -63,7 +69,7 @@ class DriverWatch(threading.Thread):
     ``timeout_s``, means the driver is gone: the rank and its children end at once, even while
     the app computes, so nothing of theirs (a seal into the store) happens after the driver."""
 
-    def __init__(self, conn, rank: int, timeout_s: float):
+    def __init__(self, conn: Connection, rank: int, timeout_s: float):
         super().__init__(name="phalanx-driver-watch", daemon=True)
         self.conn, self.rank, self.timeout_s = conn, rank, timeout_s
         self.inbox: queue.Queue[bytes] = queue.Queue()
@@ -111,7 +117,7 @@ def end_process_tree() -> None:
         os.killpg(os.getpid(), signal.SIGKILL)
 
 
-def _build_env(rank: int, world_size: int, threads: int):
+def _build_env(rank: int, world_size: int, threads: int) -> BSPEnv:
     from . import protocol as P
     from .comm import communicators
     from .env import BSPEnv
@@ -137,7 +143,7 @@ def _limit_kernel_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _serve(conn, watch: DriverWatch, env) -> int:
+def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv) -> int:
     from . import protocol as P
     from .tasks import failure_from_exception, resolve_app
 

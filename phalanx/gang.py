@@ -99,7 +99,8 @@ class Gang:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
         self._owned: Executor | None = None  # an executor this gang made: its run scope is the gang's
         if site is not None:
-            s = site if hasattr(site, "create_executor") else _load_site(site)
+            # a site model (the orchestrator's, which this layer does not import) or what names one
+            s: Any = site if hasattr(site, "create_executor") else _load_site(site)
             communicator = communicator or s.communicator
             rendezvous = rendezvous or s.rendezvous
             control_host = control_host or s.driver_host
@@ -144,9 +145,10 @@ class Gang:
     def health(self) -> str | None:
         """None when every rank is alive and connected, else what is wrong: a gang kept idle
         between runs (reused by the next stage) may have lost a rank meanwhile."""
-        if not self.running:
+        launcher, control = self._launcher, self._control
+        if launcher is None:
             return "not running"
-        codes = self._launcher.exitcodes()
+        codes = launcher.exitcodes()
         dead = [f"rank {r} exited with code {c}" for r, c in enumerate(codes) if c is not None]
         # a rank whose main thread is gone but not yet reaped (threads still ending) is dead too
         here = socket.gethostname()
@@ -155,8 +157,10 @@ class Gang:
             for r, (pid, host) in enumerate(zip(self.pids, self.hosts))
             if codes[r] is None and host == here and not pid_alive(pid)
         ]
-        with self._control.events.mutex:  # a rank's lost connection is an event nobody read yet
-            lost = sorted({r for r, msg in self._control.events.queue if isinstance(msg, _FAILED)})
+        lost: list[int] = []
+        if control is not None:  # (a command's gang has no control connections)
+            with control.events.mutex:  # a rank's lost connection is an event nobody read yet
+                lost = sorted({r for r, msg in control.events.queue if isinstance(msg, _FAILED)})
         dead += [f"rank {r} lost its connection" for r in lost if not any(d.startswith(f"rank {r} ") for d in dead)]
         return "; ".join(dead) or None
 
@@ -164,7 +168,7 @@ class Gang:
         if self.running:
             return self
         t0 = time.perf_counter()
-        self._prepare()
+        launcher, log_dir = self._prepare()
         self._control = ControlServer(self.world_size, self.control_host)
         rank_env = self._rank_env(
             {
@@ -177,7 +181,7 @@ class Gang:
             }
         )
         try:
-            self._launcher.launch(WORKER_ARGV, rank_env, self.log_dir)
+            launcher.launch(WORKER_ARGV, rank_env, log_dir)
             self._await_ready()
         except BaseException:
             self._teardown(graceful=False)
@@ -186,31 +190,36 @@ class Gang:
         log.debug("gang %s ready in %.2fs", self.gang_id, self.ready_seconds)
         return self
 
-    def _prepare(self) -> None:
-        """A new gang id, log directory, launcher and rendezvous (torn down by ``_teardown``)."""
+    def _prepare(self) -> tuple[Launcher, Path]:
+        """A new gang id, log directory, launcher and rendezvous (torn down by ``_teardown``);
+        returns the launcher and the log directory."""
         self.gang_id = new_gang_id()
-        self.log_dir = self._log_dir_arg or default_log_root() / self.gang_id
-        self._launcher = self._make_launcher()
-        self._launcher.start_timeout = self.start_timeout
+        self.log_dir = log_dir = self._log_dir_arg or default_log_root() / self.gang_id
+        self._launcher = launcher = self._make_launcher()
+        launcher.start_timeout = self.start_timeout
         _live_gangs.add(self)
         try:
-            self._rdzv_url = backend_for(self.rendezvous).prepare(self.rendezvous, self.gang_id, self.log_dir)
+            self._rdzv_url = backend_for(self.rendezvous).prepare(self.rendezvous, self.gang_id, log_dir)
         except BaseException:
             self._teardown(graceful=False)
             raise
+        return launcher, log_dir
 
     def _rank_env(self, extra: dict[str, str]) -> list[dict[str, str]]:
         """Every rank's environment: world, rendezvous, gang id, the store's settings (root,
         session, metadata URL, memory budget, spill directory), ``extra``, its rank and placement."""
+        launcher, rdzv_url = self._launcher, self._rdzv_url
+        if launcher is None or rdzv_url is None:  # torn down by another thread (a cancel)
+            raise GangError(f"gang {self.gang_id} was stopped")
         base = {
             P.ENV_WORLD_SIZE: str(self.world_size),
-            P.ENV_RDZV: self._rdzv_url,
+            P.ENV_RDZV: rdzv_url,
             P.ENV_GANG_ID: self.gang_id,
             P.ENV_PDEATHSIG: "1",
             **self.store.rank_env(),
             **extra,
         }
-        placement = self._launcher.placement(self.world_size)
+        placement = launcher.placement(self.world_size)
         return [{**base, P.ENV_RANK: str(r), **placement[r]} for r in range(self.world_size)]
 
     def run_command(
@@ -223,10 +232,10 @@ class Gang:
         tails; ``GangError`` when it does not finish within ``timeout``."""
         if self.running:
             raise GangError(f"gang {self.gang_id} runs the rank worker: a command needs a gang of its own")
-        self._prepare()
+        launcher, log_dir = self._prepare()
         ok = False
         try:
-            self._launcher.launch(list(argv), self._rank_env(dict(env or {})), self.log_dir)
+            launcher.launch(list(argv), self._rank_env(dict(env or {})), log_dir)
             self._await_exit(timeout)
             ok = True
         finally:
@@ -297,14 +306,16 @@ class Gang:
 
     def redirect_logs(self, log_dir: str | Path) -> bool:
         """Send the ranks' output to ``log_dir`` from now on; False if the executor cannot."""
-        if not self.running or not self._launcher.redirect(Path(log_dir)):
+        launcher = self._launcher
+        if launcher is None or not launcher.redirect(Path(log_dir)):
             return False
         self.log_dir = Path(log_dir)
         return True
 
     def status(self) -> str | None:
         """The resource manager's view of the gang (``slurm: job 42 RUNNING on n[1-2]``), if any."""
-        return self._launcher.status() if self.running else None
+        launcher = self._launcher
+        return launcher.status() if launcher is not None else None
 
     def close(self) -> None:
         """Stop the ranks: ask them to leave, then make sure they did; end the run scope of an
@@ -313,7 +324,7 @@ class Gang:
         self._close_scope()
 
     def _close_scope(self) -> None:
-        if self._scope_open:
+        if self._scope_open and self._owned is not None:  # (only an executor of its own opens one)
             self._scope_open = False
             self._owned.close_run()
 
@@ -471,7 +482,8 @@ class Gang:
         text = f"gang {self.gang_id}: {_ranks(late)} did not manage to {what}"
         if others:
             text += f"; {_ranks(others)} {done}"
-        status = self._launcher.status()  # e.g. "slurm: job 42 PENDING (Resources)"
+        launcher = self._launcher  # None once torn down by another thread (a cancel)
+        status = launcher.status() if launcher is not None else None  # e.g. "slurm: job 42 PENDING (Resources)"
         if status:
             text += f" ({status})"
         return GangError(f"{text}; logs in {self.log_dir}")
@@ -482,8 +494,9 @@ class Gang:
         code = self._wait_exitcode(rank, getattr(self._launcher, "exit_latency", 1.0))
         if code is not None and code < 0:
             how = f"killed by signal {signal.Signals(-code).name}"
-            if code == -signal.SIGKILL:  # over a memory limit, the OOM killer...
-                how += self._launcher.memory_note(rank)
+            launcher = self._launcher  # None once torn down by another thread (a cancel)
+            if code == -signal.SIGKILL and launcher is not None:  # over a memory limit, the OOM killer...
+                how += launcher.memory_note(rank)
         elif code is not None:
             how = f"exited with code {code}"
         else:

@@ -171,6 +171,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
         print(f"phalanx wait: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
     run = db.run(args.run)
+    if run is None:  # removed from the run DB meanwhile
+        print(f"phalanx wait: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
     if not status.finished and run["host"] != socket.gethostname():
         print(
             f"phalanx wait: run {args.run} is driven from host {run['host']!r}: a driver that dies "
@@ -188,6 +191,9 @@ def cmd_wait(args: argparse.Namespace) -> int:
         print(f"run {args.run} still {status.state} after {args.timeout:g}s")
         return 124
     run = db.run(args.run)
+    if run is None:  # removed from the run DB since
+        print(f"phalanx wait: no run {args.run!r} in {db.path}", file=sys.stderr)
+        return 1
     took = f" in {run['ended'] - run['started']:.1f}s" if run["ended"] and run["started"] else ""
     print(f"run {args.run} {status.state}{took} (store session {status.session!r})")
     if status.state == "lost":
@@ -245,7 +251,8 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     pid = run["pid"]
     if not stop_driver(pid, args.wait):
         print(f"run {args.run}: driver {pid} did not stop within {args.wait:.0f}s; killed it", file=sys.stderr)
-    print(f"run {args.run} {db.run(args.run)['state']}")
+    after = db.run(args.run)
+    print(f"run {args.run} {after['state'] if after is not None else 'removed from the run DB'}")
     return 0
 
 
@@ -294,8 +301,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         if s["stage"] in placed and s["state"] == "running":  # e.g. "slurm: job 42 RUNNING on n[1-2]"
             print(f"      on {placed[s['stage']]}")
-        for e in released.get(s["stage"], []):  # what a dead driver left, freed by status/cancel/resume
-            print(f"      released {e}")
+        for freed in released.get(s["stage"], []):  # what a dead driver left, freed by status/cancel/resume
+            print(f"      released {freed}")
         for local, i in s["inputs"].items():
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']})")
     return 0

@@ -201,8 +201,9 @@ def _checked(
     file = "<python>"
     if isinstance(workflow, (str, Path)):
         file = str(workflow)
+        # a site file's path as a str: find_site reads it as text (a Path failed in its endswith)
         wf, site_model = load_workflow(
-            workflow, site=site if isinstance(site, (str, Path)) or site is None else None, existing=existing
+            workflow, site=str(site) if isinstance(site, (str, Path)) else None, existing=existing
         )
         if isinstance(site, Site):
             site_model = site

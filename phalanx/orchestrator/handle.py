@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..executors.base import pid_alive
+from ..procs import pid_alive
 from .rundb import FINAL, RunDB
 
 if TYPE_CHECKING:

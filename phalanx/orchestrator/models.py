@@ -148,7 +148,7 @@ class _StageFields(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _kind_needs_its_entry(self) -> Stage:
+    def _kind_needs_its_entry(self) -> _StageFields:
         if self.kind == "command":
             if not self.command:
                 raise ValueError("a command stage needs command: [program, args...]")

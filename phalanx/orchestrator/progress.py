@@ -7,10 +7,13 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..redact import redact
 from .models import Workflow
+
+if TYPE_CHECKING:
+    from rich.live import Live
 
 _STYLE = {
     "pending": "dim",
@@ -48,7 +51,7 @@ class RunProgress:
         self.rows = {name: _Row(st.ranks) for name, st in self.wf.stages.items()}
         if self.live is None:
             self.live = self.out.isatty()
-        self._live = None
+        self._live: Live | None = None
 
     def __enter__(self) -> RunProgress:
         if self.live:

@@ -15,8 +15,8 @@ from typing import Any
 
 from .. import paths
 from ..errors import PhalanxError
-from ..executors.base import pid_alive
 from ..private import create_private
+from ..procs import pid_alive
 from ..redact import redact_opt
 
 _SCHEMA = """

@@ -353,15 +353,19 @@ class Scheduler:
         if not self.caps.runs_commands:
             error = f"executor {self.site.executor!r} cannot start programs: command stages cannot run on it"
             return error, error, None
+        command = st.command
+        if not command:  # the stage model's validator requires one for a command stage
+            error = f"stage {name!r} is a command stage without a command"
+            return error, error, None
         gang = self._gang(name, slots, log_dir)
         env = {f"{ENV_PARAM_PREFIX}{k.upper()}": str(v) for k, v in st.params.items()}
-        self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {st.command[0]!r} on slots {slots}")
+        self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {command[0]!r} on slots {slots}")
         with self._lock:
             self._gangs[name] = gang
         try:
-            gang.run_command(command_argv(st.command), env, timeout=st.timeout)
+            gang.run_command(command_argv(command), env, timeout=st.timeout)
         except OSError as exc:  # the program does not exist or is not executable
-            error = f"cannot start {st.command[0]!r}: {exc.strerror or exc}"
+            error = f"cannot start {command[0]!r}: {exc.strerror or exc}"
             return error, error, None
         except (RankError, GangError) as exc:  # a rank failed; the resource manager refused (bad partition...)
             return error_summary(exc), str(exc), failed_ranks(gang, exc)

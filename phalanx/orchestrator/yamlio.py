@@ -13,10 +13,11 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, cast
 
 import yaml
 from pydantic import BaseModel, PrivateAttr, ValidationError
+from pydantic_core import ErrorDetails
 from yaml.composer import ComposerError
 from yaml.constructor import ConstructorError
 
@@ -87,7 +88,7 @@ class Located(BaseModel):
         return locate(loc, self._source, self._root, self._overridden)
 
 
-def _message(err: dict) -> str:
+def _message(err: ErrorDetails) -> str:
     kind, ctx = err["type"], err.get("ctx", {})
     if kind == "greater_than_equal":
         return f"must be ≥ {ctx['ge']}"
@@ -120,7 +121,7 @@ def _message(err: dict) -> str:
     return err["msg"]
 
 
-def _data_path(err: dict) -> tuple:
+def _data_path(err: ErrorDetails) -> tuple:
     """The field path, without pydantic's validator steps ('function-after[...]', '[key]'),
     down to the key a section check names."""
     path = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
@@ -146,20 +147,20 @@ class _Loader(yaml.SafeLoader):
         self._open: list[str | None] = []  # anchors of the nodes being composed: one per level
         self._values: dict[int, int] = {}  # id(node) → values it expands to
 
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
         event = self.peek_event()
+        # the pure-Python parser's marks (the stubs also allow the C parser's yaml._yaml.Mark)
+        mark = cast("yaml.Mark | None", event.start_mark)
         if isinstance(event, yaml.AliasEvent) and event.anchor in self._open:
-            raise ComposerError(
-                None, None, f"alias *{event.anchor} refers to a node that contains it", event.start_mark
-            )
+            raise ComposerError(None, None, f"alias *{event.anchor} refers to a node that contains it", mark)
         if len(self._open) >= MAX_DEPTH:
-            raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", event.start_mark)
+            raise ComposerError(None, None, f"nested deeper than {MAX_DEPTH} levels", mark)
         self._open.append(getattr(event, "anchor", None))
         try:
             node = super().compose_node(parent, index)
         finally:
             self._open.pop()
-        if id(node) not in self._values:  # an alias's node is counted where it was defined
+        if node is not None and id(node) not in self._values:  # an alias's node is counted where it was defined
             self._count(node)
         return node
 
@@ -184,7 +185,7 @@ class _Loader(yaml.SafeLoader):
         if values > MAX_VALUES:
             raise ComposerError(None, None, f"expands to more than {MAX_VALUES} values (aliases)", node.start_mark)
 
-    def construct_scalar(self, node: yaml.Node) -> Any:
+    def construct_scalar(self, node: yaml.ScalarNode | yaml.MappingNode) -> Any:
         value = super().construct_scalar(node)
         if isinstance(value, str) and "\0" in value:
             raise ConstructorError(None, None, "a NUL character in a string", node.start_mark)
@@ -220,7 +221,7 @@ def parse_yaml(text: str, source: str, lines: bool = True) -> tuple[Any, yaml.No
     try:
         loader = _Loader(text)  # checks the characters at once
         root = loader.get_single_node() or yaml.ScalarNode(  # an empty document: a null at line 1
-            "tag:yaml.org,2002:null", "", yaml.Mark(source, 0, 0, 0, None, None)
+            "tag:yaml.org,2002:null", "", yaml.Mark(source, 0, 0, 0, None, 0)
         )
         return loader.construct_document(root), root
     except yaml.YAMLError as exc:

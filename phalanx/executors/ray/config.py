@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import Field, ValidationError, WithJsonSchema, field_validator
-from pydantic_core import PydanticCustomError
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from ...errors import PhalanxError
 from ..base import ExecutorConfig, suggest
@@ -148,7 +148,7 @@ def ray_config(section: RayConfig | Mapping[str, Any] | None, site: str = "ray")
         raise PhalanxError(f"site {site!r} (ray): " + "; ".join(_problem(e) for e in exc.errors())) from None
 
 
-def _problem(err: dict) -> str:
+def _problem(err: ErrorDetails) -> str:
     """One pydantic error as ``ray.key: message`` (the section check's keys, no union tags)."""
     path = [p for p in err["loc"] if not (isinstance(p, str) and "[" in p)]
     path += list(err.get("ctx", {}).get("keys", ())) if err["type"] == "section" else []

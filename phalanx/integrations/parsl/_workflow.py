@@ -58,7 +58,8 @@ def _model(workflow: Any, site: Any) -> tuple[Any, Any]:
     from ...orchestrator.loading import load_site, load_workflow
 
     if isinstance(workflow, (str, Path)):
-        wf, site_model = load_workflow(workflow, site=site if isinstance(site, (str, Path)) or site is None else None)
+        # a site file's path as a str: find_site reads it as text (a Path failed in its endswith)
+        wf, site_model = load_workflow(workflow, site=str(site) if isinstance(site, (str, Path)) else None)
         if site is not None and hasattr(site, "create_executor"):
             site_model = site
         return wf, site_model

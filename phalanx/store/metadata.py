@@ -15,6 +15,7 @@ order) and the *pinned* flag (never spilled).
 
 from __future__ import annotations
 
+import builtins
 import json
 import sqlite3
 import time
@@ -110,7 +111,7 @@ class MetadataBackend(ABC):
     def delete(self, session: str, name: str) -> DatasetInfo | None: ...
 
     @abstractmethod
-    def sessions(self) -> list[str]: ...
+    def sessions(self) -> builtins.list[str]: ...
 
     @abstractmethod
     def touch(self, session: str, name: str, when: float | None = None) -> None:
@@ -128,7 +129,7 @@ class MetadataBackend(ABC):
         at ``old_location`` (compare-and-set) — and, with ``unless_pinned``, not pinned (a
         spill must not win against a pin made while it copied); False otherwise."""
 
-    def all(self) -> list[DatasetInfo]:
+    def all(self) -> builtins.list[DatasetInfo]:
         """Every dataset of every session."""
         return [d for s in self.sessions() for d in self.list(s)]
 
@@ -183,7 +184,7 @@ class SQLiteMetadata(MetadataBackend):
 
     _COLS = "session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed"
 
-    def _info(self, con: sqlite3.Connection, row: tuple) -> DatasetInfo:
+    def _info(self, con: sqlite3.Connection, row: tuple[Any, ...]) -> DatasetInfo:
         session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed = row
         parts = [
             PartitionInfo(*p)
@@ -233,7 +234,7 @@ class SQLiteMetadata(MetadataBackend):
             ).fetchall()
             return [self._info(con, r) for r in rows]
 
-    def all(self) -> list[DatasetInfo]:
+    def all(self) -> builtins.list[DatasetInfo]:
         with self._read() as con:
             rows = con.execute(f"SELECT {self._COLS} FROM datasets ORDER BY session, name").fetchall()
             return [self._info(con, r) for r in rows]
@@ -292,7 +293,7 @@ class SQLiteMetadata(MetadataBackend):
                 self._delete_rows(con, session, name)
         return old
 
-    def sessions(self) -> list[str]:
+    def sessions(self) -> builtins.list[str]:
         with self._connect() as con:
             return [r[0] for r in con.execute("SELECT DISTINCT session FROM datasets ORDER BY session")]
 
@@ -326,7 +327,8 @@ def open_metadata(url: str | Path | MetadataBackend) -> MetadataBackend:
         return url
     text = str(url)
     scheme = text.split("://", 1)[0] if "://" in text else "sqlite"
-    return metadata_backends.load(scheme)(text)
+    backend: MetadataBackend = metadata_backends.load(scheme)(text)
+    return backend
 
 
 metadata_backends = Registry("store metadata backend", group="phalanx.metadata")

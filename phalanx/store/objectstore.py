@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 import pyarrow as pa
@@ -27,7 +28,7 @@ from .tiers import Staged, Tier, checksum_buffer, part_file, serialize
 _OPTIONS = ("endpoint_override", "region", "scheme", "anonymous", "force_virtual_addressing")
 
 
-def parse_s3_url(url: str) -> tuple[str, dict]:
+def parse_s3_url(url: str) -> tuple[str, dict[str, Any]]:
     """``s3://bucket/prefix?opts`` → (``bucket/prefix``, S3FileSystem keyword arguments)."""
     u = urlparse(url)
     if u.scheme != "s3" or not u.netloc:
@@ -39,7 +40,7 @@ def parse_s3_url(url: str) -> tuple[str, dict]:
             f"store URL {redact(url)!r}: unknown option(s) {sorted(unknown)}; "
             f"known: {', '.join(_OPTIONS)} (credentials come from AWS_* variables)"
         )
-    kwargs: dict = {}
+    kwargs: dict[str, Any] = {}
     endpoint = (
         query.get("endpoint_override") or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     )

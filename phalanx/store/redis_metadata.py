@@ -25,6 +25,7 @@ and a move only lands if the dataset is still the version and location it copied
 from __future__ import annotations
 
 import base64
+import builtins
 import functools
 import json
 import time
@@ -65,6 +66,13 @@ class CatalogueLost(redis.RedisError):
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _now(reply: Any) -> bytes | None:
+    """A read on a watched pipeline before ``multi()``: redis-py runs it at once and returns the
+    value, though its types say the pipeline."""
+    value: bytes | None = reply
+    return value
 
 
 def _named(method: F) -> F:
@@ -194,7 +202,7 @@ class RedisMetadata(MetadataBackend):
         )
 
     # ---- reading ---------------------------------------------------------------------------
-    def _snapshot(self, session: str, command: str, *args: str) -> list:
+    def _snapshot(self, session: str, command: str, *args: str) -> list[Any]:
         """``command`` (hget, hgetall) on the session's three hashes as of one instant; the
         write count comes along."""
         pipe = self.client.pipeline(transaction=True)
@@ -216,7 +224,7 @@ class RedisMetadata(MetadataBackend):
         return [self._decode(session, n.decode(), blobs[n], accessed.get(n), pinned.get(n)) for n in sorted(blobs)]
 
     @_named
-    def sessions(self) -> list[str]:
+    def sessions(self) -> builtins.list[str]:
         return sorted(s.decode() for s in self.client.smembers(self._sessions_key))
 
     # ---- writing ---------------------------------------------------------------------------
@@ -229,12 +237,16 @@ class RedisMetadata(MetadataBackend):
             while True:
                 try:
                     pipe.watch(datasets)  # a seal of any other name in the session retries us
-                    cur = pipe.hget(datasets, info.name)
+                    cur = _now(pipe.hget(datasets, info.name))
                     if cur is not None and not replace:
                         raise FileExistsError(info.name)
                     old = (
                         self._decode(
-                            info.session, info.name, cur, pipe.hget(accessed, info.name), pipe.hget(pinned, info.name)
+                            info.session,
+                            info.name,
+                            cur,
+                            _now(pipe.hget(accessed, info.name)),
+                            _now(pipe.hget(pinned, info.name)),
                         )
                         if cur is not None
                         else None
@@ -262,7 +274,7 @@ class RedisMetadata(MetadataBackend):
             while True:
                 try:
                     pipe.watch(datasets, pinned)
-                    cur = pipe.hget(datasets, name)
+                    cur = _now(pipe.hget(datasets, name))
                     if cur is None:
                         return False
                     d = json.loads(cur)

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -20,7 +21,7 @@ from .metadata import DatasetInfo
 OpenPartition = Callable[[int], pa.Table]
 
 
-def hash_partitioning(keys: Sequence[str], nparts: int) -> dict:
+def hash_partitioning(keys: Sequence[str], nparts: int) -> dict[str, Any]:
     return {"kind": "hash", "keys": list(keys), "n": nparts, "hash": HASH_ID}
 
 

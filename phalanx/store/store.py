@@ -11,6 +11,7 @@ configuration to its ranks (``PHALANX_STORE*`` variables, read back by ``Store()
 
 from __future__ import annotations
 
+import builtins
 import copy
 import logging
 import os
@@ -176,7 +177,7 @@ class Store:
             raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r} (datasets: {known})")
         return info
 
-    def sessions(self) -> list[str]:
+    def sessions(self) -> builtins.list[str]:
         return self.meta.sessions()
 
     def spilled(self, name: str) -> bool:
@@ -323,7 +324,7 @@ class Store:
         self,
         name: str,
         staging_id: str,
-        parts: list[PartitionInfo],
+        parts: builtins.list[PartitionInfo],
         schema: pa.Schema,
         partitioning: dict[str, Any] | None,
         producer: str,
@@ -538,7 +539,7 @@ class Store:
             removed += 1
         return removed
 
-    def unsealed(self, session: str | None = None) -> list[Unsealed]:
+    def unsealed(self, session: str | None = None) -> builtins.list[Unsealed]:
         """Writes no seal has published, in every session (or ``session``), with their size
         and idle time: puts in progress, or what the gangs of a killed driver left behind."""
         now = time.time()
@@ -549,7 +550,7 @@ class Store:
                 found.append(Unsealed(st.session, st.name, st.version, st.location, nbytes, max(0.0, now - written)))
         return sorted(found, key=lambda u: (u.session, u.staging_id))
 
-    def remove_unsealed(self) -> list[Unsealed]:
+    def remove_unsealed(self) -> builtins.list[Unsealed]:
         """Remove this session's unsealed writes (see ``unsealed``) and return them; a put
         still in progress in the session then fails, so use it on sessions no run writes."""
         gone = self.unsealed(self.session)

@@ -62,7 +62,7 @@ class HashingSink:
         self._hash = xxhash.xxh3_64()
         self._small = bytearray()
 
-    def write(self, data) -> int:
+    def write(self, data: bytes | bytearray | memoryview | pa.Buffer) -> int:
         view = memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
@@ -218,7 +218,7 @@ class FileTier(Tier):
     mmap = True
     atomic_rename = True
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).absolute()
         self.url = str(self.root)
 
@@ -309,10 +309,11 @@ tiers.register("file", "phalanx.store.tiers:FileTier")
 tiers.register("s3", "phalanx.store.objectstore:ObjectTier")
 
 
-def open_tier(root: str | os.PathLike) -> Tier:
+def open_tier(root: str | os.PathLike[str]) -> Tier:
     """``/a/dir`` or ``file:///a/dir`` → FileTier; ``s3://bucket/prefix?...`` → ObjectTier."""
     text = os.fspath(root)
     scheme = text.split("://", 1)[0] if "://" in text else "file"
     if scheme == "file" and text.startswith("file://"):
         text = text[len("file://") :]
-    return tiers.load(scheme)(text)
+    tier: Tier = tiers.load(scheme)(text)
+    return tier

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pickle
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 ReduceOp = str  # "sum" | "min" | "max"
+T = TypeVar("T")  # what a function run on one rank returns
 # for backends that gather the arrays and reduce them in rank order (the same bits on every rank)
 NUMPY_REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximum.reduce}
 
@@ -129,13 +130,13 @@ class Communicator(ABC):
             payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
         return pickle.loads(memoryview(self.broadcast_bytes(payload, root)))
 
-    def on_root(self, fn: Any, *args: Any, root: int = 0) -> Any:
+    def on_root(self, fn: Callable[..., T], *args: Any, root: int = 0) -> T:
         """``root`` calls ``fn(*args)``; every rank returns its result or raises its error.
 
         For decisions one rank makes (planning a read, sealing a dataset): a failure there
         becomes the same exception on every rank instead of a rank left waiting.
         """
-        outcome = None
+        outcome: tuple[str, Any] | None = None  # ("ok", result) or ("error", exception)
         if self.rank == root:
             try:
                 outcome = ("ok", fn(*args))
@@ -144,7 +145,8 @@ class Communicator(ABC):
         status, value = self.broadcast_obj(outcome, root)
         if status == "error":
             raise value
-        return value
+        result: T = value  # what fn returned on root
+        return result
 
     def on_every_rank(self, what: str, fn: Any, *args: Any) -> Any:
         """Run a local step on every rank; if it fails anywhere, it fails everywhere.

@@ -82,7 +82,8 @@ class WarmPool:
             idle, self._idle = self._idle, []
         for p in idle:
             try:
-                p.stdin.close()
+                if p.stdin is not None:  # (always: workers start with stdin=PIPE)
+                    p.stdin.close()
             except OSError:
                 pass
         for p in idle:
@@ -97,5 +98,6 @@ class WarmPool:
 
 def hand_over(proc: subprocess.Popen, env: dict[str, str]) -> None:
     """Give a warm worker its rank environment; it then runs as any started rank does."""
+    assert proc.stdin is not None, "a warm worker starts with stdin=PIPE (WarmPool._spawn)"
     proc.stdin.write(json.dumps(env).encode() + b"\n")
     proc.stdin.close()

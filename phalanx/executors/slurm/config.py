@@ -119,13 +119,11 @@ class _OptionKeys(ExecutorConfig):
 
 
 # one field per sbatch/srun option of OPTIONS
-_Options = create_model(  # type: ignore[misc]
-    "_Options",
-    __base__=_OptionKeys,
-    __module__=__name__,
-    # not Optional: null is no value sbatch takes (false leaves a flag out)
-    **{_field(flag): (Option, Field(None, description=f"sbatch/srun {text}")) for flag, text in OPTIONS.items()},
-)
+# not Optional: null is no value sbatch takes (false leaves a flag out)
+_OPTION_FIELDS: dict[str, Any] = {
+    _field(flag): (Option, Field(None, description=f"sbatch/srun {text}")) for flag, text in OPTIONS.items()
+}
+_Options = create_model("_Options", __base__=_OptionKeys, __module__=__name__, **_OPTION_FIELDS)
 
 
 class SlurmPilotConfig(_Options):

@@ -133,39 +133,40 @@ class SlurmPilot:
         reach this driver at (a gang's control address) — the pilot then ends when this
         process does.  ``close`` from another thread ends the wait (GangError)."""
         with self._lock:
-            if self.job_id is not None:
-                self.info = self.slurm.job(self.job_id)
-                if self.info.state == "RUNNING":
+            job_id = self.job_id
+            if job_id is not None:
+                self.info = info = self.slurm.job(job_id)
+                if info.state == "RUNNING":
                     return self
-            if self.job_id is None or not (self.info.active or self.info.state == "UNKNOWN"):
+                if not (info.active or info.state == "UNKNOWN"):  # it ended: a fresh pilot
+                    job_id = None
+            if job_id is None:
                 self._forget()
-                self._submit(self.hook if self.hook is not None else hook, driver)
+                job_id = self._submit(self.hook if self.hook is not None else hook, driver)
             timeout = timeout if timeout is not None else self.start_timeout
             deadline = time.monotonic() + timeout if timeout else None
             wait = 0.05
             while True:
-                self.info = self.slurm.job(self.job_id)
-                if self.info.state == "RUNNING":
+                self.info = info = self.slurm.job(job_id)
+                if info.state == "RUNNING":
                     return self
-                if self.info.state == "PENDING" and self.info.reason in HOPELESS:
-                    self.slurm.cancel(self.job_id)
-                    raise GangError(_hopeless(self.info, self.site, "pilot "))
-                if not self.info.active and self.info.state != "UNKNOWN":
+                if info.state == "PENDING" and info.reason in HOPELESS:
+                    self.slurm.cancel(job_id)
+                    raise GangError(_hopeless(info, self.site, "pilot "))
+                if not info.active and info.state != "UNKNOWN":
                     raise GangError(
-                        f"slurm: pilot {self.info.describe()}{_site(self.site)}; "
-                        f"its log: {self.log_dir}/pilot-{self.job_id}.log"
+                        f"slurm: pilot {info.describe()}{_site(self.site)}; its log: {self.log_dir}/pilot-{job_id}.log"
                     )
                 if self._closing:  # the run ended while the pilot queued
-                    raise GangError(f"slurm: pilot {self.info.describe()} closed before it started{_site(self.site)}")
+                    raise GangError(f"slurm: pilot {info.describe()} closed before it started{_site(self.site)}")
                 if deadline is not None and time.monotonic() > deadline:
-                    self.slurm.cancel(self.job_id)
-                    raise GangError(
-                        f"slurm: pilot {self.info.describe()} for more than {timeout:.0f} s{_site(self.site)}"
-                    )
+                    self.slurm.cancel(job_id)
+                    raise GangError(f"slurm: pilot {info.describe()} for more than {timeout:.0f} s{_site(self.site)}")
                 time.sleep(wait)
                 wait = min(wait * 2, self.poll_interval)
 
-    def _submit(self, hook: AllocationHook | None, driver: str | None) -> None:
+    def _submit(self, hook: AllocationHook | None, driver: str | None) -> str:
+        """Submit the holder job; its id (also ``self.job_id``)."""
         self.log_dir = default_log_root().parent / "slurm-pilots"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.job_name}-{uuid.uuid4().hex[:12]}"  # unique: released by name
@@ -190,13 +191,14 @@ class SlurmPilot:
         held(hook, self._record)  # before sbatch: see base.held
         try:
             # no script file: sbatch reads the script from its stdin
-            self.job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
+            self.job_id = job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
         except BaseException:
             self._forget()
             raise
-        self._record = {**self._record, "job": self.job_id}
+        self._record = {**self._record, "job": job_id}
         held(hook, self._record)
         self.info = None
+        return job_id
 
     def _forget(self) -> None:
         """The pilot's job is gone: tell the hook, close the beacon."""

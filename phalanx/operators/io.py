@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike], suffixes: tuple[str, ...]) -> list[str]:
     """A file, a directory (its files with ``suffixes``, recursively), a glob, or a list."""
-    items = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+    items: list[str | os.PathLike[Any]] = [path] if isinstance(path, (str, os.PathLike)) else list(path)
     files: list[str] = []
     for item in items:
         item = os.fspath(item)
@@ -39,7 +39,7 @@ def expand_paths(path: str | os.PathLike | Sequence[str | os.PathLike], suffixes
         else:
             raise FileNotFoundError(f"no such file or directory: {item!r}")
     if not files:
-        raise FileNotFoundError(f"no files match {os.fspath(path) if not isinstance(path, list) else path!r}")
+        raise FileNotFoundError(f"no files match {os.fspath(path) if isinstance(path, (str, os.PathLike)) else path!r}")
     return files
 
 
@@ -48,8 +48,8 @@ def _split_units(weights: Sequence[int], nparts: int) -> list[tuple[int, int]]:
     cum = np.concatenate([[0], np.cumsum(weights)])
     total = cum[-1]
     cuts = [0] + [int(np.searchsorted(cum, total * i / nparts, side="left")) for i in range(1, nparts)] + [len(weights)]
-    cuts = np.maximum.accumulate(cuts)
-    return [(int(cuts[i]), int(cuts[i + 1])) for i in range(nparts)]
+    bounds = np.maximum.accumulate(cuts)
+    return [(int(bounds[i]), int(bounds[i + 1])) for i in range(nparts)]
 
 
 # ---- Parquet ------------------------------------------------------------------------------

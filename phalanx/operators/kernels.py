@@ -172,8 +172,9 @@ def sort(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.T
         return table
     if len(by) == 1 and not _is_string(table.schema.field(by[0]).type):
         return sort_runs(table, by, descending)
-    keys = [_order_key(table.column(c)) for c in by]
-    if any(k is None for k in keys):  # a nested type: polars' multi-column sort
+    order_keys = [_order_key(table.column(c)) for c in by]
+    keys = [k for k in order_keys if k is not None]
+    if len(keys) < len(order_keys):  # a nested type: polars' multi-column sort
         return sort_runs(table, by, descending)
     perm = None
     for key, desc in zip(reversed(keys), reversed(list(descending))):

@@ -199,7 +199,7 @@ def _range_ids(
     if nn <= FEW_SPLITTERS:
         # one compare pass per splitter beats two binary searches per row (5M rows, 1
         # splitter: 10 ms against 70 ms)
-        ids = np.zeros(len(code), dtype=dtype)
+        ids: np.ndarray = np.zeros(len(code), dtype=dtype)
         for c in nn_code:
             ids += np.greater(code, c)
         ties = [(np.flatnonzero(code == c), i) for i, c in enumerate(nn_code) if i == 0 or nn_code[i - 1] != c]

@@ -232,7 +232,7 @@ def build_chunk(
                 columns = cols.segments[s]
                 for j in range(F):
                     _take(columns[j], local, tmp[j, lo - a : hi - a])
-                if y is not None:
+                if ys is not None:  # (it is when y is)
                     _take(columns[F], local, ys[lo:hi])
             s += 1
         m = b - a
@@ -413,6 +413,8 @@ class Loader:
             _check_column_type(info.schema, f, dataset, "feature")
         label_type = _check_column_type(info.schema, label, dataset, "label") if label is not None else None
         self.dtype, self._xdtype, self._xconvert = _resolve_dtype(dtype, "dtype")
+        self.label_dtype: torch.dtype | None
+        self._ydtype: np.dtype | None
         if label is not None:
             if label_dtype is None:
                 label_dtype = torch.int64 if pa.types.is_integer(label_type) else dtype
@@ -430,7 +432,9 @@ class Loader:
         self.num_rows = info.num_rows
         self.num_samples = samples_per_rank(self.num_rows, self.world_size, self.drop_last)
         self._rows_per_epoch = self.num_samples // batch_size * batch_size if self.drop_last else self.num_samples
-        row_bytes = len(features) * self._xdtype.itemsize + (self._ydtype.itemsize if label else 0)
+        row_bytes = len(features) * self._xdtype.itemsize + (
+            self._ydtype.itemsize if label and self._ydtype is not None else 0
+        )
         self.chunk_rows = max(batch_size, chunk_bytes // row_bytes // batch_size * batch_size)
         # what the prefetch thread needs, without a reference to the loader (so that dropping
         # the loader stops the thread)
@@ -528,11 +532,11 @@ class Loader:
         )
 
     def _batches(self, pipeline: _Pipeline | None, epoch: int) -> Iterator[Any]:
-        B, labelled = self.batch_size, self.label is not None
+        B = self.batch_size
         stats = {"epoch": epoch, "rows": 0, "batches": 0, "chunks": 0, "build_s": 0.0, "wait_s": 0.0}
         t_start = time.perf_counter()
         source = self._source
-        plan = source.plan(epoch) if pipeline is None else None
+        plan = source.plan(epoch) if pipeline is None else []  # (the pipeline plans its own)
         index, count = 0, None
         while count is None or index < count:
             if pipeline is None:
@@ -555,7 +559,8 @@ class Loader:
                 b = min(a + B, n)
                 stats["rows"] += b - a
                 stats["batches"] += 1
-                yield (chunk.x[a:b], chunk.y[a:b]) if labelled else chunk.x[a:b]
+                # y is built when the loader has a label
+                yield (chunk.x[a:b], chunk.y[a:b]) if chunk.y is not None else chunk.x[a:b]
             del chunk
             index += 1
         stats["seconds"] = time.perf_counter() - t_start

@@ -50,7 +50,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -66,7 +66,6 @@ from ..envvars import (
     ENV_SHM_POOL_MAX,
     ENV_STORE_SESSION,
 )
-from .base import Communicator
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -96,7 +95,10 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _human(n: int) -> str:
+D = TypeVar("D", int, None)  # an environment variable's default
+
+
+def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
@@ -104,7 +106,7 @@ def _human(n: int) -> str:
     return str(n)
 
 
-def _env_bytes(name: str, default: int | None) -> int | None:
+def _env_bytes(name: str, default: D) -> int | D:
     text = os.environ.get(name, "").strip()
     return int(float(text)) if text else default
 
@@ -200,7 +202,7 @@ class _Mapped:
 
     def __init__(self, gen: int, mm: mmap.mmap):
         self.gen, self.mm = gen, mm
-        self.views: list[weakref.ref] = []
+        self.views: list[weakref.ref[Any]] = []
 
     def held(self) -> bool:
         self.views = [w for w in self.views if w() is not None]
@@ -225,7 +227,7 @@ class ShmEngine:
         self.pool: dict[int, _Segment] = {}
         self.one_shot: list[_Segment] = []  # created this exchange, until unlinked
         self.maps: list[dict[int, _Mapped]] = [{} for _ in range(self.n)]
-        self.recv_bufs: list[tuple[np.ndarray, weakref.ref | None]] = []  # alltoallv's, reused
+        self.recv_bufs: list[tuple[np.ndarray, weakref.ref[Any] | None]] = []  # alltoallv's, reused
         self.stats = {"exchanges": 0, "segments_created": 0, "bytes_created": 0, "fallbacks": 0}
 
     # ---- construction (collective) ------------------------------------------------------
@@ -355,7 +357,9 @@ class ShmEngine:
         self.one_shot.clear()
         _rmdir(self.dir)  # the last rank to leave an empty directory removes it
 
-    def _wire_pieces(self, sizes: list[int], fill, dests: list[int]) -> dict[int, np.ndarray]:
+    def _wire_pieces(
+        self, sizes: list[int], fill: Callable[[int, np.ndarray], None], dests: list[int]
+    ) -> dict[int, np.ndarray]:
         """Pieces for ``dests`` through the wire's alltoallv (every rank calls it)."""
         counts = [sizes[d] if d in dests else 0 for d in range(self.n)]
         send = np.empty(sum(counts), dtype=np.uint8)
@@ -523,7 +527,7 @@ def _unlink(path: Path) -> None:
         pass
 
 
-def _probe(comm: Communicator, hosts: list[str], directory: Path, nonce: str) -> list[str]:
+def _probe(comm: ShmDataPath, hosts: list[str], directory: Path, nonce: str) -> list[str]:
     """Does every rank see the files its same-host peers write in ``directory``?  Each writes a
     probe file, every rank reads its peers' (collective: two small collectives); returns what
     some rank could not see, the same list on every rank."""
@@ -578,6 +582,12 @@ class ShmDataPath:
     shm: ShmEngine | None = None
     rank: int
     world_size: int
+    if TYPE_CHECKING:  # what the Communicator it is mixed into provides (ShmEngine uses them)
+        name: str
+
+        def allgather_obj(self, obj: Any) -> list[Any]: ...
+
+        def barrier(self) -> None: ...
 
     def wire_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError

@@ -10,6 +10,7 @@ The ranks' output reaches ``log_dir/rank-R.log`` through the API server's log st
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import secrets
@@ -478,8 +479,11 @@ class KubernetesLauncher(Launcher):
 def _root_cause(exc: BaseException) -> str:
     """The innermost reason of a connection error (urllib3 wraps it twice)."""
     reason = getattr(exc, "reason", None)
-    while isinstance(reason, BaseException) and getattr(reason, "reason", None) is not None:
-        reason = reason.reason
+    while isinstance(reason, BaseException):
+        inner = getattr(reason, "reason", None)
+        if inner is None:
+            break
+        reason = inner
     return str(reason or exc)
 
 
@@ -545,17 +549,17 @@ def delete_gang(kube: Kube, namespace: str, name: str, grace_s: int = 0) -> list
     gone(lambda: kube.core.delete_namespaced_service(name, namespace), "service")
     for group, version in _pod_group_apis(kube):
         gone(
-            lambda g=group, v=version: kube.custom.delete_namespaced_custom_object(g, v, namespace, "podgroups", name),
+            functools.partial(
+                kube.custom.delete_namespaced_custom_object, group, version, namespace, "podgroups", name
+            ),
             "podgroup",
         )
     return done
 
 
 def _pod_group_apis(kube: Kube) -> list[tuple[str, str]]:
-    return [
-        tuple(api.split("/"))
-        for api in filter(None, (kube.pod_group_api(g) for g in (M.NATIVE_GROUP, M.VOLCANO_GROUP)))  # type: ignore[misc]
-    ]
+    apis = filter(None, (kube.pod_group_api(g) for g in (M.NATIVE_GROUP, M.VOLCANO_GROUP)))
+    return [(group, version) for group, _, version in (api.partition("/") for api in apis)]  # "group/version"
 
 
 def _wait_pods_gone(kube: Kube, namespace: str, name: str, timeout: float) -> None:

@@ -102,4 +102,4 @@ def keep_ray_on_loopback() -> None:
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     consts = sys.modules.get("ray._private.ray_constants")
     if consts is not None and hasattr(consts, "ENABLE_RAY_CLUSTER"):
-        consts.ENABLE_RAY_CLUSTER = False
+        consts.ENABLE_RAY_CLUSTER = False  # type: ignore[attr-defined]  # a deliberate patch of Ray's constant (a module as ModuleType)

@@ -9,7 +9,7 @@ import time
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import GangError
 from ...runtime import protocol as P
@@ -22,6 +22,9 @@ from .config import RayConfig, ray_config
 from .connection import connect, connected
 from .network import reachable_env
 from .placement import describe, why_unplaceable
+
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
 
 _KILLED = -int(signal.SIGKILL)  # how a dead actor's rank is reported by exitcodes()
 
@@ -51,7 +54,7 @@ class RayLauncher(Launcher):
         self.echo = echo
         self.site = site
         # one gang at a time; launch() resets these (a Gang restarts on the same launcher)
-        self.pg = None
+        self.pg: PlacementGroup | None = None
         self.actors: list[Any] = []
         self.nodes: list[dict[str, Any]] = []  # per rank: pid, node_id, node_ip, host
         self._done: list[Any] = []  # per rank: ObjectRef of the actor's serve()
@@ -119,10 +122,10 @@ class RayLauncher(Launcher):
             "namespace": context.namespace,
         }
         held(self.allocation_hook, self._allocation)  # before it exists: found by name
-        self.pg = placement_group(bundles, strategy=c.strategy, name=self._allocation["id"])
-        ready, _ = ray.wait([self.pg.ready()], timeout=c.ready_timeout_s)
+        self.pg = pg = placement_group(bundles, strategy=c.strategy, name=self._allocation["id"])
+        ready, _ = ray.wait([pg.ready()], timeout=c.ready_timeout_s)
         if not ready:
-            why = why_unplaceable(ray, self.pg, bundles, c.strategy)
+            why = why_unplaceable(ray, pg, bundles, c.strategy)
             raise GangError(
                 f"site {self.site!r} (ray): placement group of {describe(bundles, c.strategy)} "
                 f"not placeable within {c.ready_timeout_s:g} s: {why}"
@@ -139,7 +142,7 @@ class RayLauncher(Launcher):
                 "max_concurrency": 2,
                 "name": f"phalanx-{gang_id}-rank{r}",
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=r
+                    placement_group=pg, placement_group_bundle_index=r
                 ),
             }
             if bundle.get("GPU"):
@@ -182,10 +185,13 @@ class RayLauncher(Launcher):
         if pending:
             ray = sys.modules.get("ray")
             refs = [self._done[r] for r in pending]
-            try:
-                ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
-            except Exception:  # Ray is gone (shutdown): the ranks with it
+            if ray is None:  # Ray is gone (not in sys.modules): the ranks with it
                 ready = refs
+            else:
+                try:
+                    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+                except Exception:  # Ray is gone (shutdown): the ranks with it
+                    ready = refs
             ready_ids = {ref.hex() for ref in ready}
             for r, ref in zip(pending, refs):
                 if ref.hex() in ready_ids:

@@ -111,7 +111,7 @@ def check_resource_specification(
             f"blocks hold {cores_per_node} CPUs per node (provider cores_per_node): give "
             f"bsp_app(ranks_per_node={cores_per_node}) or a larger block"
         )
-    out = {"num_nodes": nodes, "ranks_per_node": per_node, "num_ranks": num_ranks}
+    out: dict[str, Any] = {"num_nodes": nodes, "ranks_per_node": per_node, "num_ranks": num_ranks}
     if spec.get("launcher_options"):
         out["launcher_options"] = str(spec["launcher_options"])
     return out
@@ -367,7 +367,8 @@ class BSPApp:
             from ...store.store import _check_session
 
             _check_session(session)
-        self.fn, self.name = fn, name or getattr(fn, "__name__", "bsp_app")
+        self.fn = fn
+        self.name: str = name or str(getattr(fn, "__name__", "bsp_app"))
         self.ranks, self.site, self.communicator = ranks, site, communicator
         self.outputs, self.placement, self.persistent = list(outputs), placement, persistent
         self.ranks_per_node, self.session = ranks_per_node, session
@@ -444,7 +445,9 @@ class BSPApp:
                     f"{self.name}: persistent=True needs placement 'site' (an HTEX or thread "
                     "executor); an MPIExecutor task gets its nodes anew"
                 )
-            providers = [getattr(dfk.executors[label], "provider", None) for label in labels]
+            providers = [
+                p for p in (getattr(dfk.executors[label], "provider", None) for label in labels) if p is not None
+            ]
             nodes = min((p.nodes_per_block for p in providers if getattr(p, "nodes_per_block", None)), default=None)
             cores = min((p.cores_per_node for p in providers if getattr(p, "cores_per_node", None)), default=None)
             spec = (

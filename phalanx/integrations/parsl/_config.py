@@ -318,6 +318,8 @@ def slurm_provider(conf: str | None = None, **kwargs: Any) -> Any:
     from parsl.providers import SlurmProvider
 
     class _SiteSlurmProvider(SlurmProvider):
+        slurm_conf: str | None  # set before SlurmProvider.__init__, whose first sacct needs it
+
         def execute_wait(self, cmd, timeout=None):
             if self.slurm_conf:
                 cmd = f"SLURM_CONF={shlex.quote(self.slurm_conf)} {cmd}"
@@ -325,7 +327,7 @@ def slurm_provider(conf: str | None = None, **kwargs: Any) -> Any:
 
     provider = _SiteSlurmProvider.__new__(_SiteSlurmProvider)
     provider.slurm_conf = os.path.expandvars(os.path.expanduser(conf)) if conf else None
-    provider.__init__(**kwargs)
+    _SiteSlurmProvider.__init__(provider, **kwargs)  # SlurmProvider's
     return provider
 
 

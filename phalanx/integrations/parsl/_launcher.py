@@ -105,6 +105,7 @@ class PrefixLauncher(Launcher):
                 return []
             return [(None, line)] + [(r, b"[launcher] " + line) for r in range(world)]
 
+        assert self.proc.stdout is not None  # stdout=PIPE
         self._pump = start_pump(self.proc.stdout, output, route, "phalanx-log-parsl-mpi")
         if self.echo:
             self._follower = FileFollower([Path(log_dir) / f"rank-{r}.log" for r in range(self.world_size)], self.echo)

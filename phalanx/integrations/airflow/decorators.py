@@ -49,10 +49,10 @@ def _arguments_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     def stand_in(*args: Any, **kwargs: Any) -> Any:  # never called: only its signature is read
         raise RuntimeError("runs on the ranks")
 
-    stand_in.__signature__ = sig.replace(parameters=params[1:])  # type: ignore[attr-defined]
+    stand_in.__signature__ = sig.replace(parameters=params[1:])  # type: ignore[attr-defined]  # read by inspect.signature; not in a function's type
     stand_in.__name__, stand_in.__qualname__ = fn.__name__, fn.__qualname__
     stand_in.__module__, stand_in.__doc__ = fn.__module__, fn.__doc__
-    stand_in.__wrapped__ = fn  # type: ignore[attr-defined]  (its source for the UI)
+    stand_in.__wrapped__ = fn  # type: ignore[attr-defined]  # its source for the UI; not in a function's type
     return stand_in
 
 

@@ -37,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - without the extra
 try:
     from airflow.sdk.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout
 except ImportError:  # pragma: no cover - Airflow 3.0 kept them in airflow.exceptions
-    from airflow.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout  # type: ignore
+    from airflow.exceptions import AirflowException, AirflowFailException, AirflowTaskTimeout  # type: ignore[no-redef]  # the same names where Airflow 3.0 kept them
 
 from ...orchestrator.rundb import FINAL, RunDB
 from . import _runs
@@ -52,7 +52,7 @@ def default_deferrable() -> bool:
     try:
         from airflow.sdk import conf
     except ImportError:  # pragma: no cover
-        from airflow.configuration import conf  # type: ignore
+        from airflow.configuration import conf  # type: ignore[assignment]  # core's parser where the SDK has none (Airflow 3.0): the same getboolean
     return conf.getboolean("operators", "default_deferrable", fallback=False)
 
 
@@ -137,11 +137,13 @@ class _PhalanxRunOperator(BaseOperator):
         run = db.run(prior) if prior else None  # a dead driver's run reads "lost" here
         if prior and run is None:
             self.log.warning("phalanx run %s of an earlier try is not in %s: starting a new run", prior, db.path)
-        attach = run is not None and run["state"] not in FINAL  # an earlier try's detached driver still drives it
+        # the run of an earlier try whose detached driver still drives it
+        attach_to = prior if run is not None and run["state"] not in FINAL else None
+        attach = attach_to is not None
         resume = prior if run is not None and not attach else None
         since = 0.0 if attach else time.time()
         if self.deferrable:
-            run_id = prior if attach else self._submit(launch, db, resume)
+            run_id = attach_to if attach_to is not None else self._submit(launch, db, resume)
             keep.set(run_id)
             self._announce(db, run_id, resume, attach, "deferred to the triggerer: no worker slot is held")
             end_time, timeout = None, None
@@ -162,7 +164,7 @@ class _PhalanxRunOperator(BaseOperator):
             )
         logs_every = min(self.poll_interval, 0.5)
         if attach or not self.cancel_on_kill:  # a driver of its own, which a killed task leaves running
-            run_id = prior if attach else self._submit(launch, db, resume)
+            run_id = attach_to if attach_to is not None else self._submit(launch, db, resume)
             keep.set(run_id)
             self._run_id = run_id
             self._announce(db, run_id, resume, attach, "detached driver (cancel_on_kill=False)")
@@ -194,6 +196,8 @@ class _PhalanxRunOperator(BaseOperator):
         since = float(event.get("since") or 0.0)
         db = RunDB(self.state)
         run_id = event.get("run_id") or _runs.TaskRunId(context, db).get()
+        if not run_id:
+            raise AirflowException("phalanx: the trigger's event names no run, and no earlier try recorded one")
         self._run_id = run_id
         self.log.info(
             "phalanx run %s %s (the trigger polled the run database %s times)",

@@ -1,4 +1,4 @@
-"""phalanx: gang-scheduled BSP dataframe stages over Arrow, Gloo and MPI."""
+"""phalanx: gang-scheduled BSP dataframe stages exchanging Arrow data, a store between stages, PyTorch training."""
 
 import sys
 

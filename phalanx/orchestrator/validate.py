@@ -11,6 +11,7 @@ from typing import Any
 import yaml
 
 from ..errors import PhalanxError
+from ..extras import installed, missing
 from .models import Site, Workflow
 from .yamlio import locate
 
@@ -57,7 +58,10 @@ def _import_problem(app: str) -> str | None:
     try:
         obj: Any = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or the module raising while it imports
-        return f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        hint = ""
+        if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "torch":
+            hint = " (PyTorch comes with the torch extra: pip install 'phalanx[torch]')"
+        return f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}"
     for part in attr.split("."):
         if not hasattr(obj, part):
             return f"module {module_name!r} has no {attr!r}"
@@ -94,6 +98,9 @@ def check(
     except Exception as exc:  # what the executor refuses of the site as a whole (cores over a pilot's ntasks)
         return problems + [f"{site.where((site.executor,))}: {exc}"]
     capacity = executor.capacity()
+    has_torch = installed("torch")
+    if site.communicator == "gloo" and not has_torch:
+        problems.append(f"{site.where(('communicator',))}: {missing('communicator gloo', 'torch', 'torch')}")
     for name in names:
         st = wf.stages[name]
         for i, need in enumerate(st.needs):
@@ -119,6 +126,8 @@ def check(
             problem = _import_problem(st.app)
             if problem:
                 report(("stages", name, "app"), problem)
+        if st.kind == "torch" and not has_torch:
+            report(("stages", name, "kind"), missing("a torch stage", "torch", "torch"))
         if st.kind == "command" and not executor.capabilities.runs_commands:
             from ..executors import capabilities, executors
 

@@ -9,6 +9,7 @@ restores the caller's column types (polars hands strings back as large_string).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import polars as pl
@@ -26,7 +27,9 @@ HASH_ID = f"px-fib64-int-keys|polars-{pl.__version__}-hash_rows-seed{HASH_SEED}"
 
 
 def to_polars(table: pa.Table) -> pl.DataFrame:
-    return pl.from_arrow(table, rechunk=False)  # type: ignore[return-value]
+    return cast(
+        pl.DataFrame, pl.from_arrow(table, rechunk=False)
+    )  # a Table's is a DataFrame (typed DataFrame | Series)
 
 
 def from_polars(df: pl.DataFrame, like: pa.Schema | None = None) -> pa.Table:

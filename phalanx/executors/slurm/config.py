@@ -140,7 +140,7 @@ class SlurmPilotConfig(_Options):
     def slots(self) -> int | None:
         if self.ntasks:
             return self.ntasks
-        nodes, per_node = self.nodes, self.ntasks_per_node  # type: ignore[attr-defined]
+        nodes, per_node = self.nodes, self.ntasks_per_node  # type: ignore[attr-defined]  # _Options' fields, made by create_model
         if type(nodes) is int and type(per_node) is int:  # "2-4" nodes, or none: SLURM decides
             return nodes * per_node
         return None

@@ -85,7 +85,7 @@ class Communicator(ABC):
     def exchange_contiguous(self, send: np.ndarray, send_counts: Sequence[int]) -> list[memoryview]:
         recv, recv_counts = self.alltoallv(send, send_counts)
         offsets = np.concatenate([[0], np.cumsum(recv_counts)])
-        mv = memoryview(recv)
+        mv = recv.data
         return [mv[int(offsets[i]) : int(offsets[i + 1])] for i in range(self.world_size)]
 
     def exchange_tables(self, parts: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
@@ -122,13 +122,13 @@ class Communicator(ABC):
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
-        return [pickle.loads(memoryview(b)) for b in self.allgather_bytes(payload)]
+        return [pickle.loads(b.data) for b in self.allgather_bytes(payload)]
 
     def broadcast_obj(self, obj: Any = None, root: int = 0) -> Any:
         payload = None
         if self.rank == root:
             payload = np.frombuffer(pickle.dumps(obj, protocol=5), dtype=np.uint8)
-        return pickle.loads(memoryview(self.broadcast_bytes(payload, root)))
+        return pickle.loads(self.broadcast_bytes(payload, root).data)
 
     def on_root(self, fn: Callable[..., T], *args: Any, root: int = 0) -> T:
         """``root`` calls ``fn(*args)``; every rank returns its result or raises its error.
@@ -172,7 +172,8 @@ class Communicator(ABC):
     def allreduce_scalar(self, value: int | float, op: ReduceOp = "sum") -> int | float:
         dtype = np.int64 if isinstance(value, (int, np.integer)) and not isinstance(value, bool) else np.float64
         out = self.allreduce(np.array([value], dtype=dtype), op)
-        return out[0].item()
+        result: int | float = out[0].item()  # a Python int (int64) or float (float64)
+        return result
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
@@ -187,7 +188,8 @@ def ipc_stream_size(table: pa.Table, schema: pa.Schema) -> int:
     sink = pa.MockOutputStream()
     with ipc.new_stream(sink, schema) as writer:
         writer.write_table(table)
-    return sink.size()
+    size: int = sink.size()  # pyarrow is untyped here
+    return size
 
 
 def write_ipc_stream(table: pa.Table, schema: pa.Schema, out: np.ndarray) -> None:

@@ -76,10 +76,14 @@ class GlooCommunicator(ShmDataPath, Communicator):
         return [flat[i * width : i * width + int(n)] for i, n in enumerate(sizes_np)]
 
     def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
-        size = torch.tensor([data.nbytes if self.rank == root else 0], dtype=torch.int64)
+        send = None  # the root's buffer (the others' data is not used)
+        if self.rank == root:
+            assert data is not None, "broadcast_bytes: the root passes its buffer"
+            send = data
+        size = torch.tensor([send.nbytes if send is not None else 0], dtype=torch.int64)
         dist.broadcast(size, src=root)
         n = int(size.item())
-        buf = _as_tensor(data) if self.rank == root else torch.empty(n, dtype=torch.uint8)
+        buf = _as_tensor(send) if send is not None else torch.empty(n, dtype=torch.uint8)
         if n:
             dist.broadcast(buf, src=root)
         return buf.numpy()

@@ -19,7 +19,9 @@ class MPICommunicator(Communicator):
     def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> MPICommunicator:
         return cls(rank=rank, world_size=world_size)  # mpirun/srun wired the ranks already
 
-    def __init__(self, rank: int | None = None, world_size: int | None = None, comm=None, **_: object):
+    def __init__(
+        self, rank: int | None = None, world_size: int | None = None, comm: MPI.Comm | None = None, **_: object
+    ):
         self.mpi = comm if comm is not None else MPI.COMM_WORLD
         super().__init__(self.mpi.Get_rank(), self.mpi.Get_size())
         if rank is not None and rank != self.rank:
@@ -46,9 +48,13 @@ class MPICommunicator(Communicator):
         return [out[int(d) : int(d + n)] for d, n in zip(displs, sizes)]
 
     def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
-        size = np.array([data.nbytes if self.rank == root else 0], dtype=np.int64)
+        send = None  # the root's buffer (the others' data is not used)
+        if self.rank == root:
+            assert data is not None, "broadcast_bytes: the root passes its buffer"
+            send = data
+        size = np.array([send.nbytes if send is not None else 0], dtype=np.int64)
         self.mpi.Bcast(size, root=root)
-        buf = np.ascontiguousarray(data, dtype=np.uint8) if self.rank == root else np.empty(int(size[0]), np.uint8)
+        buf = np.ascontiguousarray(send, dtype=np.uint8) if send is not None else np.empty(int(size[0]), np.uint8)
         if size[0]:
             self.mpi.Bcast(buf, root=root)
         return buf

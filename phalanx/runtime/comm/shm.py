@@ -7,7 +7,7 @@ place — Arrow IPC streams they open zero-copy, so a received table *is* the se
 The communicator's own wire (TCP sockets for ``tcp``/``shm``, Gloo for ``gloo``) carries only
 the control message: one fixed-width all-to-all per exchange saying where each piece lies.
 Peers on other hosts (hierarchical gangs) get their pieces through the wire's alltoallv in the
-same exchange.  ``ShmDataPath`` is the part a communicator mixes in to use it.
+same exchange.  ``ShmDataPath`` is the communicator base that uses it.
 
 Segments
     A rank owns a small pool of segments (up to 62 slots) that it reuses: writing into pages
@@ -66,6 +66,7 @@ from ..envvars import (
     ENV_SHM_POOL_MAX,
     ENV_STORE_SESSION,
 )
+from .base import Communicator
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -181,7 +182,7 @@ class _Segment:
 
     def __init__(self, slot: int, gen: int, size: int, path: Path, mm: mmap.mmap):
         self.slot, self.gen, self.size, self.path, self.mm = slot, gen, size, path, mm
-        self.buf = np.frombuffer(mm, dtype=np.uint8)
+        self.buf: np.ndarray | None = np.frombuffer(mm, dtype=np.uint8)  # None once unmapped
         self.last_used = -10
         self.held = 0  # bit mask of peers that still hold views of it
         self.linked = True  # its name is still in the directory
@@ -289,6 +290,7 @@ class ShmEngine:
             except _NoSpace as exc:
                 no_space = str(exc)
         if seg is not None:
+            assert seg.buf is not None  # _segment_for hands out mapped segments only
             for d in local:
                 fill(d, seg.buf[offsets[d] : offsets[d] + sizes[d]])
             seg.last_used = k
@@ -517,7 +519,7 @@ def _view(base: np.ndarray, nbytes: int) -> np.ndarray:
     """The first ``nbytes`` of ``base`` as an array every later view (slice, Arrow buffer) of it
     refers to — a plain slice would refer to ``base`` itself — so a weak reference to it says
     whether anything still uses those bytes."""
-    return np.frombuffer(memoryview(base)[:nbytes], dtype=np.uint8)
+    return np.frombuffer(base.data[:nbytes], dtype=np.uint8)
 
 
 def _unlink(path: Path) -> None:
@@ -572,22 +574,15 @@ def shm_wanted() -> bool:
     return os.environ.get(ENV_SHM, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class ShmDataPath:
-    """Mixed into a communicator (before ``Communicator``) that implements ``wire_alltoallv``
-    (its own alltoallv of bytes) and ``all_to_all_rows`` (one fixed-width row of int64 to each
-    rank): ``alltoallv``, ``exchange`` and ``exchange_tables`` then move the bytes between
-    co-located ranks through shared memory, and the rest through the wire."""
+class ShmDataPath(Communicator):
+    """The base of a communicator (listed before ``Communicator``, whose methods it falls back
+    to) that implements ``wire_alltoallv`` (its own alltoallv of bytes) and ``all_to_all_rows``
+    (one fixed-width row of int64 to each rank): ``alltoallv``, ``exchange`` and
+    ``exchange_tables`` then move the bytes between co-located ranks through shared memory, and
+    the rest through the wire."""
 
     shm_required = False  # True: the shared-memory path always, for same-host peers
     shm: ShmEngine | None = None
-    rank: int
-    world_size: int
-    if TYPE_CHECKING:  # what the Communicator it is mixed into provides (ShmEngine uses them)
-        name: str
-
-        def allgather_obj(self, obj: Any) -> list[Any]: ...
-
-        def barrier(self) -> None: ...
 
     def wire_alltoallv(self, send: np.ndarray, send_counts: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
         raise NotImplementedError
@@ -629,16 +624,16 @@ class ShmDataPath:
 
     def exchange(self, buffers: Sequence[Any]) -> list[memoryview]:
         if self.shm is None:
-            return super().exchange(buffers)  # type: ignore[misc]
+            return super().exchange(buffers)
         if len(buffers) != self.world_size:
             raise ValueError(f"exchange needs {self.world_size} buffers, got {len(buffers)}")
         arrays = [np.frombuffer(memoryview(b).cast("B"), dtype=np.uint8) for b in buffers]
         views = self.shm.exchange_pieces([a.size for a in arrays], lambda d, out: np.copyto(out, arrays[d]))
-        return [memoryview(arrays[self.rank] if v is None else v) for v in views]
+        return [(arrays[self.rank] if v is None else v).data for v in views]
 
     def exchange_contiguous(self, send: np.ndarray, send_counts: Sequence[int]) -> list[memoryview]:
         if self.shm is None:
-            return super().exchange_contiguous(send, send_counts)  # type: ignore[misc]
+            return super().exchange_contiguous(send, send_counts)
         counts = [int(c) for c in send_counts]
         offs = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
         flat = np.ascontiguousarray(send, dtype=np.uint8).reshape(-1)
@@ -646,13 +641,13 @@ class ShmDataPath:
 
     def exchange_tables(self, parts: list[pa.Table], schema: pa.Schema) -> list[pa.Table]:
         if self.shm is None:
-            return super().exchange_tables(parts, schema)  # type: ignore[misc]
+            return super().exchange_tables(parts, schema)
         from .base import ipc_stream_size, read_ipc_stream, write_ipc_stream
 
         me = self.rank
         sizes = [0 if d == me or part.num_rows == 0 else ipc_stream_size(part, schema) for d, part in enumerate(parts)]
         views = self.shm.exchange_pieces(sizes, lambda d, out: write_ipc_stream(parts[d], schema, out))
         return [
-            parts[me] if src == me else (read_ipc_stream(v) if v.size else schema.empty_table())
-            for src, v in enumerate(views)
+            parts[me] if v is None else (read_ipc_stream(v) if v.size else schema.empty_table())
+            for v in views  # None: this rank's own part (exchange_pieces)
         ]

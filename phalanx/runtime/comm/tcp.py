@@ -35,6 +35,7 @@ from .shm import ShmDataPath
 
 _POLLIN, _POLLOUT = select.POLLIN, select.POLLOUT
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+_Pending = dict[int, tuple[memoryview, int]]  # peer → (its buffer, bytes moved so far)
 
 
 class TCPCommunicator(ShmDataPath, Communicator):
@@ -113,8 +114,8 @@ class TCPCommunicator(ShmDataPath, Communicator):
             raise
 
     def _transfer_all(self, sends: dict[int, memoryview], recvs: dict[int, memoryview]) -> None:
-        out = {p: [v, 0] for p, v in sends.items() if v.nbytes}
-        inb = {p: [v, 0] for p, v in recvs.items() if v.nbytes}
+        out: _Pending = {p: (v, 0) for p, v in sends.items() if v.nbytes}
+        inb: _Pending = {p: (v, 0) for p, v in recvs.items() if v.nbytes}
         for p in list(out):  # small messages leave without a poll
             self._send_some(p, out)
         if not out and not inb:
@@ -149,7 +150,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
                 if p in out and ev & (_POLLOUT | _POLLERR):
                     self._send_some(p, out)
 
-    def _send_some(self, p: int, out: dict) -> None:
+    def _send_some(self, p: int, out: _Pending) -> None:
         view, pos = out[p]
         try:
             pos += self.peers[p].send(view[pos:])
@@ -160,9 +161,9 @@ class TCPCommunicator(ShmDataPath, Communicator):
         if pos == view.nbytes:
             del out[p]
         else:
-            out[p][1] = pos
+            out[p] = (view, pos)
 
-    def _recv_some(self, p: int, inb: dict) -> None:
+    def _recv_some(self, p: int, inb: _Pending) -> None:
         view, pos = inb[p]
         try:
             k = self.peers[p].recv_into(view[pos:])
@@ -176,7 +177,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
         if pos == view.nbytes:
             del inb[p]
         else:
-            inb[p][1] = pos
+            inb[p] = (view, pos)
 
     def _lost(self, p: int, exc: OSError | None) -> PhalanxError:
         why = f": {exc}" if exc else ""
@@ -203,7 +204,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
         recv = np.empty(int(roff[-1]), dtype=np.uint8)
         me = self.rank
         recv[roff[me] : roff[me + 1]] = flat[soff[me] : soff[me + 1]]
-        src, dst = memoryview(flat), memoryview(recv)
+        src, dst = flat.data, recv.data
         self._transfer(
             {p: src[soff[p] : soff[p + 1]] for p in self.peers}, {p: dst[roff[p] : roff[p + 1]] for p in self.peers}
         )
@@ -213,7 +214,7 @@ class TCPCommunicator(ShmDataPath, Communicator):
         rows = np.ascontiguousarray(rows)
         got = np.empty_like(rows)
         got[self.rank] = rows[self.rank]
-        src, dst = memoryview(rows.reshape(-1)).cast("B"), memoryview(got.reshape(-1)).cast("B")
+        src, dst = rows.reshape(-1).data.cast("B"), got.reshape(-1).data.cast("B")
         width = rows[0].nbytes
         self._transfer(
             {p: src[p * width : (p + 1) * width] for p in self.peers},
@@ -225,22 +226,22 @@ class TCPCommunicator(ShmDataPath, Communicator):
         flat = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
         sizes = self._counts_all_to_all([flat.nbytes] * self.world_size)
         out = [flat if p == self.rank else np.empty(int(sizes[p]), dtype=np.uint8) for p in range(self.world_size)]
-        src = memoryview(flat)
-        self._transfer({p: src for p in self.peers}, {p: memoryview(out[p]) for p in self.peers})
+        src = flat.data
+        self._transfer({p: src for p in self.peers}, {p: out[p].data for p in self.peers})
         return out
 
     def broadcast_bytes(self, data: np.ndarray | None, root: int = 0) -> np.ndarray:
         if self.rank == root:
             flat = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
             size = np.array([flat.nbytes], dtype=np.int64)
-            sends = {p: memoryview(size).cast("B") for p in self.peers}
+            sends = {p: size.data.cast("B") for p in self.peers}
             self._transfer(sends, {})
-            self._transfer({p: memoryview(flat) for p in self.peers}, {})
+            self._transfer({p: flat.data for p in self.peers}, {})
             return flat
         size = np.zeros(1, dtype=np.int64)
-        self._transfer({}, {root: memoryview(size).cast("B")})
+        self._transfer({}, {root: size.data.cast("B")})
         buf = np.empty(int(size[0]), dtype=np.uint8)
-        self._transfer({}, {root: memoryview(buf)})
+        self._transfer({}, {root: buf.data})
         return buf
 
     def allreduce(self, array: np.ndarray, op: ReduceOp = "sum") -> np.ndarray:
@@ -250,20 +251,21 @@ class TCPCommunicator(ShmDataPath, Communicator):
             raise ValueError(f"allreduce: op must be one of {sorted(NUMPY_REDUCE)}, got {op!r}")
         src = np.ascontiguousarray(array)
         if self.world_size == 1:
-            return src.copy()
+            alone: np.ndarray = src.copy()  # (numpy's stubs give copy() as Any before Python 3.12)
+            return alone
         parts = np.empty((self.world_size,) + src.shape, dtype=src.dtype)
         parts[self.rank] = src
         width = src.nbytes
-        flat_in = memoryview(parts.reshape(-1)).cast("B")
-        flat_out = memoryview(src.reshape(-1)).cast("B")
+        flat_in = parts.reshape(-1).data.cast("B")
+        flat_out = src.reshape(-1).data.cast("B")
         self._transfer({p: flat_out for p in self.peers}, {p: flat_in[p * width : (p + 1) * width] for p in self.peers})
         return np.asarray(NUMPY_REDUCE[op](parts, axis=0, dtype=src.dtype))
 
     def barrier(self) -> None:
         one = np.zeros(1, dtype=np.uint8)
         got = np.zeros(self.world_size, dtype=np.uint8)
-        mv = memoryview(got)
-        self._transfer({p: memoryview(one) for p in self.peers}, {p: mv[p : p + 1] for p in self.peers})
+        mv = got.data
+        self._transfer({p: one.data for p in self.peers}, {p: mv[p : p + 1] for p in self.peers})
 
     def close(self) -> None:
         self.close_shm()

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import numpy as np
 
 from ..envvars import ENV_HOST
 from .base import NUMPY_REDUCE, Communicator, ReduceOp
+
+R = TypeVar("R")  # what an awaited coroutine returns
 
 
 def _import_ucxx() -> Any:
@@ -67,7 +69,7 @@ class UCXCommunicator(Communicator):
         self.barrier()  # every endpoint is up before anyone sends data
 
     # ---- plumbing --------------------------------------------------------------------------
-    def _run(self, coro: Any) -> Any:
+    def _run(self, coro: Awaitable[R]) -> R:
         return self._loop.run_until_complete(asyncio.wait_for(coro, self._timeout))
 
     def _tag(self, src: int, step: int = 0) -> int:
@@ -79,7 +81,7 @@ class UCXCommunicator(Communicator):
     async def _recv(self, src: int, buf: np.ndarray, step: int = 0) -> None:
         await self._ucxx.recv(buf, tag=self._tag(src, step))
 
-    def _collective(self, coro: Any) -> Any:
+    def _collective(self, coro: Awaitable[R]) -> R:
         try:
             return self._run(coro)
         finally:

@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -74,7 +74,7 @@ class LocalExecutor(Executor[LocalConfig]):
     config_model = LocalConfig
     capabilities = Capabilities(reuse_gangs=True, pins_cpus=True, warm_pool=True, runs_commands=True)
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._pool: WarmPool | None = None
 
@@ -148,6 +148,7 @@ class LocalLauncher(Launcher):
                     start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
                 )
             self.procs.append(proc)
+            assert proc.stdout is not None  # stdout=PIPE, here and in WarmPool._spawn
             self._pumps.append(start_pump(proc.stdout, self._output, whole_lines(rank), name=f"phalanx-log-rank{rank}"))
         self._watch = MemoryWatch(self.procs, self.mem_limit_bytes)
 
@@ -229,6 +230,7 @@ class MemoryWatch:
         grew since launch), or neither."""
         peak = f"peak RSS {self.peak[rank] / _GIB:.2f} GiB of {_mem_total() / _GIB:.1f} GiB"
         if rank in self.over:
+            assert self.limit is not None  # the watch kills only over a limit (_run)
             return (
                 f" — over its memory limit of {self.limit / _GIB:g} GiB (private resident "
                 f"memory {self.over[rank] / _GIB:.2f} GiB; {peak})"

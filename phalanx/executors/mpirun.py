@@ -186,6 +186,7 @@ class MPIRunLauncher(Launcher):
             stderr=subprocess.STDOUT,
             start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
         )
+        assert self.proc.stdout is not None  # stdout=PIPE
         self._pump = start_pump(self.proc.stdout, self._output, TagOutputRouter(), "phalanx-log-mpirun")
 
     def exitcodes(self) -> list[int | None]:

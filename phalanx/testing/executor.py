@@ -44,7 +44,7 @@ from phalanx.orchestrator.models import Stage, Workflow
 from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
 from phalanx.testing import ranks as R
-from phalanx.testing.site import N, pid_alive
+from phalanx.testing.site import ContractSite, N, pid_alive
 
 FAIL_WITHIN_S = 10.0  # a rank that raises, is killed or exits non-zero fails its gang within this
 WHERE = "phalanx.testing.ranks:stage_where"
@@ -194,12 +194,14 @@ class GangContract:
         # the others were stopped: no rank process, step or actor is left (the run's pilot may stay)
         assert site.wait_nothing_left([gang.gang_id], before, within=10, allocations=False) == []
 
-    def test_a_rank_killed_by_sigkill_fails_the_gang_fast_and_is_named(self, site, gang, tmp_path):
+    def test_a_rank_killed_by_sigkill_fails_the_gang_fast_and_is_named(
+        self, site: ContractSite, gang: px.Gang, tmp_path: Path
+    ) -> None:
         before = started(gang)
         victim = 1
         killed: list[float] = []
 
-        def kill_when_running():
+        def kill_when_running() -> None:
             deadline = time.monotonic() + 60
             while len(list(tmp_path.glob("rank-*.json"))) < N and time.monotonic() < deadline:
                 time.sleep(0.02)
@@ -241,7 +243,9 @@ class GangContract:
         assert not gang.running
         assert site.wait_nothing_left([gang.gang_id]) == []
 
-    def test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout(self, site, gang):
+    def test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout(
+        self, site: ContractSite, gang: px.Gang
+    ) -> None:
         """Every slot is taken (by a job or placement group of the test's): a gang's wait in the
         queue counts in its start timeout, and the error says what the resource manager says."""
         if site.waiting is None:
@@ -379,7 +383,9 @@ class RunContract:
         assert site.wait_nothing_left(gang_ids(db, handle.run_id), facts_of(tmp_path, "wait", N)) == []
         assert took < FAIL_WITHIN_S + 10, f"cancel() took {took:.1f} s"
 
-    def test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once(self, site, tmp_path):
+    def test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once(
+        self, site: ContractSite, tmp_path: Path
+    ) -> None:
         """Every slot is taken: the run's gang waits in the resource manager's queue; cancel() must
         end that wait (and the run) at once, not when the queue moves."""
         if site.waiting is None:
@@ -407,7 +413,8 @@ class RunContract:
         assert outcome.get("stopped") and outcome["took"] < 8, (
             f"cancel(timeout=8) returned {outcome.get('stopped')} after {outcome.get('took', 0):.0f} s: its gang was still queued"
         )
-        assert db.run(handle.run_id)["state"] == "cancelled"
+        run = db.run(handle.run_id)
+        assert run is not None and run["state"] == "cancelled", run
         assert db.allocations(handle.run_id) == []
         assert site.wait_nothing_left(gang_ids(db, handle.run_id)) == []
 

@@ -144,6 +144,12 @@ class SlurmLauncher(Launcher):
         self._killing = False
         self._allocation: dict | None = None  # this gang's job or step (base.held)
 
+    @property
+    def _logs(self) -> Path:
+        """``log_dir`` of the launched gang (everything that reads it runs after ``launch``)."""
+        assert self.log_dir is not None, "the gang was not launched"
+        return self.log_dir
+
     def placement(self, world_size: int) -> list[dict[str, str]]:
         # SLURM places and binds the ranks; phalanx only sizes their thread pools
         return [{P.ENV_THREADS: str(self.cpus_per_rank)} for _ in range(world_size)]
@@ -152,9 +158,10 @@ class SlurmLauncher(Launcher):
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         with self._lock:
             self._stop_follower()
-            self._reset(Path(log_dir).absolute(), len(rank_env))
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            exit_files.clear(self.log_dir)  # a gang restarted in the same dir
+            log_dir = Path(log_dir).absolute()
+            self._reset(log_dir, len(rank_env))
+            log_dir.mkdir(parents=True, exist_ok=True)
+            exit_files.clear(log_dir)  # a gang restarted in the same dir
             common = _common_env(rank_env)
             common["PYTHONUNBUFFERED"] = "1"
             gang = common.get(P.ENV_GANG_ID) or f"{os.getpid()}-{time.time_ns()}"
@@ -164,7 +171,7 @@ class SlurmLauncher(Launcher):
             self._start(argv, env)
             if self.echo:
                 self._follower = FileFollower(
-                    [self.log_dir / f"rank-{r}.log" for r in range(self.world_size)],
+                    [log_dir / f"rank-{r}.log" for r in range(self.world_size)],
                     self.echo,
                     name="phalanx-slurm-logs",
                 )
@@ -178,7 +185,7 @@ class SlurmLauncher(Launcher):
             f"--ntasks={self.world_size}",
             f"--cpus-per-task={self.cpus_per_rank}",
             "--kill-on-bad-exit=0",  # phalanx fails the gang fast itself, with tracebacks
-            f"--output={_pct(self.log_dir)}/rank-%t.log",
+            f"--output={_pct(self._logs)}/rank-%t.log",
             "--open-mode=append",
             "--input=none",
         ]
@@ -222,7 +229,7 @@ class SlurmLauncher(Launcher):
     def _read_exit_files(self) -> None:
         for r, code in enumerate(self._codes):
             if code is None:
-                self._codes[r] = exit_files.read(self.log_dir, r)
+                self._codes[r] = exit_files.read(self._logs, r)
 
     def _poll(self, force: bool = False) -> JobInfo | None:
         if self.job_id is None:
@@ -257,7 +264,7 @@ class SlurmLauncher(Launcher):
         for r, c in enumerate(self._codes):
             if c is None or c < 0:
                 try:
-                    with open(self.log_dir / f"rank-{r}.log", "a") as f:
+                    with open(self._logs / f"rank-{r}.log", "a") as f:
                         f.write(f"[phalanx] {self._failed}\n")
                 except OSError:
                     pass
@@ -273,7 +280,9 @@ class SlurmLauncher(Launcher):
         with self._lock:
             if self.job_id is None:
                 return "slurm: not launched"
-            return self._status(self._poll(force=True))
+            info = self._poll(force=True)
+            assert info is not None  # _poll polls SLURM whenever there is a job
+            return self._status(info)
 
     @abstractmethod
     def _status(self, info: JobInfo) -> str: ...
@@ -326,7 +335,7 @@ class SlurmJobLauncher(SlurmLauncher):
 
     def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
         srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
-        script = self.log_dir / "slurm-job.sh"
+        script = self._logs / "slurm-job.sh"
         script.write_text(
             "\n".join(
                 [
@@ -340,7 +349,7 @@ class SlurmJobLauncher(SlurmLauncher):
         )
         args = [
             f"--job-name={self.step_name}",
-            f"--output={_pct(self.log_dir)}/launcher.log",
+            f"--output={_pct(self._logs)}/launcher.log",
             "--open-mode=append",
             "--no-requeue",  # a lost node fails the stage: phalanx retries
             "--export=ALL",
@@ -350,13 +359,14 @@ class SlurmJobLauncher(SlurmLauncher):
             *self.sbatch_args,
             str(script),
         ]
-        self._hold(allocation("job", self.step_name, self.slurm))  # before sbatch: see base.held
+        record = allocation("job", self.step_name, self.slurm)
+        self._hold(record)  # before sbatch: see base.held
         try:
             self.job_id = self.slurm.submit(args, env, self.site)
         except BaseException:
             self._let_go()
             raise
-        self._hold({**self._allocation, "job": self.job_id})
+        self._hold({**record, "job": self.job_id})
 
     def _rank_killed(self) -> None:
         """Was it SLURM (scancel, time limit, node failure...)?"""
@@ -373,6 +383,7 @@ class SlurmJobLauncher(SlurmLauncher):
             "DEADLINE",
         ):
             if info.active:  # ending: its final state comes within moments
+                assert self.job_id is not None  # _poll found the job
                 self.info = info = _wait_inactive(self.slurm, self.job_id, 1.0)
             if not info.active:
                 self._note_failure(info)
@@ -454,7 +465,7 @@ class SlurmStepLauncher(SlurmLauncher):
             *self.srun_args,
             *self._rank_command(argv),
         ]
-        launcher_log = open(self.log_dir / "launcher.log", "ab", buffering=0)
+        launcher_log = open(self._logs / "launcher.log", "ab", buffering=0)
         self._srun = subprocess.Popen(
             cmd, env=env, stdin=subprocess.DEVNULL, stdout=launcher_log, stderr=subprocess.PIPE, start_new_session=True
         )
@@ -464,7 +475,8 @@ class SlurmStepLauncher(SlurmLauncher):
         ).start()
 
     def _read_srun_stderr(self, proc: subprocess.Popen) -> None:
-        with open(self.log_dir / "launcher.log", "ab", buffering=0) as out:
+        assert proc.stderr is not None  # stderr=PIPE (_start)
+        with open(self._logs / "launcher.log", "ab", buffering=0) as out:
             for raw in iter(proc.stderr.readline, b""):
                 out.write(raw)
                 line = raw.decode(errors="replace").strip()
@@ -517,6 +529,7 @@ class SlurmStepLauncher(SlurmLauncher):
             return f"slurm: pilot {info.describe()}"
         if self._step_note:
             return f"slurm: step {self.step_name} {self._step_note}"
+        assert self.job_id is not None  # status() asks SLURM only once there is a job
         step = self.step_id or next(iter(self.slurm.step_ids(self.job_id, self.step_name)), None)
         if step:
             self.step_id = step

@@ -55,7 +55,7 @@ def install() -> None:
     """Patch ``radical.utils.ids`` (once; it is imported with ``radical.pilot``)."""
     ids = sys.modules.get("radical.utils.ids")
     if ids is not None and not isinstance(getattr(ids, "os", None), _ClosesOnce):
-        ids.os = _ClosesOnce()
+        setattr(ids, "os", _ClosesOnce())  # noqa: B010 (a module attribute mypy cannot see)
 
 
 __all__ = ["install"]

@@ -164,8 +164,10 @@ class RadicalLauncher(Launcher):
                 "sandbox": str(sandbox),
             }
             held(self.allocation_hook, self._allocation)  # before RP knows it: found by its sandbox
+        session = self.pilot.session
+        assert session is not None, "gangs are submitted to a pilot whose session is made"
         try:
-            with self.pilot.session.api:
+            with session.api:
                 task = self.pilot.tmgr.submit_tasks(rp.TaskDescription(td))
         except BaseException as exc:
             self._let_go()
@@ -256,10 +258,10 @@ class RadicalLauncher(Launcher):
             if fresh:
                 self._drain(fresh)  # the gang reads a failed rank's log tail next
             if any(c is None for c in self._codes) and self.task is not None:
-                self._settle()
+                self._settle(self.sandbox)
             return list(self._codes)
 
-    def _settle(self) -> None:
+    def _settle(self, sandbox: Path) -> None:
         """Ranks with no exit code of their own, once RP says the task (or its pilot) ended."""
         state = self.task.state
         pilot_state = self.pilot.state
@@ -268,7 +270,7 @@ class RadicalLauncher(Launcher):
         time.sleep(0.05)  # a rank's wrapper may be writing its file as the task ends
         open_ranks = [r for r, c in enumerate(self._codes) if c is None]
         for r in open_ranks:
-            self._codes[r] = exit_files.read(self.sandbox, r)
+            self._codes[r] = exit_files.read(sandbox, r)
         open_ranks = [r for r, c in enumerate(self._codes) if c is None]
         if not open_ranks:
             return

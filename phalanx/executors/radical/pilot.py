@@ -84,6 +84,7 @@ class RadicalPilot:
 
     def description(self) -> dict[str, Any]:
         cfg = self.cfg
+        assert self.session is not None, "a pilot is described once its session is made (_submit)"
         runtime = cfg.runtime if "runtime" in cfg.model_fields_set or not cfg.local else LOCAL_RUNTIME_MIN
         pd: dict[str, Any] = {
             "uid": self.uid,
@@ -304,10 +305,10 @@ def release(record: dict) -> str:
     if kind == "task":
         pilot_box = sandbox.parent
         asked = agent_command(pilot_box, "cancel_tasks", {"uids": [uid]})
-        ended = sweep(sandbox) if local else []
-        if not asked and not ended:
+        swept = sweep(sandbox) if local else []
+        if not asked and not swept:
             return f"radical: task {uid} already gone"
-        return f"radical: task {uid} cancelled" + (f" ({len(ended)} processes ended)" if ended else "")
+        return f"radical: task {uid} cancelled" + (f" ({len(swept)} processes ended)" if swept else "")
     asked = agent_command(sandbox, "cancel_pilots", {"uids": [uid]})
     ended: list[int] = []
     if local:

@@ -271,6 +271,8 @@ def _install_bind(addr: str) -> None:
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("phalanx_radical_bind", HOOK_DIR / "sitecustomize.py")
+    if spec is None or spec.loader is None:  # the hook ships with phalanx: only a broken install
+        raise GangError(f"cannot load phalanx's RADICAL-Pilot hook {HOOK_DIR / 'sitecustomize.py'}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     module.install(addr)
@@ -287,13 +289,13 @@ def _die_with_driver() -> None:
         return
     worker = proxy.Proxy._worker
 
-    def _worker(self, *args, **kwargs):
+    def _worker(self: Any, *args: Any, **kwargs: Any) -> Any:
         from ...procs import die_with_parent
 
         die_with_parent()
         return worker(self, *args, **kwargs)
 
-    _worker._phalanx = True
+    setattr(_worker, "_phalanx", True)  # noqa: B010 (marks the wrapper; functions take attributes)
     proxy.Proxy._worker = _worker
 
 

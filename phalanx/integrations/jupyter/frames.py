@@ -48,7 +48,7 @@ class RemoteFrame:
 
         tables = [p["table"] for p in self._parts(limit)]
         table = pa.concat_tables(tables, promote_options="default") if tables else None
-        return table if limit is None else table.slice(0, limit)
+        return table if limit is None or table is None else table.slice(0, limit)
 
     def head(self, n: int = 5):
         """The first ``n`` rows as pandas."""

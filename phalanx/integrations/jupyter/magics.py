@@ -75,12 +75,18 @@ def cell_number(shell: Any) -> int:
 
 @magics_class
 class PhalanxMagics(Magics):
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        """The notebook's namespace (a magic runs in a shell: IPython types ``shell`` Optional)."""
+        assert self.shell is not None, "phalanx's magics are registered on a shell"
+        return self.shell.user_ns
+
     # ---- %px_gang --------------------------------------------------------------------------------
     @magic_arguments()
     @argument("ranks", nargs="?", type=int, help="ranks of the gang to start")
     @argument("--site", help="a site name or file (executor, communicator, store come from it)")
     @argument("--executor", help="local, mpirun, slurm, ray, kubernetes...")
-    @argument("--communicator", help="gloo (default) or mpi")
+    @argument("--communicator", help="tcp (default), shm, gloo, mpi, ucx")
     @argument("--rendezvous", help="tcp (default), file, redis://...")
     @argument("--session", default="default", help="the store session of env.store")
     @argument("--store", help="the store root (default: the site's, else the default)")
@@ -99,7 +105,7 @@ class PhalanxMagics(Magics):
         if args.close or args.reset:
             name = args.name or kernel.current_name()
             gang = kernel.named(name)
-            if gang is None:
+            if gang is None or name is None:
                 raise UsageError(f"no gang named {name!r}" if name else "no gang to close")
             if args.reset:
                 if gang.running:
@@ -170,7 +176,7 @@ class PhalanxMagics(Magics):
             return gang
         gang = kernel.named(name)
         if gang is None:
-            value = self.shell.user_ns.get(name)
+            value = self._user_ns.get(name)
             if isinstance(value, Gang):
                 return value
             raise UsageError(f"-g {name}: neither a %px_gang name nor a variable holding a px.Gang")
@@ -218,11 +224,11 @@ class PhalanxMagics(Magics):
             raise attach(RankError(failures))
         if out is not None:
             if any(rep.out_frame for rep in replies):
-                self.shell.user_ns[out] = RemoteFrame(gang, out)
+                self._user_ns[out] = RemoteFrame(gang, out)
             else:
                 import cloudpickle
 
-                self.shell.user_ns[out] = [cloudpickle.loads(replies[r].out) for r in shown]
+                self._user_ns[out] = [cloudpickle.loads(replies[r].out) for r in shown]
         return None
 
     def _render(self, view: Any, replies: list | None, shown: list[int], n: int) -> Rendered | None:

@@ -25,6 +25,7 @@ import json
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,8 +99,9 @@ def format_exception(exc: BaseException) -> str:
     return "".join(te.format())
 
 
-def _chain(te: traceback.TracebackException):
+def _chain(first: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
     seen = set()
+    te: traceback.TracebackException | None = first
     while te is not None and id(te) not in seen:
         seen.add(id(te))
         yield te
@@ -146,7 +148,8 @@ def run_cell(env, code: str, filename: str, shown: list[int], out: str | None, p
         tree = ast.parse(code, filename, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(tree.body.pop().value)
+            last = ast.Expression(tree.body[-1].value)
+            tree.body.pop()
         exec(compile(tree, filename, "exec"), ns)
         value = eval(compile(last, filename, "eval"), ns) if last is not None else None
         if last is not None:

@@ -175,7 +175,7 @@ class RunView:
         self._thread.start()
         return self
 
-    def __exit__(self, et: Any, ev: Any, tb: Any) -> bool:
+    def __exit__(self, et: Any, ev: Any, tb: Any) -> None:  # never swallows the exception
         try:
             if et is None and self.router is not None and not self.all_ended.wait(settings.drain_s):
                 if self.router.echoes is None:  # not one end line ever came: this executor does not echo
@@ -196,7 +196,6 @@ class RunView:
             attach(ev)
         if self.opts.mode == "run":
             self.finish(self.rendered(final=True) if self._worth_showing(ev) else None)
-        return False
 
     def _outcome(self, ev: BaseException | None) -> None:
         with self.lock:

@@ -35,7 +35,8 @@ class Communicator(ABC):
         from ..rendezvous import backend_for
 
         store = backend_for(rendezvous_url).connect(rendezvous_url, rank, world_size, timeout_s)
-        return cls(rank, world_size, store, timeout_s=timeout_s)  # type: ignore[call-arg]
+        # a subclass that keeps this default takes (rank, world_size, store, timeout_s=), as gloo does
+        return cls(rank, world_size, store, timeout_s=timeout_s)  # type: ignore[call-arg]  # not the base's signature
 
     def __init__(self, rank: int, world_size: int):
         self.rank = rank

@@ -26,6 +26,8 @@ import sysconfig
 from pathlib import Path
 from typing import Any
 
+from ...runtime.envvars import ENV_PREFIX
+
 MODES = ("site", "mpi")
 
 # Open MPI settings of phalanx's mpirun executor (executors/mpirun.py: one host, shared memory)
@@ -57,7 +59,7 @@ if ppn:
 for key, value in MCA.items():
     cmd += ["--mca", key, value]
 for name in sorted(os.environ):  # names only: values (the control key) stay out of ps
-    if name.startswith(ENV_PREFIX) or name in ("PYTHONPATH", "PYTHONUNBUFFERED"):
+    if name.startswith({prefix!r}) or name in ("PYTHONPATH", "PYTHONUNBUFFERED"):
         cmd += ["-x", name]
 os.execv(OMPI, cmd + args)
 """
@@ -362,7 +364,9 @@ def mpiexec_dir(directory: Path, mpiexec: str = "auto") -> Path | None:
             "mode 'mpi' on this machine needs an mpiexec: Open MPI (apt-get install "
             "openmpi-bin; phalanx wraps it) or MPICH (apt-get install mpich)"
         )
-    _write_exe(target, _WRAPPER.format(python=sys.executable, ompi=os.path.realpath(ompi), mca=_OMPI_MCA))
+    _write_exe(
+        target, _WRAPPER.format(python=sys.executable, ompi=os.path.realpath(ompi), mca=_OMPI_MCA, prefix=ENV_PREFIX)
+    )
     return directory
 
 

@@ -35,8 +35,8 @@ MPI_SKIP = pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missin
 CASES = (
     [pytest.param(("tcp", n), id=f"tcp-{n}") for n in (1, 2, 3, 4)]
     + [pytest.param(("tcp-noshm", n), id=f"tcp-noshm-{n}") for n in (2, 3)]
-    + [pytest.param(("gloo", n), id=f"gloo-{n}") for n in (1, 2, 3, 4)]
-    + [pytest.param(("gloo-noshm", n), id=f"gloo-noshm-{n}") for n in (2, 3)]
+    + [pytest.param(("gloo", n), id=f"gloo-{n}", marks=pytest.mark.torch) for n in (1, 2, 3, 4)]
+    + [pytest.param(("gloo-noshm", n), id=f"gloo-noshm-{n}", marks=pytest.mark.torch) for n in (2, 3)]
     + [pytest.param(("shm", n), id=f"shm-{n}") for n in (1, 2, 3, 4)]
     + [pytest.param(("mpi", n), id=f"mpi-{n}", marks=[pytest.mark.mpi, MPI_SKIP]) for n in (1, 2, 3)]
     + [pytest.param(("ucx", n), id=f"ucx-{n}", marks=[pytest.mark.ucx, UCX_SKIP]) for n in (1, 2, 3)]

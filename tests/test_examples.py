@@ -103,6 +103,7 @@ def test_phalanx_validate_accepts_both_workflows():
 
 
 # ---- etl_to_training ----------------------------------------------------------------------------
+@pytest.mark.torch  # the example's train stage
 def test_generate_makes_the_data_it_promises(etl):
     db, run_id, store = etl
     tx, users = store.read("transactions"), store.read("users")
@@ -121,6 +122,7 @@ def test_generate_makes_the_data_it_promises(etl):
     assert stages["generate"]["outputs"]["transactions"][0] == ROWS
 
 
+@pytest.mark.torch  # the example's train stage
 def test_features_match_pandas(etl):
     _, _, store = etl
     tx, users = store.read("transactions").to_pandas(), store.read("users").to_pandas()
@@ -150,6 +152,7 @@ def test_features_match_pandas(etl):
     assert (got[synthetic.FEATURES].dtypes == np.float32).all()
 
 
+@pytest.mark.torch  # the example's train stage
 def test_training_loss_goes_down(etl):
     db, run_id, store = etl
     m = store.read("train_metrics").to_pandas()
@@ -164,6 +167,7 @@ def test_training_loss_goes_down(etl):
     assert "epoch 2: loss" in (logs / "rank-0.log").read_text()
 
 
+@pytest.mark.torch  # the example's train stage
 def test_cli_run_reproduces_the_same_data(etl, tmp_path):
     _, _, first = etl
     env = {k: v for k, v in os.environ.items() if not k.startswith("PHALANX_")}

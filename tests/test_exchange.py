@@ -100,8 +100,8 @@ def check(gang, case: str, repeat: int = 1):
 
 # ---- gangs ---------------------------------------------------------------------------------
 GANGS = [pytest.param(("shm", n, None), id=f"shm-{n}") for n in (1, 2, 3, 4)] + [
-    pytest.param(("gloo", 3, None), id="gloo-3"),
-    pytest.param(("gloo-tcp", 2, None), id="gloo-tcp-2"),
+    pytest.param(("gloo", 3, None), id="gloo-3", marks=pytest.mark.torch),
+    pytest.param(("gloo-tcp", 2, None), id="gloo-tcp-2", marks=pytest.mark.torch),
     pytest.param(("shm", 4, "a,a,b,b"), id="shm-hier-4"),
     pytest.param(("shm", 3, "a,b,a"), id="shm-hier-3"),
 ]

@@ -224,7 +224,7 @@ def test_ranks_leave_a_driver_that_stops_answering(tmp_path):
     assert took > 2 - heartbeat_s(2) - 0.2, f"the ranks left {took:.1f} s after the stop: not by the 2 s timeout"
 
 
-@pytest.mark.parametrize("communicator", ["tcp", "gloo"])
+@pytest.mark.parametrize("communicator", ["tcp", pytest.param("gloo", marks=pytest.mark.torch)])
 @pytest.mark.parametrize("rendezvous", ["file", "tcp://127.0.0.1"])
 def test_other_rendezvous(rendezvous, communicator, tmp_path):
     if rendezvous == "file":
@@ -235,7 +235,7 @@ def test_other_rendezvous(rendezvous, communicator, tmp_path):
 
 
 @pytest.mark.redis
-@pytest.mark.parametrize("communicator", ["tcp", "gloo"])
+@pytest.mark.parametrize("communicator", ["tcp", pytest.param("gloo", marks=pytest.mark.torch)])
 def test_redis_rendezvous_against_a_real_server(redis_url, communicator):
     import redis
 
@@ -319,6 +319,7 @@ def test_tcp_listeners_bind_where_the_rendezvous_is(monkeypatch):
     assert bind_host("tcp://127.0.0.1:29500") == "10.1.2.3"
 
 
+@pytest.mark.torch
 def test_ranks_listen_on_loopback_only():
     """Rank 0's rendezvous store and Gloo's sockets must not be reachable from other hosts."""
     with px.Gang(2, communicator="gloo", echo=False) as gang:

@@ -30,6 +30,8 @@ N = 1003  # divisible by none of 2, 3, 4: every multi-rank gang pads (or trims)
 B = 64
 NREG = 1200  # divisible by 1..4: equal shares, so DDP's mean of means is the full mean
 
+pytestmark = pytest.mark.torch  # the torch extra's lane
+
 
 def table_ids() -> pa.Table:
     ids = np.arange(N)

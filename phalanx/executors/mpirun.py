@@ -24,6 +24,7 @@ from pydantic import Field
 from ..errors import MissingDependencyError
 from ..procs import descendants, leads_group, pid_alive, signal_group, signal_pid
 from ..runtime import protocol as P
+from . import exit_files
 from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher, shared_env
 from .local import WORKER_ARGV, cpu_placement, slot_cpus, usable_cpus
 from .logs import RankOutput, start_pump
@@ -77,7 +78,8 @@ DEFAULT_MCA = {
 # driver reads it (mpirun reports one code for the whole job).
 _COMMAND_WRAPPER = (
     'd=$1; shift; PHALANX_RANK=$OMPI_COMM_WORLD_RANK; export PHALANX_RANK; "$@"; rc=$?; '
-    'f="$d/rank-$PHALANX_RANK.exit"; echo $rc > "$f.tmp" && mv -f "$f.tmp" "$f"; exit $rc'
+    + exit_files.record("$d", "$PHALANX_RANK")
+    + "; exit $rc"
 )
 
 
@@ -196,13 +198,9 @@ class MPIRunLauncher(Launcher):
             return codes
         own: dict[int, int] = {}  # each rank's own code, where it wrote one
         for r in range(self.world_size):
-            try:
-                text = (self.log_dir / f"rank-{r}.exit").read_text().strip()
-            except OSError:
-                continue
-            if text.lstrip("-").isdigit():
-                rc = int(text)
-                own[r] = -(rc - 128) if 128 < rc < 128 + 65 else rc
+            code = exit_files.read(self.log_dir, r)
+            if code is not None:
+                own[r] = code
         # A rank that failed makes mpirun end the others: those were stopped, not failed (None
         # until the gang stops them), so the failed rank alone is named
         failed = any(c != 0 for c in own.values())

@@ -17,6 +17,7 @@ import importlib
 from typing import Any
 
 from .errors import MissingDependencyError, PhalanxError
+from .extras import install_hint
 
 
 class Registry:
@@ -64,7 +65,7 @@ class Registry:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            hint = f"pip install 'phalanx[{extra}]'" if extra else "check your installation"
+            hint = install_hint(extra) if extra else "check your installation"
             raise MissingDependencyError(
                 f"{self.kind} {name!r} needs a package that is not installed "
                 f"({exc.name or exc}); install it with: {hint}"

@@ -21,9 +21,14 @@ def installed(module: str) -> bool:
         return False
 
 
+def install_hint(extra: str) -> str:
+    """How to get the extra ``extra``."""
+    return f"pip install 'phalanx[{extra}]'"
+
+
 def missing(what: str, module: str, extra: str) -> str:
     """The message for ``what`` needing ``module`` from the extra ``extra``."""
-    return f"{what} needs {module}, which is not installed here: pip install 'phalanx[{extra}]'"
+    return f"{what} needs {module}, which is not installed here: {install_hint(extra)}"
 
 
 def require(module: str, extra: str, what: str) -> ModuleType:

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from ..errors import PhalanxError
-from ..extras import installed, missing
+from ..extras import install_hint, installed, missing
 from .models import Site, Workflow
 from .yamlio import locate
 
@@ -60,7 +60,7 @@ def _import_problem(app: str) -> str | None:
     except Exception as exc:  # ImportError, or the module raising while it imports
         hint = ""
         if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "torch":
-            hint = " (PyTorch comes with the torch extra: pip install 'phalanx[torch]')"
+            hint = f" (PyTorch comes with the torch extra: {install_hint('torch')})"
         return f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}{hint}"
     for part in attr.split("."):
         if not hasattr(obj, part):

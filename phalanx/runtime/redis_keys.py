@@ -6,18 +6,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, urlparse
 
+from ..extras import require
+
 if TYPE_CHECKING:
     import redis
 
 
 def client_and_prefix(url: str) -> tuple[redis.Redis[bytes], str]:
     """A redis-py client for ``url`` (its ``prefix`` query removed) and the gang's key prefix."""
-    try:
-        import redis
-    except ImportError as exc:
-        from ..errors import PhalanxError
-
-        raise PhalanxError(f"rendezvous redis:// needs redis-py: pip install 'phalanx[redis]' ({exc})") from exc
+    redis = require("redis", "redis", "rendezvous redis://")
     u = urlparse(url)
     prefix = parse_qs(u.query).get("prefix", ["phalanx:"])[0]
     clean = u._replace(query="").geturl()

@@ -8,19 +8,15 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...errors import GangError, PhalanxError
+from ...errors import GangError
+from ...extras import require
 
-EXTRA_HINT = "the kubernetes executor needs the kubernetes client: pip install 'phalanx[kubernetes]'"
 _cache: dict[tuple[str | None, str | None], Kube] = {}
 _lock = threading.Lock()
 
 
 def _module():
-    try:
-        import kubernetes
-    except ImportError:
-        raise PhalanxError(EXTRA_HINT) from None
-    return kubernetes
+    return require("kubernetes", "kubernetes", "executor 'kubernetes'")
 
 
 @dataclass
@@ -129,4 +125,4 @@ def api_error(exc: BaseException) -> str:
     return f"HTTP {status} {getattr(exc, 'reason', '')}".strip() if status else f"{type(exc).__name__}: {exc}"
 
 
-__all__ = ["EXTRA_HINT", "Kube", "api_error", "connect", "expand"]
+__all__ = ["Kube", "api_error", "connect", "expand"]

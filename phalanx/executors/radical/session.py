@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import GangError, MissingDependencyError
+from ...extras import require
 from ...runtime.envvars import ENV_RADICAL_BIND
 from ..network import Beacon
 from . import counters
@@ -54,13 +55,7 @@ _sessions: dict[str, RPSession] = {}
 
 def import_rp():
     """``import radical.pilot``, or an error naming the extra to install."""
-    try:
-        import radical.pilot as rp
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"executor 'radical' needs the radical.pilot package, which is not installed ({exc.name or exc}); "
-            "install it with: pip install 'phalanx[radical]' (it builds a few sdists: gcc is needed)"
-        ) from exc
+    rp = require("radical.pilot", "radical", "executor 'radical'")
     counters.install()  # before RP makes its first id: see counters.py
     return rp
 

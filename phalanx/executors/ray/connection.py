@@ -15,7 +15,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from ...errors import GangError, MissingDependencyError
+from ...errors import GangError
+from ...extras import require
 from .network import is_loopback
 
 # two gangs starting at once must not both call ray.init; a temporary connection (release)
@@ -25,14 +26,7 @@ _connect_lock = threading.RLock()
 
 def import_ray():
     """``import ray``, or an error naming the extra to install."""
-    try:
-        import ray
-    except ImportError as exc:
-        raise MissingDependencyError(
-            f"executor 'ray' needs the ray package, which is not installed ({exc.name or exc}); "
-            "install it with: pip install 'phalanx[ray]'"
-        ) from exc
-    return ray
+    return require("ray", "ray", "executor 'ray'")
 
 
 def connected():

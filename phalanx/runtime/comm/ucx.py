@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ...extras import require
 from ..envvars import ENV_HOST
 from .base import NUMPY_REDUCE, Communicator, ReduceOp
 
@@ -33,13 +34,7 @@ def _import_ucxx() -> Any:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("UCX_TLS", "tcp,self")  # sm,self is unreachable here (COMMS.md)
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unused on CPU
-    try:
-        import ucxx
-    except ImportError as exc:
-        from ...errors import PhalanxError
-
-        raise PhalanxError(f"communicator 'ucx' needs ucxx: pip install 'phalanx[ucx]' ({exc})") from exc
-    return ucxx
+    return require("ucxx", "ucx", "communicator 'ucx'")
 
 
 class UCXCommunicator(Communicator):

@@ -207,6 +207,21 @@ def test_ranks_come_from_rp_rank_and_every_rp_endpoint_is_on_loopback(site, sand
 
 
 @needs_rp
+def test_rps_id_counters_stay_in_the_sandbox_not_the_users_home(site, sandbox):
+    """radical.utils reads RADICAL_BASE when it is imported: the counters of phalanx's sessions
+    went to ~/.radical/utils, which phalanx never cleans, whatever the sandbox said."""
+    from phalanx.executors.radical.session import _sessions
+
+    with px.Gang(1, site=site, echo=False) as gang:
+        assert gang.run(lambda env: env.rank) == [0]
+    uids = {s.uid for s in _sessions.values()}
+    assert uids
+    home = Path(os.path.expanduser("~")) / ".radical" / "utils"
+    assert not [u for u in uids if (home / u).exists()], f"RP id counters written under {home}"
+    assert any(sandbox.rglob(f"utils/{u}") for u in uids), "RP's id counters are not under the sandbox"
+
+
+@needs_rp
 def test_each_run_holds_its_own_pilot_and_closing_one_leaves_the_other(site):
     a, b = site.create_executor(), site.create_executor()
     a.open_run()

@@ -1,4 +1,10 @@
-"""radical.utils' id counters close their file twice; here the second close closes nothing.
+"""radical.utils' id counters: where their files go, and closing each file once.
+
+``radical.utils.ids`` reads ``RADICAL_BASE`` once, when it is imported, so the counters of the
+sessions this process makes went to ``~/.radical/utils`` whatever the session's environment
+said; ``in_session_base()`` points them at the session's own base while RP makes its ids.
+
+radical.utils' id counters close their file twice; here the second close closes nothing.
 
 ``radical.utils.generate_id`` keeps the counters of ids such as ``tmgr.%(item_counter)04d``
 (a TaskManager's) and RP's session ids in files, and its ``_read_file_counter`` closes each
@@ -20,6 +26,8 @@ import errno
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -59,3 +67,22 @@ def install() -> None:
 
 
 __all__ = ["install"]
+
+
+@contextmanager
+def in_session_base() -> Iterator[None]:
+    """Within the block, ids' counter files go under ``$RADICAL_BASE`` as it is now (the
+    session's environment), not where it was when radical.utils was imported."""
+    ids = sys.modules.get("radical.utils.ids")
+    if ids is None:
+        yield
+        return
+    from radical.utils.misc import get_radical_base
+
+    names = vars(ids)  # the module's globals: what generate_id reads
+    saved = names["_BASE"]
+    names["_BASE"] = get_radical_base("utils")
+    try:
+        yield
+    finally:
+        names["_BASE"] = saved

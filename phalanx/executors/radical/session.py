@@ -133,7 +133,7 @@ class RPSession:
         self.beacon = Beacon(self.bind or "127.0.0.1", "phalanx-radical-beacon") if cfg.local else None
         self.env = env = self._environment(cfg, root)
         t0 = time.monotonic()
-        with _patched_environ(env):
+        with _patched_environ(env), counters.in_session_base():
             if self.bind:
                 _install_bind(self.bind)
             _die_with_driver()
@@ -150,7 +150,7 @@ class RPSession:
     def task_manager(self) -> Any:
         """A new TaskManager on this session (its components start in the session's environment)."""
         rp = import_rp()
-        with _lock, self.api, _patched_environ(self.env):
+        with _lock, self.api, _patched_environ(self.env), counters.in_session_base():
             return rp.TaskManager(session=self.session)
 
     def _environment(self, cfg: RadicalConfig, root: Path) -> dict[str, str | None]:

@@ -13,10 +13,13 @@ import os
 import queue
 import secrets
 import signal
+import socket
 import threading
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
+from typing import Any
 
 from ..runtime import protocol as P
+from ..runtime.netio import Handshakes
 
 
 class ControlServer:
@@ -26,12 +29,13 @@ class ControlServer:
         seconds of silence after which ranks take the driver for gone (default
         ``PHALANX_DRIVER_TIMEOUT`` of the driver's environment, else 60)."""
         if host == "auto":
-            import socket
-
             host = socket.gethostbyname(socket.getfqdn())
         self.world_size = world_size
         self.authkey = secrets.token_bytes(16)
-        self.listener = Listener((host, 0), authkey=self.authkey)
+        self.listener = socket.create_server((host, 0), backlog=128)
+        # each rank (and anything else that connects) authenticates in a thread of its own,
+        # for a few seconds at most: a connection that says nothing holds up no rank
+        self._handshakes = Handshakes(self.listener, self._shake, self._refused, name="phalanx-control-handshake")
         self.events: queue.Queue[tuple[int, P.ToDriver]] = queue.Queue()
         self.conns: dict[int, Connection] = {}
         self.driver_timeout = float(driver_timeout or os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S)
@@ -45,7 +49,7 @@ class ControlServer:
 
     @property
     def address(self) -> str:
-        host, port = self.listener.address
+        host, port = self.listener.getsockname()[:2]
         return f"{host}:{port}"
 
     def rank_env(self) -> dict[str, str]:
@@ -55,15 +59,33 @@ class ControlServer:
             P.ENV_DRIVER_TIMEOUT: f"{self.driver_timeout:g}",
         }
 
+    def _shake(self, sock: socket.socket, addr: tuple[Any, ...]) -> tuple[Connection, P.Hello]:
+        """multiprocessing's mutual challenge (as ``Listener.accept`` does it), then the
+        rank's Hello; on a duplicate of the socket's descriptor, so that ``Handshakes`` can
+        cut it short by shutting the socket down."""
+        conn = Connection(os.dup(sock.fileno()))
+        try:
+            deliver_challenge(conn, self.authkey)
+            answer_challenge(conn, self.authkey)
+            hello: P.Hello = P.recv(conn)
+            if not isinstance(hello, P.Hello) or not 0 <= hello.rank < self.world_size:
+                raise ValueError(f"not a rank of this gang: {hello!r:.80}")
+        except BaseException:
+            conn.close()
+            raise
+        sock.close()  # the connection holds its own descriptor
+        return conn, hello
+
+    @staticmethod
+    def _refused(addr: tuple[Any, ...], why: str) -> str:
+        return f"the driver refused a connection to its control port from {addr[0]}:{addr[1]}: {why}"
+
     def _accept(self) -> None:
         while not self._closed:
-            try:
-                conn = self.listener.accept()
-                hello: P.Hello = P.recv(conn)
-            except Exception:  # listener closed, or a peer failed the handshake
-                if self._closed:
-                    return
-                continue
+            got = self._handshakes.next()
+            if got is None:  # closed
+                return
+            conn, hello = got
             rank = hello.rank
             self._send_locks[rank] = threading.Lock()
             self.conns[rank] = conn
@@ -105,6 +127,7 @@ class ControlServer:
     def close(self) -> None:
         self._closed = True
         self._stop.set()
+        self._handshakes.close()
         for conn in self.conns.values():
             try:
                 conn.close()

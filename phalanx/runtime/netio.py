@@ -31,12 +31,14 @@ import socket
 import struct
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from ..errors import PhalanxError
 from .envvars import ENV_BIND_HOST, ENV_CONTROL
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 HANDSHAKE_S = 5.0  # the most an incoming connection may take to authenticate
 MAX_PENDING = 64  # handshakes in progress at once on one listener
@@ -164,6 +166,117 @@ def connect_peer(
     return sock
 
 
+class Handshakes(Generic[T]):
+    """Connections accepted on ``listener``, each authenticated by ``shake(sock, addr)`` in a
+    thread of its own: up to ``MAX_PENDING`` side by side, each for at most ``HANDSHAKE_S``
+    (then its socket is shut down, which ends any read or write of the handshake in progress).
+    A connection whose handshake fails or runs out of time is refused with a warning
+    (``refused(addr, why)``), so a peer that sends garbage, or connects and says nothing, can
+    neither fail the listener's owner nor hold up the real peers.  The tcp communicator's mesh
+    and the driver's control server both accept through this."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        shake: Callable[[socket.socket, tuple[Any, ...]], T],
+        refused: Callable[[tuple[Any, ...], str], str],
+        name: str = "phalanx-handshake",
+    ):
+        self.listener, self.shake, self.refused, self.name = listener, shake, refused, name
+        listener.settimeout(0)
+        self._done: queue.Queue[T | str] = queue.Queue()  # an outcome: what shake returned, or a refusal
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._pending: dict[socket.socket, float] = {}  # in handshake → when it must be over
+        self._lock = threading.Lock()  # guards _pending: a handshake ends either done or expired
+        self._closed = False
+
+    def next(self, deadline: float | None = None) -> T | None:
+        """The next authenticated connection (what ``shake`` returned); None once ``deadline``
+        has passed or the listener was closed."""
+        while not self._closed:
+            try:
+                outcome = self._done.get_nowait()
+            except queue.Empty:
+                pass
+            else:
+                if isinstance(outcome, str):
+                    log.warning(outcome)
+                    continue
+                return outcome
+            now = time.monotonic()
+            self._expire(now)
+            if deadline is not None and now >= deadline:
+                return None
+            with self._lock:
+                wait = min(self._pending.values(), default=deadline if deadline is not None else now + 3600)
+            if deadline is not None:
+                wait = min(wait, deadline)
+            try:
+                ready, _, _ = select.select([self.listener, self._wake_r], [], [], max(wait - now, 0.0))
+            except (OSError, ValueError):  # the listener was closed under us
+                return None
+            if self._wake_r in ready:
+                self._wake_r.recv(4096)
+            if self.listener in ready:
+                self._accept()
+        return None
+
+    def _accept(self) -> None:
+        try:
+            sock, addr = self.listener.accept()
+        except (BlockingIOError, TimeoutError, ConnectionAbortedError):
+            return
+        except OSError:  # closed under us
+            return
+        with self._lock:
+            if len(self._pending) >= MAX_PENDING:
+                sock.close()
+                log.warning(self.refused(addr, f"{len(self._pending)} handshakes in progress"))
+                return
+            self._pending[sock] = time.monotonic() + HANDSHAKE_S
+        threading.Thread(target=self._shake, args=(sock, addr), daemon=True, name=self.name).start()
+
+    def _shake(self, sock: socket.socket, addr: tuple[Any, ...]) -> None:
+        try:
+            outcome: T | str = self.shake(sock, addr)
+            failed = False
+        except Exception as exc:
+            outcome, failed = self.refused(addr, str(exc)), True
+        with self._lock:
+            expired = self._pending.pop(sock, None) is None
+        if expired and not failed:
+            outcome = self.refused(addr, f"no handshake within {HANDSHAKE_S:g} s")
+        if expired or failed:
+            sock.close()
+        self._done.put(outcome)
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+    def _expire(self, now: float) -> None:
+        """Shut down the sockets of handshakes past their time: their threads' reads end."""
+        with self._lock:
+            late = [s for s, until in self._pending.items() if until <= now or self._closed]
+            for sock in late:
+                del self._pending[sock]
+        for sock in late:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Stop accepting (the listener stays open: its owner closes it); handshakes in
+        progress are cut short."""
+        self._closed = True
+        self._expire(time.monotonic())
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass
+
+
 def accept_peers(
     listener: socket.socket,
     address: str,
@@ -175,81 +288,40 @@ def accept_peers(
     what: str,
 ) -> dict[int, socket.socket]:
     """``count`` authenticated connections on ``listener`` (published as ``address``), by the
-    rank each comes from.  Handshakes run side by side (up to ``MAX_PENDING``), each bounded by
-    ``HANDSHAKE_S``: a connection that fails one is closed with a warning and the wait goes on,
-    so an intruder can neither fail the gang nor hold up the real peers."""
+    rank each comes from (``Handshakes``: side by side, each bounded by ``HANDSHAKE_S``; an
+    intruder is refused with a warning and the wait goes on)."""
     key = mesh_key(authkey)
-    # a handshake's outcome: the peer's rank and its socket, or why it was refused
-    done: queue.Queue[tuple[int, socket.socket] | str] = queue.Queue()
-    wake_r, wake_w = socket.socketpair()
+
+    def shake(sock: socket.socket, addr: tuple[Any, ...]) -> tuple[int, socket.socket]:
+        peer = _respond(sock, rank, world_size, key, address, min(deadline, time.monotonic() + HANDSHAKE_S), what)
+        return peer, sock
+
+    def refused(addr: tuple[Any, ...], why: str) -> str:
+        return f"rank {rank} refused a connection from {addr[0]}:{addr[1]}: {why}"
+
     got: dict[int, socket.socket] = {}
-    pending = 0
-
-    def shake(sock: socket.socket, addr: tuple[Any, ...]) -> None:
-        try:
-            peer = _respond(sock, rank, world_size, key, address, min(deadline, time.monotonic() + HANDSHAKE_S), what)
-            done.put((peer, sock))
-        except Exception as exc:
-            sock.close()
-            done.put(f"rank {rank} refused a connection from {addr[0]}:{addr[1]}: {exc}")
-        try:
-            wake_w.send(b"x")
-        except OSError:
-            pass
-
+    handshakes = Handshakes(listener, shake, refused, name=f"phalanx-handshake-{rank}")
     try:
         while len(got) < count:
-            left = deadline - time.monotonic()
-            if left <= 0:
+            outcome = handshakes.next(deadline)
+            if outcome is None:
                 raise PhalanxError(
                     f"{what}: rank {rank} waited in vain for rank(s) "
                     f"{sorted(set(range(world_size)) - set(got) - {rank})} to connect"
                 )
-            ready, _, _ = select.select([listener, wake_r], [], [], left)
-            if wake_r in ready:
-                wake_r.recv(4096)
-            while True:
-                try:
-                    outcome = done.get_nowait()
-                except queue.Empty:
-                    break
-                pending -= 1
-                if isinstance(outcome, str):
-                    log.warning(outcome)
-                    continue
-                peer, sock = outcome
-                if peer in got:
-                    sock.close()
-                    raise PhalanxError(f"{what}: rank {rank} got a second connection from rank {peer}")
-                else:
-                    sock.settimeout(None)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    got[peer] = sock
-            if listener in ready and len(got) < count:
-                listener.settimeout(0)
-                try:
-                    sock, addr = listener.accept()
-                except (TimeoutError, BlockingIOError):
-                    continue
-                if pending >= MAX_PENDING:
-                    sock.close()
-                    log.warning(
-                        "rank %d refused a connection from %s:%s: %d handshakes in progress",
-                        rank,
-                        addr[0],
-                        addr[1],
-                        pending,
-                    )
-                    continue
-                pending += 1
-                threading.Thread(target=shake, args=(sock, addr), daemon=True, name=f"phalanx-handshake-{rank}").start()
+            peer, sock = outcome
+            if peer in got:
+                sock.close()
+                raise PhalanxError(f"{what}: rank {rank} got a second connection from rank {peer}")
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            got[peer] = sock
     except BaseException:
         for sock in got.values():
             sock.close()
         raise
     finally:
-        wake_r.close()
-        wake_w.close()
+        handshakes.close()
     return got
 
 

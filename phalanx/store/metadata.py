@@ -160,10 +160,35 @@ class SQLiteMetadata(MetadataBackend):
         self.url = f"sqlite://{self.path}"
         create_private(makedirs(self.path.parent) / self.path.name)  # 0600, and so its -wal, -shm
         with self._connect() as con:
-            con.executescript(_SCHEMA)
-            cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
-            if "accessed" not in cols:  # a catalogue written by the first version of the store
-                con.execute("ALTER TABLE datasets ADD COLUMN accessed REAL NOT NULL DEFAULT 0")
+            if not self._current(con):
+                self._migrate(con)
+
+    @staticmethod
+    def _current(con: sqlite3.Connection) -> bool:
+        """Whether both tables exist with today's columns (then opening writes nothing)."""
+        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
+        return {"datasets", "partitions"} <= tables and "accessed" in cols
+
+    @classmethod
+    def _migrate(cls, con: sqlite3.Connection) -> None:
+        """Create the tables, or add the column a catalogue of the first version of the store
+        lacks, under the write lock from the first statement (BEGIN IMMEDIATE): processes that
+        open a new or old catalogue at once look and change one after another, so no two add
+        the column ("duplicate column name")."""
+        con.execute("BEGIN IMMEDIATE")
+        try:
+            if not cls._current(con):
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        con.execute(statement)
+                cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
+                if "accessed" not in cols:
+                    con.execute("ALTER TABLE datasets ADD COLUMN accessed REAL NOT NULL DEFAULT 0")
+            con.execute("COMMIT")
+        except BaseException:
+            con.execute("ROLLBACK")
+            raise
 
     def __repr__(self) -> str:
         return f"SQLiteMetadata({self.path})"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
-from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError
+from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, UnsafePathError
 from phalanx.operators import kernels
 from phalanx.store.repartition import hash_partitioning
 from phalanx.testing.tables import every_type_table, same_table
@@ -372,3 +373,128 @@ def test_cli_store_sessions_ls_rm_and_rm_all(tmp_path):
     assert px.Store(root, "run-a").list() == [] and px.Store(root, "run-b").list() == ["z"]
     bad = cli("--session", "run-b", "rm", "nope")
     assert bad.returncode == 1 and "no dataset 'nope'" in bad.stderr
+
+
+# ---- issue 22: what the store removes, the modes of what it creates, concurrent first opens ----
+def test_purge_of_retired_follows_no_path_out_of_the_root_or_of_another_user(tmp_path, caplog):
+    """A file under .retired names a location to remove; on a root other users can write in,
+    none may make the owner remove a directory outside the root (named directly, through
+    ``..`` or through a symbolic link inside the root), one owned by someone else, or follow
+    an entry that is a link or is not the owner's (issue 22 item 14; the hostile-user versions
+    with a real second user are in tests/faults/test_store_faults.py)."""
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    store = px.Store(root, session="s")
+    old = store.put("d", pa.table({"a": [1]}))
+    store.put("d", pa.table({"a": [2]}), replace=True)  # the old version is retired: one entry
+    trash = root / ".retired"
+    assert len(os.listdir(trash)) == 1
+    for name in ("direct", "dotdot", "via-link", "theirs"):
+        (outside / name).mkdir(parents=True)
+        (outside / name / "keep").write_text("keep")
+    (root / "s" / "link").symlink_to(outside)
+    theirs = root / "s" / "theirs"
+    theirs.mkdir()
+    (theirs / "keep").write_text("keep")
+    entries = {
+        "0-direct": str(outside / "direct"),
+        "0-dotdot": f"{root}/s/../../outside/dotdot",
+        "0-vialink": str(root / "s" / "link" / "via-link"),
+        "0-theirs": str(theirs),
+    }
+    for name, location in entries.items():
+        (trash / name).write_text(location)
+    (trash / "0-islink").symlink_to(trash / "0-direct")
+    if os.geteuid() == 0:  # a directory and an entry of another user (root can make them)
+        os.chown(theirs, 4242, 4242)
+        (trash / "0-notmine").write_text(str(outside / "direct"))
+        os.chown(trash / "0-notmine", 4242, 4242)
+
+    with caplog.at_level("WARNING", logger="phalanx.store"):
+        assert store.purge_retired(older_than=0) == 1  # the store's own entry
+    assert not Path(old.location).exists() and store.read("d")["a"].to_pylist() == [2]
+    for name in ("direct", "dotdot", "via-link", "theirs"):
+        assert (outside / name / "keep").read_text() == "keep"
+    assert (theirs / "keep").read_text() == "keep"
+    said = {r.getMessage().split(" refusing to act on ")[1].split(",")[0]: r.getMessage() for r in caplog.records}
+    assert sorted(said) == sorted(str(trash / n) for n in os.listdir(trash)), caplog.text
+    assert f"{outside / 'direct'}: it is not inside the store root {root}" in said[str(trash / "0-direct")]
+    assert "not inside the store root" in said[str(trash / "0-dotdot")]
+    assert f"{root / 's' / 'link'} is a symbolic link (to {outside})" in said[str(trash / "0-vialink")]
+    assert f"{trash / '0-islink'} is a symbolic link" in said[str(trash / "0-islink")]
+    if os.geteuid() == 0:
+        assert f"{theirs} is owned by uid 4242, not by you" in said[str(trash / "0-theirs")]
+        assert f"{trash / '0-notmine'} is owned by uid 4242" in said[str(trash / "0-notmine")]
+    # a location in the metadata is no more trusted: store rm --all refuses, naming it
+    store.meta.seal(replace(store.info("d"), name="e", location=str(outside / "direct")), False)
+    with pytest.raises(UnsafePathError, match=f"refusing to remove {outside / 'direct'}: it is not inside"):
+        store.delete_session()
+    assert (outside / "direct" / "keep").exists()
+
+
+def test_everything_the_store_creates_is_private_to_its_user(tmp_path):
+    """Files 0600 and directories 0700 under the root and the spill directory, whatever the
+    umask — partitions, the catalogue, and the files under .retired
+    (issue 22 item 21: those were 0644)."""
+    umask = os.umask(0o022)
+    try:
+        root, spill = tmp_path / "root", tmp_path / "spill"
+        store = px.Store(root, session="s", memory_budget=1 << 20, spill=spill)
+        big = pa.table({"x": np.arange(200_000)})  # 1.6 MB: over the budget, spilled
+        store.put("d", pa.table({"a": [1]}))
+        store.put("d", pa.table({"a": [2]}), replace=True)  # retires the first version
+        store.put("e", big)
+        store.put("e", big, replace=True)
+        store.delete("d")
+        assert store.spilled("e") and len(os.listdir(root / ".retired")) == 3
+    finally:
+        os.umask(umask)
+    modes = {str(p): oct(p.lstat().st_mode & 0o777) for top in (root, spill) for p in (top, *top.rglob("*"))}
+    wrong = {p: m for p, m in modes.items() if m != (oct(0o700) if Path(p).is_dir() else oct(0o600))}
+    assert not wrong, wrong
+    assert any(".retired/" in p for p in modes) and str(root / "meta.sqlite") in modes
+
+
+_FIRST_VERSION_SCHEMA = """CREATE TABLE datasets (
+    session TEXT NOT NULL, name TEXT NOT NULL, version TEXT NOT NULL, location TEXT NOT NULL,
+    schema BLOB NOT NULL, partitioning TEXT NOT NULL, producer TEXT, run TEXT,
+    created REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0, PRIMARY KEY (session, name))"""
+
+
+def _open_catalogue(path, go, results):
+    from phalanx.store.metadata import SQLiteMetadata
+
+    go.wait()
+    try:
+        SQLiteMetadata(path)
+        results.put(None)
+    except Exception as exc:  # what the test reports
+        results.put(repr(exc))
+
+
+@pytest.mark.parametrize("catalogue", ["new", "first-version"])
+def test_processes_opening_a_catalogue_at_once_all_succeed(tmp_path, catalogue):
+    """8 processes open the same new catalogue, or one of the first version of the store
+    (no ``accessed`` column), at the same moment, 4 times: every one opens it (the column was
+    added by two at once: "duplicate column name", 1–3 of 8 died)."""
+    import multiprocessing
+    import sqlite3
+
+    ctx = multiprocessing.get_context("fork")  # started at once, without importing again
+    failures = []
+    for round_ in range(4):
+        path = tmp_path / f"{round_}" / "meta.sqlite"
+        if catalogue == "first-version":
+            path.parent.mkdir()
+            with sqlite3.connect(path) as con:
+                con.execute(_FIRST_VERSION_SCHEMA)
+        go, results = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_open_catalogue, args=(path, go, results)) for _ in range(8)]
+        for p in procs:
+            p.start()
+        go.set()
+        failures += [r for r in (results.get(timeout=60) for _ in procs) if r]
+        for p in procs:
+            p.join(30)
+    assert failures == []
+    with sqlite3.connect(path) as con:
+        assert "accessed" in {r[1] for r in con.execute("PRAGMA table_info(datasets)")}

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import builtins
 import copy
+import errno
 import logging
 import os
 import re
+import stat
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -25,12 +27,12 @@ from typing import Any, NamedTuple
 
 import pyarrow as pa
 
-from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
+from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError, UnsafePathError
 from ..paths import ENV_SPILL, ENV_STORE, default_spill_root, default_store_root
-from ..private import makedirs
+from ..private import FILE_MODE, makedirs
 from ..runtime.envvars import ENV_STORE_BUDGET, ENV_STORE_METADATA, ENV_STORE_SESSION
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
-from .tiers import FileTier, Staged, Tier, checksum_buffer, open_tier, part_file
+from .tiers import FileTier, Staged, Tier, check_mine, checksum_buffer, open_tier, part_file
 
 log = logging.getLogger("phalanx.store")
 
@@ -75,6 +77,25 @@ def _check_name(name: str) -> str:
     if not isinstance(name, str) or not name or "/" in name or name.startswith(".") or "\0" in name:
         raise ValueError(f"bad dataset name {name!r}: a non-empty string without '/' that does not start with '.'")
     return name
+
+
+def _read_retired(entry: Path) -> str:
+    """The location a file under ``.retired`` names, if this user wrote it: a regular file
+    owned by this user, opened without following a link (``UnsafePathError`` otherwise)."""
+    try:
+        fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafePathError(f"{entry} is a symbolic link (to {os.readlink(entry)})") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{entry} is not a regular file")
+        check_mine(entry, st)
+        return os.read(fd, 1 << 16).decode()
+    finally:
+        os.close(fd)
 
 
 class Unsealed(NamedTuple):
@@ -485,10 +506,15 @@ class Store:
     def _retire(self, location: str) -> None:
         trash = self.root_trash()
         if trash is None:  # object stores: remove at once (documented)
-            self._tier_for(location).remove(location)
+            self._remove_payload(location)
             return
         makedirs(trash)
-        (trash / f"{time.time_ns()}-{uuid.uuid4().hex[:6]}").write_text(location)
+        entry = trash / f"{time.time_ns()}-{uuid.uuid4().hex[:6]}"
+        fd = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+        try:
+            os.write(fd, location.encode())
+        finally:
+            os.close(fd)
         self.purge_retired()
 
     def root_trash(self) -> Path | None:
@@ -506,13 +532,43 @@ class Store:
             try:
                 if int(entry.name.split("-", 1)[0]) > limit:
                     continue
-                location = entry.read_text()
-                self._tier_for(location).remove(location)
+                self._remove_payload(_read_retired(entry))
                 entry.unlink()
                 removed += 1
+            except UnsafePathError as exc:
+                # On a root other users can write in, one of them may have put it there
+                # (issue 22 item 14): it is left for the owner to look at, named each time.
+                log.warning(
+                    "%s: refusing to act on %s, left in place: %s. phalanx writes the files under %s "
+                    "itself; if you did not, someone who can write in %s did: check it, then remove it",
+                    self._where(),
+                    entry,
+                    exc,
+                    trash,
+                    trash.parent,
+                )
             except (ValueError, OSError):  # another process purged it first
                 continue
         return removed
+
+    def _remove_payload(self, location: str) -> None:
+        """Remove a dataset's files, read from the metadata or from ``.retired``: only on
+        this store's own tiers (the root, the spill directory, the default spill directory,
+        where a budgeted store spilled), each of which checks the location is inside it."""
+        spill = self.spill_tier
+        if spill is None and self.tier.local_root is not None and not self.tier.owns(location):
+            try:
+                spill = FileTier(default_spill_root())
+            except UnsafePathError:  # someone else's: nothing of ours is there
+                spill = None
+        for tier in (self.tier, spill):
+            if tier is not None and tier.owns(location):
+                tier.remove(location)
+                return
+        raise UnsafePathError(
+            f"refusing to remove {location}: it is not inside the store root {self.tier.url}"
+            + (f" or the spill directory {spill.url}" if spill is not None else "")
+        )
 
     def delete_session(self) -> int:
         """Remove every dataset of this session (metadata and payload); returns how many."""
@@ -520,7 +576,7 @@ class Store:
         for name in names:
             old = self.meta.delete(self.session, name)
             if old is not None:  # an explicit wipe: no grace period
-                self._tier_for(old.location).remove(old.location)
+                self._remove_payload(old.location)
         # The session's directory goes only when no dataset was sealed meanwhile.
         if not self.meta.list(self.session):
             self.tier.remove_session(self.session)
@@ -555,7 +611,7 @@ class Store:
         still in progress in the session then fails, so use it on sessions no run writes."""
         gone = self.unsealed(self.session)
         for u in gone:
-            self._tier_for(u.location).remove(u.location)
+            self._remove_payload(u.location)
         return gone
 
     def _staged(self, owner: str) -> Iterator[tuple[Tier, Staged]]:

@@ -14,8 +14,9 @@ Every partition is one uncompressed Arrow IPC file named ``part-00000.arrow`` in
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
+import pwd
 import stat
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -26,6 +27,7 @@ import pyarrow.ipc as ipc
 import xxhash
 
 from .._registry import Registry
+from ..errors import UnsafePathError
 from ..paths import default_spill_root  # noqa: F401  (re-exported: tests/faults/test_security.py imports it here)
 from ..private import create_private, makedirs
 
@@ -279,7 +281,7 @@ class FileTier(Tier):
         os.rename(staging, final)  # atomic within one filesystem
 
     def remove(self, location: str) -> None:
-        shutil.rmtree(location, ignore_errors=True)
+        remove_under(self.root, location)
 
     def remove_session(self, session: str) -> None:
         self.remove(str(self.root / session))
@@ -297,6 +299,96 @@ class FileTier(Tier):
             nbytes += st.st_size if stat.S_ISREG(st.st_mode) else 0
             written = max(written, st.st_mtime)
         return nbytes, written
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def check_mine(path: str | os.PathLike[str], st: os.stat_result) -> None:
+    """Raise ``UnsafePathError`` unless ``st`` (of ``path``) is owned by this user."""
+    if st.st_uid != os.getuid():
+        raise UnsafePathError(f"{path} is owned by {_owner(st.st_uid)}, not by you ({_owner(os.getuid())})")
+
+
+def remove_under(root: Path, location: str) -> None:
+    """``rm -r location``, which must be a directory under ``root`` owned by this user, as is
+    every directory between them; a missing one is nothing to do.
+
+    Locations are read from places another user may be able to write — the metadata, a file
+    under ``<root>/.retired`` — when the root is a group-shared directory, so one must not be
+    able to name anything else: the path is checked inside ``root`` without following ``..``,
+    then walked from ``root`` one directory at a time without following a symbolic link
+    (``O_NOFOLLOW``), each directory checked to be this user's (so nobody else can swap a
+    name in it before the removal, which itself follows no link: ``_rmtree_at``).  Raises
+    ``UnsafePathError`` naming the location and why."""
+    where = Path(location)
+    names = where.relative_to(root).parts if where.is_absolute() and where.is_relative_to(root) else ()
+    if not names or ".." in names:
+        raise UnsafePathError(f"refusing to remove {location}: it is not inside the store root {root}")
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:  # no root: nothing to remove
+        return
+    here = root
+    try:
+        for i, name in enumerate(names):
+            here = here / name
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISLNK(st.st_mode):
+                raise UnsafePathError(f"{here} is a symbolic link (to {os.readlink(name, dir_fd=fd)})")
+            if not stat.S_ISDIR(st.st_mode):
+                raise UnsafePathError(f"{here} is not a directory")
+            check_mine(here, st)
+            if i == len(names) - 1:
+                _rmtree_at(fd, name)
+                return
+            try:
+                sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):  # became a link or a file meanwhile
+                    raise UnsafePathError(f"{here} is no longer a directory") from None
+                raise
+            os.close(fd)
+            fd = sub
+            if not os.path.samestat(st, os.fstat(fd)):
+                raise UnsafePathError(f"{here} was replaced while it was checked")
+    except UnsafePathError as exc:
+        raise UnsafePathError(f"refusing to remove {location}: {exc}") from None
+    except OSError:  # e.g. removed by another process meanwhile: as rmtree(ignore_errors=True)
+        return
+    finally:
+        os.close(fd)
+
+
+def _rmtree_at(parent: int, name: str) -> None:
+    """``rm -r`` of ``name`` in the directory open as ``parent``, following no link (what
+    ``shutil.rmtree(name, dir_fd=parent)`` does from Python 3.11); an entry removed
+    meanwhile is skipped."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except FileNotFoundError:
+        return
+    try:
+        with os.scandir(fd) as entries:
+            inside = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        for sub, is_dir in inside:
+            try:
+                if is_dir:
+                    _rmtree_at(fd, sub)
+                else:
+                    os.unlink(sub, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+    try:
+        os.rmdir(name, dir_fd=parent)
+    except FileNotFoundError:
+        pass
 
 
 def _new_partition(location: str, index: int) -> Path:

@@ -6,10 +6,12 @@ this module starts, stops and kills by PID; a tmpfs it mounts and unmounts."""
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -400,3 +402,84 @@ def test_a_damaged_partition_is_named_by_read_and_by_a_gang_get(how, fault):
         "ChecksumError naming dataset, partition and file, from Store.read and from every rank of a gang's get"
     )
     fault.data_lost("none (the damage is reported, never returned)")
+
+
+# ---- 6. a group-shared root: a member must not make the owner delete outside it ----------------
+MALLORY = "phalanxmallory"  # the second user of tests/faults/test_security.py
+
+
+@pytest.fixture(scope="module")
+def member() -> pwd.struct_passwd:
+    """A second local user (created without a home if missing): a member of the store root's group."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root: to create a second user and act as it")
+    try:
+        return pwd.getpwnam(MALLORY)
+    except KeyError:
+        pass
+    made = subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", MALLORY], capture_output=True, text=True)
+    if made.returncode:
+        pytest.skip(f"cannot create a second user: useradd: {made.stderr.strip()}")
+    return pwd.getpwnam(MALLORY)
+
+
+@pytest.fixture
+def shared(member):
+    """A store root shared with ``member``'s group (2770, as a project directory on a cluster)
+    and a victim directory of the owner's outside it; both removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix="px-shared-", dir="/tmp"))
+    os.chown(root, os.getuid(), member.pw_gid)
+    os.chmod(root, 0o2770)
+    victim = Path(tempfile.mkdtemp(prefix="px-victim-", dir="/tmp"))
+    yield root, victim
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(victim, ignore_errors=True)
+
+
+def as_member(member: pwd.struct_passwd, script: str, cwd: Path) -> None:
+    """Run ``script`` (sh) as the group member, in ``cwd``."""
+    done = subprocess.run(
+        ["sh", "-euc", script], cwd=cwd, user=member.pw_uid, group=member.pw_gid, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_path_a_group_member_writes_under_retired_is_not_followed(shared, member, fault):
+    fault.describe("a group member writes /victim into <shared root>/.retired; the owner runs `store rm`")
+    root, victim = shared
+    (victim / "precious.txt").write_text("keep me")
+    store = px.Store(root, session="s")
+    store.put("d", pa.table({"a": [1, 2, 3]}))
+    # .retired is made by whoever retires first; the member gets there first
+    as_member(member, f"mkdir -m 0777 .retired && printf %s {victim} > .retired/0-evil", root)
+    t0 = time.monotonic()
+    out = cli("--root", str(root), "--session", "s", "rm", "d")
+    fault.detected(time.monotonic() - t0)
+    assert (victim / "precious.txt").read_text() == "keep me"
+    entry = root / ".retired" / "0-evil"
+    assert out.returncode == 0 and out.stdout.strip() == "removed d", out
+    assert f"refusing to act on {entry}, left in place" in out.stderr, out.stderr
+    assert f"owned by {MALLORY} (uid {member.pw_uid})" in out.stderr and "check it, then remove it" in out.stderr
+    assert entry.exists() and not store.exists("d")
+    fault.outcome("the entry is refused (not the owner's), named on stderr and left; the victim directory survives")
+    fault.data_lost("none")
+
+
+def test_a_session_directory_a_group_member_swaps_for_a_symlink_is_not_followed(shared, member, fault):
+    fault.describe("a group member replaces <shared root>/<session> by a symlink out; the owner runs `store rm --all`")
+    root, victim = shared
+    store = px.Store(root, session="s")
+    info = store.put("d", pa.table({"a": [1, 2, 3]}))
+    # the same layout outside the root, which the symlink makes the dataset's location name
+    mirror = victim / Path(info.location).relative_to(root / "s")
+    mirror.mkdir(parents=True)
+    (mirror / "precious.txt").write_text("keep me")
+    as_member(member, f"mv s s.moved && ln -s {victim} s", root)
+    t0 = time.monotonic()
+    out = cli("--root", str(root), "--session", "s", "rm", "--all")
+    fault.detected(time.monotonic() - t0)
+    assert (mirror / "precious.txt").read_text() == "keep me"
+    assert out.returncode == 1, out
+    assert f"refusing to remove {info.location}: {root / 's'} is a symbolic link (to {victim})" in out.stderr
+    fault.outcome("`store rm --all` refused, naming the symlink and its target; the directory outside survives")
+    fault.data_lost("none")

@@ -301,17 +301,20 @@ class FileTier(Tier):
         return nbytes, written
 
 
-def _owner(uid: int) -> str:
+def _user(uid: int) -> str:
     try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+        return pwd.getpwuid(uid).pw_name
     except KeyError:
-        return f"uid {uid}"
+        return "an unknown user"
 
 
 def check_mine(path: str | os.PathLike[str], st: os.stat_result) -> None:
     """Raise ``UnsafePathError`` unless ``st`` (of ``path``) is owned by this user."""
-    if st.st_uid != os.getuid():
-        raise UnsafePathError(f"{path} is owned by {_owner(st.st_uid)}, not by you ({_owner(os.getuid())})")
+    me = os.getuid()
+    if st.st_uid != me:
+        raise UnsafePathError(
+            f"{path} is owned by {_user(st.st_uid)} (uid {st.st_uid}), not by you ({_user(me)}, uid {me})"
+        )
 
 
 def remove_under(root: Path, location: str) -> None:

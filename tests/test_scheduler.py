@@ -128,8 +128,11 @@ def test_downstream_of_a_failed_stage_is_skipped(db):
         },
     )
     result = run_workflow(wf, site(2), db=db)
-    assert not result.ok and result.skipped == ["after"]
+    assert not result.ok and result.skipped == ["after"] and result.state == "failed"
     assert "no_such_function_here" in result.failed["bad"]
+    assert {s["stage"]: s["error"] for s in db.stages(result.run_id)}["after"] == "an upstream stage failed"
+    starts = [e["message"] for e in db.events(result.run_id) if e["kind"] == "start"]
+    assert starts[0].startswith("attempt 1: 1 rank on slots [0], ") and "1 ranks" not in starts[0], starts
 
 
 def test_cli_run_and_status(tmp_path):
@@ -313,6 +316,10 @@ def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(
     assert out.returncode == 0, out.stderr
     assert not orphan.exists()
     assert sorted(p.name for p in tmp_path.glob("loop.*")) == ["loop.0", "loop.1"]
+    # the killed driver's attempt ended with it: lost, not "running" under a succeeded run
+    attempts = db.attempts(run["id"], "loop")
+    assert [(a["attempt"], a["state"]) for a in attempts] == [(1, "lost"), (2, "succeeded")]
+    assert attempts[0]["ended"] is not None and "driver" in attempts[0]["error"]
     store.delete_session()
 
 
@@ -372,6 +379,8 @@ def test_command_stage_with_a_missing_program(db):
     wf = Workflow(name="cmdmissing", stages={"native": Stage(kind="command", command=["/no/such/program"], ranks=1)})
     result = run_workflow(wf, site(2), db=db)
     assert result.failed["native"].startswith("cannot start '/no/such/program'")
+    starts = [e["message"] for e in db.events(result.run_id) if e["kind"] == "start"]
+    assert starts == ["attempt 1: 1 rank of '/no/such/program' on slots [0]"]
 
 
 def test_cli_logs_shows_each_ranks_output(tmp_path):

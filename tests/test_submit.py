@@ -100,7 +100,7 @@ def test_submit_returns_at_once_and_the_handle_follows_the_run(tmp_path):
     assert h.wait(timeout=240)
     result = h.result()
     assert result.ok, result.failed
-    assert (result.run_id, result.session) == (h.run_id, h.session)
+    assert (result.run_id, result.session, result.state) == (h.run_id, h.session, "succeeded")
     status = h.status()
     assert status.finished and status.state == "succeeded"
     assert {n: s.state for n, s in status.stages.items()} == {"generate": "succeeded", "totals": "succeeded"}
@@ -121,8 +121,10 @@ def test_cancel_leaves_no_rank_process_and_marks_the_run_cancelled(tmp_path):
     status = h.status()
     assert status.state == "cancelled"
     assert {n: s.state for n, s in status.stages.items()} == {"generate": "cancelled", "totals": "skipped"}
+    assert status.stages["totals"].error == "the run was cancelled"  # no upstream stage failed
     result = h.result()
     assert not result.ok and result.failed == {"generate": "cancelled"}
+    assert result.state == "cancelled" and result.skipped == ["totals"]  # not alike a failed run
 
 
 def test_a_failing_stage_gives_a_result_that_is_not_ok(tmp_path):
@@ -131,6 +133,7 @@ def test_a_failing_stage_gives_a_result_that_is_not_ok(tmp_path):
     assert h.wait(timeout=240)
     result = h.result()  # a failed run is a result, not an exception
     assert not result.ok and "ZeroDivisionError" in result.failed["bad"]
+    assert result.state == "failed"
     assert h.status().state == "failed" and h.status().stages["bad"].state == "failed"
     too_big = px.Workflow("big", [px.stage(apps.wf_mark, name="huge", ranks=9)])
     with pytest.raises(ConfigError, match="9 ranks, but site 't2' can give at most 2"):

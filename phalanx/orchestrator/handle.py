@@ -174,7 +174,8 @@ class RunHandle:
         return True
 
     def result(self, timeout: float | None = None) -> RunResult:
-        """The ``RunResult`` once the run finished (``ok`` False for a failed or cancelled run);
+        """The ``RunResult`` once the run finished (``state``: succeeded, failed or cancelled, as
+        the run DB has it; ``ok`` only for succeeded);
         re-raises an exception the run raised; ``TimeoutError`` if still running after ``timeout``."""
         if not self.wait(timeout):
             raise TimeoutError(f"run {self.run_id} still running after {timeout:g}s")

@@ -36,7 +36,13 @@ class RunResult:
     session: str
     ok: bool
     failed: dict[str, str] = field(default_factory=dict)  # stage → error summary
-    skipped: list[str] = field(default_factory=list)  # never ran: an upstream stage failed
+    skipped: list[str] = field(default_factory=list)  # never ran: an upstream stage failed, or a cancel
+    # the run's state in the run DB: succeeded, failed or cancelled (a cancelled run is not ok either)
+    state: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.state:
+            self.state = "succeeded" if self.ok else "failed"
 
 
 class Scheduler:
@@ -77,6 +83,10 @@ class Scheduler:
         for a in self.db.attempts(self.run_id):
             if a["gang_id"]:
                 self.store.abort_staging(a["gang_id"])
+            if a["state"] == "running":  # its driver died with it (a lost run): it never ends now
+                self.db.end_attempt(
+                    self.run_id, a["stage"], a["attempt"], "lost", "its driver was gone before it ended (run resumed)"
+                )
         self.fingerprints = fingerprints(self.wf, deps, self.store)
         done = {
             s for s in self.wf.stages if prior.get(s, {}).get("state") == "succeeded" and self._reusable(s, prior[s])
@@ -164,6 +174,7 @@ class Scheduler:
 
     def _run(self, pending: list[str], done: set[str], deps: dict[str, set[str]]) -> RunResult:
         failed: dict[str, str] = {}
+        why: dict[str, str] = {}  # skipped stage → why it never ran
         running: dict[Future, tuple[str, list[int]]] = {}
         for name in list(pending):  # a gang the site can never place fails now, not never
             ranks = self.wf.stages[name].ranks
@@ -182,6 +193,9 @@ class Scheduler:
                         if deps[name] & set(failed):
                             pending.remove(name)
                             failed.setdefault(name, "")  # skipped: marked below
+                            why[name] = (
+                                "the run was cancelled" if self._cancelled.is_set() else "an upstream stage failed"
+                            )
                             continue
                         ranks = self.wf.stages[name].ranks
                         if deps[name] <= done and ranks <= len(self._free):
@@ -211,14 +225,15 @@ class Scheduler:
                 self.db.set_run(self.run_id, "cancelled")
                 raise
         skipped = [s for s, e in failed.items() if e == ""]
-        for s in skipped:
-            self.db.set_stage(self.run_id, s, "skipped", error="an upstream stage failed")
-            self._event(s, "skipped", "an upstream stage failed")
+        for s in skipped:  # what the run DB records is what `phalanx status`, the report, the CLI say
+            self.db.set_stage(self.run_id, s, "skipped", error=why[s])
+            self._event(s, "skipped", why[s])
         real = {s: e for s, e in failed.items() if e}
         ok = not real and not skipped
         # a cancel (Scheduler.cancel, a run handle's) ends the run "cancelled", as a Ctrl-C does
-        self.db.set_run(self.run_id, "succeeded" if ok else "cancelled" if self._cancelled.is_set() else "failed")
-        return RunResult(self.run_id, self.store.session, ok, real, skipped)
+        state = "succeeded" if ok else "cancelled" if self._cancelled.is_set() else "failed"
+        self.db.set_run(self.run_id, state)
+        return RunResult(self.run_id, self.store.session, ok, real, skipped, state)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -314,7 +329,7 @@ class Scheduler:
         how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
         if gang is None:
             gang = self._gang(name, slots, log_dir)
-        self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks on slots {slots}, {how}")
+        self._event(name, "start", f"attempt {attempt}: {counted(st.ranks, 'rank')} on slots {slots}, {how}")
         keep = False
         try:
             with self._lock:
@@ -359,7 +374,7 @@ class Scheduler:
             return error, error, None
         gang = self._gang(name, slots, log_dir)
         env = {f"{ENV_PARAM_PREFIX}{k.upper()}": str(v) for k, v in st.params.items()}
-        self._event(name, "start", f"attempt {attempt}: {st.ranks} ranks of {command[0]!r} on slots {slots}")
+        self._event(name, "start", f"attempt {attempt}: {counted(st.ranks, 'rank')} of {command[0]!r} on slots {slots}")
         with self._lock:
             self._gangs[name] = gang
         try:
@@ -373,8 +388,13 @@ class Scheduler:
             self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
             with self._lock:
                 self._gangs.pop(name, None)
-        self._succeeded(name, attempt, f"{st.ranks} rank{'s' if st.ranks > 1 else ''} exited 0")
+        self._succeeded(name, attempt, f"{counted(st.ranks, 'rank')} exited 0")
         return None
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` and the noun in the number it needs: "1 rank", "2 ranks", "0 ranks"."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def error_summary(exc: BaseException) -> str:

@@ -138,6 +138,28 @@ def test_written_to_the_state_dir_by_default_or_where_asked(retried, tmp_path):
     assert "<script" not in page and "http://" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
 
 
+def test_the_page_is_readable_by_its_user_only(tmp_path):
+    """Like the run DB and the logs it shows (0600 in 0700 directories), whatever the umask; an
+    older report left 0644 in <state>/reports is made 0600 when written again."""
+    import os
+    import stat
+
+    db = RunDB(tmp_path / "state")
+    run_id, _ = db.new_run("modes", "wf.yaml", "here", None, {"a": 1})
+    old = os.umask(0o022)
+    try:
+        stale = db.state_dir / "reports" / f"{run_id}.html"
+        stale.parent.mkdir(mode=0o700)
+        stale.write_text("an older page")
+        stale.chmod(0o644)
+        paths = [write_report(db, run_id), write_report(db, run_id, tmp_path / "asked.html")]
+    finally:
+        os.umask(old)
+    assert paths[0] == stale and "an older page" not in stale.read_text()
+    assert [oct(stat.S_IMODE(p.stat().st_mode)) for p in paths] == [oct(0o600)] * 2
+    assert oct(stat.S_IMODE(stale.parent.stat().st_mode)) == oct(0o700)
+
+
 def test_header_names_the_run(retried):
     db, run_id, path = retried
     _, root, _ = parse(path)

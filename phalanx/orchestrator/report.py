@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import html
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..private import makedirs
+from ..private import FILE_MODE, makedirs, opener
 from ..redact import redact
 from .rundb import FINAL, RunDB
 
@@ -93,7 +94,10 @@ def write_report(db: RunDB, run_id: str, out: str | Path | None = None) -> Path:
     if out is None or path.is_dir():
         path = path / f"{run_id}.html"
     makedirs(path.parent)
-    path.write_text(page, encoding="utf-8")
+    with open(path, "w", encoding="utf-8", opener=opener) as f:  # 0600, as the run DB and logs it shows
+        if out is None:  # ours: one an older phalanx wrote 0644 is made private too
+            os.fchmod(f.fileno(), FILE_MODE)
+        f.write(page)
     return path
 
 

@@ -109,3 +109,9 @@ def __getattr__(name: str):
         importlib.import_module(".orchestrator.handle", __name__).set_notebook(_NOTEBOOK)
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    """What is here plus what ``__getattr__`` loads on first use (``dir(px)``, tab completion),
+    without loading it."""
+    return sorted({*globals(), *_LAZY, "ml"})

@@ -155,3 +155,45 @@ def test_a_later_run_reads_an_earlier_runs_output_by_session(tmp_path):
     missing = px.Workflow("c2", [px.stage(apps.wf_totals, name="x", inputs={"tx": f"{first.session}/nope"})])
     with pytest.raises(ConfigError, match=f"dataset 'nope' is not in store session '{first.session}'"):
         px.run(missing, site=site4, state=tmp_path / "state", progress=False)
+
+
+def test_set_overrides_a_file_or_a_python_workflow_as_phalanx_run_set_does(tmp_path):
+    """``set=`` is ``phalanx run --set``: dotted keys, a string read as YAML (other values as they
+    are), every bad one named before anything starts; the px.Workflow itself is left as it was."""
+    import apps
+
+    f = tmp_path / "wf.yaml"
+    f.write_text(
+        "name: setme\nstages:\n  gen:\n    app: apps:wf_generate\n    ranks: 1\n"
+        "    params: {rows: 3000, seed: 5}\n    outputs: [tx]\n"
+    )
+    wf = px.Workflow(
+        "setme", [px.stage(apps.wf_generate, name="gen", params={"rows": 3000, "seed": 5}, outputs=["tx"])]
+    )
+    site, state = Site(name="t2", cores=2), tmp_path / "state"
+    for workflow in (f, wf):
+        for bad, problem in [
+            ({"stages.gen.ranks": "0"}, "--set stages.gen.ranks: stages.gen.ranks: must be ≥ 1"),
+            ({"name": "[x"}, "--set name: "),  # read as YAML, as --set values are
+            ({"stages..rows": 1}, "set= 'stages..rows': expected a dotted key"),
+        ]:
+            with pytest.raises(ConfigError) as err:
+                px.submit(workflow, site=site, state=state, set=bad)
+            assert any(p.startswith(problem) for p in err.value.problems), (workflow, err.value.problems)
+    with pytest.raises(ConfigError, match="set= changes a workflow file or a px.Workflow"):
+        px.submit(wf.model(), site=site, state=state, set={"stages.gen.params.rows": 1})
+    assert RunDB(state).runs() == []  # nothing started
+
+    by_file = px.submit(f, site=site, state=state, set={"stages.gen.params.rows": "120"})
+    by_python = px.submit(wf, site=site, state=state, set={"stages.gen.params.rows": 80})
+    results = [h.result(timeout=120) for h in (by_file, by_python)]
+    assert all(r.ok for r in results), [r.failed for r in results]
+    assert [RunDB(state).stages(r.run_id)[0]["outputs"]["tx"][0] for r in results] == [120, 80]
+    assert wf.stages["gen"].spec["params"] == {"rows": 3000, "seed": 5}
+
+
+def test_dir_of_px_lists_the_lazily_loaded_api():
+    """Tab completion asks ``dir(px)``: the names loaded on first use are there too."""
+    names = dir(px)
+    assert {"submit", "run", "stage", "Workflow", "RunHandle", "ml", "Gang", "Store", "__version__"} <= set(names)
+    assert names == sorted(names)

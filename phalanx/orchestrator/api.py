@@ -14,11 +14,13 @@ or a script's ``__main__`` works (it travels to the ranks by value with cloudpic
     def totals(env): ...
 
     result = px.run(wf, site="local")          # or: h = px.submit(wf, site="local"), see handle.py
+    px.run(wf, set={"stages.generate.params.rows": 1000})   # as `phalanx run --set`
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,13 +123,21 @@ class Workflow:
         }
         return self.add(StageFn(None, name, spec))
 
-    def model(self) -> WorkflowModel:
+    def model(self, overrides: Mapping[str, Any] | None = None) -> WorkflowModel:
+        """``overrides``: ``{"stages.x.params.rows": "10"}`` set as ``phalanx run --set`` sets them
+        in a file (``px.submit``'s ``set=``); this workflow itself is left as it is."""
+        from .loading import _apply_overrides
+
         data = {
             "name": self.name,
             "site": self.site,
             "stages": {n: {k: v for k, v in s.spec.items() if v is not None} for n, s in self.stages.items()},
         }
-        wf = parse(WorkflowModel, data, source=f"workflow {self.name!r}")
+        overridden: list[tuple[str, ...]] = []
+        if overrides:
+            data = copy.deepcopy(data)  # the stages' own params and inputs stay as they are
+            overridden = _apply_overrides(data, dict(overrides))
+        wf = parse(WorkflowModel, data, source=f"workflow {self.name!r}", overridden=overridden)
         wf.apps.update({n: s.fn for n, s in self.stages.items() if s.fn is not None})
         return wf
 
@@ -146,12 +156,17 @@ def submit(
     workflow: Workflow | WorkflowModel | str | Path,
     site: str | Path | Site | None = None,
     *,
+    set: Mapping[str, Any] | None = None,
     resume: str | None = None,
     state: str | Path | None = None,
     progress: bool = False,
     existing: set[str] | None = None,
 ) -> RunHandle:
     """Start a workflow (a ``px.Workflow``, a model, or a YAML file) and return at once.
+
+    ``set``: overrides, as ``phalanx run --set`` (``{"stages.gen.params.rows": 1000}``): a
+    dotted key into the workflow; a string value is read as YAML as ``--set`` values are, any
+    other value is taken as it is.  For a workflow file or a ``px.Workflow`` (itself unchanged).
 
     The ``RunHandle`` has ``run_id`` and ``session`` from the start, ``status()``, ``wait()``,
     ``cancel()``, ``done()`` and ``result()``; the run is in the run database like one started
@@ -161,7 +176,7 @@ def submit(
     from .progress import RunProgress
     from .rundb import RunDB
 
-    wf, site_model, file = _checked(workflow, site, existing)
+    wf, site_model, file = _checked(workflow, site, existing, _overrides(set))
     on_event = RunProgress(wf, live=False) if progress else None
     return RunHandle.start(wf, site_model, db=RunDB(state), file=file, resume=resume, on_event=on_event)
 
@@ -170,20 +185,22 @@ def run(
     workflow: Workflow | WorkflowModel | str | Path,
     site: str | Path | Site | None = None,
     *,
+    set: Mapping[str, Any] | None = None,
     resume: str | None = None,
     state: str | Path | None = None,
     progress: bool = True,
     existing: set[str] | None = None,
 ):
     """Run a workflow (a ``px.Workflow``, a model, or a YAML file) and wait for it:
-    ``submit(...).result()``.
+    ``submit(...).result()``; ``set``: overrides, as ``phalanx run --set`` (see ``submit``).
 
-    Returns a ``RunResult`` (``ok``, ``run_id``, ``session``, ``failed``, ``skipped``); the run
+    Returns a ``RunResult`` (``ok``, ``state`` — succeeded, failed or cancelled, as the run
+    database has it —, ``run_id``, ``session``, ``failed``, ``skipped``); the run
     is in the run database like one started by ``phalanx run`` (``phalanx status RUN``).
     Raises ``ConfigError`` listing every problem before anything starts.  Ctrl-C stops every
     gang (the run is "cancelled"; sealed outputs stay) and raises ``KeyboardInterrupt``.
     """
-    handle = submit(workflow, site, resume=resume, state=state, progress=progress, existing=existing)
+    handle = submit(workflow, site, set=set, resume=resume, state=state, progress=progress, existing=existing)
     try:
         return handle.result()
     except KeyboardInterrupt:
@@ -191,10 +208,31 @@ def run(
         raise
 
 
+def _overrides(values: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``set=`` as the loader's overrides: its keys checked as ``phalanx run --set`` checks its
+    KEYs (dotted, no empty part); the values go as they are (a string is read as YAML there)."""
+    if not values:
+        return {}
+    if not isinstance(values, Mapping):
+        raise ConfigError([f"set=: expected a mapping of dotted keys to values, not a {type(values).__name__}"])
+    bad = [
+        f"set= {key!r}: expected a dotted key, e.g. 'stages.gen.params.rows'"
+        for key in values
+        if not (isinstance(key, str) and all(key.split(".")))
+    ]
+    if bad:
+        raise ConfigError(bad)
+    return dict(values)
+
+
 def _checked(
-    workflow: Workflow | WorkflowModel | str | Path, site: str | Path | Site | None, existing: set[str] | None
+    workflow: Workflow | WorkflowModel | str | Path,
+    site: str | Path | Site | None,
+    existing: set[str] | None,
+    overrides: dict[str, Any] | None = None,
 ) -> tuple[WorkflowModel, Site, str]:
-    """The workflow's model, its site and the file it came from, checked (``ConfigError``)."""
+    """The workflow's model (``overrides`` set in it), its site and the file it came from,
+    checked (``ConfigError``)."""
     from .loading import load_site, load_workflow
     from .validate import check
 
@@ -203,12 +241,19 @@ def _checked(
         file = str(workflow)
         # a site file's path as a str: find_site reads it as text (a Path failed in its endswith)
         wf, site_model = load_workflow(
-            workflow, site=str(site) if isinstance(site, (str, Path)) else None, existing=existing
+            workflow,
+            site=str(site) if isinstance(site, (str, Path)) else None,
+            overrides=overrides,
+            existing=existing,
         )
         if isinstance(site, Site):
             site_model = site
     else:
-        wf = workflow.model() if isinstance(workflow, Workflow) else workflow
+        if overrides and not isinstance(workflow, Workflow):
+            raise ConfigError(
+                ["set= changes a workflow file or a px.Workflow; change this workflow model itself instead"]
+            )
+        wf = workflow.model(overrides) if isinstance(workflow, Workflow) else workflow
         site_model = site if isinstance(site, Site) else load_site(str(site or wf.site))
         problems = check(wf, site_model, source=f"workflow {wf.name!r}", existing=existing, check_imports=False)
         if problems:

@@ -62,6 +62,31 @@ def test_read_parquet_unknown_column_fails_on_every_rank(gang, tmp_path):
     assert "unknown column(s) ['zz']" in str(info.value)
 
 
+def test_a_corrupt_parquet_page_names_the_file_row_group_and_column(gang, tmp_path):
+    """pyarrow says only "Corrupt snappy compressed data" (issue 22 item 21): every rank that
+    reads the damaged page names the file, row group and column."""
+    path = tmp_path / "damaged.parquet"
+    t = pa.table({"a": np.arange(10_000), "b": [f"s{i}" for i in range(10_000)]})
+    pq.write_table(t, path, row_group_size=5000, compression="snappy")
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(0)  # column 'a' of row group 1
+    middle = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size // 2
+    data = bytearray(path.read_bytes())
+    data[middle : middle + 64] = bytes(b ^ 0x5A for b in data[middle : middle + 64])  # inside a page
+    path.write_bytes(bytes(data))
+    with pytest.raises(OSError, match="Corrupt snappy"):  # what pyarrow says, naming nothing
+        pq.ParquetFile(path).read_row_group(1)
+    with pytest.raises(px.RankError) as info:
+        gang.run(app_read, str(path))
+    said = f"read_parquet: cannot read {str(path)!r}, row group 1, column 'a': Corrupt snappy compressed data"
+    assert said in str(info.value)
+
+
+def test_a_csv_conversion_pyarrow_cannot_do_names_the_file(gang, tmp_path):
+    (tmp_path / "a.csv").write_text("k,x\n1,2\n")
+    with pytest.raises(px.RankError, match=r"read_csv: '.*a\.csv' \(bytes 0-\d+\): .*not supported"):
+        gang.run(app_csv, str(tmp_path / "a.csv"), {"x": pa.list_(pa.int64())})
+
+
 def app_csv(env, path, column_types=None):
     df = px.read_csv(path, env, column_types=column_types)
     return df.collect(root=0), df.local_num_rows

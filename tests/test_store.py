@@ -13,7 +13,7 @@ import pytest
 from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
-from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, UnsafePathError
+from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError, UnsafePathError
 from phalanx.operators import kernels
 from phalanx.store.repartition import hash_partitioning
 from phalanx.testing.tables import every_type_table, same_table
@@ -133,6 +133,39 @@ def test_corrupted_partition_names_dataset_and_partition(store):
     path.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match=r"dataset 'c' partition 1 .*checksum mismatch"):
         store.read("c")
+
+
+def test_any_arrow_error_reading_an_unverified_partition_names_it(tmp_path):
+    """A damaged schema makes pyarrow raise ArrowNotImplementedError ("Integers with more than
+    64 bits not implemented"), not ArrowInvalid: a read without verification names the
+    dataset, partition and file for every pyarrow error (issue 22 item 21)."""
+    import pyarrow.ipc as ipc
+
+    store = px.Store(tmp_path / "root", session="s")
+    info = store.put("c", pa.table({"a": np.arange(1000)}))
+    path = Path(info.location) / "part-00000.arrow"
+    good = path.read_bytes()
+
+    def error_of(data: bytes) -> type | None:
+        try:
+            ipc.open_file(pa.BufferReader(data)).read_all()
+        except Exception as exc:
+            return type(exc)
+        return None
+
+    damaged = next(  # one byte of the footer's schema, found rather than hard-coded
+        (
+            d
+            for i in range(len(good) - 64, len(good))
+            for v in (0x00, 0x7F, 0xFF)
+            if error_of(d := good[:i] + bytes([v]) + good[i + 1 :]) is pa.ArrowNotImplementedError
+        ),
+        None,
+    )
+    assert damaged is not None
+    path.write_bytes(damaged)
+    with pytest.raises(StoreError, match=r"dataset 'c' partition 0 \(.*part-00000.arrow\) is unreadable: "):
+        store.read("c", verify=False)
 
 
 # ---- N producer partitions → M consumer ranks ---------------------------------------------

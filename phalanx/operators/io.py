@@ -87,10 +87,38 @@ def read_parquet(path, env: BSPEnv, columns: Sequence[str] | None = None) -> Dat
     by_file: dict[str, list[int]] = {}
     for f, rg in units[start:stop]:
         by_file.setdefault(f, []).append(rg)
-    tables = [pq.ParquetFile(f).read_row_groups(rgs, columns=cols) for f, rgs in by_file.items()]
+    tables = [_read_row_groups(f, rgs, cols) for f, rgs in by_file.items()]
     tables = [t.select(schema.names).cast(schema) if not t.schema.equals(schema) else t for t in tables]
     table = pa.concat_tables(tables) if tables else schema.empty_table()
     return DataFrame(table, env)
+
+
+def _read_row_groups(f: str, row_groups: list[int], columns: list[str] | None) -> pa.Table:
+    """``row_groups`` of the file ``f``; a damaged file's error names it, and the row group
+    and column that fail to decode where one does (pyarrow's says only, e.g., "Corrupt snappy
+    compressed data")."""
+    try:
+        pf = pq.ParquetFile(f)
+    except Exception as exc:
+        raise ValueError(f"read_parquet: cannot read {f!r}: {exc}") from None
+    try:
+        return pf.read_row_groups(row_groups, columns=columns)
+    except Exception as exc:
+        where = _failing_column_chunk(pf, row_groups, columns) or f"row groups {row_groups}"
+        raise ValueError(f"read_parquet: cannot read {f!r}, {where}: {exc}") from None
+
+
+def _failing_column_chunk(pf: pq.ParquetFile, row_groups: list[int], columns: list[str] | None) -> str | None:
+    """The first row group and column of ``pf`` that fail to read alone (after a read of them
+    all failed), as ``"row group 3, column 'x'"``; None when each reads alone."""
+    names = columns if columns is not None else pf.schema_arrow.names
+    for rg in row_groups:
+        for name in names:
+            try:
+                pf.read_row_group(rg, columns=[name])
+            except Exception:
+                return f"row group {rg}, column {name!r}"
+    return None
 
 
 # ---- CSV ----------------------------------------------------------------------------------
@@ -128,7 +156,7 @@ def _read_csv_range(f: str, start: int, stop: int, size: int, options: dict) -> 
     convert = pacsv.ConvertOptions(**options.get("convert_options", {}))
     try:
         return pacsv.read_csv(pa.BufferReader(data), read_options=read, parse_options=parse, convert_options=convert)
-    except pa.ArrowInvalid as exc:
+    except pa.ArrowException as exc:  # ArrowInvalid (a parse error) and the rest: name the file
         raise ValueError(f"read_csv: {f!r} (bytes {start}-{stop}): {exc}") from None
 
 

@@ -266,7 +266,7 @@ class Store:
                 )
         try:
             table = tier.open_partition(buf)
-        except (pa.ArrowInvalid, OSError) as exc:
+        except (pa.ArrowException, OSError) as exc:  # e.g. a damaged schema: ArrowNotImplementedError
             raise StoreError(f"{where} is unreadable: {exc}") from None
         if table.num_rows != part.rows:
             raise StoreError(f"{where} has {table.num_rows} rows, the metadata says {part.rows}")

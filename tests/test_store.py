@@ -464,6 +464,15 @@ def test_purge_of_retired_follows_no_path_out_of_the_root_or_of_another_user(tmp
     assert (outside / "direct" / "keep").exists()
 
 
+def test_a_retired_directory_that_is_not_one_fails_delete_naming_it(tmp_path):
+    store = px.Store(tmp_path / "root", session="s")
+    info = store.put("d", pa.table({"a": [1]}))
+    (tmp_path / "root" / ".retired").write_text("not a directory")
+    with pytest.raises(StoreError, match=f"cannot record the replaced or deleted version at {info.location} under"):
+        store.delete("d")
+    assert not store.exists("d") and Path(info.location).is_dir()  # gone from the catalogue, files kept
+
+
 def test_everything_the_store_creates_is_private_to_its_user(tmp_path):
     """Files 0600 and directories 0700 under the root and the spill directory, whatever the
     umask — partitions, the catalogue, and the files under .retired

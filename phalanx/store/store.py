@@ -508,13 +508,19 @@ class Store:
         if trash is None:  # object stores: remove at once (documented)
             self._remove_payload(location)
             return
-        makedirs(trash)
         entry = trash / f"{time.time_ns()}-{uuid.uuid4().hex[:6]}"
-        fd = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
         try:
-            os.write(fd, location.encode())
-        finally:
-            os.close(fd)
+            makedirs(trash)
+            fd = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            try:
+                os.write(fd, location.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:  # e.g. someone else made .retired a file
+            raise StoreError(
+                f"{self._where()}: cannot record the replaced or deleted version at {location} "
+                f"under {trash} ({exc}); its files stay until removed by hand"
+            ) from None
         self.purge_retired()
 
     def root_trash(self) -> Path | None:

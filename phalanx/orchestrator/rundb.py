@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import sqlite3
 import time
@@ -46,6 +47,7 @@ _ADDED = [
     ("attempts", "rank_info", "TEXT"),
     ("stages", "fingerprint", "TEXT"),
 ]
+_TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 
@@ -55,18 +57,42 @@ class RunDB:
         self.state_dir = paths.state_dir(state_dir)  # PHALANX_STATE, else under XDG_STATE_HOME; private
         self.path = create_private(self.state_dir / "runs.sqlite")  # 0600, and so its -wal, -shm
         with self._con() as con:
-            con.executescript(_SCHEMA)
-            for table, column, kind in _ADDED:
-                have = {r["name"] for r in con.execute(f"PRAGMA table_info({table})")}
-                if column not in have:
-                    con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            if self._missing(con):  # a new database, or an older one: made current under a write lock
+                con.execute("BEGIN IMMEDIATE")  # so that processes opening it at once do it once
+                try:
+                    for statement in _SCHEMA.split(";"):
+                        if statement.strip():
+                            con.execute(statement)
+                    for table, column, kind in self._missing(con):  # tables are there now
+                        con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                    con.execute("COMMIT")
+                except BaseException:
+                    con.execute("ROLLBACK")
+                    raise
+
+    @staticmethod
+    def _missing(con: sqlite3.Connection) -> list[tuple[str, str, str]]:
+        """The tables and columns this database lacks, as (table, column, type); a missing
+        table as (table, "", "").  Only reads: a current database is opened without a write
+        (``phalanx status`` works on a full disk)."""
+        missing = []
+        for table in _TABLES:
+            have = {r["name"] for r in con.execute(f"PRAGMA table_info({table})")}
+            if not have:
+                missing.append((table, "", ""))
+        for table, column, kind in _ADDED:
+            have = {r["name"] for r in con.execute(f"PRAGMA table_info({table})")}
+            if have and column not in have:
+                missing.append((table, column, kind))
+        return missing
 
     @contextmanager
     def _con(self) -> Iterator[sqlite3.Connection]:
         con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
         con.row_factory = sqlite3.Row
         try:
-            con.execute("PRAGMA journal_mode=WAL")
+            if con.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # a new database: once
+                _wal(con)
             yield con
         finally:
             con.close()
@@ -293,6 +319,21 @@ class RunLockedError(PhalanxError):
         )
         super().__init__(f"run {run_id} is being driven by process {pid} on host {host!r}; one driver per run — {hint}")
         self.run_id, self.pid, self.host = run_id, pid, host
+
+
+def _wal(con: sqlite3.Connection, within_s: float = 60.0) -> None:
+    """Put a database in WAL mode (a setting of the file: once is enough).  Processes that open a
+    new database at once race for it, and SQLite answers the losers "database is locked" without
+    waiting: try again until the winner's setting is there."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            con.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.01)
 
 
 def _decoded(row: dict) -> dict:

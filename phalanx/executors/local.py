@@ -18,7 +18,7 @@ from ..procs import signal_group
 from ..runtime.envvars import ENV_CPUS, ENV_THREADS
 from ..runtime.procinfo import memory
 from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher
-from .logs import RankOutput, start_pump, whole_lines
+from .logs import Pump, RankOutput, start_pump, sync_pumps, whole_lines
 
 if TYPE_CHECKING:
     from .pool import WarmPool
@@ -121,7 +121,7 @@ class LocalLauncher(Launcher):
         self.pool = pool  # warm rank processes to take before starting new ones
         self.mem_limit_bytes = mem_limit_bytes
         self.procs: list[subprocess.Popen] = []
-        self._pumps: list[threading.Thread] = []
+        self._pumps: list[Pump] = []
         self._output: RankOutput | None = None
         self._watch: MemoryWatch | None = None
 
@@ -160,6 +160,7 @@ class LocalLauncher(Launcher):
         """Write the ranks' output to ``log_dir`` from now on (a gang reused by the next stage)."""
         if self._output is None:
             return False
+        sync_pumps(self._pumps)  # what the ranks wrote so far belongs to the stage that ended
         self._output.move_to(log_dir)
         return True
 

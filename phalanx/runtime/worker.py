@@ -154,14 +154,29 @@ def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv) -> int:
             env.comm.close()
             return 0
         env.params = dict(msg.params or {})
+        failure: BaseException | None = None
         try:
             result = resolve_app(msg.app)(env, *msg.args, **msg.kwargs)
-            P.send(conn, P.Result(msg.task, result))
         except BaseException as exc:
-            P.send(conn, P.Failed(msg.task, failure_from_exception(env.rank, exc)))
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            failure = exc
+        _end_of_app()
+        try:
+            if failure is None:
+                P.send(conn, P.Result(msg.task, result))
+        except BaseException as exc:  # a result that cannot be pickled
+            failure = exc
+        if failure is not None:
+            P.send(conn, P.Failed(msg.task, failure_from_exception(env.rank, failure)))
+
+
+def _end_of_app() -> None:
+    """Before the app's result goes to the driver, its output is in the pipe: the driver's log
+    pump has it before the stage ends, so it is in this stage's log."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def warm_main() -> int:

@@ -69,3 +69,16 @@ def eat_memory(env):
         for _ in range(int(env.params["gib"] * 16)):
             held.append(np.ones(8 << 20))  # 64 MiB of float64
     env.comm.barrier()
+
+
+def print_long_line(env):
+    """Rank 0 prints one line of params.size bytes ("x"...) and the line "long line done"."""
+    if env.rank == 0:
+        print("x" * env.params["size"])
+        print("long line done")
+    env.comm.barrier()
+
+
+def print_line(env):
+    """Every rank prints params.text."""
+    print(env.params["text"])

@@ -4,14 +4,24 @@ leaves behind (processes its app started)."""
 
 from __future__ import annotations
 
+import errno
+import os
+import re
 import socket
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import cloudpickle
+import pytest
 
 import phalanx as px
 from phalanx.executors.control import ControlServer
+from phalanx.executors.logs import MAX_LINE, RankOutput
+from phalanx.orchestrator.models import Site, Stage, Workflow
+from phalanx.orchestrator.rundb import RunDB
+from phalanx.orchestrator.scheduler import run_workflow
 from phalanx.runtime import netio
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks need not import this module
@@ -51,3 +61,108 @@ def test_a_silent_connection_to_the_control_port_does_not_hold_up_the_gangs_star
     fault.detected(0.0)
     fault.outcome(f"the gang started in {took:.1f} s while the silent connection stayed open")
     fault.data_lost("none")
+
+
+# ---- 17: a full rank-log directory -------------------------------------------------------------
+@pytest.fixture
+def tiny_log_fs(tmp_path, monkeypatch):
+    """A 1 MiB tmpfs as PHALANX_LOG_DIR (root only), unmounted afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    root = tmp_path / "logs"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(root)], check=True)
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(root))
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], check=False)
+
+
+def fill(path: Path) -> None:
+    """Write ``path`` until the file system is full."""
+    with open(path, "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+
+
+def app_prints(env, lines: int, text: str):
+    for i in range(lines):
+        print(f"{text} {i} " + "." * 1000)
+    return env.rank
+
+
+def test_a_full_log_directory_does_not_hang_the_stage_and_says_what_was_lost(fault, tiny_log_fs, caplog):
+    """The rank-log file system fills up: the driver goes on draining the ranks' output (no rank
+    blocks on a full pipe), warns naming the log file and ENOSPC, and once the log can be
+    written again it says how many lines are missing."""
+    fault.describe("the rank-log directory's file system is full (1 MiB tmpfs)")
+    with px.Gang(ranks=2, echo=False) as gang:
+        fill(tiny_log_fs / "filler")
+        t0 = time.monotonic()
+        assert gang.run(app_prints, 2000, "lost", timeout=60) == [0, 1]  # 2 MB a rank, far over the pipe's 64 KiB
+        took = time.monotonic() - t0
+        log0 = gang.log_dir / "rank-0.log"
+        assert f"cannot write rank 0's output to {log0}: [Errno 28] No space left on device (ENOSPC)" in caplog.text
+        (tiny_log_fs / "filler").unlink()
+        assert gang.run(app_prints, 1, "after", timeout=60) == [0, 1]
+    text = log0.read_text()
+    assert re.search(
+        r"\[phalanx: \d+ line\(s\), \d+ bytes, of output were lost here: the log could not be written\]", text
+    ), text[-2000:]
+    assert "after 0 " in text
+    fault.detected(took)
+    fault.outcome("the stage finished; a warning named the full log and ENOSPC; the log counts the lines lost")
+    fault.data_lost("rank output lines while the log's file system was full (counted in the log)")
+
+
+# ---- 18: one over-long line of output ----------------------------------------------------------
+def stage_log(db: RunDB, run_id: str, stage: str) -> bytes:
+    """Rank 0's log of ``stage`` (b"": it wrote none)."""
+    path = Path(db.attempts(run_id, stage)[-1]["log_dir"]) / "rank-0.log"
+    return path.read_bytes() if path.exists() else b""
+
+
+def test_an_over_long_line_is_cut_and_stays_in_the_log_of_the_stage_that_wrote_it(fault, tmp_path, monkeypatch):
+    """A 20 MB line (over MAX_LINE): the driver's pump keeps its first MAX_LINE bytes and a note
+    of how much was cut (what it holds is bounded), and the line — and what the stage printed
+    after it — is in that stage's log, not in the log of the next stage, which reuses the gang."""
+    fault.describe("a rank prints one 20 MB line, then the next stage runs on the same gang")
+    write = RankOutput.write
+
+    def slow_for_long_lines(self, rank, line):  # as a disk writing a 300 MB line is: the pump lags
+        if line.startswith(b"xxx"):
+            time.sleep(1.0)
+        write(self, rank, line)
+
+    monkeypatch.setattr(RankOutput, "write", slow_for_long_lines)
+    db = RunDB(tmp_path / "state")
+    size = 20 << 20
+    wf = Workflow(
+        name="long",
+        stages={
+            "a": Stage(app="fault_apps:print_long_line", ranks=2, params={"size": size}),
+            "b": Stage(app="fault_apps:print_line", ranks=2, needs=["a"], params={"text": "stage b"}),
+        },
+    )
+    result = run_workflow(wf, Site(name="t", cores=2), db=db)
+    assert result.ok, result.failed
+    said = [e["message"] for e in db.events(result.run_id) if e["stage"] == "b" and e["kind"] == "start"]
+    assert said and "the gang of the previous stage" in said[0], said  # the gang was reused
+    a_lines = stage_log(db, result.run_id, "a").splitlines()
+    b_text = stage_log(db, result.run_id, "b")
+    assert b"x" not in b_text and b_text.strip() == b"stage b", b_text[:200]  # nothing of stage a
+    cut = size - MAX_LINE
+    long = [line for line in a_lines if line.startswith(b"xxx")]
+    assert len(long) == 1, [line[:80] for line in a_lines]
+    assert (
+        long[0]
+        == b"x" * MAX_LINE + f" [phalanx: {cut} more bytes of this line not kept: a log line keeps {MAX_LINE}]".encode()
+    )
+    assert b"long line done" in a_lines
+    fault.detected(0.0)
+    fault.outcome(f"the line was cut to {MAX_LINE} bytes with a note, in the log of the stage that printed it")
+    fault.data_lost(f"{cut} bytes of the over-long line (said in the log)")

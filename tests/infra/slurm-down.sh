@@ -21,7 +21,10 @@ stop_pidfile() {
   rm -f "$pf"
 }
 
-if [[ -f $SLURM_CONF ]] && command -v scancel >/dev/null && scontrol ping 2>/dev/null | grep -q 'is UP'; then
+ctld_pid=$(cat "$D/run/slurmctld.pid" 2>/dev/null || true)
+# ask slurmctld only when ours runs (no connection attempts to an address that is gone)
+if [[ -n $ctld_pid ]] && pid_alive "$ctld_pid" && [[ -f $SLURM_CONF ]] && command -v scancel >/dev/null \
+   && scontrol ping 2>/dev/null | grep -q 'is UP'; then
   # this cluster's jobs only (SLURM_CONF points at it): their tasks must not outlive slurmd
   jobs=$(squeue -h -t PD,R,CG,S -o %i 2>/dev/null | sort -u)
   if [[ -n $jobs ]]; then

@@ -1,0 +1,1 @@
+"""The multi-host test bed's tests (marker ``multihost``): docs/multihost.md."""

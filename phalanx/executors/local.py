@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from ..procs import signal_group
+from ..runtime import reaper
 from ..runtime.envvars import ENV_CPUS, ENV_THREADS
 from ..runtime.procinfo import memory
 from .base import Capabilities, Echo, Executor, ExecutorConfig, Launcher
@@ -171,6 +172,9 @@ class LocalLauncher(Launcher):
         if self._watch is not None:
             self._watch.stop()
         live = [p for p in self.procs if p.poll() is None]
+        # what the ranks started, seen while they live (a rank adopts its orphans, those in a
+        # session of their own too): once a rank is gone, its orphans are init's
+        started = {pid: t for p in live for pid, t in reaper.tree(p.pid).items()}
         for p in live:
             signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -180,6 +184,7 @@ class LocalLauncher(Launcher):
             except subprocess.TimeoutExpired:
                 signal_group(p.pid, signal.SIGKILL)
                 p.wait()
+        reaper.kill_tree(started)
         for t in self._pumps:
             t.join(timeout=1.0)
         if self._output is not None and not any(t.is_alive() for t in self._pumps):
@@ -219,7 +224,9 @@ class MemoryWatch:
                 self.peak[rank] = max(self.peak[rank], mem.peak)
                 if self.limit and mem.private > self.limit:
                     self.over[rank] = mem.private
+                    started = reaper.tree(p.pid)
                     signal_group(p.pid, signal.SIGKILL)
+                    reaper.kill_tree(started)
 
     def stop(self) -> None:
         self._stop.set()

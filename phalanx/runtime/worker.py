@@ -10,6 +10,10 @@ while the app computes, and ends the rank and everything it started when the con
 (the driver exited or was killed) or stays silent past the driver's heartbeat timeout (a
 driver hung or cut off) — on every executor, whether or not a parent-death signal reaches the
 rank (srun and Ray put processes between the driver and its ranks).
+
+Nor does anything the rank's app starts outlive the app: the rank adopts its orphaned
+descendants (a child subreaper, ``runtime.reaper``) and kills what is left of them when each app
+ends, before it reports the app's result, and when it leaves.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..procs import descendants, die_with_parent
+from . import reaper
 from . import threads as threads_
 from .envvars import ENV_PDEATHSIG, ENV_PRELOAD
 
@@ -40,6 +45,7 @@ def _die_with_parent() -> None:
 def main() -> int:
     t0 = time.perf_counter()
     _die_with_parent()
+    reaper.become_subreaper()  # what the app starts stays below this process, orphans too
     threads = threads_.apply()  # again: a Ray actor imports phalanx before its rank env
 
     from multiprocessing.connection import Client
@@ -60,7 +66,10 @@ def main() -> int:
         P.send(conn, P.Failed(None, failure_from_exception(rank, exc)))
         return 1
     P.send(conn, P.Ready(rank, time.perf_counter() - t0))
-    return _serve(conn, watch, env)
+    try:
+        return _serve(conn, watch, env, set(descendants(os.getpid())))
+    finally:
+        reaper.end_descendants()
 
 
 class DriverWatch(threading.Thread):
@@ -143,7 +152,9 @@ def _limit_kernel_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv) -> int:
+def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv, own: set[int]) -> int:
+    """Run apps until Shutdown; ``own``: processes this rank had before its first app (not the
+    app's: they stay)."""
     from . import protocol as P
     from .tasks import failure_from_exception, resolve_app
 
@@ -159,7 +170,7 @@ def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv) -> int:
             result = resolve_app(msg.app)(env, *msg.args, **msg.kwargs)
         except BaseException as exc:
             failure = exc
-        _end_of_app()
+        _end_of_app(own)
         try:
             if failure is None:
                 P.send(conn, P.Result(msg.task, result))
@@ -169,14 +180,16 @@ def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv) -> int:
             P.send(conn, P.Failed(msg.task, failure_from_exception(env.rank, failure)))
 
 
-def _end_of_app() -> None:
-    """Before the app's result goes to the driver, its output is in the pipe: the driver's log
-    pump has it before the stage ends, so it is in this stage's log."""
+def _end_of_app(own: set[int]) -> None:
+    """Before the app's result goes to the driver: its output is in the pipe (the driver's log
+    pump has it before the stage ends, so it is in this stage's log), and every process it
+    started is gone."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
+    reaper.end_descendants(keep=own)
 
 
 def warm_main() -> int:

@@ -71,6 +71,20 @@ def eat_memory(env):
     env.comm.barrier()
 
 
+def start_children(env):
+    """Each rank starts two ``sleep 299`` — a plain child and one in a session of its own
+    (setsid) — and writes their pids to params.dir/<stage>.<rank>.children; with params.fail,
+    rank 1 then raises while the others wait in a barrier (until the driver stops them)."""
+    import subprocess
+
+    kids = [subprocess.Popen(["sleep", "299"]), subprocess.Popen(["sleep", "299"], start_new_session=True)]
+    Path(env.params["dir"], f"{env.stage}.{env.rank}.children").write_text(" ".join(str(k.pid) for k in kids))
+    if env.params.get("fail"):
+        if env.rank == 1:
+            raise RuntimeError("rank 1 fails on purpose")
+    env.comm.barrier()
+
+
 def print_long_line(env):
     """Rank 0 prints one line of params.size bytes ("x"...) and the line "long line done"."""
     if env.rank == 0:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
+from test_gang import wait_dead
 
 import phalanx as px
 from phalanx.executors.control import ControlServer
@@ -22,6 +23,7 @@ from phalanx.executors.logs import MAX_LINE, RankOutput
 from phalanx.orchestrator.models import Site, Stage, Workflow
 from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
+from phalanx.procs import pid_alive
 from phalanx.runtime import netio
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks need not import this module
@@ -166,3 +168,41 @@ def test_an_over_long_line_is_cut_and_stays_in_the_log_of_the_stage_that_wrote_i
     fault.detected(0.0)
     fault.outcome(f"the line was cut to {MAX_LINE} bytes with a note, in the log of the stage that printed it")
     fault.data_lost(f"{cut} bytes of the over-long line (said in the log)")
+
+
+# ---- 19: processes an app starts ---------------------------------------------------------------
+def children_of(where: Path) -> list[int]:
+    return [int(pid) for f in sorted(where.glob("*.children")) for pid in f.read_text().split()]
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+@pytest.mark.parametrize("how", ["gang", "workflow"])
+def test_nothing_a_rank_started_outlives_its_stage(fault, tmp_path, how, fails):
+    """Each rank starts ``sleep 299`` twice, once in a session of its own (setsid): when the
+    stage ends — succeeded, or failed with rank 1's exception while rank 0 waits in a barrier —
+    none of them is left, under px.Gang and under a workflow on the local executor."""
+    fault.describe(
+        f"each rank starts two children (one setsid'd), the stage {'fails' if fails else 'succeeds'} ({how})"
+    )
+    params = {"dir": str(tmp_path), "fail": fails}
+    if how == "gang":
+        with px.Gang(ranks=2, echo=False) as gang:
+            if fails:
+                with pytest.raises(px.RankError, match="rank 1 fails on purpose"):
+                    gang.run("fault_apps:start_children", params=params, timeout=60)
+            else:
+                gang.run("fault_apps:start_children", params=params, timeout=60)
+                pids = children_of(tmp_path)
+                assert len(pids) == 4, pids
+                left = [p for p in pids if pid_alive(p)]
+                assert left == [], left  # gone before the results reached the driver
+    else:
+        wf = Workflow(name="kids", stages={"s": Stage(app="fault_apps:start_children", ranks=2, params=params)})
+        result = run_workflow(wf, Site(name="t", cores=2), db=RunDB(tmp_path / "state"))
+        assert result.ok is not fails, result.failed
+    pids = children_of(tmp_path)
+    assert len(pids) == 4, pids
+    assert wait_dead(pids, within=5.0) == []
+    fault.detected(0.0)
+    fault.outcome("every process the ranks started was gone when the stage ended")
+    fault.data_lost("none")

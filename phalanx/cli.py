@@ -230,7 +230,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     """Stop a running run: its driver gets SIGTERM and stops every gang as on Ctrl-C."""
     import socket
 
-    from .orchestrator.detached import stop_driver
+    from .orchestrator.detached import stop_run_driver
     from .orchestrator.rundb import FINAL, RunDB
 
     db = RunDB(args.state)
@@ -249,7 +249,17 @@ def cmd_cancel(args: argparse.Namespace) -> int:
         )
         return 1
     pid = run["pid"]
-    if not stop_driver(pid, args.wait):
+    stopped = stop_run_driver(run, args.wait)  # only the driver itself, never a new owner of its pid
+    if stopped is None:
+        print(
+            f"phalanx cancel: run {args.run} records its driver as process {pid} without its start time "
+            f"(an older phalanx wrote it), and process {pid} runs: it may be the driver or another process "
+            f"given the pid since, so it was not signalled. If `ps -o pid,lstart,args -p {pid}` shows the "
+            f"run's driver (phalanx run ...), stop it with: kill {pid}",
+            file=sys.stderr,
+        )
+        return 1
+    if not stopped:
         print(f"run {args.run}: driver {pid} did not stop within {args.wait:.0f}s; killed it", file=sys.stderr)
     after = db.run(args.run)
     print(f"run {args.run} {after['state'] if after is not None else 'removed from the run DB'}")
@@ -270,8 +280,10 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    import socket
+
     from .orchestrator.detached import driver_log
-    from .orchestrator.rundb import RunDB
+    from .orchestrator.rundb import RunDB, driver_alive
 
     db = RunDB(args.state)
     if not args.run:
@@ -283,7 +295,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     if run is None:
         print(f"phalanx status: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
-    print(f"run {run['id']}: {run['workflow']} — {run['state']} (session {run['session']!r})")
+    unsure = run["state"] == "running" and run["host"] == socket.gethostname() and driver_alive(run) is None
+    state = "running? (unknown: see the driver line)" if unsure else run["state"]
+    print(f"run {run['id']}: {run['workflow']} — {state} (session {run['session']!r})")
+    if unsure:  # a record of an older phalanx: pid without start time, and the pid runs
+        print(
+            f"  driver: process {run['pid']} runs, but the run DB has no start time for it (an older "
+            "phalanx wrote it): it may be the driver or another process given the pid since"
+        )
     if driver_log(db, run["id"]).exists():  # started with --detach
         print(f"  driver pid {run['pid']}, log {driver_log(db, run['id'])}")
     # where the resource manager placed a stage: its latest attempt's, shown while it runs

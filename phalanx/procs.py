@@ -1,5 +1,6 @@
 """Process helpers every executor and the rank worker share: signals to a process or its
-group, the parent-death signal, a process's descendants, whether a pid lives.
+group, the parent-death signal, a process's descendants, whether a pid lives — and, for a
+process recorded to be found again later (a run's driver), whether a pid is still that process.
 
 One copy of each: the local, mpirun and SLURM launchers, the Ray actor and the worker all stop
 processes the same way, so a fix (a zombie that must count as dead, a group that is already
@@ -65,6 +66,79 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+# ---- a process recorded for later: pid, start time and boot ------------------------------------
+# A pid alone names a process only while it lives: once it ended, the kernel may give the pid to
+# any new process.  (pid, start time, boot id) names one process for good: the start time
+# (/proc/PID/stat field 22, clock ticks since boot) tells the pid's owners of one boot apart,
+# the boot id (/proc/sys/kernel/random/boot_id) the boots.
+
+
+def boot_id() -> str | None:
+    """This boot of this host's id (Linux); None elsewhere."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux /proc; None when it is
+    gone or elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])  # field 22; fields 3.. follow ")"
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def same_process(pid: int, started: int | None, boot: str | None) -> bool | None:
+    """Whether ``pid`` still is the process recorded with start time ``started`` in boot
+    ``boot`` (both as ``start_time`` and ``boot_id`` gave them), and runs: True it is; False it
+    is gone (no such pid, a zombie, another boot, or a process started at another time owns the
+    pid now); None when that cannot be told: the pid runs but the record has no start time or
+    boot (an older record), or this system does not say.  A caller that would signal it must
+    treat None as "not ours"."""
+    if not pid_alive(pid):
+        return False
+    if started is None or not boot:
+        return None
+    now_boot = boot_id()
+    if now_boot is not None and now_boot != boot:
+        return False
+    now = start_time(pid)
+    if now is None or now_boot is None:
+        return None
+    return now == started
+
+
+def signal_same_process(pid: int, started: int | None, boot: str | None, sig: int) -> bool:
+    """``sig`` to ``pid`` only if it is still the process recorded (``same_process`` is True);
+    True if sent.  On Linux the check and the signal go through one pidfd, so a pid that
+    changes owner between them is not signalled either."""
+    fd = None
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        except OSError:  # an older kernel: check, then signal by pid
+            fd = None
+    try:
+        if same_process(pid, started, boot) is not True:
+            return False
+        if fd is not None:
+            signal.pidfd_send_signal(fd, sig)
+        else:
+            os.kill(pid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def descendants(pid: int) -> list[int]:

@@ -8,7 +8,8 @@ deferrable Airflow operators (``phalanx.integrations.airflow``):
   recorded its run in the run database and written the run id to the pipe it was given;
 - ``announce`` is the driver's side of that pipe;
 - ``wait_run`` polls the run database until a run driven from anywhere has finished;
-- ``stop_driver`` stops a driver of this host as ``phalanx cancel`` does (SIGTERM, then SIGKILL).
+- ``stop_driver`` stops a driver of this host as ``phalanx cancel`` does (SIGTERM, then SIGKILL);
+  ``stop_run_driver`` the driver a run records, only if its pid is still that process.
 """
 
 from __future__ import annotations
@@ -147,21 +148,45 @@ def wait_run(
         time.sleep(interval if left is None else min(interval, left))
 
 
-def stop_driver(pid: int, wait: float = 30.0) -> bool:
+def stop_driver(pid: int, wait: float = 30.0, *, started: int | None = None, boot: str | None = None) -> bool:
     """Stop the driver ``pid`` of this host: SIGTERM (it stops every gang as on Ctrl-C), SIGKILL
     after ``wait`` seconds (its ranks then leave it: heartbeat, parent-death signal).  True if it
-    stopped on SIGTERM."""
+    stopped on SIGTERM (or was gone).
+
+    With ``started`` and ``boot`` (the run DB's ``pid_started``, ``boot_id``; ``stop_run_driver``
+    passes them) only that process is signalled: a process given the pid since is left alone."""
+    from ..procs import signal_same_process
     from .rundb import wait_exit
 
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
+    def send(sig: int) -> bool:
+        if started is not None:
+            return signal_same_process(pid, started, boot, sig)
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return False
         return True
-    if wait_exit(pid, wait):
+
+    if not send(signal.SIGTERM):
         return True
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    if wait_exit(pid, wait, started, boot):
         return True
-    wait_exit(pid, 10)
+    if not send(signal.SIGKILL):
+        return True
+    wait_exit(pid, 10, started, boot)
     return False
+
+
+def stop_run_driver(run: dict, wait: float = 30.0) -> bool | None:
+    """``stop_driver`` for a run's record (``RunDB.run``): its driver process only — identified
+    by pid, start time and boot, never a process its pid was given to since.  None (nothing
+    signalled) when the record cannot tell: a driver recorded by an older phalanx (pid without
+    start time) whose pid runs now; the caller says so."""
+    from .rundb import driver_alive
+
+    alive = driver_alive(run)
+    if alive is None:
+        return None
+    if alive is False:
+        return True
+    return stop_driver(run["pid"], wait, started=run["pid_started"], boot=run["boot_id"])

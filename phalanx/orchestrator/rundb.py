@@ -17,7 +17,7 @@ from typing import Any
 from .. import paths
 from ..errors import PhalanxError
 from ..private import create_private
-from ..procs import pid_alive
+from ..procs import boot_id, pid_alive, same_process, start_time
 from ..redact import redact_opt
 
 _SCHEMA = """
@@ -46,6 +46,8 @@ _ADDED = [
     ("stages", "inputs", "TEXT"),
     ("attempts", "rank_info", "TEXT"),
     ("stages", "fingerprint", "TEXT"),
+    ("runs", "pid_started", "INTEGER"),  # the driver's start time and boot: with pid, one process for good
+    ("runs", "boot_id", "TEXT"),
 ]
 _TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
@@ -108,9 +110,9 @@ class RunDB:
         session = session or f"{workflow}-{run_id}"
         with self._con() as con:
             con.execute(
-                "INSERT INTO runs (id, workflow, file, site, session, state, started, pid, host) "
-                "VALUES (?,?,?,?,?,?,?,?,?)",
-                (run_id, workflow, file, site, session, "running", time.time(), os.getpid(), socket.gethostname()),
+                "INSERT INTO runs (id, workflow, file, site, session, state, started, pid, host, pid_started, "
+                "boot_id) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                (run_id, workflow, file, site, session, "running", time.time(), *_me()),
             )
             con.executemany(
                 "INSERT INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
@@ -131,8 +133,8 @@ class RunDB:
         with self._con() as con:
             if state == "running":  # (re)started by this process: cancel and liveness find it here
                 con.execute(
-                    "UPDATE runs SET state=?, ended=NULL, pid=?, host=? WHERE id=?",
-                    (state, os.getpid(), socket.gethostname(), run_id),
+                    "UPDATE runs SET state=?, ended=NULL, pid=?, host=?, pid_started=?, boot_id=? WHERE id=?",
+                    (state, *_me(), run_id),
                 )
             else:
                 con.execute("UPDATE runs SET state=?, ended=? WHERE id=?", (state, ended, run_id))
@@ -234,19 +236,18 @@ class RunDB:
         """A run whose driver died without a word (SIGKILL, a crashed node) is "lost", not
         "running" forever: what it still held on a resource manager (jobs, pilots, placement
         groups) is released, and it can be resumed."""
-        if (
-            run["state"] == "running"
-            and run.get("pid")
-            and run.get("host") == socket.gethostname()
-            and not pid_alive(run["pid"])
-        ):
+        driver = driver_alive(run)
+        if run["state"] == "running" and driver is False:
+            gone = f"driver process {run['pid']} is gone"
+            if pid_alive(run["pid"]):  # its pid was given to another process since
+                gone += f" (pid {run['pid']} now belongs to a process that is not the run's driver)"
             with self._con() as con:  # one process marks it lost (and reports it), not every reader
                 marked = con.execute(
                     "UPDATE runs SET state='lost', ended=? WHERE id=? AND state='running' AND pid=?",
                     (time.time(), run["id"], run["pid"]),
                 ).rowcount
             if marked:
-                self.event(run["id"], "lost", f"driver process {run['pid']} is gone")
+                self.event(run["id"], "lost", gone)
                 for s in self.stages(run["id"]):
                     if s["state"] == "running":
                         self.set_stage(run["id"], s["stage"], "lost", ended=time.time())
@@ -280,7 +281,8 @@ class RunDB:
         run = self.run(run_id)  # reconciles: a dead driver's run becomes "lost"
         if run is None:
             raise KeyError(run_id)
-        me = (os.getpid(), socket.gethostname())
+        pid, host, started, boot = _me()
+        me = (pid, host)
         with self._con() as con:
             con.execute("BEGIN IMMEDIATE")  # no second driver between our read and our write
             row = dict(con.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone())
@@ -288,9 +290,12 @@ class RunDB:
             if row["state"] == "running" and holder != me:
                 con.execute("ROLLBACK")
                 raise RunLockedError(run_id, *holder)
-            con.execute("UPDATE runs SET state='running', ended=NULL, pid=?, host=? WHERE id=?", (*me, run_id))
+            con.execute(
+                "UPDATE runs SET state='running', ended=NULL, pid=?, host=?, pid_started=?, boot_id=? WHERE id=?",
+                (pid, host, started, boot, run_id),
+            )
             con.execute("COMMIT")
-        return {**row, "state": "running", "pid": me[0], "host": me[1]}
+        return {**row, "state": "running", "pid": pid, "host": host, "pid_started": started, "boot_id": boot}
 
     def events(self, run_id: str) -> list[dict]:
         with self._con() as con:
@@ -342,9 +347,30 @@ def _decoded(row: dict) -> dict:
     return row
 
 
-def wait_exit(pid: int, timeout_s: float) -> bool:
-    """Wait up to ``timeout_s`` for process ``pid`` to end; True if it did."""
+def _me() -> tuple[int, str, int | None, str | None]:
+    """This process as a run records its driver: pid, host, start time, boot id."""
+    return os.getpid(), socket.gethostname(), start_time(os.getpid()), boot_id()
+
+
+def driver_alive(run: dict) -> bool | None:
+    """Whether the run's recorded driver process still runs (``procs.same_process``): True it
+    does; False it is gone — its pid free, or owned by a process started since (a reused pid),
+    or the host rebooted; None when that cannot be told: another host's driver, or a record
+    of an older phalanx (pid without start time) whose pid runs."""
+    if not run.get("pid") or run.get("host") != socket.gethostname():
+        return None
+    return same_process(run["pid"], run.get("pid_started"), run.get("boot_id"))
+
+
+def wait_exit(pid: int, timeout_s: float, started: int | None = None, boot: str | None = None) -> bool:
+    """Wait up to ``timeout_s`` for process ``pid`` to end; True if it did.  With ``started``
+    and ``boot`` (``procs.start_time``, ``procs.boot_id``): for that process to end — another
+    process given its pid since does not count."""
+
+    def gone() -> bool:
+        return not pid_alive(pid) if started is None else same_process(pid, started, boot) is False
+
     deadline = time.monotonic() + timeout_s
-    while pid_alive(pid) and time.monotonic() < deadline:
+    while not gone() and time.monotonic() < deadline:
         time.sleep(0.1)
-    return not pid_alive(pid)
+    return gone()

@@ -348,3 +348,48 @@ def test_a_gang_on_one_launcher_instance_restarts_with_new_ranks_after_a_failure
         assert gang._launcher.exitcodes() == [None, None]
     finally:
         gang.close()
+
+
+# ---- what users read: tracebacks, where the output goes, who did not finish (issue 22) --------
+SCRIPT = """
+import linecache
+import sys
+
+import phalanx as px
+
+# code whose file no rank can read, as a notebook cell's: only this process's linecache has it
+CELL, cell = sys.argv[1], "def divide(x):\\n    return 1 / x  # the cell's line\\n"
+linecache.cache[CELL] = (len(cell), None, cell.splitlines(True), CELL)
+exec(compile(cell, CELL, "exec"))
+
+
+def fails(env):
+    divide(env.rank)  # the script's line
+
+
+with px.Gang(1, echo=False) as gang:
+    try:
+        gang.run(fails)
+    except px.RankError as err:
+        print(err)
+"""
+
+
+def test_a_script_apps_traceback_names_its_files_and_lines_and_shows_them(tmp_path):
+    """Functions of a script (and of code only the driver has the source of, as a notebook's
+    cell) travel by value: the rank's traceback names their files and lines (not cloudpickle's
+    "<dynamic-code>") with the lines themselves, and starts at the app (no phalanx frame)."""
+    script, cell = tmp_path / "script.py", tmp_path / "not-on-disk" / "cell.py"
+    script.write_text(SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(cell)], capture_output=True, text=True, timeout=60, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr
+    tb = out.stdout.split("--- traceback of rank 0 ---\n", 1)[-1]
+    assert tb.startswith(
+        "Traceback (most recent call last):\n"
+        f'  File "{script}", line 14, in fails\n    divide(env.rank)  # the script\'s line\n'
+    ), tb
+    assert f'  File "{cell}", line 2, in divide\n    return 1 / x  # the cell\'s line\n' in tb, tb
+    assert tb.rstrip().endswith("ZeroDivisionError: division by zero"), tb
+    assert "<dynamic-code>" not in tb and "phalanx" not in tb, tb

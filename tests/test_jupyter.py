@@ -171,6 +171,7 @@ def test_failing_rank_shows_its_traceback_and_the_gang_is_usable_again(nb):
     tb = plain("\n".join(err["traceback"]))
     assert "rank 1: RuntimeError: raised in a notebook cell" in tb
     assert "raise RuntimeError('raised in a notebook cell')" in tb  # the cell's line, from the driver's copy
+    assert re.search(r'File "[^"<>]+\.py", line 3, in nb_app\n', tb) and "<dynamic-code>" not in tb, tb  # its file
     assert "worker.py" not in tb and "jupyter/ranks.py" not in tb  # phalanx's wrapper frames left out
     view = res.data("text/plain", "update_display_data", "display_data")[-1]
     assert re.search(r"rank 1\s+failed", view) and re.search(r"rank 0\s+stopped", view), view

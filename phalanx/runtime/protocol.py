@@ -1,7 +1,9 @@
 """Messages between the driver and the rank processes of a gang (over one TCP connection each).
 
 Every message is one of the small frozen dataclasses below, cloudpickled once (payloads
-included); driver and ranks always run the same phalanx, so they share these classes.
+included); driver and ranks always run the same phalanx, so they share these classes.  Code sent
+by value (an app defined in a script or a notebook cell) keeps its file name and brings its lines
+of source (``pickling.dumps``): a rank's traceback names the user's file and line and shows it.
 
 rank → driver: ``Hello`` (first, on connecting) · ``Ready`` · ``Result`` · ``Failed``
 driver → rank: ``Run`` · ``Shutdown``
@@ -19,8 +21,6 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
-import cloudpickle
-
 # The rank protocol's variables (defined in envvars; launchers use them as ``P.ENV_*``).
 from .envvars import ENV_AUTHKEY as ENV_AUTHKEY
 from .envvars import ENV_COMM as ENV_COMM
@@ -36,6 +36,7 @@ from .envvars import ENV_RDZV as ENV_RDZV
 from .envvars import ENV_THREADS as ENV_THREADS
 from .envvars import ENV_TIMEOUT as ENV_TIMEOUT
 from .envvars import ENV_WORLD_SIZE as ENV_WORLD_SIZE
+from .pickling import dumps
 
 if TYPE_CHECKING:
     from ..errors import RankFailure
@@ -134,7 +135,7 @@ ToRank = Run | Shutdown
 
 
 def send(conn: Connection, msg: ToDriver | ToRank) -> None:
-    conn.send_bytes(cloudpickle.dumps(msg, protocol=5))
+    conn.send_bytes(dumps(msg, protocol=5))
 
 
 def recv(conn: Connection) -> Any:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import importlib
+import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..errors import RankFailure
@@ -42,9 +43,34 @@ def check_app(app: Any) -> None:
 
 
 def failure_from_exception(rank: int, exc: BaseException) -> RankFailure:
-    return RankFailure(
-        rank=rank,
-        exc_type=type(exc).__name__,
-        message=str(exc),
-        traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
-    )
+    return RankFailure(rank=rank, exc_type=type(exc).__name__, message=str(exc), traceback=format_exception(exc))
+
+
+# phalanx's own frames around an app (file, function): the rank's loop that calls it, the
+# notebook's wrapper that follows it.  A rank's traceback starts at the app.
+_WRAPPERS = {
+    (os.path.join("phalanx", "runtime", "worker.py"), "_serve"),
+    (os.path.join("phalanx", "integrations", "jupyter", "ranks.py"), "__call__"),
+}
+
+
+def is_wrapper(frame: traceback.FrameSummary) -> bool:
+    return any(frame.name == name and frame.filename.endswith(path) for path, name in _WRAPPERS)
+
+
+def format_exception(exc: BaseException, hidden: Callable[[traceback.FrameSummary], bool] = is_wrapper) -> str:
+    """The traceback of ``exc`` (and of its causes) as Python prints it, without the frames
+    ``hidden`` picks: phalanx's wrappers of the app."""
+    te = traceback.TracebackException.from_exception(exc)
+    for t in _chain(te):
+        t.stack = traceback.StackSummary.from_list([f for f in t.stack if not hidden(f)])
+    return "".join(te.format())
+
+
+def _chain(first: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
+    seen = set()
+    te: traceback.TracebackException | None = first
+    while te is not None and id(te) not in seen:
+        seen.add(id(te))
+        yield te
+        te = te.__cause__ or te.__context__

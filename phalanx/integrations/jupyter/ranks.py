@@ -22,13 +22,13 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import linecache
 import sys
 import time
-import traceback
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from ...runtime import tasks
 from ...runtime.tasks import resolve_app
 
 MARK = "[phalanx] "  # every control line starts so; never shown as rank output
@@ -93,19 +93,7 @@ def _watched(app: bytes, token: str) -> Watched:
 
 def format_exception(exc: BaseException) -> str:
     """The traceback without the frames of this module (the wrapper and the cell runner)."""
-    te = traceback.TracebackException.from_exception(exc)
-    for t in _chain(te):
-        t.stack = traceback.StackSummary.from_list([f for f in t.stack if f.filename != __file__])
-    return "".join(te.format())
-
-
-def _chain(first: traceback.TracebackException) -> Iterator[traceback.TracebackException]:
-    seen = set()
-    te: traceback.TracebackException | None = first
-    while te is not None and id(te) not in seen:
-        seen.add(id(te))
-        yield te
-        te = te.__cause__ or te.__context__
+    return tasks.format_exception(exc, lambda f: f.filename == __file__ or tasks.is_wrapper(f))
 
 
 # ---- %%px cells ---------------------------------------------------------------------------------
@@ -144,6 +132,7 @@ def run_cell(env, code: str, filename: str, shown: list[int], out: str | None, p
     ns = namespace(env)
     show = env.rank in shown
     reply = CellReply()
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # the cell's lines in tracebacks
     try:
         tree = ast.parse(code, filename, "exec")
         last = None

@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -94,7 +94,9 @@ class Gang:
         arguments given here win.  ``executor``: a registered name, an ``Executor`` (the
         caller opens and closes its run scope) or a ``Launcher``; ``slots``: the executor's
         slots this gang runs on (a scheduler's share); ``config``: keys over the executor's
-        site section for this gang (a stage's own ``slurm:`` section)."""
+        site section for this gang (a stage's own ``slurm:`` section).  ``echo``: the ranks'
+        lines to stderr (True), to a callable, or (False) only to ``log_dir/rank-N.log`` — with
+        no ``log_dir`` given, the gang says where that is when it starts."""
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks must be an integer ≥ 1, got {ranks!r}")
         self._owned: Executor | None = None  # an executor this gang made: its run scope is the gang's
@@ -131,6 +133,7 @@ class Gang:
         self._control: ControlServer | None = None
         self._rdzv_url: str | None = None
         self._task = 0
+        self.runs = 0  # apps run by the gang now running (its ranks); a fresh gang starts again at 0
         self.gang_id = ""
         self.log_dir: Path | None = None
         self.ready_seconds: float | None = None
@@ -187,6 +190,7 @@ class Gang:
             self._teardown(graceful=False)
             raise
         self.ready_seconds = time.perf_counter() - t0
+        self.runs = 0
         log.debug("gang %s ready in %.2fs", self.gang_id, self.ready_seconds)
         return self
 
@@ -195,6 +199,12 @@ class Gang:
         returns the launcher and the log directory."""
         self.gang_id = new_gang_id()
         self.log_dir = log_dir = self._log_dir_arg or default_log_root() / self.gang_id
+        if self.echo is False and self._log_dir_arg is None:  # nothing else would say where the output goes
+            n = self.world_size
+            files = f"{log_dir / 'rank-0.log'}" if n == 1 else f"{log_dir / 'rank-N.log'} (N = 0..{n - 1})"
+            print(
+                f"phalanx: gang {self.gang_id}: rank output goes to {files} (echo=False)", file=sys.stderr, flush=True
+            )
         self._launcher = launcher = self._make_launcher()
         launcher.start_timeout = self.start_timeout
         _live_gangs.add(self)
@@ -286,6 +296,7 @@ class Gang:
                     set(range(self.world_size)) - ready,
                     "ready",
                     f"start within the start timeout (start_timeout={self.start_timeout:g}s)",
+                    {r: (pids[r], hosts[r]) for r in pids},
                 )
             rank, msg = event
             if isinstance(msg, P.Hello):
@@ -382,7 +393,11 @@ class Gang:
         """Run ``app(env, *args, **kwargs)`` on every rank; one result per rank.
 
         ``app`` is a callable or ``"package.module:function"``; ``params`` becomes
-        ``env.params``.  If a rank fails, the others are stopped and ``RankError`` is raised.
+        ``env.params``.  If a rank fails, the others are stopped and ``RankError`` is raised,
+        with the failing rank's traceback from the app down (a function of a script or a
+        notebook cell travels by value with its lines of source: the traceback shows them).
+        Past ``timeout`` seconds ``GangError`` names the ranks that did not finish (a rank whose
+        process is stopped, rather than those waiting for it).
         """
         check_app(app)
         # in a Jupyter kernel: a live per-rank view of this run (integrations.jupyter), whose
@@ -398,6 +413,7 @@ class Gang:
             self.start()
         assert self._control is not None
         self._task += 1
+        self.runs += 1
         task = self._task
         try:
             for rank in range(self.world_size):
@@ -475,11 +491,26 @@ class Gang:
                 if code is not None and rank not in control.conns:
                     return rank, P.Disconnected()  # died before it ever connected
 
-    def _timed_out(self, late: set[int], done: str, what: str) -> GangError:
+    def _timed_out(
+        self, late: set[int], done: str, what: str, where: Mapping[int, tuple[int, str]] | None = None
+    ) -> GangError:
         """e.g. "ranks 1, 3 did not manage to finish within the stage timeout (timeout=5s);
-        ranks 0, 2 finished; logs in ..." """
+        ranks 0, 2 finished; logs in ..."; ``where``: rank → (pid, host) of the ranks known
+        (default: the gang's).  A late rank whose process is stopped (SIGSTOP, Ctrl-Z, a debugger)
+        is the one named: the other late ranks most likely wait for it in a collective."""
+        if where is None:
+            where = {r: (pid, host) for r, (pid, host) in enumerate(zip(self.pids, self.hosts))}
+        stopped = {r for r in late if r in where and _stopped(*where[r])}
+        text = f"gang {self.gang_id}: {_ranks(stopped or late)} did not manage to {what}"
+        if stopped:
+            one = len(stopped) == 1
+            text += f": {'its process is' if one else 'their processes are'} stopped (SIGSTOP, Ctrl-Z or a debugger)"
+            if late - stopped:
+                text += (
+                    f"; {_ranks(late - stopped)} {'was' if len(late - stopped) == 1 else 'were'} still running, "
+                    f"most likely waiting for {'it' if one else 'them'} in a collective"
+                )
         others = sorted(set(range(self.world_size)) - late)
-        text = f"gang {self.gang_id}: {_ranks(late)} did not manage to {what}"
         if others:
             text += f"; {_ranks(others)} {done}"
         launcher = self._launcher  # None once torn down by another thread (a cancel)
@@ -518,10 +549,21 @@ class Gang:
         return None
 
 
-def _ranks(ranks: set[int] | list[int]) -> str:
+def _ranks(ranks: Iterable[int]) -> str:
     """ "rank 2" or "ranks 0, 1, 3"."""
     ranks = sorted(ranks)
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
+
+
+def _stopped(pid: int, host: str) -> bool:
+    """Whether a rank process of this host is stopped (state T or t: a SIGSTOP, Ctrl-Z, a debugger)."""
+    if host != socket.gethostname():
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):  # gone, or not Linux
+        return False
 
 
 def _load_site(site: str | Path) -> Any:

@@ -36,6 +36,13 @@ def write_pid_and_block(env, directory: str) -> None:
     wait_for(os.path.join(directory, "never"), within=600)
 
 
+def fails_on(env, rank: int) -> int:
+    """Raise on ``rank``; the others return their rank."""
+    if env.rank == rank:
+        raise RuntimeError(f"rank {rank} fails on purpose")
+    return env.rank
+
+
 def collect_limits(env) -> dict:
     """``DataFrame.collect(limit=...)`` on a frame of 2 + rank rows per rank."""
     import pyarrow as pa

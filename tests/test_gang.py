@@ -393,3 +393,32 @@ def test_a_script_apps_traceback_names_its_files_and_lines_and_shows_them(tmp_pa
     assert f'  File "{cell}", line 2, in divide\n    return 1 / x  # the cell\'s line\n' in tb, tb
     assert tb.rstrip().endswith("ZeroDivisionError: division by zero"), tb
     assert "<dynamic-code>" not in tb and "phalanx" not in tb, tb
+
+
+def test_a_gang_that_does_not_echo_says_where_its_output_goes(tmp_path, monkeypatch, capfd):
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(tmp_path))
+    gang = px.Gang(2, echo=False)
+    gang.run_command([sys.executable, "-c", "print('to the log')"])
+    err = capfd.readouterr().err
+    assert (
+        err == f"phalanx: gang {gang.gang_id}: rank output goes to {gang.log_dir}/rank-N.log (N = 0..1) (echo=False)\n"
+    )
+    assert gang.log_dir == tmp_path / gang.gang_id and (gang.log_dir / "rank-1.log").read_text() == "to the log\n"
+    px.Gang(1, echo=False, log_dir=tmp_path / "mine").run_command(["true"])  # the caller chose where: no word
+    assert capfd.readouterr().err == ""
+
+
+def app_barrier(env):
+    env.comm.barrier()
+
+
+def test_a_stage_timeout_names_the_stopped_rank_not_the_one_waiting_for_it(gang2):
+    os.kill(gang2.pids[1], signal.SIGSTOP)  # as a debugger, a Ctrl-Z or a user would
+    with pytest.raises(px.GangError) as info:
+        gang2.run(app_barrier, timeout=0.3)
+    msg = str(info.value)
+    assert msg.startswith(
+        f"gang {gang2.gang_id}: rank 1 did not manage to finish within the stage timeout (timeout=0.3s): its "
+        "process is stopped (SIGSTOP, Ctrl-Z or a debugger); rank 0 was still running, most likely waiting for "
+        "it in a collective; logs in "
+    ), msg

@@ -202,6 +202,19 @@ def test_interrupt_stops_every_rank_within_seconds(nb, tmp_path):
     assert nb.value("gang.gang_id") != gang_id
 
 
+@needs_kernel
+def test_gang_card_counts_the_runs_of_the_gang_now_running(nb):
+    """The card's "N runs since" counts the runs of the gang it shows (its id, its start time),
+    not those of the gangs a failure or an interrupt replaced before it."""
+    nb.execute("gang.run(lambda env: env.rank)\ngang.run(lambda env: env.rank)")
+    nb.execute("gang.run(jupyter_apps.fails_on, 0)", ok=False)  # the gang is stopped
+    nb.execute("gang.run(lambda env: env.rank)")  # a fresh gang: its first run
+    text = nb.execute("gang").last("text/plain")
+    assert re.search(r"started in .* · 1 run since", text), text
+    page = html.unescape(re.sub(r"<[^>]+>", " ", nb.execute("gang").last("text/html")))
+    assert re.search(r"started in .* · 1 run since", page), page
+
+
 def _reply(nb, msg_id: str):
     import queue
 

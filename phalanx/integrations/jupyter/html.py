@@ -140,7 +140,7 @@ def gang_facts(gang: Gang) -> dict[str, Any]:
         "rendezvous": gang.rendezvous,
         "status": status,
         "ready_s": gang.ready_seconds,
-        "runs": getattr(gang, "_task", 0),
+        "runs": getattr(gang, "runs", 0),  # of the gang now running (not of those a failure replaced)
         "log_dir": str(gang.log_dir) if gang.log_dir else "—",
         "per_rank": ranks,
     }
@@ -192,7 +192,7 @@ def gang_text(gang: Gang) -> str:
     if f["problem"]:
         lines.append(f"  problem: {f['problem']}")
     if f["ready_s"] is not None:
-        lines.append(f"  started in {seconds(f['ready_s'])} · {f['runs']} runs since")
+        lines.append(f"  started in {seconds(f['ready_s'])} · {f['runs']} run{'s' if f['runs'] != 1 else ''} since")
     for r in f["per_rank"]:
         lines.append(f"  rank {r['rank']}  {r['host']}  pid {r['pid'] or '—'}  memory {r['memory']}")
     lines.append(f"  logs {f['log_dir']}")

@@ -194,6 +194,11 @@ def test_interrupt_stops_every_rank_within_seconds(nb, tmp_path):
     nb.km.interrupt_kernel()
     reply = until(lambda: _reply(nb, msg_id), "the interrupted cell to end", within=60)
     assert reply["content"]["status"] == "error" and reply["content"]["ename"] == "KeyboardInterrupt"
+    # what happened, in one line: not where the driver waited (magics, gang, queue, threading...)
+    shown = plain("\n".join(reply["content"]["traceback"]))
+    assert shown == f"KeyboardInterrupt: every rank of gang {gang_id} was stopped; its next run starts a fresh one", (
+        shown
+    )
     until(lambda: not processes_with_env("PHALANX_GANG_ID", gang_id), "every rank of the gang to end", within=10)
     stopped_s = time.monotonic() - t0
     assert stopped_s < 10, stopped_s
@@ -318,6 +323,29 @@ def test_px_run_shows_the_stage_table_live_and_the_timeline_at_the_end(nb):
     page = res.data("text/html", "execute_result")[-1]
     assert f"phalanx run</b> <code>{run_id}</code>" in page and "<svg" in page and "reused" in page
     assert "phalanx report " + run_id in page
+
+
+@needs_kernel
+def test_a_running_handle_shown_again_is_its_live_table_not_a_stale_picture(nb, tmp_path):
+    """``h = px.submit(...); h`` while the run goes on: the cell's result is the live stage table
+    once more (the same display id, updated with it), never an Out that stays "running" with every
+    stage pending in the saved notebook.  A finished handle shows as usual (tested above)."""
+    gate = tmp_path / "gate"
+    nb.execute(
+        f"wf_gate = px.Workflow('nbgate')\n@wf_gate.stage(ranks=1)\ndef waits(env):\n"
+        f"    assert jupyter_apps.wait_for({str(gate)!r})"
+    )
+    res = nb.execute("h_gate = px.submit(wf_gate, site='local')\nh_gate")
+    assert not res.of("execute_result"), res.data("text/plain", "execute_result")  # no picture of that moment
+    shown = res.of("display_data")
+    ids = {m["content"].get("transient", {}).get("display_id") for m in shown}
+    assert len(shown) == 2 and len(ids) == 1 and None not in ids, shown  # the live table, twice: one display
+    gate.touch()
+    res = nb.execute("h_gate.wait(120)")
+    final = [m for m in res.of("update_display_data") if m["content"]["transient"]["display_id"] in ids]
+    page = final[-1]["content"]["data"]["text/html"]
+    assert 'data-state="succeeded"' in page and "<svg" in page, page  # what both places show at the end
+    assert "phalanx run" in nb.execute("h_gate").last("text/html")  # finished: shown as usual
 
 
 # ---- cleanup: unreferenced gangs, kernel restart and shutdown ----------------------------------------

@@ -30,6 +30,13 @@ def attach(err: RankError, note: str | None = None) -> RankError:
     return err
 
 
+def attach_interrupt(exc: KeyboardInterrupt, message: str) -> KeyboardInterrupt:
+    """Make IPython show an interrupted run as ``message`` alone: the driver's frames where the
+    interrupt found it waiting (the gang's event queue, a lock) say nothing about the ranks."""
+    exc._render_traceback_ = lambda: [f"{RED}KeyboardInterrupt{RESET}: {message}"]  # type: ignore[attr-defined]
+    return exc
+
+
 def render(err: RankError, note: str | None = None) -> list[str]:
     head = str(err).split("\n--- traceback of rank", 1)[0]
     stb = [f"{RED}RankError{RESET}: {head}"]
@@ -96,4 +103,4 @@ def register_source(filename: str, code: str) -> None:
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
 
 
-__all__ = ["attach", "clean", "register_source", "render"]
+__all__ = ["attach", "attach_interrupt", "clean", "register_source", "render"]

@@ -33,7 +33,7 @@ from ...errors import GangError, RankError, RankFailure
 from . import html as H
 from . import settings
 from .ranks import END, MARK, PROGRESS, Watched
-from .tracebacks import attach
+from .tracebacks import attach, attach_interrupt
 
 log = logging.getLogger("phalanx.jupyter")
 
@@ -194,6 +194,8 @@ class RunView:
         self._outcome(ev)
         if isinstance(ev, RankError):
             attach(ev)
+        elif isinstance(ev, KeyboardInterrupt):  # what happened, not where the driver waited
+            attach_interrupt(ev, f"every rank of gang {self.gang.gang_id} was stopped; its next run starts a fresh one")
         if self.opts.mode == "run":
             self.finish(self.rendered(final=True) if self._worth_showing(ev) else None)
 
@@ -457,7 +459,11 @@ class WidgetLive:
 
 
 class HandleView:
-    """A run handle's stage table, updated while the run goes on, then with its timeline."""
+    """A run handle's stage table, updated while the run goes on, then with its timeline.
+
+    While it runs, the handle shown again (``h`` at the end of a cell, ``display(h)``) shows this
+    same table, updated with it (one display id): never a picture of the run that stays
+    "running" in the saved notebook.  Once the run finished, the handle shows as usual."""
 
     def __init__(self, handle: Any):
         self.handle = handle
@@ -471,8 +477,22 @@ class HandleView:
             self.display = display(self.widget, display_id=True)
         else:
             self.display = display(first, display_id=True)
+        self._printers = _display_printers()
+        if self._printers is not None:  # IPython asks it first for this handle (``show_again``)
+            self._printers[id(handle)] = self.show_again
         self.thread = threading.Thread(target=self._follow, name=f"phalanx-notebook-run-{handle.run_id}", daemon=True)
         self.thread.start()
+
+    def show_again(self, handle: Any) -> None:
+        """The handle displayed while its run goes on: this live table once more (the same display
+        id, so that every update and the final table reach both)."""
+        if handle.done():  # (finished meanwhile) final: as IPython would show it
+            display(Rendered(H.handle_html(handle), H.handle_text(handle)))
+        elif self.widget is not None:
+            display(self.widget, display_id=self.display.display_id)
+        else:
+            page = H.handle_html(handle, timeline=False)
+            display(Rendered(page, H.handle_text(handle)), display_id=self.display.display_id)
 
     def _follow(self) -> None:
         try:
@@ -491,10 +511,23 @@ class HandleView:
         except Exception as exc:
             log.warning("phalanx: the live view of run %s stopped: %s", self.handle.run_id, exc)
         finally:
+            if self._printers is not None:  # from now on the handle shows as usual (final)
+                self._printers.pop(id(self.handle), None)
             self.done.set()
 
     def join(self, timeout: float | None = None) -> bool:
         return self.done.wait(timeout)
+
+
+def _display_printers() -> dict | None:
+    """IPython's printers of single objects that display themselves (``display()`` and a cell's
+    result ask them before any ``_repr_*_``), or None outside a kernel."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    formatter = getattr(getattr(shell, "display_formatter", None), "ipython_display_formatter", None)
+    printers = getattr(formatter, "singleton_printers", None)
+    return printers if isinstance(printers, dict) else None
 
 
 def _app_name(app: Any) -> str:

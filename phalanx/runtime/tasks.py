@@ -46,10 +46,13 @@ def failure_from_exception(rank: int, exc: BaseException) -> RankFailure:
     return RankFailure(rank=rank, exc_type=type(exc).__name__, message=str(exc), traceback=format_exception(exc))
 
 
-# phalanx's own frames around an app (file, function): the rank's loop that calls it, the
-# notebook's wrapper that follows it.  A rank's traceback starts at the app.
+# phalanx's own frames around an app (file, function): the rank's loop that calls it, a
+# workflow stage's and a Parsl app's wrappers, the notebook's that follows it.  A rank's
+# traceback starts at the app.
 _WRAPPERS = {
     (os.path.join("phalanx", "runtime", "worker.py"), "_serve"),
+    (os.path.join("phalanx", "orchestrator", "stage.py"), "run_stage"),
+    (os.path.join("phalanx", "integrations", "parsl", "_rank.py"), "__call__"),
     (os.path.join("phalanx", "integrations", "jupyter", "ranks.py"), "__call__"),
 }
 

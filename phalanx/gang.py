@@ -198,6 +198,7 @@ class Gang:
         """A new gang id, log directory, launcher and rendezvous (torn down by ``_teardown``);
         returns the launcher and the log directory."""
         self.gang_id = new_gang_id()
+        self.pids, self.hosts = [], []  # (the ranks of a gang before it: known again once ready)
         self.log_dir = log_dir = self._log_dir_arg or default_log_root() / self.gang_id
         if self.echo is False and self._log_dir_arg is None:  # nothing else would say where the output goes
             n = self.world_size

@@ -185,6 +185,8 @@ class LocalLauncher(Launcher):
                 signal_group(p.pid, signal.SIGKILL)
                 p.wait()
         reaper.kill_tree(started)
+        for p in self.procs:  # what is left in a rank's process group (a command's background jobs)
+            signal_group(p.pid, signal.SIGKILL)  # (a group outlives its leader: its id is not reused)
         for t in self._pumps:
             t.join(timeout=1.0)
         if self._output is not None and not any(t.is_alive() for t in self._pumps):

@@ -206,3 +206,17 @@ def test_nothing_a_rank_started_outlives_its_stage(fault, tmp_path, how, fails):
     fault.detected(0.0)
     fault.outcome("every process the ranks started was gone when the stage ended")
     fault.data_lost("none")
+
+
+def test_a_command_stages_background_job_does_not_outlive_it(fault, tmp_path):
+    """A command that leaves a job running in the background (``sleep 299 &``) and exits 0: the
+    job, in the command's process group, is gone when the stage ends."""
+    fault.describe("a command stage leaves a background job and succeeds")
+    script = f"sleep 299 & echo $! > {tmp_path}/cmd.$PHALANX_RANK.children"
+    px.Gang(ranks=2, echo=False).run_command(["sh", "-c", script], timeout=60)
+    pids = children_of(tmp_path)
+    assert len(pids) == 2, pids
+    assert wait_dead(pids, within=5.0) == []
+    fault.detected(0.0)
+    fault.outcome("the background jobs were killed with the command's process group")
+    fault.data_lost("none")

@@ -175,6 +175,14 @@ def children_of(where: Path) -> list[int]:
     return [int(pid) for f in sorted(where.glob("*.children")) for pid in f.read_text().split()]
 
 
+def assert_gone(where: Path, count: int) -> None:
+    """The ``count`` processes whose pids the ranks wrote to ``where`` are gone (or going: 5 s
+    for a SIGKILL already sent to land)."""
+    pids = children_of(where)
+    assert len(pids) == count, pids
+    assert wait_dead(pids, within=5.0) == []
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
 @pytest.mark.parametrize("how", ["gang", "workflow"])
 def test_nothing_a_rank_started_outlives_its_stage(fault, tmp_path, how, fails):
@@ -200,9 +208,7 @@ def test_nothing_a_rank_started_outlives_its_stage(fault, tmp_path, how, fails):
         wf = Workflow(name="kids", stages={"s": Stage(app="fault_apps:start_children", ranks=2, params=params)})
         result = run_workflow(wf, Site(name="t", cores=2), db=RunDB(tmp_path / "state"))
         assert result.ok is not fails, result.failed
-    pids = children_of(tmp_path)
-    assert len(pids) == 4, pids
-    assert wait_dead(pids, within=5.0) == []
+    assert_gone(tmp_path, 4)
     fault.detected(0.0)
     fault.outcome("every process the ranks started was gone when the stage ended")
     fault.data_lost("none")
@@ -214,9 +220,7 @@ def test_a_command_stages_background_job_does_not_outlive_it(fault, tmp_path):
     fault.describe("a command stage leaves a background job and succeeds")
     script = f"sleep 299 & echo $! > {tmp_path}/cmd.$PHALANX_RANK.children"
     px.Gang(ranks=2, echo=False).run_command(["sh", "-c", script], timeout=60)
-    pids = children_of(tmp_path)
-    assert len(pids) == 2, pids
-    assert wait_dead(pids, within=5.0) == []
+    assert_gone(tmp_path, 2)
     fault.detected(0.0)
     fault.outcome("the background jobs were killed with the command's process group")
     fault.data_lost("none")

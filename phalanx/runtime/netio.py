@@ -189,10 +189,22 @@ class Handshakes(Generic[T]):
         self._pending: dict[socket.socket, float] = {}  # in handshake → when it must be over
         self._lock = threading.Lock()  # guards _pending: a handshake ends either done or expired
         self._closed = False
+        self._waiting = False  # a thread is in next(): it closes the wake-up pair once closed
 
     def next(self, deadline: float | None = None) -> T | None:
         """The next authenticated connection (what ``shake`` returned); None once ``deadline``
         has passed or the listener was closed."""
+        with self._lock:
+            self._waiting = True
+        try:
+            return self._next(deadline)
+        finally:
+            with self._lock:
+                self._waiting = False
+                if self._closed:
+                    self._close_wake()
+
+    def _next(self, deadline: float | None) -> T | None:
         while not self._closed:
             try:
                 outcome = self._done.get_nowait()
@@ -211,13 +223,19 @@ class Handshakes(Generic[T]):
                 wait = min(self._pending.values(), default=deadline if deadline is not None else now + 3600)
             if deadline is not None:
                 wait = min(wait, deadline)
+            # poll, not select: a driver may hold descriptors numbered over 1023
+            poller = select.poll()
             try:
-                ready, _, _ = select.select([self.listener, self._wake_r], [], [], max(wait - now, 0.0))
+                poller.register(self.listener, select.POLLIN)
+                poller.register(self._wake_r, select.POLLIN)
+                ready = dict(poller.poll(max(wait - now, 0.0) * 1000))
             except (OSError, ValueError):  # the listener was closed under us
                 return None
-            if self._wake_r in ready:
+            if ready.get(self._wake_r.fileno()):
                 self._wake_r.recv(4096)
-            if self.listener in ready:
+            if ready.get(self.listener.fileno(), 0) & select.POLLNVAL:
+                return None
+            if ready.get(self.listener.fileno()):
                 self._accept()
         return None
 
@@ -271,10 +289,18 @@ class Handshakes(Generic[T]):
         progress are cut short."""
         self._closed = True
         self._expire(time.monotonic())
+        with self._lock:
+            if not self._waiting:
+                self._close_wake()
+                return
         try:
             self._wake_w.send(b"x")
         except OSError:
             pass
+
+    def _close_wake(self) -> None:
+        self._wake_r.close()
+        self._wake_w.close()
 
 
 def accept_peers(

@@ -196,7 +196,11 @@ class Tier(ABC):
 
     @abstractmethod
     def remove(self, location: str) -> None:
-        """Delete a location and everything in it; missing is fine."""
+        """Delete a location and everything in it; missing is fine.  The store passes only a
+        location the tier ``owns``, but it may come from the metadata or from ``.retired``,
+        which another user may be able to write: a tier that can reach outside its root (a
+        directory: ``..``, symbolic links) must refuse such a location (``UnsafePathError``),
+        as ``FileTier`` does with ``remove_under``."""
 
     @abstractmethod
     def remove_session(self, session: str) -> None: ...

@@ -20,6 +20,7 @@ A store that needs more than a URL overrides ``tstore`` (a ``px.Store``, session
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ import pyarrow as pa
 import pytest
 
 import phalanx as px
-from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError
+from phalanx.errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError, UnsafePathError
 from phalanx.store.metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
 from phalanx.store.tiers import serialize
 from phalanx.testing.tables import every_type_table, same_table
@@ -254,6 +255,26 @@ class TierContract:
         assert tstore.read("sealed")["a"].to_pylist() == [1]
         other.remove_unsealed()
         assert tstore.unsealed() == []
+
+    def test_a_location_outside_the_tier_is_never_removed(self, tstore, tmp_path):
+        """The catalogue (and ``.retired``) may be writable by others on a shared root: a
+        dataset whose recorded location lies outside the tier — here beside it, in a store
+        of its own — is not removed by a delete; the refusal names the location."""
+        base, _, query = tstore.tier.root_url.partition("?")
+        beside = px.Store(
+            base.rstrip("/") + "-beside" + (f"?{query}" if query else ""),
+            session="conf",
+            metadata=f"sqlite://{tmp_path / 'beside.sqlite'}",
+        )
+        info = beside.put("theirs", pa.table({"a": [7]}))
+        try:
+            assert not tstore.tier.owns(info.location)
+            tstore.meta.seal(info, False)
+            with pytest.raises(UnsafePathError, match=f"refusing to remove {re.escape(info.location)}"):
+                tstore.delete_session()
+            assert beside.read("theirs")["a"].to_pylist() == [7]
+        finally:
+            beside.delete_session()
 
     def test_abort_staging_removes_unsealed_writes_of_its_owner_only(self, tstore):
         sealed_id = tstore.new_staging_id("gang7")

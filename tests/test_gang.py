@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import subprocess
@@ -353,12 +354,11 @@ def test_a_gang_on_one_launcher_instance_restarts_with_new_ranks_after_a_failure
 # ---- what users read: tracebacks, where the output goes, who did not finish (issue 22) --------
 SCRIPT = """
 import linecache
-import sys
 
 import phalanx as px
 
 # code whose file no rank can read, as a notebook cell's: only this process's linecache has it
-CELL, cell = sys.argv[1], "def divide(x):\\n    return 1 / x  # the cell's line\\n"
+cell = "def divide(x):\\n    return 1 / x  # the cell's line\\n"
 linecache.cache[CELL] = (len(cell), None, cell.splitlines(True), CELL)
 exec(compile(cell, CELL, "exec"))
 
@@ -371,24 +371,27 @@ with px.Gang(1, echo=False) as gang:
     try:
         gang.run(fails)
     except px.RankError as err:
-        print(err)
+        ERROR = str(err)
 """
 
 
 def test_a_script_apps_traceback_names_its_files_and_lines_and_shows_them(tmp_path):
-    """Functions of a script (and of code only the driver has the source of, as a notebook's
+    """A script's functions (here run as ``python script.py`` runs them: in ``__main__``, without
+    the cost of another interpreter) and code only the driver has the source of (a notebook's
     cell) travel by value: the rank's traceback names their files and lines (not cloudpickle's
-    "<dynamic-code>") with the lines themselves, and starts at the app (no phalanx frame)."""
+    "<dynamic-code>"), shows the lines, and starts at the app (no phalanx frame)."""
     script, cell = tmp_path / "script.py", tmp_path / "not-on-disk" / "cell.py"
     script.write_text(SCRIPT)
-    out = subprocess.run(
-        [sys.executable, str(script), str(cell)], capture_output=True, text=True, timeout=60, cwd=tmp_path
-    )
-    assert out.returncode == 0, out.stderr
-    tb = out.stdout.split("--- traceback of rank 0 ---\n", 1)[-1]
+    ns = {"__name__": "__main__", "__file__": str(script), "CELL": str(cell)}
+    try:
+        exec(compile(SCRIPT, str(script), "exec"), ns)
+    finally:
+        linecache.cache.pop(str(cell), None)
+    line = SCRIPT.splitlines().index("    divide(env.rank)  # the script's line") + 1
+    tb = ns["ERROR"].split("--- traceback of rank 0 ---\n", 1)[-1]
     assert tb.startswith(
         "Traceback (most recent call last):\n"
-        f'  File "{script}", line 14, in fails\n    divide(env.rank)  # the script\'s line\n'
+        f'  File "{script}", line {line}, in fails\n    divide(env.rank)  # the script\'s line\n'
     ), tb
     assert f'  File "{cell}", line 2, in divide\n    return 1 / x  # the cell\'s line\n' in tb, tb
     assert tb.rstrip().endswith("ZeroDivisionError: division by zero"), tb

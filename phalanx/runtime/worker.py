@@ -48,16 +48,14 @@ def main() -> int:
     reaper.become_subreaper()  # what the app starts stays below this process, orphans too
     threads = threads_.apply()  # again: a Ray actor imports phalanx before its rank env
 
-    from multiprocessing.connection import Client
-
     from . import protocol as P
     from .tasks import failure_from_exception
 
     rank, world_size = P.rank_from_environ()
-    host, _, port = os.environ[P.ENV_CONTROL].rpartition(":")
-    conn = Client((host, int(port)), authkey=bytes.fromhex(os.environ[P.ENV_AUTHKEY]))
+    driver_timeout = float(os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S)
+    conn = _connect(os.environ[P.ENV_CONTROL], bytes.fromhex(os.environ[P.ENV_AUTHKEY]), driver_timeout)
     P.send(conn, P.Hello(rank, os.getpid(), P.rank_host()))
-    watch = DriverWatch(conn, rank, float(os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S))
+    watch = DriverWatch(conn, rank, driver_timeout)
     watch.start()
 
     try:
@@ -70,6 +68,25 @@ def main() -> int:
         return _serve(conn, watch, env, set(descendants(os.getpid())))
     finally:
         reaper.end_descendants()
+
+
+def _connect(address: str, authkey: bytes, within_s: float) -> Connection:
+    """The authenticated control connection to the driver at ``address`` (host:port).  A
+    connection the driver cut short — its handshake slots were all taken (``netio.Handshakes``:
+    others connected and said nothing) — is tried again, backing off, for ``within_s``; a wrong
+    key is not."""
+    from multiprocessing.connection import Client
+
+    host, _, port = address.rpartition(":")
+    deadline, pause = time.monotonic() + within_s, 0.05
+    while True:
+        try:
+            return Client((host, int(port)), authkey=authkey)
+        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, EOFError):
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(pause * 2, 1.0)
 
 
 class DriverWatch(threading.Thread):

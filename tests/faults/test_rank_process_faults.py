@@ -34,12 +34,10 @@ def app_rank(env):
 
 
 # ---- 13: a connection to the control port that says nothing ------------------------------------
-def test_a_silent_connection_to_the_control_port_does_not_hold_up_the_gangs_start(fault, monkeypatch, caplog):
-    """Another user connects to the driver's control port and says nothing: every rank still
-    registers (each handshake runs in a thread of its own, bounded by HANDSHAKE_S) and the gang
-    starts while the silent connection is still open and unanswered."""
-    fault.describe("a silent TCP connection to the driver's control port before the ranks connect")
-    monkeypatch.setattr(netio, "HANDSHAKE_S", 120.0)  # the silent peer's slot outlasts the gang's start
+@pytest.fixture
+def silent_peer(monkeypatch):
+    """Each control server made while the test runs gets, at once, a TCP connection that says
+    nothing (another user's, before any rank connects); the list of those sockets."""
     silent: list[socket.socket] = []
     init = ControlServer.__init__
 
@@ -49,19 +47,43 @@ def test_a_silent_connection_to_the_control_port_does_not_hold_up_the_gangs_star
         silent.append(socket.create_connection((host, int(port))))
 
     monkeypatch.setattr(ControlServer, "__init__", connect_first)
-    try:
-        t0 = time.monotonic()
-        with px.Gang(ranks=2, echo=False, start_timeout=60) as gang:
-            took = time.monotonic() - t0
-            assert gang.run(app_rank, timeout=60) == [0, 1]
-            # the silent connection is still in its handshake: open, the challenge unanswered
-            assert silent[0].recv(1024, socket.MSG_DONTWAIT), "the driver closed the silent connection"
-        assert took < 30, took
-    finally:
-        for s in silent:
-            s.close()
+    yield silent
+    for s in silent:
+        s.close()
+
+
+def test_a_silent_connection_to_the_control_port_does_not_hold_up_the_gangs_start(fault, monkeypatch, silent_peer):
+    """Another user connects to the driver's control port and says nothing: every rank still
+    registers (each handshake runs in a thread of its own, bounded by HANDSHAKE_S) and the gang
+    starts while the silent connection is still open and unanswered."""
+    fault.describe("a silent TCP connection to the driver's control port before the ranks connect")
+    monkeypatch.setattr(netio, "HANDSHAKE_S", 120.0)  # the silent peer's slot outlasts the gang's start
+    t0 = time.monotonic()
+    with px.Gang(ranks=2, echo=False, start_timeout=60) as gang:
+        took = time.monotonic() - t0
+        assert gang.run(app_rank, timeout=60) == [0, 1]
+        # the silent connection is still in its handshake: open, the challenge unanswered
+        assert silent_peer[0].recv(1024, socket.MSG_DONTWAIT), "the driver closed the silent connection"
+    assert took < 30, took
     fault.detected(0.0)
     fault.outcome(f"the gang started in {took:.1f} s while the silent connection stayed open")
+    fault.data_lost("none")
+
+
+def test_ranks_refused_while_every_handshake_slot_is_taken_connect_again(fault, monkeypatch, silent_peer):
+    """Every handshake slot of the control port is taken (here: one slot, one silent peer):
+    a rank whose connection is cut short tries again, and the gang starts once the slot
+    is free (HANDSHAKE_S, 2 s here), instead of failing."""
+    fault.describe("the control port's handshake slots are all held by silent connections")
+    monkeypatch.setattr(netio, "HANDSHAKE_S", 2.0)
+    monkeypatch.setattr(netio, "MAX_PENDING", 1)
+    t0 = time.monotonic()
+    with px.Gang(ranks=2, echo=False, start_timeout=60) as gang:
+        took = time.monotonic() - t0
+        assert gang.run(app_rank, timeout=60) == [0, 1]
+    assert silent_peer, "no silent connection was made"
+    fault.detected(0.0)
+    fault.outcome(f"the ranks connected again and the gang started in {took:.1f} s")
     fault.data_lost("none")
 
 

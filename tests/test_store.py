@@ -457,11 +457,15 @@ def test_purge_of_retired_follows_no_path_out_of_the_root_or_of_another_user(tmp
     if os.geteuid() == 0:
         assert f"{theirs} is owned by an unknown user (uid 4242), not by you" in said[str(trash / "0-theirs")]
         assert f"{trash / '0-notmine'} is owned by an unknown user (uid 4242)" in said[str(trash / "0-notmine")]
-    # a location in the metadata is no more trusted: store rm --all refuses, naming it
+    # a location in the metadata is no more trusted: store rm --all removes the rest, then
+    # refuses naming it (and the session directory, which holds someone else's)
+    current = store.info("d").location
     store.meta.seal(replace(store.info("d"), name="e", location=str(outside / "direct")), False)
-    with pytest.raises(UnsafePathError, match=f"refusing to remove {outside / 'direct'}: it is not inside"):
+    with pytest.raises(UnsafePathError, match=f"refusing to remove {outside / 'direct'}: it is not inside") as info:
         store.delete_session()
-    assert (outside / "direct" / "keep").exists()
+    assert f"refusing to remove {root / 's'}: {theirs} is owned by" in str(info.value) or os.geteuid() != 0
+    assert (outside / "direct" / "keep").exists() and (theirs / "keep").exists()
+    assert store.list() == [] and not Path(current).exists()
 
 
 def test_a_retired_directory_that_is_not_one_fails_delete_naming_it(tmp_path):

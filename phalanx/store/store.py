@@ -20,7 +20,7 @@ import re
 import stat
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace as _replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -579,16 +579,34 @@ class Store:
     def delete_session(self) -> int:
         """Remove every dataset of this session (metadata and payload); returns how many."""
         names = self.list()
+        refused: builtins.list[str] = []
         for name in names:
             old = self.meta.delete(self.session, name)
             if old is not None:  # an explicit wipe: no grace period
-                self._remove_payload(old.location)
+                self._refusing(refused, self._remove_payload, old.location)
         # The session's directory goes only when no dataset was sealed meanwhile.
         if not self.meta.list(self.session):
-            self.tier.remove_session(self.session)
-            if self.spill_tier is not None:
-                self.spill_tier.remove_session(self.session)
+            for tier in (self.tier, self.spill_tier):
+                if tier is not None:
+                    self._refusing(refused, tier.remove_session, self.session)
+        self._refused(refused)
         return len(names)
+
+    @staticmethod
+    def _refusing(refused: builtins.list[str], remove: Callable[[str], None], what: str) -> None:
+        """``remove(what)``; a refusal (``UnsafePathError``) is added to ``refused``."""
+        try:
+            remove(what)
+        except UnsafePathError as exc:
+            refused.append(str(exc))
+
+    def _refused(self, refused: builtins.list[str]) -> None:
+        """Raise the refusals of a removal that went on with everything else."""
+        if refused:
+            raise UnsafePathError(
+                f"{self._where()}: removed all else, but {'; '.join(refused)}. If you did not put "
+                "it there, someone who can write in the store root did: check it before removing it by hand"
+            )
 
     def abort_staging(self, owner: str) -> int:
         """Remove unsealed writes of ``owner`` (a gang id) in every session: a failed put.
@@ -616,8 +634,10 @@ class Store:
         """Remove this session's unsealed writes (see ``unsealed``) and return them; a put
         still in progress in the session then fails, so use it on sessions no run writes."""
         gone = self.unsealed(self.session)
+        refused: builtins.list[str] = []
         for u in gone:
-            self._remove_payload(u.location)
+            self._refusing(refused, self._remove_payload, u.location)
+        self._refused(refused)
         return gone
 
     def _staged(self, owner: str) -> Iterator[tuple[Tier, Staged]]:

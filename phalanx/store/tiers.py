@@ -330,7 +330,8 @@ def remove_under(root: Path, location: str) -> None:
     able to name anything else: the path is checked inside ``root`` without following ``..``,
     then walked from ``root`` one directory at a time without following a symbolic link
     (``O_NOFOLLOW``), each directory checked to be this user's (so nobody else can swap a
-    name in it before the removal, which itself follows no link: ``_rmtree_at``).  Raises
+    name in it before the removal, which itself follows no link and enters no directory of
+    someone else's: ``_rmtree_at``).  Raises
     ``UnsafePathError`` naming the location and why."""
     where = Path(location)
     names = where.relative_to(root).parts if where.is_absolute() and where.is_relative_to(root) else ()
@@ -351,7 +352,7 @@ def remove_under(root: Path, location: str) -> None:
                 raise UnsafePathError(f"{here} is not a directory")
             check_mine(here, st)
             if i == len(names) - 1:
-                _rmtree_at(fd, name)
+                _rmtree_at(fd, name, here)
                 return
             try:
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
@@ -371,21 +372,23 @@ def remove_under(root: Path, location: str) -> None:
         os.close(fd)
 
 
-def _rmtree_at(parent: int, name: str) -> None:
-    """``rm -r`` of ``name`` in the directory open as ``parent``, following no link (what
-    ``shutil.rmtree(name, dir_fd=parent)`` does from Python 3.11); an entry removed
+def _rmtree_at(parent: int, name: str, path: Path) -> None:
+    """``rm -r`` of ``name`` (``path``) in the directory open as ``parent``, following no link
+    (as ``shutil.rmtree(name, dir_fd=parent)`` does from Python 3.11) and entering only
+    directories of this user's (``UnsafePathError`` naming one that is not); an entry removed
     meanwhile is skipped."""
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     except FileNotFoundError:
         return
     try:
+        check_mine(path, os.fstat(fd))
         with os.scandir(fd) as entries:
             inside = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
         for sub, is_dir in inside:
             try:
                 if is_dir:
-                    _rmtree_at(fd, sub)
+                    _rmtree_at(fd, sub, path / sub)
                 else:
                     os.unlink(sub, dir_fd=fd)
             except FileNotFoundError:

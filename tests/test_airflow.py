@@ -40,8 +40,10 @@ ETL_CONF = {"rows": 20_000, "epochs": 1}
 
 # ---- the session's Airflow ---------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def af():
-    """A migrated Airflow home (SQLite) for the session; this process is configured for it."""
+def af(request):
+    """A migrated Airflow home (SQLite) for the session; this process is configured for it.  When
+    a collected test uses ``deployed``, the deployed Airflow starts now, on a copy of the freshly
+    migrated database, and comes up while the other tests run."""
     if "airflow" in sys.modules and not os.environ.get("AIRFLOW_HOME", "").startswith(tempfile.gettempdir()):
         pytest.fail("airflow was imported before the test's AIRFLOW_HOME was set")
     home = Path(tempfile.mkdtemp(prefix="phalanx-airflow-"))
@@ -66,10 +68,27 @@ def af():
         env={**os.environ, "PYTHONPATH": str(TESTS)},
     )
     assert r.returncode == 0, f"airflow db migrate failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    migrated = home / "migrated"  # a copy before any test writes to it: the deployed Airflow's database
+    migrated.mkdir()
+    for name in ("airflow.db", "airflow.cfg"):
+        if (home / name).exists():
+            shutil.copy(home / name, migrated / name)
     sys.path.insert(0, str(dags))
+    deployment = None
     try:
-        yield SimpleNamespace(home=home, dags=dags, state=Path(env["PHALANX_STATE"]), modules={})
+        if any("deployed" in getattr(item, "fixturenames", ()) for item in request.session.items):
+            deployment = _deploy(home, migrated / "airflow.db")
+        yield SimpleNamespace(
+            home=home,
+            dags=dags,
+            state=Path(env["PHALANX_STATE"]),
+            modules={},
+            migrated=migrated / "airflow.db",
+            deployment=deployment,
+        )
     finally:
+        if deployment is not None:
+            deployment.stop()
         sys.path.remove(str(dags))
         for k, v in saved.items():
             if v is None:
@@ -534,3 +553,208 @@ def test_airflow_dags_test_cli(af):
     assert "[rank 0] numbers: " in out
     run_id = out.split("phalanx run ")[1].split()[0]
     assert rundb().run(run_id)["state"] == "succeeded"
+
+
+# ---- the provider's pieces for kills, re-attaching and the report link ------------------------------
+def test_reattach_message_names_the_run(af):
+    from phalanx.integrations.airflow.operators import announcement
+
+    how = "deferred to the triggerer: no worker slot is held"
+    line = announcement("20250101-000000-abcdef", "/state", None, True, how)
+    assert line.startswith(
+        "phalanx run 20250101-000000-abcdef is still running (started by an earlier try): re-attached to it; "
+        "deferred to the triggerer: no worker slot is held.  See: phalanx status 20250101-000000-abcdef"
+    ), line
+    assert "still running," not in line
+    assert announcement("R", "/s", None, False, how).startswith("phalanx run R started; deferred")
+    assert announcement("R", "/s", "R", False, how).startswith("phalanx run R resumed (stages whose outputs")
+
+
+def test_report_link_is_never_a_file_url(af, monkeypatch):
+    from phalanx.integrations.airflow import PhalanxRunLink
+
+    op = SimpleNamespace(_report="/somewhere/state/reports/20250101-000000-abcdef.html")
+    monkeypatch.delenv("AIRFLOW__PHALANX__REPORT_BASE_URL", raising=False)
+    assert PhalanxRunLink().get_link(op, ti_key=None) == ""  # not file:///...: no browser follows it from http
+    monkeypatch.setenv("AIRFLOW__PHALANX__REPORT_BASE_URL", "https://reports.example/phalanx/")
+    assert PhalanxRunLink().get_link(op, ti_key=None) == "https://reports.example/phalanx/20250101-000000-abcdef.html"
+    monkeypatch.setenv("AIRFLOW__PHALANX__REPORT_BASE_URL", "file:///somewhere/state/reports")
+    assert PhalanxRunLink().get_link(op, ti_key=None) == ""
+    assert PhalanxRunLink().get_link(SimpleNamespace(), ti_key=None) == ""
+
+
+def test_run_owner_a_kill_of_an_older_try_leaves_a_newer_tries_run(af, monkeypatch):
+    from phalanx.integrations.airflow import _runs
+
+    db = rundb()
+    run_id, _ = db.new_run("owner-test", "<python>", "local", None, {"s": 1})
+    cancelled = []
+    monkeypatch.setattr(_runs, "cancel_run", lambda rid, state, wait=30.0: cancelled.append(rid) or "cancelled")
+    owner = _runs.RunOwner(db.state_dir, run_id)
+    assert owner.claim(1, {"try_number": 1})
+    assert owner.claim(2, {"try_number": 2})  # the cleared task's next try re-attached
+    assert owner.cancel(1, str(db.state_dir)) == ("running", 2)  # try 1's kill: not its run any more
+    assert cancelled == []
+    assert owner.cancel(2, str(db.state_dir)) == ("cancelled", None)  # the owner's own kill cancels
+    assert cancelled == [run_id]
+    assert owner.read() == {"try": 2, "task": {"try_number": 2}, "cancelling": False}
+    assert owner.cancel(None, str(db.state_dir))[1] is None  # an older trigger (no try known): as before
+
+
+def test_run_owner_a_newer_try_waits_while_an_older_kill_cancels(af, monkeypatch):
+    from phalanx.integrations.airflow import _runs
+
+    db = rundb()
+    run_id, _ = db.new_run("owner-test", "<python>", "local", None, {"s": 1})
+    owner = _runs.RunOwner(db.state_dir, run_id)
+    owner.claim(1)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow_cancel(rid, state, wait=30.0):
+        inside.set()
+        assert release.wait(20)
+        return "cancelled"
+
+    monkeypatch.setattr(_runs, "cancel_run", slow_cancel)
+    killer = threading.Thread(target=owner.cancel, args=(1, str(db.state_dir)))
+    killer.start()
+    assert inside.wait(20)
+    assert not owner.claim(2)  # try 1's kill is cancelling: try 2 waits for the run to end, then resumes
+    release.set()
+    killer.join(20)
+    assert owner.claim(2)
+
+
+def test_trigger_kill_is_told_in_the_log_of_its_try(af, monkeypatch, tmp_path):
+    from phalanx.integrations.airflow.triggers import attempt_log, tell_task_log
+
+    monkeypatch.setenv("AIRFLOW__LOGGING__BASE_LOG_FOLDER", str(tmp_path))
+    task = {"dag_id": "d", "run_id": "manual__x", "task_id": "t", "map_index": -1, "try_number": 3}
+    assert attempt_log(task) is None and not tell_task_log(task, "nothing here")  # never creates a file
+    log = tmp_path / "dag_id=d" / "run_id=manual__x" / "task_id=t" / "attempt=3.log"
+    log.parent.mkdir(parents=True)
+    log.write_text('{"event": "Pausing task as DEFERRED. "}\n')
+    assert attempt_log(task) == log
+    assert tell_task_log(task, "phalanx run R cancelled: the task was stopped while deferred")
+    last = json.loads(log.read_text().splitlines()[-1])
+    assert last["event"] == "phalanx run R cancelled: the task was stopped while deferred"
+    assert last["level"] == "warning" and last["timestamp"].endswith("Z")
+    assert attempt_log({**task, "map_index": 2}) is None  # a mapped instance's file is elsewhere
+
+
+# ---- Airflow deployed as users run it: scheduler, dag-processor, triggerer, api-server ----------------
+def _deploy(home: Path, migrated_db: Path):
+    """Airflow deployed under ``home/deployed`` (its processes started), one DAG in its folder."""
+    from infra.airflow_deploy import deploy
+
+    base = home / "deployed"
+    dags = base / "dags"
+    dags.mkdir(parents=True)
+    (dags / "phalanx_deployed_dags.py").symlink_to(TESTS / "airflow_dags" / "phalanx_deployed_dags.py")
+    env = {**os.environ, "PHALANX_STATE": str(base / "phalanx-state"), "PYTHONPATH": str(TESTS)}
+    return deploy(base / "home", dags, migrated_db, env)
+
+
+@pytest.fixture(scope="session")
+def deployed(af):
+    """Airflow started as a user starts it (tests/infra/airflow_deploy.py: LocalExecutor, SQLite,
+    everything on 127.0.0.1, ended by PID at teardown) with one DAG, ``px_deployed``, whose task
+    defers while its rank waits for a file.  Two DAG runs are started at once and awaited until
+    both tasks are DEFERRED: ``clear`` and ``fail``, each ``[dag run id, its directory, the
+    phalanx run id]``."""
+    d = af.deployment or _deploy(af.home, af.migrated)
+    base = d.home.parent
+    try:
+        d.wait_up()
+        d.wait_dag("px_deployed")
+        runs = {}
+        for name in ("clear", "fail"):
+            folder = base / name
+            folder.mkdir()
+            runs[name] = [d.trigger("px_deployed", {"dir": str(folder)}), folder]
+        for name, (run, _) in runs.items():
+            d.wait_ti("px_deployed", run, "gated", {"deferred"}, 1, timeout=180)
+            first = d.log("px_deployed", run, "gated", 1)
+            runs[name].append(first.split("phalanx run ")[1].split()[0])
+            assert f"phalanx run {runs[name][2]} started" in first, first
+        yield SimpleNamespace(d=d, state=base / "phalanx-state", runs=runs)
+    finally:
+        d.stop()
+
+
+def _deployed_run(deployed, run_id: str) -> dict:
+    from phalanx.orchestrator.rundb import RunDB
+
+    return RunDB(deployed.state).run(run_id) or {}
+
+
+def test_deployed_clearing_a_deferred_task_resumes_its_run_in_the_next_try(deployed):
+    """Item 1 of issue 22: the task cleared while deferred; the scheduler starts try 2 (which
+    re-attaches to the run still going) and the triggerer runs try 1's on_kill, in either order.
+    try 1's kill must not cancel the run try 2 owns: try 2 succeeds, on the same phalanx run."""
+    from infra.airflow_deploy import wait_for
+
+    d, (dag_run, folder, run_id) = deployed.d, deployed.runs["clear"]
+    d.clear("px_deployed", dag_run, "gated")
+    d.wait_ti("px_deployed", dag_run, "gated", {"deferred"}, 2, timeout=120)  # try 2 took the run over
+
+    def try1_killed():  # the triggerer ran try 1's on_kill, and said what it did in try 1's log
+        first = d.log("px_deployed", dag_run, "gated", 1)
+        said = f"phalanx run {run_id} was not cancelled: try 2 of this task owns it now" in first
+        cancelled_first = f"phalanx run {run_id} cancelled: the task was stopped while deferred" in first
+        if not said and not cancelled_first and _deployed_run(deployed, run_id).get("state") == "cancelled":
+            second = d.log("px_deployed", dag_run, "gated", 2)
+            raise AssertionError(f"try 1's kill cancelled the run try 2 owns:\n{first}\n---\n{second}")
+        return ("kept" if said else "cancelled") if (said or cancelled_first) else None
+
+    story = wait_for("try 1's on_kill", try1_killed, 90, 0.5)
+    (folder / "go").write_text("go")  # the rank may finish now
+    ti = d.wait_ti("px_deployed", dag_run, "gated", {"success"}, 2, timeout=120)
+    assert ti["try_number"] == 2
+    second = d.log("px_deployed", dag_run, "gated", 2)
+    if story == "kept":  # try 2 re-attached before the kill (what users hit): the message names the run
+        assert f"phalanx run {run_id} is still running (started by an earlier try): re-attached to it; " in second
+    else:  # the kill came first: try 2 resumed the cancelled run
+        assert f"phalanx run {run_id} resumed" in second, second
+    assert f"phalanx run {run_id} succeeded" in second
+    assert _deployed_run(deployed, run_id)["state"] == "succeeded"
+    # item 3: the report is named with its host in the log, and the extra link is no file:// URL
+    assert f"phalanx report of run {run_id}: {deployed.state}/reports/" in second
+    import socket
+
+    assert f"on host {socket.gethostname()}" in second
+    links = d.api("GET", f"dags/px_deployed/dagRuns/{_quote(dag_run)}/taskInstances/gated/links")
+    assert "file:" not in json.dumps(links), links
+
+
+def test_deployed_marking_a_deferred_task_failed_says_so_in_its_log(deployed):
+    """Item 4 of issue 22: marked failed while deferred, the run is cancelled (no rank left) and
+    the try's own log — the one the UI shows — says so, not only the trigger's."""
+    from infra.airflow_deploy import wait_for
+
+    d, (dag_run, folder, run_id) = deployed.d, deployed.runs["fail"]
+    pids = [int(p.read_text()) for p in folder.glob("pid.*") if p.read_text().strip()]
+    d.mark("px_deployed", dag_run, "gated", "failed")
+    wait_for("the run cancelled", lambda: _deployed_run(deployed, run_id).get("state") == "cancelled", 60, 0.3)
+    message = f"phalanx run {run_id} cancelled: the task was stopped while deferred"
+    log = wait_for(
+        "the cancellation in the try's log",
+        lambda: _containing(d.log("px_deployed", dag_run, "gated", 1), message),
+        30,
+        0.5,
+        lambda: "\n" + d.log("px_deployed", dag_run, "gated", 1),
+    )
+    assert log.index("Pausing task as DEFERRED") < log.index(message)
+    assert "every gang stopped and no rank process is left" in log
+    assert d.ti("px_deployed", dag_run, "gated")["state"] == "failed"
+    assert pids and not [p for p in pids if alive(p)]
+
+
+def _containing(text: str, part: str) -> str | None:
+    return text if part in text else None
+
+
+def _quote(text: str) -> str:
+    import urllib.parse
+
+    return urllib.parse.quote(text, safe="")

@@ -16,8 +16,10 @@ import json
 import os
 import re
 import sys
+import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,104 @@ def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resum
     except detached.DriverStartError as exc:
         spec.unlink(missing_ok=True)
         raise SubmitError(str(exc)) from None
+
+
+# ---- which try of a task owns a run ------------------------------------------------------------------
+class RunOwner:
+    """Which try of an Airflow task owns phalanx run ``run_id`` now, so that a kill of an older
+    try never cancels a run a newer try took over.
+
+    Clearing a deferred task starts try N+1 before the triggerer runs try N's ``on_kill``; try
+    N+1 finds the run still going and re-attaches to it.  Each try ``claim``s the run before it
+    starts, resumes or attaches to it; a kill ``cancel``s only a run its own try (or an older
+    one) owns.  Both happen under an exclusive lock, so either the kill comes first (the claim
+    then waits for the cancel to finish and the new try resumes the run) or the claim does (the
+    kill then leaves the run to the new try).  The record is a small file of the phalanx state
+    directory, ``STATE/airflow/owners/RUN.json`` (``{"try", "task", "cancelling"}``), which the
+    trigger finds from the run id alone, whatever keeps the task's run id.
+    """
+
+    def __init__(self, state_dir: str | Path, run_id: str):
+        self.folder = Path(state_dir) / "airflow" / "owners"
+        self.run_id = run_id
+        self.path = self.folder / f"{run_id}.json"
+
+    @contextmanager
+    def _locked(self) -> Iterator[dict[str, Any]]:
+        import fcntl
+
+        from ...private import create_private, private_dir
+
+        private_dir(
+            self.folder, "which Airflow try owns each phalanx run", "set PHALANX_STATE to a directory of your own"
+        )
+        lock = self.folder / f"{self.run_id}.lock"
+        create_private(lock)
+        with open(lock, "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                record: dict[str, Any] = {}
+                try:
+                    record = json.loads(self.path.read_text())
+                except (OSError, ValueError):
+                    pass
+                yield record
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        from ...private import create_private
+
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        create_private(tmp, truncate=True).write_text(json.dumps(record))
+        os.replace(tmp, self.path)
+
+    def read(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def claim(self, try_number: int | None, task: Any = None, force: bool = False) -> bool:
+        """Make try ``try_number`` the run's owner; False (nothing changed) while an older
+        try's kill is cancelling the run: wait for the run to end, then resume it (``force``:
+        claim it anyway, e.g. once the run ended, or a killer died mid-way)."""
+        with self._locked() as record:
+            if not force and record.get("cancelling") and _older(record.get("try"), try_number):
+                return False
+            self._write({"try": try_number, "task": task, "cancelling": False})
+            return True
+
+    def cancel(self, try_number: int | None, state: str | Path | None, wait: float = 30.0) -> tuple[str, int | None]:
+        """Cancel the run for a kill of try ``try_number`` unless a newer try owns it:
+        (the run's state after, None) or (its state, the newer owner's try) untouched."""
+        with self._locked() as record:
+            owner = record.get("try")
+            if try_number is not None and owner is not None and _older(try_number, owner):
+                run = RunDB(state).run(self.run_id)
+                return (run["state"] if run else "unknown"), int(owner)
+            self._write({**record, "try": try_number if owner is None else owner, "cancelling": True})
+        try:
+            return cancel_run(self.run_id, state, wait), None
+        finally:
+            with self._locked() as record:
+                if record.get("cancelling"):
+                    self._write({**record, "cancelling": False})
+
+
+def _older(a: Any, b: Any) -> bool:
+    """Try ``a`` came before try ``b`` (an unknown try is nobody's elder)."""
+    return a is not None and b is not None and int(a) < int(b)
+
+
+def wait_ended(db: RunDB, run_id: str, timeout: float, interval: float = 0.2) -> str:
+    """The run's state once it has ended (a dead driver's reads "lost"), or as it is after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        run = db.run(run_id)
+        if run is None or run["state"] in FINAL or time.monotonic() > deadline:
+            return run["state"] if run else "unknown"
+        time.sleep(interval)
 
 
 # ---- stopping a run from another process ---------------------------------------------------------

@@ -21,6 +21,7 @@ its inputs from upstream tasks' manifests.  Both:
 from __future__ import annotations
 
 import re
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,14 +57,59 @@ def default_deferrable() -> bool:
     return conf.getboolean("operators", "default_deferrable", fallback=False)
 
 
+def report_url(report: str | Path | None) -> str:
+    """An http(s) address of a run's HTML report, or "" where nothing serves it: a browser does
+    not follow a ``file://`` link from the Airflow UI, and the file exists on one host only.
+    ``[phalanx] report_base_url`` (``AIRFLOW__PHALANX__REPORT_BASE_URL``): where a web server
+    serves ``$PHALANX_STATE/reports/``; the link is that URL plus the report's file name."""
+    if not report:
+        return ""
+    try:
+        from airflow.sdk import conf
+    except ImportError:  # pragma: no cover
+        from airflow.configuration import conf  # type: ignore[assignment]  # core's parser where the SDK has none (Airflow 3.0): the same get
+    base = (conf.get("phalanx", "report_base_url", fallback="") or "").strip()
+    if not base.lower().startswith(("http://", "https://")):
+        return ""
+    return f"{base.rstrip('/')}/{Path(report).name}"
+
+
 class PhalanxRunLink(BaseOperatorLink):
-    """The run's HTML report (``phalanx report RUN``: timeline of stages and ranks, rows, bytes)."""
+    """The run's HTML report (``phalanx report RUN``: timeline of stages and ranks, rows, bytes),
+    where ``[phalanx] report_base_url`` serves it over http; no link otherwise (the task log
+    says where the file is: path and host)."""
 
     name = "phalanx report"
 
     def get_link(self, operator: BaseOperator, *, ti_key: Any) -> str:
-        report = getattr(operator, "_report", None)
-        return Path(report).as_uri() if report else ""
+        return report_url(getattr(operator, "_report", None))
+
+
+def announcement(run_id: str, state_dir: Any, resume: str | None, attach: bool, how: str) -> str:
+    """The task log's line saying which phalanx run this try drives and how."""
+    if attach:
+        what = f"phalanx run {run_id} is still running (started by an earlier try): re-attached to it"
+    elif resume:
+        what = f"phalanx run {run_id} resumed (stages whose outputs are sealed are reused)"
+    else:
+        what = f"phalanx run {run_id} started"
+    return (
+        f"{what}; {how}.  See: phalanx status {run_id} · phalanx logs {run_id} · "
+        f"phalanx report {run_id} (state {state_dir})"
+    )
+
+
+def _task_of(context: Any) -> dict[str, Any]:
+    """This try of the task: ``{"dag_id", "run_id", "task_id", "map_index", "try_number"}``."""
+    ti = context["ti"]
+    number = getattr(ti, "try_number", None)
+    return {
+        "dag_id": ti.dag_id,
+        "run_id": ti.run_id,
+        "task_id": ti.task_id,
+        "map_index": getattr(ti, "map_index", -1),
+        "try_number": int(number) if number is not None else None,
+    }
 
 
 @dataclass
@@ -115,6 +161,7 @@ class _PhalanxRunOperator(BaseOperator):
         self._handle = None
         self._run_id: str | None = None
         self._report: str | None = None
+        self._task: dict[str, Any] = {}
 
     # ---- what to run (the subclasses) --------------------------------------------------------
     def _prepare(self, context: Any) -> _Launch:
@@ -133,10 +180,13 @@ class _PhalanxRunOperator(BaseOperator):
         launch = self._checked(context)
         db = RunDB(self.state)
         keep = _runs.TaskRunId(context, db)
+        self._task = _task_of(context)
         prior = keep.get()
         run = db.run(prior) if prior else None  # a dead driver's run reads "lost" here
         if prior and run is None:
             self.log.warning("phalanx run %s of an earlier try is not in %s: starting a new run", prior, db.path)
+        if prior and run is not None:  # this try owns the run from now: an older try's kill leaves it be
+            run = self._claim(db, prior)
         # the run of an earlier try whose detached driver still drives it
         attach_to = prior if run is not None and run["state"] not in FINAL else None
         attach = attach_to is not None
@@ -145,6 +195,8 @@ class _PhalanxRunOperator(BaseOperator):
         if self.deferrable:
             run_id = attach_to if attach_to is not None else self._submit(launch, db, resume)
             keep.set(run_id)
+            if run_id != prior:
+                _runs.RunOwner(db.state_dir, run_id).claim(self._task.get("try_number"), self._task)
             self._announce(db, run_id, resume, attach, "deferred to the triggerer: no worker slot is held")
             end_time, timeout = None, None
             if self.execution_timeout is not None:
@@ -158,6 +210,7 @@ class _PhalanxRunOperator(BaseOperator):
                     end_time=end_time,
                     cancel_on_kill=self.cancel_on_kill,
                     since=since,
+                    attempt=self._task,
                 ),
                 method_name="execute_complete",
                 timeout=timeout,
@@ -166,6 +219,8 @@ class _PhalanxRunOperator(BaseOperator):
         if attach or not self.cancel_on_kill:  # a driver of its own, which a killed task leaves running
             run_id = attach_to if attach_to is not None else self._submit(launch, db, resume)
             keep.set(run_id)
+            if run_id != prior:
+                _runs.RunOwner(db.state_dir, run_id).claim(self._task.get("try_number"), self._task)
             self._run_id = run_id
             self._announce(db, run_id, resume, attach, "detached driver (cancel_on_kill=False)")
             logs = _runs.RankLogs(db, run_id, since)
@@ -178,6 +233,8 @@ class _PhalanxRunOperator(BaseOperator):
                 raise AirflowException(f"phalanx: the run did not start: {exc}") from exc
             self._handle, self._run_id = handle, handle.run_id
             keep.set(handle.run_id)
+            if handle.run_id != prior:
+                _runs.RunOwner(db.state_dir, handle.run_id).claim(self._task.get("try_number"), self._task)
             self._announce(db, handle.run_id, resume, False, "driven by this task")
             logs = _runs.RankLogs(db, handle.run_id, since)
             while not handle.wait(logs_every):
@@ -225,10 +282,11 @@ class _PhalanxRunOperator(BaseOperator):
         """Airflow failing the deferred task itself (its deferral timed out — a triggerer that
         was down — or the trigger crashed): cancel the run before the task fails."""
         if next_method == "__fail__" and self.cancel_on_kill:
-            run_id = _runs.TaskRunId(context, RunDB(self.state)).get()
+            db = RunDB(self.state)
+            run_id = _runs.TaskRunId(context, db).get()
             if run_id:
-                self._run_id = run_id
-                self.log.error("phalanx run %s: cancelled (%s)", run_id, _runs.cancel_run(run_id, self.state))
+                self._run_id, self._task = run_id, _task_of(context)
+                self._cancel_owned(db.state_dir, run_id, error=True)
         return super().resume_execution(next_method, next_kwargs, context)
 
     def on_kill(self) -> None:
@@ -242,9 +300,33 @@ class _PhalanxRunOperator(BaseOperator):
                 "phalanx run %s: %s", self._handle.run_id, "every rank stopped" if stopped else "ranks still stopping"
             )
         elif self._run_id:
-            self.log.info("phalanx run %s: %s", self._run_id, _runs.cancel_run(self._run_id, self.state))
+            self._cancel_owned(RunDB(self.state).state_dir, self._run_id)
 
     # ---- helpers ---------------------------------------------------------------------------
+    def _claim(self, db: RunDB, run_id: str) -> dict[str, Any] | None:
+        """Make this try the owner of the run of an earlier try (before it attaches to or resumes
+        it); while an older try's kill is cancelling it, wait for that first.  The run as it is
+        after."""
+        owner = _runs.RunOwner(db.state_dir, run_id)
+        try_number = self._task.get("try_number")
+        if not owner.claim(try_number, self._task):
+            self.log.info(
+                "phalanx run %s: an earlier try of this task is being stopped and is cancelling the run; "
+                "waiting for that, then resuming the run",
+                run_id,
+            )
+            _runs.wait_ended(db, run_id, timeout=90.0)
+            owner.claim(try_number, self._task, force=True)
+        return db.run(run_id)
+
+    def _cancel_owned(self, state_dir: Path, run_id: str, error: bool = False) -> None:
+        """Cancel the run this try drives, unless a newer try of the task owns it now."""
+        state, newer = _runs.RunOwner(state_dir, run_id).cancel(self._task.get("try_number"), self.state)
+        if newer is not None:
+            self.log.info("phalanx run %s was not cancelled: try %s of this task owns it now", run_id, newer)
+        else:
+            (self.log.error if error else self.log.info)("phalanx run %s: cancelled (%s)", run_id, state)
+
     def _submit(self, launch: _Launch, db: RunDB, resume: str | None) -> str:
         try:
             return launch.detach(db, resume)
@@ -252,23 +334,7 @@ class _PhalanxRunOperator(BaseOperator):
             raise AirflowException(str(exc)) from None
 
     def _announce(self, db: RunDB, run_id: str, resume: str | None, attach: bool, how: str) -> None:
-        verb = (
-            "re-attached to the still running"
-            if attach
-            else "resumed (stages whose outputs are sealed are reused)"
-            if resume
-            else "started"
-        )
-        self.log.info(
-            "phalanx run %s %s, %s.  See: phalanx status %s · phalanx logs %s · phalanx report %s (state %s)",
-            run_id,
-            verb,
-            how,
-            run_id,
-            run_id,
-            run_id,
-            db.state_dir,
-        )
+        self.log.info("%s", announcement(run_id, db.state_dir, resume, attach, how))
 
     def _on_event(self, stage: str, kind: str, message: str) -> None:
         if stage:
@@ -283,7 +349,17 @@ class _PhalanxRunOperator(BaseOperator):
 
         try:
             self._report = str(write_report(db, run_id))
-            self.log.info("phalanx report of run %s: %s", run_id, self._report)
+            url = report_url(self._report)
+            self.log.info(
+                "phalanx report of run %s: %s on host %s%s",
+                run_id,
+                self._report,
+                socket.gethostname(),
+                f" (the task's 'phalanx report' link: {url})"
+                if url
+                else " (an HTML file there: open it on that host or copy it; set [phalanx] report_base_url "
+                "to link it from the task)",
+            )
         except Exception as exc:  # a report is a convenience: never the task's failure
             self.log.warning("phalanx report of run %s not written: %s", run_id, exc)
 

@@ -181,6 +181,25 @@ class TestHighThroughputExecutor:
         fail = bsp_app(ranks=2)(parsl_apps.fail_on_rank)
         _assert_failed(fail(1, str(tmp_path)), tmp_path)
 
+    def test_an_app_sent_by_value_shows_its_file_line_and_source_in_the_traceback(self, dfk_for, tmp_path):
+        """An app of a script or notebook goes to the ranks by value: its traceback still names
+        its file and line and shows the line (cloudpickle alone names it <dynamic-code>)."""
+        import cloudpickle
+
+        from phalanx.integrations.parsl import bsp_app
+
+        cloudpickle.register_pickle_by_value(parsl_apps)  # as if defined in the user's script
+        try:
+            fail = bsp_app(ranks=2)(parsl_apps.fail_on_rank)
+            exc = fail(1, str(tmp_path)).exception(timeout=240)
+        finally:
+            cloudpickle.unregister_pickle_by_value(parsl_apps)
+        assert isinstance(exc, px.RankError), repr(exc)
+        tb = exc.failures[0].traceback
+        assert "<dynamic-code>" not in tb
+        assert f'File "{parsl_apps.__file__}", line 67, in fail_on_rank' in tb, tb
+        assert 'raise ValueError(f"boom on rank {env.rank}")' in tb, tb
+
     def test_workflow_as_parsl_app(self, dfk_for, tmp_path):
         from phalanx.integrations.parsl import WorkflowResult, bsp_app, output
 

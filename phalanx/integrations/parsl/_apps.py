@@ -459,11 +459,11 @@ class BSPApp:
         elif parsl_resource_specification:
             extra["parsl_resource_specification"] = parsl_resource_specification
         if self._fn_pickle is None:
-            import cloudpickle
+            from ...runtime.pickling import dumps
 
             # by value where the module's name is this app (the usual decorator): ranks need not
             # import the module that defines it, and globals it uses are the module's as of now
-            self._fn_pickle = cloudpickle.dumps(self.fn, protocol=5)
+            self._fn_pickle = dumps(self.fn)  # keeping the app's file, lines and source for tracebacks
         task = BSPTask(
             self._fn_pickle,
             self.name,

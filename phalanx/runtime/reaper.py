@@ -7,8 +7,8 @@ so the rank's descendants are all it ever started.  At the end of each app the r
 (``end_descendants``), and the launcher that stops a rank kills the tree it saw under it
 (``tree`` before, ``kill_tree`` after), for a rank killed in the middle of an app.
 
-Processes are named by pid and start time (``/proc/<pid>/stat`` field 22), so a pid that was
-reused meanwhile is left alone.  On other systems (no /proc, no subreaper) it all does nothing.
+Processes are named by pid and start time and signalled through ``procs.signal_same_process``,
+so a pid that was reused meanwhile is left alone.  On other systems (no /proc, no subreaper) it all does nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Iterable, Mapping
 
-from ..procs import descendants
+from ..procs import boot_id, descendants, pid_alive, signal_same_process, start_time
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -36,36 +36,25 @@ def become_subreaper() -> bool:
         return False
 
 
-def _stat(pid: int) -> tuple[str, int] | None:
-    """(state, start time in clock ticks since boot) of ``pid``; None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], int(fields[19])
-
-
 def tree(pid: int) -> dict[int, int]:
     """The descendants of ``pid``: pid → start time."""
     out = {}
     for child in descendants(pid):
-        stat = _stat(child)
-        if stat is not None:
-            out[child] = stat[1]
+        started = start_time(child)
+        if started is not None:
+            out[child] = started
     return out
 
 
 def kill_tree(procs: Mapping[int, int], sig: int = signal.SIGKILL) -> None:
     """``sig`` to each process of ``procs`` (pid → start time, from ``tree``) that still runs
     and is still the process that was seen (not a reused pid)."""
+    boot = boot_id()
     for pid, started in procs.items():
-        stat = _stat(pid)
-        if stat is not None and stat[1] == started and stat[0] != "Z":
-            try:
-                os.kill(pid, sig)
-            except OSError:
-                pass
+        try:
+            signal_same_process(pid, started, boot, sig)
+        except PermissionError:  # not ours to signal (a setuid program)
+            pass
 
 
 def keep_alive() -> set[int]:
@@ -87,29 +76,28 @@ def end_descendants(keep: Iterable[int] = (), within_s: float = 5.0) -> list[int
     were this process's children.  Returns the pids it killed."""
     me = os.getpid()
     spare = set(keep) | keep_alive()
-    killed: dict[int, int] = {}
+    boot = boot_id()
+    killed: set[int] = set()
     deadline = time.monotonic() + within_s
     while True:
         running = False
         for pid, started in tree(me).items():
             if pid in spare:
                 continue
-            stat = _stat(pid)
-            if stat is None or stat[1] != started:
-                continue
-            if stat[0] == "Z":  # dead: reap it if it is ours (adopted orphans are)
+            if not pid_alive(pid):  # dead: reap it if it is ours (adopted orphans are)
                 if pid in killed:
                     _reap(pid)
                 continue
-            running = True
             if pid not in killed:
-                killed[pid] = started
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except OSError:
-                    pass
+                    if signal_same_process(pid, started, boot, signal.SIGKILL):
+                        killed.add(pid)
+                except PermissionError:  # not ours to kill (a setuid program): leave it be
+                    spare.add(pid)
+                    continue
+            running = True
         if not running or time.monotonic() > deadline:
-            return list(killed)
+            return sorted(killed)
         time.sleep(0.005)
 
 

@@ -50,12 +50,15 @@ def _slots(capacity: int | None) -> str:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .orchestrator.handle import RunHandle
     from .orchestrator.loading import load_workflow
-    from .orchestrator.rundb import RunDB, RunLockedError
+    from .orchestrator.rundb import RunDB
     from .orchestrator.yamlio import ConfigError
 
     db = RunDB(args.state)
+    if args.overrides_file:  # a detached driver: its --set items, kept off its command line
+        path = Path(args.overrides_file)
+        args.set = [*json.loads(path.read_text()), *args.set]
+        path.unlink(missing_ok=True)
     if args.resume:
         run = db.run(args.resume)
         if run is None:
@@ -72,8 +75,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     t0 = time.monotonic()
     progress = RunProgress(wf, live=None if not args.plain else False)
-    # `phalanx cancel` sends SIGTERM: stop the gangs as Ctrl-C does.
-    signal.signal(signal.SIGTERM, _interrupt)
+    # `phalanx cancel` sends SIGTERM: stop the gangs as Ctrl-C does.  The first SIGTERM or Ctrl-C
+    # cancels; those that come while the gangs stop change nothing (one message, exit 130).
+    before = {s: signal.signal(s, _interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        return _drive(args, db, wf, site, progress, t0)
+    finally:
+        if not _COMMAND:  # main(argv) from a program: its handlers back (a command is exiting)
+            for sig, handler in before.items():
+                signal.signal(sig, handler)
+
+
+def _drive(args: argparse.Namespace, db, wf, site, progress, t0: float) -> int:
+    from .orchestrator.handle import RunHandle
+    from .orchestrator.rundb import RunLockedError
+
     handle = None
     try:
         with progress:
@@ -87,6 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"phalanx run: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        _hold_signals()  # the first one may have been Python's own Ctrl-C (a program's main(argv))
         if handle is not None:
             handle.cancel()
         run_id = args.resume or (handle.run_id if handle else "") or progress.run_id or "?"
@@ -124,9 +141,20 @@ def _print_failures(db, run_id: str, failed: dict[str, str], skipped: list[str],
 # ---- detached runs: a driver of its own that outlives the terminal (orchestrator/detached.py) ----
 def _detach(args: argparse.Namespace, db) -> int:
     """Start the driver (``phalanx run`` of this file) detached; print the run id once the run is
-    in the run DB."""
-    from .orchestrator.detached import DriverStartError, start_driver
+    in the run DB.  The ``--set`` items go to the driver in a file only this user can read (which
+    it removes once read), not on its command line: ``ps`` would show them for the whole run."""
+    import uuid
 
+    from .orchestrator.detached import DriverInterrupted, DriverStartError, start_driver
+    from .private import create_private, private_dir
+
+    overrides = None
+    if args.set:
+        drivers = private_dir(
+            db.state_dir / "drivers", "the logs of detached drivers", "set PHALANX_STATE to a directory of your own"
+        )
+        overrides = create_private(drivers / f".overrides-{uuid.uuid4().hex}.json")  # 0600
+        overrides.write_text(json.dumps(args.set))
     argv = [
         sys.executable,
         "-m",
@@ -135,16 +163,37 @@ def _detach(args: argparse.Namespace, db) -> int:
         str(args.workflow),
         "--plain",
         f"--state={db.state_dir.resolve()}",
-        *(f"--set={s}" for s in args.set),
+        *([f"--overrides-file={overrides}"] if overrides else []),
         *([f"--site={args.site}"] if args.site else []),
         *([f"--resume={args.resume}"] if args.resume else []),
         "--run-id-fd",  # start_driver appends the pipe's descriptor
     ]
+    before = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM as Ctrl-C: the driver is stopped
     try:
         driver = start_driver(argv, db, resume=args.resume)
     except DriverStartError as exc:
         print(f"phalanx run: {exc}", file=sys.stderr)
         return 1
+    except DriverInterrupted as exc:  # Ctrl-C before the run id came: the driver was stopped
+        _hold_signals()
+        if exc.run_id:
+            run = db.run(exc.run_id)
+            print(
+                f"\ninterrupted: the detached driver was stopped; run {exc.run_id} is "
+                f"{run['state'] if run else 'gone'} (sealed outputs are kept; its log: {exc.log}).\n"
+                f"resume with: phalanx run {args.workflow} --resume {exc.run_id}",
+                file=sys.stderr,
+            )
+        else:
+            print(
+                "\ninterrupted: the detached driver was stopped before it started a run; nothing runs", file=sys.stderr
+            )
+        return 130
+    finally:
+        if not _COMMAND:
+            signal.signal(signal.SIGTERM, before)  # the driver removed it once read; not if it ended first
+        if overrides is not None:
+            overrides.unlink(missing_ok=True)
     run_id = driver.run_id
     print(run_id)
     print(
@@ -222,8 +271,26 @@ def _traceback_tail(error: str | None, lines: int = 6) -> str:
     )
 
 
+_COMMAND = False  # main() runs as the `phalanx` command (not main(argv) called by a program)
+
+
 def _interrupt(signum, frame):
+    """SIGTERM or Ctrl-C: KeyboardInterrupt once; the next ones are held (``_hold_signals``)."""
+    _hold_signals()
     raise KeyboardInterrupt
+
+
+def _hold_signals() -> None:
+    """From now on SIGINT and SIGTERM interrupt nothing: the cancel they asked for is under way.
+    The command ignores them (SIG_IGN: Python keeps it while it exits, where a handler of its
+    own would be reset to the default and a late SIGTERM would kill it); a program that called
+    main(argv) gets a handler that does nothing, replaced by its own afterwards."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN if _COMMAND else _ignore_signal)
+
+
+def _ignore_signal(signum, frame) -> None:
+    pass
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
@@ -488,6 +555,7 @@ def main(argv: list[str] | None = None) -> int:
         "output in STATE/drivers/RUN.log); prints the run id and returns",
     )
     r.add_argument("--run-id-fd", type=int, help=argparse.SUPPRESS)  # a detached driver's report
+    r.add_argument("--overrides-file", help=argparse.SUPPRESS)  # a detached driver's --set items (JSON)
     r.set_defaults(fn=cmd_run)
 
     w = sub.add_parser(
@@ -547,6 +615,8 @@ def main(argv: list[str] | None = None) -> int:
     sc.set_defaults(fn=cmd_schema)
 
     args = ap.parse_args(argv)
+    global _COMMAND
+    _COMMAND = argv is None
     # `phalanx status | head` ends quietly; not for a driver (run), which writes to rank sockets
     # that may have just closed: there a broken pipe is an error to handle, not death.
     # Only for the command itself: main(argv) called from a program (a test) must not change

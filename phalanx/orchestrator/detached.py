@@ -18,9 +18,11 @@ import os
 import select
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -34,8 +36,23 @@ if TYPE_CHECKING:
 DETACH_START_S = 300.0  # how long a starter waits for its driver to record the run
 
 
+DETACH_STOP_S = 30.0  # how long an interrupted starter waits for its driver to stop (then SIGKILL)
+
+
 class DriverStartError(PhalanxError):
     """The detached driver ended (or was stopped) before its run was in the run database."""
+
+
+class DriverInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) or SIGTERM reached the starter before ``start_driver`` returned: the
+    driver it started was stopped (SIGTERM, as ``phalanx cancel`` does; SIGKILL after
+    ``DETACH_STOP_S``).  ``run_id``: the run it had recorded (now cancelled), None if none;
+    ``log``: the driver's output (``STATE/drivers/RUN.log``), None if it made no run (its log
+    removed)."""
+
+    def __init__(self, run_id: str | None, log: Path | None):
+        super().__init__(run_id)
+        self.run_id, self.log = run_id, log
 
 
 @dataclass(frozen=True)
@@ -61,7 +78,11 @@ def start_driver(
     """Start ``argv + [FD]`` as a detached driver; FD is the pipe it writes the run id to
     (``announce``).  Returns once the run id came; raises ``DriverStartError`` (with the last
     ``tail_lines`` of the driver's output) when the driver ended first or took longer than
-    ``DETACH_START_S`` (then it is killed: nothing is left running without a run)."""
+    ``DETACH_START_S`` (then it is killed: nothing is left running without a run).
+
+    Ctrl-C (or SIGTERM) before it returns stops the driver (SIGTERM: a run it had recorded is
+    cancelled) and raises ``DriverInterrupted`` (a ``KeyboardInterrupt``) naming that run, if
+    any; a driver that made no run leaves no log."""
     from ..executors.logs import tail
     from ..private import opener, private_dir
 
@@ -82,9 +103,31 @@ def start_driver(
                 start_new_session=True,
                 env=dict(env) if env is not None else {**os.environ, "PYTHONUNBUFFERED": "1"},
             )
+    except BaseException:
+        os.close(read)
+        raise
     finally:
         os.close(write)
-    run_id = _read_run_id(read)
+    got = bytearray()
+    with os.fdopen(read, "rb") as pipe:
+        try:
+            run_id = _read_run_id(pipe, got)
+            if run_id and not resume:
+                final = driver_log(db, run_id)
+                os.replace(log, final)  # the driver keeps writing to it (its open file follows)
+                log = final
+        except KeyboardInterrupt:  # Ctrl-C before this returned: stop what it started
+            with _signals_held():
+                run_id = _stop_starting(proc, pipe, got)
+                if run_id and not resume:
+                    if log.exists() and log != driver_log(db, run_id):
+                        os.replace(log, driver_log(db, run_id))
+                    log = driver_log(db, run_id)
+                elif not run_id and not resume:
+                    log.unlink(missing_ok=True)  # no run: no log of it left behind
+                if run_id:
+                    db.event(run_id, "interrupted", f"`run --detach` interrupted: driver process {proc.pid} stopped")
+            raise DriverInterrupted(run_id or None, log if run_id or resume else None) from None
     if not run_id:
         if proc.poll() is None:  # no run after DETACH_START_S: nothing to leave running
             proc.kill()
@@ -93,25 +136,58 @@ def start_driver(
             f"the detached driver ended before its run started (exit code {code}); "
             f"its output ({log}):\n{tail(log, tail_lines)}"
         )
-    if not resume:
-        final = driver_log(db, run_id)
-        os.replace(log, final)  # the driver keeps writing to it (its open file follows)
-        log = final
     db.event(run_id, "detached", f"driver process {proc.pid}, log {log}")
     return Detached(run_id, proc.pid, log)
 
 
-def _read_run_id(fd: int) -> str:
-    """What the driver wrote to ``fd`` (its run id); "" if it closed the pipe or took too long."""
-    data, deadline = b"", time.monotonic() + DETACH_START_S
-    with os.fdopen(fd, "rb") as pipe:
-        while not data.endswith(b"\n") and time.monotonic() < deadline:
-            if select.select([pipe], [], [], 0.5)[0]:
-                chunk = os.read(pipe.fileno(), 256)
-                if not chunk:
-                    break  # the driver ended (or closed the pipe) without a run
-                data += chunk
-    return data.decode().strip()
+def _read_run_id(pipe, got: bytearray) -> str:
+    """What the driver wrote to ``pipe`` (its run id); "" if it closed the pipe or took too
+    long.  What came so far is in ``got`` (an interrupted read leaves it there)."""
+    deadline = time.monotonic() + DETACH_START_S
+    while not got.endswith(b"\n") and time.monotonic() < deadline:
+        if select.select([pipe], [], [], 0.5)[0]:
+            chunk = os.read(pipe.fileno(), 256)
+            if not chunk:
+                break  # the driver ended (or closed the pipe) without a run
+            got += chunk
+    return got.decode().strip() if got.endswith(b"\n") else ""
+
+
+def _stop_starting(proc: subprocess.Popen, pipe, got: bytearray) -> str:
+    """Stop a driver whose starter was interrupted (SIGTERM: a driver with a run cancels it;
+    SIGKILL after ``DETACH_STOP_S``); the run id it had written, "" if none."""
+    proc.terminate()
+    try:
+        proc.wait(DETACH_STOP_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    while select.select([pipe], [], [], 0)[0]:  # what it wrote before it ended
+        chunk = os.read(pipe.fileno(), 256)
+        if not chunk:
+            break
+        got += chunk
+    return got.decode().strip() if got.endswith(b"\n") else ""
+
+
+@contextmanager
+def _signals_held() -> Iterator[None]:
+    """Further Ctrl-C or SIGTERM do not interrupt what runs inside (stopping a driver); only
+    in the main thread (elsewhere signals do not arrive anyway)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, _ignore) for s in held}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
+def _ignore(signum, frame) -> None:
+    pass
 
 
 def announce(fd: int, run_id: str) -> None:

@@ -9,9 +9,11 @@ stops and kills only processes it started, by PID, and unmounts the tmpfs it mou
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -175,4 +177,118 @@ def test_cancel_never_signals_the_process_a_dead_drivers_pid_was_given_to(tmp_pa
         if record == "current"
         else "status: cannot tell; cancel refused (exit 1), the pid's owner untouched"
     )
+    fault.data_lost("none")
+
+
+# ---- 20. signals: a second SIGTERM during a cancel; Ctrl-C on `run --detach` -----------------
+def hold_workflow(tmp: Path, file: Path) -> Path:
+    """One stage of 2 ranks that runs until ``file`` exists (at most 120 s)."""
+    wf = tmp / "wf.yaml"
+    wf.write_text(
+        textwrap.dedent(f"""\
+        name: signals
+        stages:
+          hold:
+            app: fault_apps:wait_for_file
+            ranks: 2
+            params: {{file: {file}, limit: 120}}
+        """)
+    )
+    return wf
+
+
+def test_a_second_sigterm_during_a_cancel_exits_130_with_one_message(tmp_path, fault):
+    """``phalanx run`` gets SIGTERM (``phalanx cancel``'s) while its stage runs, then two more
+    while it stops the gangs.  Before: two chained KeyboardInterrupt tracebacks, exit -2."""
+    fault.describe("SIGTERM x3 to `phalanx run` while it cancels")
+    state = tmp_path / "state"
+    wf = hold_workflow(tmp_path, tmp_path / "never")
+    out = open(tmp_path / "run.out", "w+")
+    proc = subprocess.Popen([*PHALANX, "run", str(wf), "--plain"], env=env_for(state), stdout=out, stderr=out)
+    try:
+        db = RunDB(state)
+        wait_for("the stage running", lambda: db.runs() and db.stages(db.runs()[0]["id"])[0]["state"] == "running", 120)
+        time.sleep(0.5)  # its ranks started
+        t0 = time.monotonic()
+        for _ in range(3):
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.05)
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out.seek(0)
+    text = out.read()
+    assert code == 130, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert text.count("cancelled: every gang was stopped") == 1, text
+    assert db.runs()[0]["state"] == "cancelled"
+    fault.detected(time.monotonic() - t0)
+    fault.outcome("exit 130, one message, the run cancelled")
+    fault.data_lost("none")
+
+
+def test_ctrl_c_on_run_detach_stops_its_driver_and_leaves_no_starting_log(tmp_path, fault):
+    """Ctrl-C (SIGINT) on ``phalanx run --detach`` once its driver process exists, before the run
+    id came: the driver is stopped (nothing runs that the user has no id for), one message, exit
+    130, no ``drivers/.starting-*.log``.  Before: a traceback, no run id, the run went on."""
+    from phalanx.procs import descendants, pid_alive
+
+    fault.describe("Ctrl-C on `phalanx run --detach` while its driver starts")
+    state = tmp_path / "state"
+    wf = hold_workflow(tmp_path, tmp_path / "never")
+    starter = subprocess.Popen(
+        [*PHALANX, "run", str(wf), "--detach"], env=env_for(state), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    drivers: list[int] = []
+    try:
+        drivers = wait_for("the driver process", lambda: descendants(starter.pid), 120, poll=0.005)
+        t0 = time.monotonic()
+        starter.send_signal(signal.SIGINT)
+        out, err = starter.communicate(timeout=120)
+        wait_for("the driver to end", lambda: not any(pid_alive(p) for p in drivers), 30)
+    finally:
+        if starter.poll() is None:
+            starter.kill()
+            starter.wait()
+        for pid in drivers:  # a driver the test started (through the starter), by PID
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    err_text = err.decode()
+    assert starter.returncode == 130, (out, err_text)
+    assert "Traceback" not in err_text and "interrupted: the detached driver was stopped" in err_text, err_text
+    assert [p.name for p in (state / "drivers").glob(".*")] == []  # no .starting- log, no .overrides-
+    assert [r["state"] for r in RunDB(state).runs() if r["state"] == "running"] == []
+    fault.detected(time.monotonic() - t0)
+    fault.outcome("driver stopped, exit 130, one message, no .starting- log")
+    fault.data_lost("none")
+
+
+# ---- 21 (part). a detached driver's command line -----------------------------------------
+def test_a_detached_drivers_command_line_shows_no_set_value(tmp_path, fault):
+    """``--set`` values reach a detached driver, but not through its command line (``ps``
+    shows that to every user for the whole run).  The override names the file the stage waits
+    for: the run ends only if the driver got it.  Before: ``--set=...`` in its argv."""
+    fault.describe("`run --detach --set`: what ps shows of the driver")
+    state = tmp_path / "state"
+    go = tmp_path / "go-SECRET-4711"
+    wf = hold_workflow(tmp_path, tmp_path / "never")
+    started = cli(state, "run", str(wf), "--detach", "--set", f"stages.hold.params.file={go}", timeout=300)
+    assert started.returncode == 0, started
+    run_id = started.stdout.strip()
+    db = RunDB(state)
+    pid = db.run(run_id)["pid"]
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            argv = f.read().split("\0")
+        assert not any("SECRET" in a or a.startswith("--set") for a in argv), argv
+        assert [p.name for p in (state / "drivers").glob(".*")] == []  # the overrides file: read, removed
+        go.touch()
+        waited = cli(state, "wait", run_id, "--timeout", "120", timeout=200)
+        assert waited.returncode == 0, waited
+    finally:
+        if db.run(run_id)["state"] == "running":
+            cli(state, "cancel", run_id)
+    fault.outcome("the override applied; the driver's argv names only a removed 0600 file")
     fault.data_lost("none")

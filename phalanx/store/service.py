@@ -1,0 +1,426 @@
+"""A store service: the partitions under a file tier's root, served read-only over Arrow Flight.
+
+Each host of a run's allocation keeps the partitions its ranks wrote in its own memory tier
+(``/dev/shm``).  A reader on another host fetches a partition's exact bytes from the service on
+the holding host — the same bytes the metadata's checksum covers, so the reader verifies them
+(``tiers.checksum_buffer``) and opens the IPC file zero-copy from the received buffer::
+
+    svc = StoreService("/dev/shm/phalanx-alice/store", "10.0.0.11", token=secret)  # holder
+    svc.endpoint                          # 'grpc+tcp://10.0.0.11:40123', for the metadata
+    buf = fetch(endpoint, secret, location, 0)  # reader, any host: one pa.Buffer
+    table = ipc.open_file(pa.BufferReader(buf)).read_all()
+    svc.close()
+
+Or in the foreground, as a pilot starts one per node (the secret from the environment or a
+0600 file, never the command line)::
+
+    PHALANX_STORE_TOKEN_FILE=~/.px/secret python -m phalanx.store.service \\
+        --root /dev/shm/phalanx-alice/store --host 10.0.0.11 --endpoint-file /shared/ep.h1
+
+Engine: Arrow Flight (gRPC, in pyarrow); why, with numbers: docs/store.md, "Across hosts".
+
+- Read-only: a ticket names a (location, index) as the metadata records it; the service opens
+  ``<location>/part-NNNNN.arrow`` only inside its root(s), walking from the root one directory at
+  a time without following a symbolic link, each directory and the file this user's
+  (``tiers.check_mine``); anything else is refused, naming it.
+- Authenticated: a per-allocation bearer token checked on every call by a server middleware
+  (``hmac.compare_digest``).  The token is never logged or put in an error message.
+- Bound to the address asked for (loopback or the host's cluster address); a wildcard address
+  (``0.0.0.0``, ``::``) is refused unless ``any_address=True``.
+- The bytes travel as a stream of record batches of one ``binary`` value each (a slice of the
+  memory-mapped file, no copy on the server); the client copies each into one preallocated
+  buffer (the one copy a contiguous buffer needs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import hmac
+import json
+import logging
+import mmap
+import os
+import signal
+import stat
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as fl
+import pyarrow.ipc as ipc
+
+from ..errors import StoreError, UnsafePathError
+from ..private import FILE_MODE
+from .tiers import FileTier, check_mine, part_file
+
+log = logging.getLogger("phalanx.store.service")
+
+ENV_TOKEN = "PHALANX_STORE_TOKEN"  # the secret itself
+ENV_TOKEN_FILE = "PHALANX_STORE_TOKEN_FILE"  # or a file holding it (mode 0600, yours)
+CHUNK = 4 << 20  # bytes per record batch of a raw fetch
+DEFAULT_TIMEOUT = 60.0  # seconds for one fetch, connection included
+WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
+
+_NOT_FOUND, _REFUSED = b"phalanx:not-found", b"phalanx:refused"
+
+
+class RemoteStoreError(StoreError):
+    """A fetch from a store service failed; the message names the endpoint, location and index."""
+
+
+class ServiceUnreachableError(RemoteStoreError, ConnectionError):
+    """The service did not answer (host down, service gone, network cut, timeout)."""
+
+
+class RemotePartitionNotFoundError(RemoteStoreError, FileNotFoundError):
+    """The service answered, but has no such partition."""
+
+
+class AuthRefusedError(RemoteStoreError, PermissionError):
+    """The service refused the token."""
+
+
+class LocationRefusedError(RemoteStoreError, PermissionError):
+    """The service refused to open the location (outside its roots, a link, someone else's)."""
+
+
+# ---- the secret -----------------------------------------------------------------------------
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The secret in ``path``: a regular file of this user's that only this user can read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"token file {path} is not a regular file")
+        check_mine(path, st)
+        if st.st_mode & 0o077:
+            raise UnsafePathError(
+                f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others could read it (chmod 600 it)"
+            )
+        token = os.read(fd, 1 << 16).decode().strip()
+    finally:
+        os.close(fd)
+    if not token:
+        raise ValueError(f"token file {path} is empty")
+    return token
+
+
+def write_token_file(path: str | os.PathLike[str], token: str) -> Path:
+    """Write ``token`` to a new 0600 file (for a pilot handing the secret to its nodes)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return Path(path)
+
+
+def token_from_env() -> str:
+    """``PHALANX_STORE_TOKEN``, else the file ``PHALANX_STORE_TOKEN_FILE`` names."""
+    token = os.environ.get(ENV_TOKEN)
+    if token:
+        return token
+    path = os.environ.get(ENV_TOKEN_FILE)
+    if path:
+        return read_token_file(path)
+    raise ValueError(f"no store service token: set {ENV_TOKEN_FILE} (a 0600 file) or {ENV_TOKEN}")
+
+
+# ---- the server -----------------------------------------------------------------------------
+class _BearerAuth(fl.ServerMiddlewareFactory):  # type: ignore[misc]
+    def __init__(self, token: str):
+        super().__init__()
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: Any, headers: dict[str, list[str | bytes]]) -> None:
+        got = headers.get("authorization") or [""]
+        value = got[0].encode() if isinstance(got[0], str) else got[0]
+        if len(got) != 1 or not hmac.compare_digest(value, self._expected):
+            raise fl.FlightUnauthenticatedError("store service: missing or wrong token")
+
+
+def open_partition_fd(root: Path, location: str, index: int) -> int:
+    """A read-only descriptor of ``<location>/part-NNNNN.arrow`` inside ``root``, reached from
+    the root one directory at a time without following a symbolic link, every directory and
+    the file this user's.  ``UnsafePathError`` naming the location otherwise;
+    ``FileNotFoundError`` when it is not there."""
+    where = Path(location)
+    if not FileTier(root).owns(location) or not where.is_absolute():
+        raise UnsafePathError(f"{location} is not inside the store root {root}")
+    names = where.relative_to(root).parts
+    if ".." in names or "." in names:
+        raise UnsafePathError(f"{location} is not inside the store root {root} (it names '..')")
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(root, flags | os.O_DIRECTORY)
+    here = root
+    try:
+        check_mine(here, os.fstat(fd))
+        steps = (*names, part_file(index))
+        for i, name in enumerate(steps):
+            here = here / name
+            last = i == len(steps) - 1
+            try:
+                sub = os.open(name, flags | (0 if last else os.O_DIRECTORY), dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise UnsafePathError(f"{here} is a symbolic link or not a directory") from None
+                raise
+            os.close(fd)
+            fd = sub
+            st = os.fstat(fd)
+            check_mine(here, st)
+            if last and not stat.S_ISREG(st.st_mode):
+                raise UnsafePathError(f"{here} is not a regular file")
+        out, fd = fd, -1
+        return out
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
+def map_fd(fd: int) -> pa.Buffer:
+    """The whole file open as ``fd``, memory-mapped read-only (the buffer keeps the map)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return pa.py_buffer(b"")
+    return pa.py_buffer(mmap.mmap(fd, size, prot=mmap.PROT_READ))
+
+
+class _Server(fl.FlightServerBase):  # type: ignore[misc]
+    def __init__(self, roots: Sequence[Path], location: str, token: str, chunk: int):
+        super().__init__(location, middleware={"auth": _BearerAuth(token)})
+        self.roots = list(roots)
+        self.chunk = chunk
+
+    def _open(self, location: str, index: int) -> pa.Buffer:
+        refused: list[str] = []
+        for root in self.roots:
+            if not FileTier(root).owns(location):
+                continue
+            try:
+                fd = open_partition_fd(root, location, index)
+            except FileNotFoundError:
+                raise fl.FlightServerError(f"no partition {index} at {location}", _NOT_FOUND) from None
+            except UnsafePathError as exc:
+                refused.append(str(exc))
+                continue
+            try:
+                return map_fd(fd)
+            finally:
+                os.close(fd)
+        why = "; ".join(refused) or f"it is not inside {' or '.join(map(str, self.roots))}"
+        log.warning("store service: refused %s: %s", location, why)
+        raise fl.FlightServerError(f"refusing to serve {location}: {why}", _REFUSED)
+
+    def do_get(self, context: Any, ticket: fl.Ticket) -> fl.FlightDataStream:
+        try:
+            want = json.loads(ticket.ticket)
+            location, index, kind = str(want["location"]), int(want["index"]), want.get("as", "bytes")
+        except (ValueError, KeyError, TypeError):
+            raise fl.FlightServerError("bad ticket: expected {location, index, as}", _REFUSED) from None
+        buf = self._open(location, index)
+        if kind == "table":
+            return fl.RecordBatchStream(ipc.open_file(pa.BufferReader(buf)).read_all())
+        schema = pa.schema([("chunk", pa.binary())], metadata={"size": str(buf.size)})
+        return fl.GeneratorStream(schema, _chunks(buf, schema, self.chunk))
+
+
+def _chunks(buf: pa.Buffer, schema: pa.Schema, chunk: int) -> Iterator[pa.RecordBatch]:
+    for off in range(0, buf.size, chunk):
+        piece = buf.slice(off, min(chunk, buf.size - off))
+        offsets = pa.array([0, piece.size], pa.int32()).buffers()[1]
+        yield pa.record_batch([pa.Array.from_buffers(pa.binary(), 1, [None, offsets, piece])], schema=schema)
+
+
+def _check_host(host: str, any_address: bool) -> str:
+    if host.strip("[]") in WILDCARDS and not any_address:
+        raise ValueError(
+            f"refusing to bind the store service to {host!r} (every interface): give the host's "
+            "cluster address or 127.0.0.1 (any_address=True to override)"
+        )
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+class StoreService:
+    """A Flight server of the partitions under ``root`` (and ``also``: e.g. the spill
+    directory), on ``host:port`` (``port=0``: a free one), for holders of ``token`` (default:
+    ``token_from_env()``).  ``endpoint`` is what readers pass to ``fetch``."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        host: str,
+        port: int = 0,
+        token: str | None = None,
+        *,
+        also: Sequence[str | os.PathLike[str]] = (),
+        chunk: int = CHUNK,
+        any_address: bool = False,
+    ):
+        self.roots = [Path(r).absolute() for r in (root, *also)]
+        self.host = host
+        bind = _check_host(host, any_address)
+        self._server = _Server(self.roots, f"grpc+tcp://{bind}:{port}", token or token_from_env(), chunk)
+        self.port: int = self._server.port
+        self.endpoint = f"grpc+tcp://{bind}:{self.port}"
+        self._closed = False
+
+    def __repr__(self) -> str:  # never the token
+        return f"<StoreService {self.endpoint} roots={[str(r) for r in self.roots]}>"
+
+    def serve(self) -> None:
+        """Serve in the foreground until ``close`` from another thread or a signal (SIGTERM,
+        SIGINT): the signal's Python handler runs, then the service closes."""
+        try:
+            self._server.serve()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._server.shutdown()
+
+    def __enter__(self) -> StoreService:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- the client -----------------------------------------------------------------------------
+_clients: dict[tuple[int, str], fl.FlightClient] = {}
+_clients_lock = threading.Lock()
+
+
+def _client(endpoint: str) -> fl.FlightClient:
+    key = (os.getpid(), endpoint)  # gRPC channels do not survive a fork
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = fl.connect(endpoint)
+        return client
+
+
+def _drop_client(endpoint: str) -> None:
+    with _clients_lock:
+        client = _clients.pop((os.getpid(), endpoint), None)
+    if client is not None:
+        client.close()
+
+
+def _message(exc: BaseException) -> str:
+    return str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
+
+
+def _call(endpoint: str, token: str, location: str, index: int, kind: str, timeout: float) -> fl.FlightStreamReader:
+    ticket = fl.Ticket(json.dumps({"location": location, "index": index, "as": kind}).encode())
+    options = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())], timeout=timeout)
+    return _client(endpoint).do_get(ticket, options)
+
+
+def _fetch(endpoint: str, token: str, location: str, index: int, kind: str, timeout: float, read: Any) -> Any:
+    what = f"partition {index} at {location} from the store service {endpoint}"
+    try:
+        return read(_call(endpoint, token, location, index, kind, timeout))
+    except fl.FlightUnauthenticatedError:
+        raise AuthRefusedError(f"{what}: the service refused the token") from None
+    except (fl.FlightUnavailableError, fl.FlightTimedOutError, fl.FlightCancelledError) as exc:
+        _drop_client(endpoint)
+        raise ServiceUnreachableError(f"{what}: the service is unreachable ({_message(exc)})") from None
+    except fl.FlightServerError as exc:
+        if exc.extra_info == _NOT_FOUND:
+            raise RemotePartitionNotFoundError(f"{what}: no such partition there") from None
+        if exc.extra_info == _REFUSED:
+            raise LocationRefusedError(f"{what}: {_message(exc)}") from None
+        raise RemoteStoreError(f"{what}: {_message(exc)}") from None
+    except (fl.FlightError, pa.ArrowException, OSError) as exc:
+        if isinstance(exc, RemoteStoreError):
+            raise
+        _drop_client(endpoint)
+        raise RemoteStoreError(f"{what}: {type(exc).__name__}: {_message(exc)}") from None
+
+
+def _read_bytes(reader: fl.FlightStreamReader) -> pa.Buffer:
+    size = int(reader.schema.metadata[b"size"])
+    out: pa.Buffer | None = None
+    at = 0
+    while True:
+        try:
+            batch = reader.read_chunk().data
+        except StopIteration:
+            break
+        piece = batch.column(0)[0].as_buffer()  # no copy: the value inside the received batch
+        if at + piece.size > size:
+            raise RemoteStoreError(f"the service sent more than the {size} bytes it announced")
+        if out is None and piece.size == size:
+            out = piece  # the whole file in one message: already one buffer, no copy
+        else:
+            if out is None:
+                out = pa.allocate_buffer(size)
+            memoryview(out)[at : at + piece.size] = memoryview(piece)
+        at += piece.size
+    if at != size:
+        raise RemoteStoreError(f"the stream ended after {at} of {size} bytes")
+    return out if out is not None else pa.py_buffer(b"")
+
+
+def fetch(endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT) -> pa.Buffer:
+    """Partition ``index`` at ``location`` (as the metadata records it), exactly the bytes of
+    its file on the service's host, as one buffer: check it with ``tiers.checksum_buffer``,
+    open it with ``ipc.open_file(pa.BufferReader(buf))`` (zero-copy).  ``timeout``: seconds
+    for the whole call.  Raises a ``RemoteStoreError`` naming the endpoint, location and
+    index: ``ServiceUnreachableError``, ``RemotePartitionNotFoundError``,
+    ``AuthRefusedError``, ``LocationRefusedError``."""
+    buf: pa.Buffer = _fetch(endpoint, token, location, index, "bytes", timeout, _read_bytes)
+    return buf
+
+
+def fetch_table(endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT) -> pa.Table:
+    """The partition as a table, streamed as its record batches (no checksum: for a reader
+    that trusts the service; ``fetch`` is the verifiable way)."""
+    table: pa.Table = _fetch(endpoint, token, location, index, "table", timeout, lambda r: r.read_all())
+    return table
+
+
+# ---- python -m phalanx.store.service --------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m phalanx.store.service",
+        description=f"Serve a store root's partitions over Arrow Flight until SIGTERM/SIGINT. The token comes from {ENV_TOKEN_FILE} (a 0600 file) or {ENV_TOKEN}, never the command line.",
+    )
+    p.add_argument("--root", required=True, help="the file tier's root (e.g. /dev/shm/phalanx-$USER/store)")
+    p.add_argument("--also", action="append", default=[], help="another root to serve (the spill directory)")
+    p.add_argument("--host", required=True, help="the address to bind: the host's cluster address or 127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--endpoint-file", help="write the endpoint here (atomically) once serving")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        svc = StoreService(args.root, args.host, args.port, also=args.also)
+    except (ValueError, OSError, fl.FlightError) as exc:
+        print(f"phalanx store service: {exc}", file=sys.stderr)
+        return 1
+
+    def stop(signum: int, frame: object) -> None:
+        log.info("signal %d: stopping", signum)
+
+    signal.signal(signal.SIGTERM, stop)  # serve() returns on a signal once its handler ran
+    signal.signal(signal.SIGINT, stop)
+    if args.endpoint_file:
+        tmp = f"{args.endpoint_file}.{os.getpid()}.tmp"
+        Path(tmp).write_text(svc.endpoint + "\n")
+        os.replace(tmp, args.endpoint_file)
+    log.info("serving %s on %s (pid %d)", ", ".join(map(str, svc.roots)), svc.endpoint, os.getpid())
+    print(svc.endpoint, flush=True)
+    svc.serve()
+    log.info("stopped")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

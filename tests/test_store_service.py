@@ -1,0 +1,151 @@
+"""phalanx.store.service on loopback: a partition's exact bytes over Arrow Flight, the token,
+the path checks, the errors and the bound address.  The same across real (namespace) hosts:
+tests/multihost/test_store_service_multihost.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import psutil
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pytest
+
+from phalanx.errors import UnsafePathError
+from phalanx.store.service import (
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    AuthRefusedError,
+    LocationRefusedError,
+    RemotePartitionNotFoundError,
+    ServiceUnreachableError,
+    StoreService,
+    fetch,
+    fetch_table,
+    token_from_env,
+    write_token_file,
+)
+from phalanx.store.tiers import FileTier, checksum_buffer, part_file
+
+TOKEN = "s3cret-token-for-the-test"
+
+
+def _table(rows: int = 50_000) -> pa.Table:
+    return pa.table(
+        {
+            "key": pa.array([f"user-{i % 977:05d}" for i in range(rows)]),
+            "n": pa.array(range(rows), pa.int64()),
+            "x": pa.array([i * 0.5 for i in range(rows)], pa.float64()),
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("store")
+    tier = FileTier(root)
+    location = tier.final("s", "ds", "v0-abc")
+    table = _table()
+    nbytes, checksum = tier.write_partition(location, 0, table)
+    outside = tmp_path_factory.mktemp("outside")
+    FileTier(outside).write_partition(str(outside / "d"), 0, table)
+    os.symlink(outside / "d", root / "s" / "link")
+    with StoreService(root, "127.0.0.1", token=TOKEN, chunk=64 << 10) as svc:
+        yield svc, root, location, table, nbytes, checksum, outside
+
+
+def test_fetch_returns_the_exact_bytes_and_checksum(served):
+    svc, root, location, table, nbytes, checksum, _ = served
+    buf = fetch(svc.endpoint, TOKEN, location, 0)
+    with open(os.path.join(location, part_file(0)), "rb") as f:
+        assert buf.to_pybytes() == f.read()
+    assert buf.size == nbytes > 64 << 10  # several chunks
+    assert checksum_buffer(buf) == checksum
+    got = ipc.open_file(pa.BufferReader(buf)).read_all()
+    assert got.equals(table)
+    assert got.column("n").chunk(0).buffers()[1].address - buf.address < buf.size  # a view of buf
+    assert fetch_table(svc.endpoint, TOKEN, location, 0).equals(table)
+
+
+def test_a_wrong_or_missing_token_is_refused_without_showing_it(served):
+    svc, _, location, *_ = served
+    for token in ("wrong", ""):
+        with pytest.raises(AuthRefusedError) as err:
+            fetch(svc.endpoint, token, location, 0)
+        assert svc.endpoint in str(err.value) and location in str(err.value) and "partition 0" in str(err.value)
+        assert TOKEN not in str(err.value)
+    assert TOKEN not in repr(svc)
+
+
+def test_a_location_outside_the_root_is_refused_naming_it(served):
+    svc, root, _, _, _, _, outside = served
+    for location in (str(outside / "d"), f"{root}/s/../../{outside.name}/d", str(root / "s" / "link")):
+        with pytest.raises(LocationRefusedError) as err:
+            fetch(svc.endpoint, TOKEN, location, 0)
+        assert f"refusing to serve {location}" in str(err.value), err.value
+    assert "symbolic link" in str(err.value)
+
+
+def test_a_missing_partition_names_location_and_index(served):
+    svc, root, location, *_ = served
+    with pytest.raises(RemotePartitionNotFoundError) as err:
+        fetch(svc.endpoint, TOKEN, location, 3)
+    assert str(err.value) == (
+        f"partition 3 at {location} from the store service {svc.endpoint}: no such partition there"
+    )
+    assert isinstance(err.value, FileNotFoundError)  # Store.partition's "moved meanwhile?" path catches it
+    with pytest.raises(RemotePartitionNotFoundError):
+        fetch(svc.endpoint, TOKEN, str(root / "s" / "nothing"), 0)
+
+
+def test_the_server_is_bound_to_the_address_asked(served, tmp_path):
+    svc, root, location, *_ = served
+    assert svc.endpoint == f"grpc+tcp://127.0.0.1:{svc.port}"
+    # gRPC listens on an IPv6 socket with the IPv4-mapped address: ::ffff:127.0.0.1, not :: or 0.0.0.0
+    listening = {
+        (c.laddr.ip.removeprefix("::ffff:"), c.laddr.port)
+        for c in psutil.Process().net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == svc.port
+    }
+    assert listening == {("127.0.0.1", svc.port)}
+    with pytest.raises(ValueError, match="every interface"):
+        StoreService(root, "0.0.0.0", token=TOKEN)
+    # bound to 127.0.0.2 only: the same port on 127.0.0.1 answers nothing, fast
+    with StoreService(root, "127.0.0.2", token=TOKEN) as other:
+        assert len(fetch(other.endpoint, TOKEN, location, 0)) > 0
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnreachableError) as err:
+            fetch(f"grpc+tcp://127.0.0.1:{other.port}", TOKEN, location, 0, timeout=5)
+        assert time.monotonic() - t0 < 2
+        assert f"127.0.0.1:{other.port}" in str(err.value) and location in str(err.value)
+
+
+def test_the_token_comes_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_TOKEN, raising=False)
+    monkeypatch.delenv(ENV_TOKEN_FILE, raising=False)
+    with pytest.raises(ValueError, match=ENV_TOKEN_FILE):
+        token_from_env()
+    path = write_token_file(tmp_path / "secret", TOKEN)
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    monkeypatch.setenv(ENV_TOKEN_FILE, str(path))
+    assert token_from_env() == TOKEN
+    os.chmod(path, 0o644)
+    with pytest.raises(UnsafePathError, match="chmod 600") as err:
+        token_from_env()
+    assert TOKEN not in str(err.value)
+    monkeypatch.setenv(ENV_TOKEN, "from-env")
+    assert token_from_env() == "from-env"
+
+
+def test_a_service_that_is_gone_fails_fast_naming_the_endpoint(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(
+        ServiceUnreachableError, match=f"partition 1 at /x from the store service grpc\\+tcp://127.0.0.1:{port}"
+    ):
+        fetch(f"grpc+tcp://127.0.0.1:{port}", TOKEN, "/x", 1, timeout=5)
+    assert time.monotonic() - t0 < 2

@@ -88,7 +88,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _drive(args: argparse.Namespace, db, wf, site, progress, t0: float) -> int:
     from .orchestrator.handle import RunHandle
-    from .orchestrator.rundb import RunLockedError
+    from .orchestrator.rundb import RunDBError, RunLockedError
 
     handle = None
     try:
@@ -101,6 +101,14 @@ def _drive(args: argparse.Namespace, db, wf, site, progress, t0: float) -> int:
             result = handle.result()
     except RunLockedError as exc:  # a second driver of one run
         print(f"phalanx run: {exc}", file=sys.stderr)
+        return 1
+    except RunDBError as exc:  # e.g. its file system full: the run cannot be recorded, it stops
+        _hold_signals()
+        print(f"phalanx run: {exc}", file=sys.stderr)
+        if handle is not None:
+            handle.cancel()  # no gang left running (the scheduler stopped them on the error)
+            print(f"  run {handle.run_id}: {_mark_failed(db, handle.run_id, exc)}", file=sys.stderr)
+            print(f"  once there is room: phalanx run {args.workflow} --resume {handle.run_id}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         _hold_signals()  # the first one may have been Python's own Ctrl-C (a program's main(argv))
@@ -117,6 +125,18 @@ def _drive(args: argparse.Namespace, db, wf, site, progress, t0: float) -> int:
     print(f"run {result.run_id} {state} in {time.monotonic() - t0:.1f}s (store session {result.session!r})")
     _print_failures(db, result.run_id, result.failed, result.skipped, str(args.workflow))
     return 0 if result.ok else 1
+
+
+def _mark_failed(db, run_id: str, exc: BaseException) -> str:
+    """Record what can be recorded of a run whose run DB refused a write; says what it did."""
+    from .orchestrator.rundb import RunDBError
+
+    try:
+        db.event(run_id, "failed", f"the run database could not be written: {exc}")
+        db.set_run(run_id, "failed")
+        return "marked failed"
+    except RunDBError:
+        return "could not be marked failed either; `phalanx status` shows it lost (its driver has exited)"
 
 
 def _print_failures(db, run_id: str, failed: dict[str, str], skipped: list[str], file: str | None) -> None:
@@ -189,10 +209,13 @@ def _detach(args: argparse.Namespace, db) -> int:
                 "\ninterrupted: the detached driver was stopped before it started a run; nothing runs", file=sys.stderr
             )
         return 130
+    except KeyboardInterrupt:  # before the driver was started
+        print("\ninterrupted: no driver was started; nothing runs", file=sys.stderr)
+        return 130
     finally:
         if not _COMMAND:
-            signal.signal(signal.SIGTERM, before)  # the driver removed it once read; not if it ended first
-        if overrides is not None:
+            signal.signal(signal.SIGTERM, before)
+        if overrides is not None:  # the driver removed it once read; not if it ended first
             overrides.unlink(missing_ok=True)
     run_id = driver.run_id
     print(run_id)

@@ -92,8 +92,8 @@ def start_driver(
     # a new run's id is the driver's to make: its log is renamed once the id is known
     log = driver_log(db, resume) if resume else drivers / f".starting-{uuid.uuid4().hex}.log"
     read, write = os.pipe()
-    try:
-        with open(log, "ab", opener=opener) as out:
+    try:  # a Ctrl-C inside Popen would lose the started driver: it waits until Popen returned
+        with _signals_deferred() as caught, open(log, "ab", opener=opener) as out:
             proc = subprocess.Popen(
                 [*argv, str(write)],
                 stdin=subprocess.DEVNULL,
@@ -111,6 +111,8 @@ def start_driver(
     got = bytearray()
     with os.fdopen(read, "rb") as pipe:
         try:
+            if caught:
+                raise KeyboardInterrupt
             run_id = _read_run_id(pipe, got)
             if run_id and not resume:
                 final = driver_log(db, run_id)
@@ -188,6 +190,23 @@ def _signals_held() -> Iterator[None]:
 
 def _ignore(signum, frame) -> None:
     pass
+
+
+@contextmanager
+def _signals_deferred() -> Iterator[list[int]]:
+    """SIGINT and SIGTERM that arrive inside are noted in the list yielded, not raised (the
+    caller acts on them after); only in the main thread."""
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield caught
+        return
+    held = (signal.SIGINT, signal.SIGTERM)
+    before = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
+    try:
+        yield caught
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def announce(fd: int, run_id: str) -> None:

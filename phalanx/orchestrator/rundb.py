@@ -58,8 +58,8 @@ class RunDB:
     def __init__(self, state_dir: str | Path | None = None):
         self.state_dir = paths.state_dir(state_dir)  # PHALANX_STATE, else under XDG_STATE_HOME; private
         self.path = create_private(self.state_dir / "runs.sqlite")  # 0600, and so its -wal, -shm
-        with self._con() as con:
-            if self._missing(con):  # a new database, or an older one: made current under a write lock
+        if self._missing(None):  # a new database, or an older one: made current under a write lock
+            with self._con() as con:
                 con.execute("BEGIN IMMEDIATE")  # so that processes opening it at once do it once
                 try:
                     for statement in _SCHEMA.split(";"):
@@ -69,35 +69,74 @@ class RunDB:
                         con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
                     con.execute("COMMIT")
                 except BaseException:
-                    con.execute("ROLLBACK")
+                    if con.in_transaction:
+                        con.execute("ROLLBACK")
                     raise
 
-    @staticmethod
-    def _missing(con: sqlite3.Connection) -> list[tuple[str, str, str]]:
+    def _missing(self, con: sqlite3.Connection | None) -> list[tuple[str, str, str]]:
         """The tables and columns this database lacks, as (table, column, type); a missing
         table as (table, "", "").  Only reads: a current database is opened without a write
         (``phalanx status`` works on a full disk)."""
+
+        def columns(table: str) -> set[str]:
+            q = f"PRAGMA table_info({table})"
+            return {r["name"] for r in (con.execute(q) if con is not None else self._rows(q))}
+
         missing = []
         for table in _TABLES:
-            have = {r["name"] for r in con.execute(f"PRAGMA table_info({table})")}
-            if not have:
+            if not columns(table):
                 missing.append((table, "", ""))
         for table, column, kind in _ADDED:
-            have = {r["name"] for r in con.execute(f"PRAGMA table_info({table})")}
+            have = columns(table)
             if have and column not in have:
                 missing.append((table, column, kind))
         return missing
 
     @contextmanager
     def _con(self) -> Iterator[sqlite3.Connection]:
-        con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        """A connection for one read or write; SQLite's errors as ``RunDBError`` naming the file
+        (and, when its file system is full, saying so)."""
+        try:
+            con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise RunDBError(self.path, exc) from exc
         con.row_factory = sqlite3.Row
         try:
             if con.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # a new database: once
                 _wal(con)
             yield con
+        except sqlite3.OperationalError as exc:
+            if isinstance(exc, RunDBError):
+                raise
+            raise RunDBError(self.path, exc) from exc
         finally:
             con.close()
+
+    def _rows(self, query: str, params: tuple = ()) -> list[dict]:
+        """A read, as dicts.  When the file system is full a reader may be unable to open the
+        database as writers do (WAL mode: it must create the -shm file): it then reads it
+        read-only, else as an immutable file (what the last checkpoint holds), so ``phalanx
+        status`` and ``logs`` work on a full disk."""
+        try:
+            with self._con() as con:
+                return [dict(r) for r in con.execute(query, params)]
+        except RunDBError as exc:
+            first = exc
+        from urllib.parse import quote
+
+        for how in ("mode=ro", "immutable=1"):
+            try:
+                con = sqlite3.connect(f"file:{quote(str(self.path))}?{how}", uri=True, timeout=60)
+            except sqlite3.Error:
+                continue
+            try:
+                con.row_factory = sqlite3.Row
+                return [dict(r) for r in con.execute(query, params)]
+            except sqlite3.Error:
+                continue
+            finally:
+                con.close()
+        raise first
 
     def log_dir(self, run_id: str, stage: str, attempt: int) -> Path:
         return self.state_dir / "logs" / run_id / stage / f"attempt-{attempt}"
@@ -212,8 +251,7 @@ class RunDB:
     def allocations(self, run_id: str, live: bool = True) -> list[dict]:
         """Per allocation: its record plus stage, created, released; ``live``: unreleased only."""
         q = "SELECT * FROM allocations WHERE run_id=?" + (" AND released IS NULL" if live else "") + " ORDER BY created"
-        with self._con() as con:
-            return [_decoded(dict(r)) for r in con.execute(q, (run_id,))]
+        return [_decoded(r) for r in self._rows(q, (run_id,))]
 
     def event(self, run_id: str, kind: str, message: str, stage: str | None = None) -> None:
         with self._con() as con:
@@ -223,13 +261,11 @@ class RunDB:
 
     # ---- reads --------------------------------------------------------------------------
     def run(self, run_id: str) -> dict | None:
-        with self._con() as con:
-            row = con.execute("SELECT * FROM runs WHERE id=?", (run_id,)).fetchone()
-        return self._reconciled(dict(row)) if row else None
+        rows = self._rows("SELECT * FROM runs WHERE id=?", (run_id,))
+        return self._reconciled(rows[0]) if rows else None
 
     def runs(self, limit: int = 20) -> list[dict]:
-        with self._con() as con:
-            rows = [dict(r) for r in con.execute("SELECT * FROM runs ORDER BY started DESC LIMIT ?", (limit,))]
+        rows = self._rows("SELECT * FROM runs ORDER BY started DESC LIMIT ?", (limit,))
         return [self._reconciled(r) for r in rows]
 
     def _reconciled(self, run: dict) -> dict:
@@ -241,19 +277,25 @@ class RunDB:
             gone = f"driver process {run['pid']} is gone"
             if pid_alive(run["pid"]):  # its pid was given to another process since
                 gone += f" (pid {run['pid']} now belongs to a process that is not the run's driver)"
-            with self._con() as con:  # one process marks it lost (and reports it), not every reader
-                marked = con.execute(
-                    "UPDATE runs SET state='lost', ended=? WHERE id=? AND state='running' AND pid=?",
-                    (time.time(), run["id"], run["pid"]),
-                ).rowcount
-            if marked:
-                self.event(run["id"], "lost", gone)
-                for s in self.stages(run["id"]):
-                    if s["state"] == "running":
-                        self.set_stage(run["id"], s["stage"], "lost", ended=time.time())
+            try:
+                with self._con() as con:  # one process marks it lost (and reports it), not every reader
+                    marked = con.execute(
+                        "UPDATE runs SET state='lost', ended=? WHERE id=? AND state='running' AND pid=?",
+                        (time.time(), run["id"], run["pid"]),
+                    ).rowcount
+                if marked:
+                    self.event(run["id"], "lost", gone)
+                    for s in self.stages(run["id"]):
+                        if s["state"] == "running":
+                            self.set_stage(run["id"], s["stage"], "lost", ended=time.time())
+            except RunDBError:  # a full disk: shown lost here, recorded by a reader once there is room
+                pass
             run = {**run, "state": "lost"}
         if run["state"] in ("lost", "cancelled", "failed"):
-            self.release_leftovers(run["id"])
+            try:
+                self.release_leftovers(run["id"])
+            except RunDBError:  # what was freed could not be recorded: freed again (a no-op) next time
+                pass
         return run
 
     def release_leftovers(self, run_id: str) -> list[str]:
@@ -298,18 +340,37 @@ class RunDB:
         return {**row, "state": "running", "pid": pid, "host": host, "pid_started": started, "boot_id": boot}
 
     def events(self, run_id: str) -> list[dict]:
-        with self._con() as con:
-            return [dict(r) for r in con.execute("SELECT * FROM events WHERE run_id=? ORDER BY ts", (run_id,))]
+        return self._rows("SELECT * FROM events WHERE run_id=? ORDER BY ts", (run_id,))
 
     def stages(self, run_id: str) -> list[dict]:
-        with self._con() as con:
-            rows = [dict(r) for r in con.execute("SELECT * FROM stages WHERE run_id=? ORDER BY rowid", (run_id,))]
-        return [_decoded(r) for r in rows]
+        return [_decoded(r) for r in self._rows("SELECT * FROM stages WHERE run_id=? ORDER BY rowid", (run_id,))]
 
     def attempts(self, run_id: str, stage: str | None = None) -> list[dict]:
-        with self._con() as con:
-            q = "SELECT * FROM attempts WHERE run_id=?" + (" AND stage=?" if stage else "") + " ORDER BY started"
-            return [_decoded(dict(r)) for r in con.execute(q, (run_id, stage) if stage else (run_id,))]
+        q = "SELECT * FROM attempts WHERE run_id=?" + (" AND stage=?" if stage else "") + " ORDER BY started"
+        return [_decoded(r) for r in self._rows(q, (run_id, stage) if stage else (run_id,))]
+
+
+class RunDBError(PhalanxError, sqlite3.OperationalError):
+    """The run database could not be read or written: a full file system, a broken file.  Its
+    message names the file (and says when the file system holding it is full); still an
+    ``sqlite3.OperationalError`` for code that catches that."""
+
+    def __init__(self, path: Path, exc: BaseException):
+        import shutil
+
+        try:
+            free = shutil.disk_usage(path.parent).free
+        except OSError:
+            free = None
+        full = free is not None and free < 1 << 20
+        hint = (
+            f": the file system holding it is full ({free:,} bytes free) — free space there, or set "
+            f"{paths.ENV_STATE} to a state directory on another one"
+            if full
+            else ""
+        )
+        super().__init__(f"the run database {path}: {exc}{hint}")
+        self.path, self.full = path, full
 
 
 class RunLockedError(PhalanxError):

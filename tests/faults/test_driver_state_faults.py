@@ -8,7 +8,9 @@ stops and kills only processes it started, by PID, and unmounts the tmpfs it mou
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -18,9 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
+import test_store_faults
 from test_driver_death import wait_for
 
 from phalanx.orchestrator.rundb import RunDB
+
+small_tmpfs = test_store_faults.small_tmpfs  # a fixture: a 20 MB tmpfs, mounted for a test, unmounted after
 
 TESTS = Path(__file__).resolve().parents[1]
 PHALANX = [sys.executable, "-m", "phalanx.cli"]
@@ -292,3 +297,80 @@ def test_a_detached_drivers_command_line_shows_no_set_value(tmp_path, fault):
             cli(state, "cancel", run_id)
     fault.outcome("the override applied; the driver's argv names only a removed 0600 file")
     fault.data_lost("none")
+
+
+# ---- 17 (first half). the state directory's file system full ------------------------------
+def fill(directory: Path) -> Path:
+    """A file in ``directory`` grown until its file system has no byte left."""
+    filler = directory / "filler"
+    with open(filler, "wb", buffering=0) as f:
+        chunk = b"\0" * 65536
+        while True:
+            try:
+                f.write(chunk)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                if len(chunk) == 1:
+                    break
+                chunk = chunk[: len(chunk) // 2]
+    return filler
+
+
+def test_a_full_state_directory_fails_the_run_naming_it_and_status_and_logs_still_work(small_tmpfs, tmp_path, fault):
+    """The state directory on a 20 MB tmpfs, filled while a stage runs; the stage then ends and
+    the driver's next run DB write fails.  The driver says which file and that its file system
+    is full (no traceback), stops its gangs and exits 1; ``phalanx status`` (list and run) and
+    ``phalanx logs`` work while the disk is still full and show the run lost; once there is
+    room a status records it.  Before: raw "disk I/O error" tracebacks naming no path, and
+    status and logs crashed with them while the disk was full."""
+    from phalanx.procs import descendants, pid_alive
+
+    fault.describe("the state directory's file system full while a stage runs (20 MB tmpfs)")
+    state = small_tmpfs / "state"
+    go = tmp_path / "go"
+    wf = hold_workflow(tmp_path, go)
+    out = open(tmp_path / "run.out", "w+")
+    proc = subprocess.Popen([*PHALANX, "run", str(wf), "--plain"], env=env_for(state), stdout=out, stderr=out)
+    ranks: list[int] = []
+    try:
+        db = RunDB(state)
+        wait_for("the stage running", lambda: db.runs() and db.stages(db.runs()[0]["id"])[0]["state"] == "running", 120)
+        run_id = db.runs()[0]["id"]
+        ranks = wait_for("its ranks", lambda: len(descendants(proc.pid)) >= 2 and descendants(proc.pid), 60)
+        filler = fill(small_tmpfs)
+        t0 = time.monotonic()
+        go.touch()  # the stage ends: the driver records it (and cannot)
+        code = proc.wait(timeout=120)
+        wait_for("no rank process left", lambda: not any(pid_alive(p) for p in ranks), 30)
+        out.seek(0)
+        text = out.read()
+        assert code == 1, text
+        assert "Traceback" not in text, text
+        assert f"phalanx run: the run database {state / 'runs.sqlite'}: " in text, text
+        assert "the file system holding it is full" in text and f"--resume {run_id}" in text, text
+        assert shutil.disk_usage(small_tmpfs).free < 65536, "the tmpfs is no longer full: the test proves nothing"
+        for args in (["status"], ["status", run_id], ["logs", run_id]):
+            r = cli(state, *args)
+            assert r.returncode == 0 and "Traceback" not in r.stderr, (args, r)
+        listed = cli(state, "status").stdout
+        assert run_id in listed and ("lost" in listed or "failed" in listed), listed
+        filler.unlink()
+        assert cli(state, "status", run_id).returncode == 0
+        con = sqlite3.connect(state / "runs.sqlite")
+        recorded = con.execute("SELECT state FROM runs WHERE id=?", (run_id,)).fetchone()[0]
+        con.close()
+        assert recorded in ("lost", "failed"), recorded
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in ranks:  # ranks the test's driver started, by PID
+            if pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    fault.detected(time.monotonic() - t0)
+    fault.outcome(
+        "driver: one line naming the file and the full file system, exit 1, no rank left; "
+        "status and logs worked while full; the run recorded lost once there was room"
+    )
+    fault.data_lost("none (the run resumes)")

@@ -369,23 +369,32 @@ def cmd_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _driver_unknown(run: dict) -> bool:
+    """A running run of this host whose driver cannot be told from another process given its
+    pid: a record of an older phalanx (pid without start time) whose pid runs."""
     import socket
 
+    from .orchestrator.rundb import driver_alive
+
+    return run["state"] == "running" and run["host"] == socket.gethostname() and driver_alive(run) is None
+
+
+def cmd_status(args: argparse.Namespace) -> int:
     from .orchestrator.detached import driver_log
-    from .orchestrator.rundb import RunDB, driver_alive
+    from .orchestrator.rundb import RunDB
 
     db = RunDB(args.state)
     if not args.run:
         for r in db.runs():
             took = f"{(r['ended'] or time.time()) - r['started']:.1f}s"
-            print(f"{r['id']:26} {r['workflow']:24} {r['state']:10} {took:>9}  {r['file']}")
+            state = "running?" if _driver_unknown(r) else r["state"]  # `phalanx status RUN` says why
+            print(f"{r['id']:26} {r['workflow']:24} {state:10} {took:>9}  {r['file']}")
         return 0
     run = db.run(args.run)
     if run is None:
         print(f"phalanx status: no run {args.run!r} in {db.path}", file=sys.stderr)
         return 1
-    unsure = run["state"] == "running" and run["host"] == socket.gethostname() and driver_alive(run) is None
+    unsure = _driver_unknown(run)
     state = "running? (unknown: see the driver line)" if unsure else run["state"]
     print(f"run {run['id']}: {run['workflow']} — {state} (session {run['session']!r})")
     if unsure:  # a record of an older phalanx: pid without start time, and the pid runs

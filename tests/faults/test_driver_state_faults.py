@@ -172,6 +172,7 @@ def test_cancel_never_signals_the_process_a_dead_drivers_pid_was_given_to(tmp_pa
         else:
             assert f"run {run_id}: reused — running? (unknown" in status.stdout, status
             assert "may be the driver or another process given the pid since" in status.stdout, status
+            assert "running?" in cli(state, "status").stdout
             assert cancel.returncode == 1 and "it was not signalled" in cancel.stderr, cancel
     finally:
         other.kill()

@@ -32,7 +32,7 @@ from phalanx.store.tiers import FileTier, checksum_buffer, part_file
 TOKEN = "s3cret-token-for-the-test"
 
 
-def _table(rows: int = 50_000) -> pa.Table:
+def _table(rows: int = 20_000) -> pa.Table:
     return pa.table(
         {
             "key": pa.array([f"user-{i % 977:05d}" for i in range(rows)]),

@@ -86,6 +86,11 @@ def test_a_location_outside_the_root_is_refused_naming_it(served):
             fetch(svc.endpoint, TOKEN, location, 0)
         assert f"refusing to serve {location}" in str(err.value), err.value
     assert "symbolic link" in str(err.value)
+    fifo = root / "s" / "fifo"  # a FIFO where a partition should be: refused, not waited on
+    fifo.mkdir()
+    os.mkfifo(fifo / part_file(0))
+    with pytest.raises(LocationRefusedError, match="not a regular file"):
+        fetch(svc.endpoint, TOKEN, str(fifo), 0, timeout=5)
 
 
 def test_a_missing_partition_names_location_and_index(served):
@@ -137,6 +142,15 @@ def test_the_token_comes_from_the_environment_or_a_private_file(tmp_path, monkey
     assert TOKEN not in str(err.value)
     monkeypatch.setenv(ENV_TOKEN, "from-env")
     assert token_from_env() == "from-env"
+
+
+def test_a_service_that_hangs_fails_at_the_timeout_naming_the_endpoint():
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # accepts connections, never answers
+        port = hung.getsockname()[1]
+        t0 = time.monotonic()
+        with pytest.raises(ServiceUnreachableError, match=f"store service grpc\\+tcp://127.0.0.1:{port}: "):
+            fetch(f"grpc+tcp://127.0.0.1:{port}", TOKEN, "/x", 0, timeout=0.5)
+        assert time.monotonic() - t0 < 2
 
 
 def test_a_service_that_is_gone_fails_fast_naming_the_endpoint(tmp_path):

@@ -154,7 +154,7 @@ def open_partition_fd(root: Path, location: str, index: int) -> int:
     names = where.relative_to(root).parts
     if ".." in names or "." in names:
         raise UnsafePathError(f"{location} is not inside the store root {root} (it names '..')")
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO must not hang us
     fd = os.open(root, flags | os.O_DIRECTORY)
     here = root
     try:

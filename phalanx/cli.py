@@ -121,7 +121,7 @@ def _drive(args: argparse.Namespace, db, wf, site, progress, t0: float) -> int:
             file=sys.stderr,
         )
         return 130
-    state = "succeeded" if result.ok else "FAILED"
+    state = {"succeeded": "succeeded", "cancelled": "CANCELLED"}.get(result.state, "FAILED")
     print(f"run {result.run_id} {state} in {time.monotonic() - t0:.1f}s (store session {result.session!r})")
     _print_failures(db, result.run_id, result.failed, result.skipped, str(args.workflow))
     return 0 if result.ok else 1
@@ -152,8 +152,9 @@ def _print_failures(db, run_id: str, failed: dict[str, str], skipped: list[str],
         if tail:
             print(tail, file=sys.stderr)
         print(f"    logs: {logs}", file=sys.stderr)
-    for stage in skipped:
-        print(f"  stage {stage!r} did not run: an upstream stage failed", file=sys.stderr)
+    why = {s["stage"]: s["error"] for s in db.stages(run_id)} if skipped else {}
+    for stage in skipped:  # the reason the scheduler recorded (an upstream failure, a cancel)
+        print(f"  stage {stage!r} did not run: {why.get(stage) or 'an upstream stage failed'}", file=sys.stderr)
     if (failed or skipped) and file and file != "<python>":
         print(f"resume with: phalanx run {file} --resume {run_id}", file=sys.stderr)
 

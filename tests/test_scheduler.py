@@ -514,3 +514,32 @@ def test_a_stage_the_site_can_never_place_fails_at_once(db):
     assert not result.ok and result.skipped == ["after"]
     assert result.failed == {"big": "5 ranks, but site 'test2' (local) can give at most 2 at once"}
     assert {s["stage"]: s["state"] for s in db.stages(result.run_id)} == {"big": "failed", "after": "skipped"}
+
+
+def test_cli_names_what_failed_and_why_a_downstream_stage_did_not_run(tmp_path):
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(
+        textwrap.dedent("""
+        name: skip-demo
+        stages:
+          first:
+            kind: command
+            command: [/bin/false]
+          after:
+            kind: command
+            command: [/bin/true]
+            needs: [first]
+    """)
+    )
+    env = {"PHALANX_STATE": str(tmp_path / "state"), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", "--plain", str(wf)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert out.returncode == 1
+    assert " FAILED in " in out.stdout
+    assert "stage 'first' failed" in out.stderr
+    assert "stage 'after' did not run: an upstream stage failed" in out.stderr, out.stderr

@@ -662,6 +662,8 @@ def deployed(af):
     defers while its rank waits for a file.  Two DAG runs are started at once and awaited until
     both tasks are DEFERRED: ``clear`` and ``fail``, each ``[dag run id, its directory, the
     phalanx run id]``."""
+    from infra.airflow_deploy import wait_for
+
     d = af.deployment or _deploy(af.home, af.migrated)
     base = d.home.parent
     try:
@@ -674,6 +676,14 @@ def deployed(af):
             runs[name] = [d.trigger("px_deployed", {"dir": str(folder)}), folder]
         for name, (run, _) in runs.items():
             d.wait_ti("px_deployed", run, "gated", {"deferred"}, 1, timeout=180)
+            # and its trigger running in the triggerer (only a running trigger gets on_kill)
+            wait_for(
+                f"the trigger of {name}'s try 1 to start",
+                lambda run=run: _containing(d.log("px_deployed", run, "gated", 1), "/gated/-1/1 (ID "),
+                120,
+                0.3,
+                d.tails,
+            )
             first = d.log("px_deployed", run, "gated", 1)
             runs[name].append(first.split("phalanx run ")[1].split()[0])
             assert f"phalanx run {runs[name][2]} started" in first, first
@@ -689,33 +699,45 @@ def _deployed_run(deployed, run_id: str) -> dict:
 
 
 def test_deployed_clearing_a_deferred_task_resumes_its_run_in_the_next_try(deployed):
-    """Item 1 of issue 22: the task cleared while deferred; the scheduler starts try 2 (which
-    re-attaches to the run still going) and the triggerer runs try 1's on_kill, in either order.
-    try 1's kill must not cancel the run try 2 owns: try 2 succeeds, on the same phalanx run."""
+    """Item 1 of issue 22: the task cleared while deferred.  As users saw it, the scheduler starts
+    try 2 — which re-attaches to the run still going — before the triggerer runs try 1's
+    on_kill; the test makes that order certain by pausing the triggerer (SIGSTOP to its process
+    group, by PID) until try 2 has deferred.  try 1's kill must then leave the run to try 2,
+    which succeeds on the same phalanx run."""
     from infra.airflow_deploy import wait_for
 
     d, (dag_run, folder, run_id) = deployed.d, deployed.runs["clear"]
-    d.clear("px_deployed", dag_run, "gated")
-    d.wait_ti("px_deployed", dag_run, "gated", {"deferred"}, 2, timeout=120)  # try 2 took the run over
+    d.pause("triggerer")
+    try:
+        d.clear("px_deployed", dag_run, "gated")
+        d.wait_ti("px_deployed", dag_run, "gated", {"deferred"}, 2, timeout=120)  # try 2 took the run over
+    finally:
+        d.resume("triggerer")
+    assert _deployed_run(deployed, run_id)["state"] == "running"
 
     def try1_killed():  # the triggerer ran try 1's on_kill, and said what it did in try 1's log
         first = d.log("px_deployed", dag_run, "gated", 1)
-        said = f"phalanx run {run_id} was not cancelled: try 2 of this task owns it now" in first
-        cancelled_first = f"phalanx run {run_id} cancelled: the task was stopped while deferred" in first
-        if not said and not cancelled_first and _deployed_run(deployed, run_id).get("state") == "cancelled":
+        if f"phalanx run {run_id} was not cancelled: try 2 of this task owns it now" in first:
+            return True
+        if _deployed_run(deployed, run_id).get("state") != "running":
             second = d.log("px_deployed", dag_run, "gated", 2)
             raise AssertionError(f"try 1's kill cancelled the run try 2 owns:\n{first}\n---\n{second}")
-        return ("kept" if said else "cancelled") if (said or cancelled_first) else None
+        return False
 
-    story = wait_for("try 1's on_kill", try1_killed, 90, 0.5)
+    def what_happened() -> str:
+        owners = deployed.state / "airflow" / "owners" / f"{run_id}.json"
+        return (
+            f"\n--- try 1's log ---\n{d.log('px_deployed', dag_run, 'gated', 1)}\n--- owner: "
+            f"{owners.read_text() if owners.exists() else None}{d.tails(6000)}"
+        )
+
+    wait_for("try 1's on_kill", try1_killed, 90, 0.3, what_happened)
     (folder / "go").write_text("go")  # the rank may finish now
     ti = d.wait_ti("px_deployed", dag_run, "gated", {"success"}, 2, timeout=120)
     assert ti["try_number"] == 2
     second = d.log("px_deployed", dag_run, "gated", 2)
-    if story == "kept":  # try 2 re-attached before the kill (what users hit): the message names the run
-        assert f"phalanx run {run_id} is still running (started by an earlier try): re-attached to it; " in second
-    else:  # the kill came first: try 2 resumed the cancelled run
-        assert f"phalanx run {run_id} resumed" in second, second
+    # item 2: the re-attach line names the run
+    assert f"phalanx run {run_id} is still running (started by an earlier try): re-attached to it; " in second
     assert f"phalanx run {run_id} succeeded" in second
     assert _deployed_run(deployed, run_id)["state"] == "succeeded"
     # item 3: the report is named with its host in the log, and the extra link is no file:// URL
@@ -744,7 +766,7 @@ def test_deployed_marking_a_deferred_task_failed_says_so_in_its_log(deployed):
         0.5,
         lambda: "\n" + d.log("px_deployed", dag_run, "gated", 1),
     )
-    assert log.index("Pausing task as DEFERRED") < log.index(message)
+    assert log.index("Pausing task as DEFERRED") < log.index(message) and log.count(message) == 1
     assert "every gang stopped and no rank process is left" in log
     assert d.ti("px_deployed", dag_run, "gated")["state"] == "failed"
     assert pids and not [p for p in pids if alive(p)]

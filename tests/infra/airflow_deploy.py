@@ -88,6 +88,8 @@ class Deployment:
             "AIRFLOW__DAG_PROCESSOR__REFRESH_INTERVAL": "5",
             "AIRFLOW__DAG_PROCESSOR__MIN_FILE_PROCESS_INTERVAL": "3600",
             "AIRFLOW__TRIGGERER__JOB_HEARTBEAT_SEC": "1",
+            # a triggerer paused by a test for a while is not declared dead (its triggers moved)
+            "AIRFLOW__TRIGGERER__TRIGGERER_HEALTH_CHECK_THRESHOLD": "300",
         }
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -133,12 +135,22 @@ class Deployment:
             out.append(f"\n--- {name} ---\n{text}")
         return "".join(out)
 
+    def pause(self, name: str) -> None:
+        """SIGSTOP to a component's process group (by its PID): it does nothing until ``resume``."""
+        if self.procs[name].poll() is None:
+            _signal_group(self.procs[name].pid, signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        if self.procs[name].poll() is None:
+            _signal_group(self.procs[name].pid, signal.SIGCONT)
+
     def stop(self, grace: float = 6.0) -> None:
         """SIGTERM to each started process and its group, by PID; after ``grace`` s SIGKILL to
         the groups whose leader is still there.  A group is signalled only while its leader has
         not been reaped (its PID cannot belong to another process then)."""
         running = [p for p in self.procs.values() if p.poll() is None]
         for p in running:
+            _signal_group(p.pid, signal.SIGCONT)  # one paused by a test that failed meanwhile
             _signal_group(p.pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in running:

@@ -137,8 +137,10 @@ class PhalanxRunTrigger(BaseTrigger):
             message = (
                 f"phalanx run {self.run_id}: the task was stopped while deferred; the run had already ended: {state}"
             )
-        self.log.warning("%s", message)
-        await asyncio.to_thread(tell_task_log, self.attempt, message)
+        # in the try's own log (what the UI shows for it), else in the trigger's (the UI merges it
+        # while the triggerer's log server answers): once either way
+        if not await asyncio.to_thread(tell_task_log, self.attempt, message):
+            self.log.warning("%s", message)
 
 
 def attempt_log(task: dict[str, Any] | None) -> Path | None:

@@ -400,7 +400,7 @@ def _vineyard_up(multihost, holder: dict, reader: dict, info: dict, work: Path, 
 
     start(
         head["name"],
-        [etcd, "--data-dir", f"/tmp/phalanx-bench-etcd-{os.getpid()}", "--listen-client-urls", url]
+        [etcd, "--data-dir", str(work / "etcd"), "--listen-client-urls", url]
         + ["--advertise-client-urls", url, "--listen-peer-urls", f"http://{head['addr']}:{ETCD_PORT + 1}"]
         + ["--initial-advertise-peer-urls", f"http://{head['addr']}:{ETCD_PORT + 1}"]
         + ["--initial-cluster", f"default=http://{head['addr']}:{ETCD_PORT + 1}"],
@@ -409,6 +409,7 @@ def _vineyard_up(multihost, holder: dict, reader: dict, info: dict, work: Path, 
     time.sleep(2)
     for h in (holder, reader):
         argv = [vineyardd, "--socket", VY_SOCKET, "--rpc_socket_port", str(VY_PORT), "--size", "3Gi"]
+        argv += ["--log_dir", str(work)]  # not the host's /tmp (glog's default): removed with work
         start(
             h["name"],
             argv + ["--meta", "etcd", "--etcd_endpoint", url, "--etcd_prefix", f"/bench{os.getpid()}"],

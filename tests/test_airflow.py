@@ -767,6 +767,12 @@ def test_deployed_marking_a_deferred_task_failed_says_so_in_its_log(deployed):
         lambda: "\n" + d.log("px_deployed", dag_run, "gated", 1),
     )
     assert log.index("Pausing task as DEFERRED") < log.index(message) and log.count(message) == 1
+    # in the try's own log file, after the deferral (not only in the trigger's file, which the UI
+    # reads from the triggerer only while the task is deferred, and which lost this line at times)
+    own = d.logs / "dag_id=px_deployed" / f"run_id={dag_run}" / "task_id=gated" / "attempt=1.log"
+    events = [json.loads(line).get("event", "") for line in own.read_text().splitlines() if line.startswith("{")]
+    assert any(e.startswith("Pausing task as DEFERRED") for e in events)
+    assert events[-1].startswith(message), events[-3:]
     assert "every gang stopped and no rank process is left" in log
     assert d.ti("px_deployed", dag_run, "gated")["state"] == "failed"
     assert pids and not [p for p in pids if alive(p)]

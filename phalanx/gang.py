@@ -460,7 +460,7 @@ class Gang:
             try:
                 rank, msg = control.events.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                return
+                break
             if rank not in pending:
                 continue
             if isinstance(msg, _FAILED):
@@ -474,6 +474,19 @@ class Gang:
             elif isinstance(msg, P.Result) and results is not None:
                 results[rank] = msg.value
                 pending.discard(rank)
+        self._blame_the_first(failures)
+
+    def _blame_the_first(self, failures: dict[int, RankFailure]) -> None:
+        """Ranks that vanished together (mpirun ends every rank when one dies): blame the one
+        the launcher says ended first, not the one whose disconnect happened to arrive first."""
+        launcher = self._launcher
+        vanished = [f for f in failures.values() if not f.exc_type]  # no exception of its own
+        if launcher is None or len(vanished) < 2:
+            return
+        first = launcher.first_failed()
+        if first is not None and first in failures:
+            for f in vanished:
+                f.after_peer = f.rank != first
 
     def _next_event(self, deadline: float | None) -> tuple[int, P.ToDriver] | None:
         """The next (rank, message) from the ranks; None once ``deadline`` has passed."""

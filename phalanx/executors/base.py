@@ -124,6 +124,11 @@ class Launcher(ABC):
         """What memory says about a rank killed by SIGKILL (over its limit, the OOM killer)."""
         return ""
 
+    def first_failed(self) -> int | None:
+        """The rank whose end made the launcher end the others (mpirun names it), or None
+        where each rank's own exit says what happened to it."""
+        return None
+
 
 @dataclass(frozen=True)
 class Capabilities:

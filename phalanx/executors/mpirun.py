@@ -138,6 +138,7 @@ class MPIRunLauncher(Launcher):
         self.command_stage = False  # argv is a program of a command stage, not the rank worker
         self.proc: subprocess.Popen | None = None  # mpirun, or on Linux its shim
         self._pump: threading.Thread | None = None
+        self._router: TagOutputRouter | None = None
         self._output: RankOutput | None = None
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
@@ -189,7 +190,22 @@ class MPIRunLauncher(Launcher):
             start_new_session=True,  # Ctrl-C reaches the driver, which stops the gang
         )
         assert self.proc.stdout is not None  # stdout=PIPE
-        self._pump = start_pump(self.proc.stdout, self._output, TagOutputRouter(), "phalanx-log-mpirun")
+        self._router = TagOutputRouter()
+        self._pump = start_pump(self.proc.stdout, self._output, self._router, "phalanx-log-mpirun")
+
+    def first_failed(self) -> int | None:
+        """The rank mpirun noticed ending first: the one that was killed or exited non-zero,
+        the others it ended after it.  Waits a moment for mpirun to exit and say so."""
+        router, proc = self._router, self.proc
+        if router is None or proc is None:
+            return None
+        try:
+            proc.wait(timeout=self.exit_latency)
+        except subprocess.TimeoutExpired:
+            return router.noticed
+        if self._pump is not None:
+            self._pump.join(timeout=self.exit_latency)  # its last lines: mpirun's notice
+        return router.noticed
 
     def exitcodes(self) -> list[int | None]:
         code = self.proc.poll() if self.proc is not None else None
@@ -241,9 +257,12 @@ class TagOutputRouter:
     """
 
     TAG = re.compile(rb"\[\d+,(\d+)\]<(stdout|stderr|stddiag)>:")
+    # Open MPI's help-orterun.txt: proc-aborted(-strsignal), proc-exit-no-sync... name the rank
+    NOTICE = re.compile(rb"noticed that process rank (\d+) with PID")
 
     def __init__(self) -> None:
         self.partial: dict[tuple[int | None, bytes], bytearray] = {}
+        self.noticed: int | None = None  # the rank mpirun says ended the job
 
     def __call__(self, line: bytes) -> list[tuple[int | None, bytes]]:
         if not line:  # end of stream: flush unterminated lines
@@ -259,6 +278,8 @@ class TagOutputRouter:
         buf = self.partial.get(key)
         if buf and buf.endswith(b"\n"):
             del self.partial[key]
+            if key[0] is None and self.noticed is None and (m := self.NOTICE.search(buf)):
+                self.noticed = int(m.group(1))
             return [(key[0], bytes(buf))]
         return []
 

@@ -174,6 +174,15 @@ def test_cancel_never_signals_the_process_a_dead_drivers_pid_was_given_to(tmp_pa
             assert "may be the driver or another process given the pid since" in status.stdout, status
             assert "running?" in cli(state, "status").stdout
             assert cancel.returncode == 1 and "it was not signalled" in cancel.stderr, cancel
+            from phalanx.integrations.airflow._runs import cancel_run  # the Airflow provider's kill
+
+            with pytest.raises(RuntimeError, match="nothing was signalled"):
+                cancel_run(run_id, state, wait=5)
+        if record == "current":
+            from phalanx.integrations.airflow._runs import cancel_run
+
+            assert cancel_run(run_id, state, wait=5) == "lost"
+        assert other.poll() is None, f"a cancel signalled process {other.pid}, not the run's driver"
     finally:
         other.kill()
         other.wait()

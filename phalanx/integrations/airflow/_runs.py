@@ -192,7 +192,11 @@ def cancel_run(run_id: str, state: str | Path | None, wait: float = 30.0) -> str
         return run["state"] if run else "unknown"
     if run["pid"] == os.getpid():
         raise RuntimeError(f"run {run_id} is driven by this process: cancel its handle instead")
-    detached.stop_driver(run["pid"], wait)
+    if detached.stop_run_driver(run, wait) is None:  # an older record: its pid may be another's now
+        raise RuntimeError(
+            f"run {run_id}: cannot tell whether pid {run['pid']} is still its driver (recorded by an older "
+            "phalanx); nothing was signalled: check it with ps and stop it by hand"
+        )
     return (db.run(run_id) or {}).get("state", "unknown")
 
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import GangError, RankError, RankFailure
+from .errors import GangError, PhalanxError, RankError, RankFailure
 from .executors import DEFAULT, DEFAULT_MPI
 from .executors import create as create_executor
 from .executors.base import Executor, Launcher
@@ -276,12 +276,18 @@ class Gang:
 
     def _make_launcher(self) -> Launcher:
         if isinstance(self.executor, Launcher):
-            return self.executor
+            return self.executor  # the scheduler's: it checked the stage
+        ex = self.executor
+        config = ex.stage_config(self.config) if self.config else None
+        try:
+            ex.check(self.world_size, ex.effective_config(config))  # what the launch would fail on, first
+        except GangError:
+            raise
+        except PhalanxError as exc:  # the site cannot hold this gang: it cannot be placed
+            raise GangError(f"gang {self.gang_id}: {exc}") from exc
         if self._owned is not None and not self._scope_open:
             self._owned.open_run()  # a standalone gang is its own run: its pilot lives as long as it
             self._scope_open = True
-        ex = self.executor
-        config = ex.stage_config(self.config) if self.config else None
         return ex.launcher(self.world_size, slots=self.slots, config=config, echo=self.echo)
 
     def _await_ready(self) -> None:

@@ -49,6 +49,8 @@ def main(argv: list[str]) -> int:
         print(f"phalanx driver: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        for sig in (signal.SIGTERM, signal.SIGINT):  # one cancel: a second signal must not cut it short
+            signal.signal(sig, signal.SIG_IGN)
         if handle is not None:
             handle.cancel()
         print(f"run {handle.run_id if handle else '?'} cancelled: every gang was stopped", flush=True)

@@ -62,9 +62,8 @@ def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resum
     """Start a driver process for a checked workflow model (a ``px.Workflow``'s, functions by
     value) the way ``phalanx run --detach`` starts one for a file; returns the run id once the
     run is in the run database.  Its output goes to ``STATE/drivers/RUN.log``."""
-    import cloudpickle
-
     from ...private import create_private, private_dir
+    from ...runtime import pickling  # functions keep their file and source: their tracebacks show them
 
     pickle_functions_by_value(wf.apps.values())
     specs = private_dir(
@@ -74,7 +73,7 @@ def submit_model(wf: Any, site: Any, db: RunDB, *, file: str = "<python>", resum
     )
     spec = specs / f"{uuid.uuid4().hex}.pkl"
     create_private(spec).write_bytes(
-        cloudpickle.dumps({"workflow": wf, "site": site, "file": file, "resume": resume, "state": str(db.state_dir)})
+        pickling.dumps({"workflow": wf, "site": site, "file": file, "resume": resume, "state": str(db.state_dir)})
     )
     argv = [sys.executable, "-m", "phalanx.integrations.airflow._driver", str(spec)]  # + the run id's pipe
     try:

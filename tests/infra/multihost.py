@@ -39,6 +39,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -195,6 +196,8 @@ def _holder(host: str) -> int:
 def _host_wd(cwd: str | os.PathLike | None) -> str:
     """The working directory inside a host: ``cwd`` (or ours), "/" where it is a host's own."""
     wd = os.path.abspath(cwd if cwd is not None else os.getcwd())
+    if _covered([wd], (load_state() or {}).get("kept", [])):
+        return wd
     return "/" if any(wd == p or wd.startswith(p + "/") for p in ("/tmp", "/dev/shm")) else wd
 
 
@@ -227,6 +230,8 @@ def healthy(n: int | None = None) -> bool:
     s = load_state()
     if not s or (n is not None and len(s["hosts"]) != n + 1) or s.get("net") != NET:
         return False
+    if not _covered(kept_paths(), s.get("kept", [])):  # brought up by a checkout elsewhere
+        return False
     if _sh("ip", "link", "show", BRIDGE, check=False).returncode:
         return False
     return all(_host_ok(h) for h in s["hosts"])
@@ -239,13 +244,31 @@ def _hosts_file(n: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _holder_script(name: str, hosts_file: Path) -> str:
+def kept_paths() -> list[str]:
+    """What a host must still see under /tmp, its own there otherwise: this checkout and the
+    venv when they live under /tmp (CI's fresh clone), as a cluster's shared filesystem would."""
+    here = {str(Path(__file__).resolve().parents[2]), sys.prefix, os.path.realpath(sys.prefix)}
+    under = sorted(p for p in here if p.startswith("/tmp/"))
+    return [p for p in under if not any(p.startswith(q + "/") for q in under)]
+
+
+def _covered(paths: list[str], kept: list[str]) -> bool:
+    return all(any(p == k or p.startswith(k + "/") for k in kept) for p in paths)
+
+
+def _holder_script(name: str, hosts_file: Path, kept: list[str]) -> str:
+    # a kept path is bind-mounted aside before the host's own /tmp hides it, then moved back
+    aside = [STATE_DIR / f"keep-{name}-{i}" for i in range(len(kept))]
+    for a in aside:
+        a.mkdir(mode=0o700, exist_ok=True)
     return (
         "set -e; "
         f"hostname {name}; "
         f"mount -t tmpfs -o size={SHM_SIZE},mode=1777 shm-{name} /dev/shm; "
-        f"mount -t tmpfs -o mode=1777 tmp-{name} /tmp; "
-        f"mount --bind {hosts_file} /etc/hosts; "
+        + "".join(f"mount --bind {shlex.quote(k)} {a}; " for k, a in zip(kept, aside))
+        + f"mount -t tmpfs -o mode=1777 tmp-{name} /tmp; "
+        + "".join(f"mkdir -p {shlex.quote(k)}; mount --move {a} {shlex.quote(k)}; " for k, a in zip(kept, aside))
+        + f"mount --bind {hosts_file} /etc/hosts; "
         "exec sleep infinity"
     )
 
@@ -299,7 +322,8 @@ def _up(n: int, timeout: float) -> list[dict]:
     hosts_file = STATE_DIR / "hosts"
     hosts_file.write_text(_hosts_file(n))
     os.chmod(hosts_file, 0o644)
-    state = {"net": NET, "bridge": BRIDGE, "bridge_addr": BRIDGE_ADDR, "hosts": []}
+    kept = kept_paths()
+    state = {"net": NET, "bridge": BRIDGE, "bridge_addr": BRIDGE_ADDR, "kept": kept, "hosts": []}
     try:
         _sh("ip", "link", "add", BRIDGE, "type", "bridge")
         _sh("ip", "addr", "add", f"{BRIDGE_ADDR}/24", "dev", BRIDGE)
@@ -317,7 +341,7 @@ def _up(n: int, timeout: float) -> list[dict]:
                 # enter the netns first: `unshare --net=FILE` would make a NEW, empty one and
                 # bind-mount it over FILE (util-linux's "persistent namespace"), not join it
                 ["nsenter", f"--net=/run/netns/{name}", "unshare", "--mount", "--uts", "--propagation", "private"]
-                + ["sh", "-c", _holder_script(name, hosts_file)],
+                + ["sh", "-c", _holder_script(name, hosts_file, kept)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -398,7 +422,10 @@ def _down() -> dict:
     for dev in _leftovers().get("links", []):  # the veths die with their namespace; the bridge
         _sh("ip", "link", "del", dev, check=False)
     for f in STATE_DIR.glob("*") if STATE_DIR.is_dir() else []:
-        f.unlink()
+        if f.is_dir() and not f.is_symlink():
+            f.rmdir()  # a keep-* mount point (empty: its mount was in the host's namespace)
+        else:
+            f.unlink()
     if STATE_DIR.is_dir():
         STATE_DIR.rmdir()
     left = _leftovers()

@@ -9,7 +9,7 @@ Imports under ``if TYPE_CHECKING:`` are exempt: they never run.
 
 The layers, lowest first (a module may import its own layer and the ones below, never above):
 
-    base          errors, _registry, paths, private, redact, procs (no phalanx imports but these)
+    base          errors, _registry, paths, private, redact, procs, sqlite_wal (no phalanx imports but these)
     runtime       the rank side: worker, BSPEnv, communicators, rendezvous
     operators     the distributed DataFrame
     store         the intermediate store, env.store (attaches itself to BSPEnv)
@@ -63,6 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "phalanx.private",
             "phalanx.redact",
             "phalanx.procs",
+            "phalanx.sqlite_wal",
         ),
     ),
     ("runtime", ("phalanx.runtime",)),

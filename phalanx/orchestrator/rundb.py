@@ -19,6 +19,7 @@ from ..errors import PhalanxError
 from ..private import create_private
 from ..procs import boot_id, pid_alive, same_process, start_time
 from ..redact import redact_opt
+from ..sqlite_wal import set_wal
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -103,7 +104,7 @@ class RunDB:
         con.row_factory = sqlite3.Row
         try:
             if con.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # a new database: once
-                _wal(con)
+                set_wal(con)
             yield con
         except sqlite3.OperationalError as exc:
             if isinstance(exc, RunDBError):
@@ -385,21 +386,6 @@ class RunLockedError(PhalanxError):
         )
         super().__init__(f"run {run_id} is being driven by process {pid} on host {host!r}; one driver per run — {hint}")
         self.run_id, self.pid, self.host = run_id, pid, host
-
-
-def _wal(con: sqlite3.Connection, within_s: float = 60.0) -> None:
-    """Put a database in WAL mode (a setting of the file: once is enough).  Processes that open a
-    new database at once race for it, and SQLite answers the losers "database is locked" without
-    waiting: try again until the winner's setting is there."""
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            con.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-            time.sleep(0.01)
 
 
 def _decoded(row: dict) -> dict:

@@ -31,6 +31,7 @@ import pyarrow as pa
 from .._registry import Registry
 from ..errors import StoreError
 from ..private import create_private, makedirs
+from ..sqlite_wal import set_wal
 
 
 @dataclass
@@ -149,25 +150,6 @@ CREATE TABLE IF NOT EXISTS partitions (
 """
 
 
-def _wal(con: sqlite3.Connection, limit: float = 60.0) -> None:
-    """``PRAGMA journal_mode=WAL``, tried again while SQLite says "database is locked":
-    switching a new catalogue to WAL needs its exclusive lock, and of two connections that
-    switch at once (the first openers of a new store) SQLite fails one at once instead of
-    waiting for the busy timeout (waiting could deadlock).  On a catalogue already in WAL
-    mode the pragma changes nothing."""
-    deadline = time.monotonic() + limit
-    delay = 0.001
-    while True:
-        try:
-            con.execute("PRAGMA journal_mode=WAL")
-            return
-        except sqlite3.OperationalError as exc:
-            if "locked" not in str(exc) or time.monotonic() > deadline:
-                raise
-        time.sleep(delay)
-        delay = min(2 * delay, 0.05)
-
-
 class SQLiteMetadata(MetadataBackend):
     """One SQLite file (WAL mode); a connection per call, so threads and processes share it."""
 
@@ -219,7 +201,7 @@ class SQLiteMetadata(MetadataBackend):
         except sqlite3.Error as exc:
             raise StoreError(f"store metadata {self.path}: {exc}") from None
         try:
-            _wal(con)
+            set_wal(con)
             yield con
         except sqlite3.Error as exc:  # a full disk ("disk I/O error"), a corrupted file...
             raise StoreError(f"store metadata {self.path}: {exc}") from exc

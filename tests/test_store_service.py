@@ -5,7 +5,10 @@ tests/multihost/test_store_service_multihost.py."""
 from __future__ import annotations
 
 import os
+import re
 import socket
+import subprocess
+import sys
 import time
 
 import psutil
@@ -24,6 +27,8 @@ from phalanx.store.service import (
     StoreService,
     fetch,
     fetch_table,
+    local_endpoint,
+    ping,
     token_from_env,
     write_token_file,
 )
@@ -130,8 +135,12 @@ def test_the_server_is_bound_to_the_address_asked(served, tmp_path):
 def test_the_token_comes_from_the_environment_or_a_private_file(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_TOKEN, raising=False)
     monkeypatch.delenv(ENV_TOKEN_FILE, raising=False)
-    with pytest.raises(ValueError, match=ENV_TOKEN_FILE):
-        token_from_env()
+    monkeypatch.setenv("PHALANX_STATE", str(tmp_path / "state"))
+    # nothing named: a per-user secret made in the state directory, 0600, the same next time
+    made = token_from_env()
+    default = tmp_path / "state" / "store.token"
+    assert len(made) == 64 and default.read_text() == made and default.stat().st_mode & 0o777 == 0o600
+    assert token_from_env() == made
     path = write_token_file(tmp_path / "secret", TOKEN)
     assert os.stat(path).st_mode & 0o777 == 0o600
     monkeypatch.setenv(ENV_TOKEN_FILE, str(path))
@@ -163,3 +172,28 @@ def test_a_service_that_is_gone_fails_fast_naming_the_endpoint(tmp_path):
     ):
         fetch(f"grpc+tcp://127.0.0.1:{port}", TOKEN, "/x", 1, timeout=5)
     assert time.monotonic() - t0 < 2
+
+
+def test_a_service_publishes_its_endpoint_for_its_hosts_ranks_and_answers_pings(tmp_path, monkeypatch):
+    root = tmp_path / "store"
+    root.mkdir()
+    monkeypatch.setenv(ENV_TOKEN, TOKEN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.store.service", "--root", str(root), "--host", "127.0.0.1", "--key", "job-1"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        endpoint = proc.stdout.readline().strip()
+        assert local_endpoint(root, "job-1") == endpoint
+        assert (root / ".services" / "job-1.json").stat().st_mode & 0o777 == 0o600
+        assert local_endpoint(root, "job-2") is None
+        assert ping(endpoint, TOKEN) == socket.gethostname()
+        with pytest.raises(AuthRefusedError):
+            ping(endpoint, "wrong")
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=10) == 0
+    assert local_endpoint(root, "job-1") is None  # removed on exit
+    with pytest.raises(ServiceUnreachableError, match=re.escape(endpoint)):
+        ping(endpoint, TOKEN, timeout=2)

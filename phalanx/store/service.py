@@ -41,7 +41,9 @@ import json
 import logging
 import mmap
 import os
+import secrets
 import signal
+import socket
 import stat
 import sys
 import threading
@@ -54,13 +56,17 @@ import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
 from ..errors import StoreError, UnsafePathError
-from ..private import FILE_MODE
+from ..paths import ENV_SPILL, state_dir
+from ..private import FILE_MODE, makedirs
+from ..procs import boot_id, same_process, start_time
+from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
+from ..runtime.envvars import ENV_STORE_TOKEN_FILE as ENV_TOKEN_FILE
 from .tiers import FileTier, check_mine, part_file
 
 log = logging.getLogger("phalanx.store.service")
 
-ENV_TOKEN = "PHALANX_STORE_TOKEN"  # the secret itself
-ENV_TOKEN_FILE = "PHALANX_STORE_TOKEN_FILE"  # or a file holding it (mode 0600, yours)
+TOKEN_FILE_NAME = "store.token"  # the per-user default token, in the state directory
+SERVICES_DIR = ".services"  # <root>/.services/<key>.json: the endpoint of this host's service
 CHUNK = 4 << 20  # bytes per record batch of a raw fetch
 DEFAULT_TIMEOUT = 60.0  # seconds for one fetch, connection included
 WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
@@ -119,15 +125,90 @@ def write_token_file(path: str | os.PathLike[str], token: str) -> Path:
     return Path(path)
 
 
+def token_file() -> Path:
+    """The token file this process uses: ``PHALANX_STORE_TOKEN_FILE``, else ``store.token`` in
+    the state directory (``~/.local/state/phalanx``, on the home every node mounts), made with
+    a new random secret (mode 0600) the first time.  One per user: every service and reader of
+    this user's, on every host, holds it; nobody else can read it."""
+    named = os.environ.get(ENV_TOKEN_FILE)
+    if named:
+        return Path(named)
+    path = state_dir() / TOKEN_FILE_NAME
+    try:
+        write_token_file(path, secrets.token_hex(32))
+    except FileExistsError:  # made before (or by a process racing us): use it
+        pass
+    return path
+
+
 def token_from_env() -> str:
-    """``PHALANX_STORE_TOKEN``, else the file ``PHALANX_STORE_TOKEN_FILE`` names."""
+    """``PHALANX_STORE_TOKEN``, else the file ``token_file()`` names (made if missing)."""
     token = os.environ.get(ENV_TOKEN)
     if token:
         return token
-    path = os.environ.get(ENV_TOKEN_FILE)
-    if path:
-        return read_token_file(path)
-    raise ValueError(f"no store service token: set {ENV_TOKEN_FILE} (a 0600 file) or {ENV_TOKEN}")
+    return read_token_file(token_file())
+
+
+# ---- where this host's service is -------------------------------------------------------------
+def resolve_host(host: str) -> str:
+    """``auto``: the address this host's name resolves to (its cluster address, as SLURM and
+    /etc/hosts know it); anything else as given."""
+    if host != "auto":
+        return host
+    name = socket.gethostname()
+    try:
+        return socket.gethostbyname(name)
+    except OSError as exc:
+        raise ValueError(
+            f"--host auto: this host's name {name!r} does not resolve ({exc}); give --host ADDRESS"
+        ) from None
+
+
+def endpoint_record(root: str | os.PathLike[str], key: str) -> Path:
+    if not key or "/" in key or key.startswith("."):
+        raise ValueError(f"bad service key {key!r}")
+    return Path(root) / SERVICES_DIR / f"{key}.json"
+
+
+def publish_endpoint(root: str | os.PathLike[str], key: str, endpoint: str) -> Path:
+    """Record ``endpoint`` as this host's service for ``key`` (atomically, 0600)."""
+    path = endpoint_record(root, key)
+    makedirs(path.parent)
+    record = {
+        "endpoint": endpoint,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "start": start_time(os.getpid()),
+        "boot": boot_id(),
+    }
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return path
+
+
+def local_endpoint(root: str | os.PathLike[str], key: str) -> str | None:
+    """The endpoint of the live service ``key`` on this host (its record in the host's own
+    store root), or None: no record, or its process is gone."""
+    path = endpoint_record(root, key)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        check_mine(path, st)
+        record = json.loads(os.read(fd, 1 << 16))
+    except (UnsafePathError, ValueError) as exc:
+        log.warning("ignoring the service record %s: %s", path, exc)
+        return None
+    finally:
+        os.close(fd)
+    if same_process(int(record["pid"]), record.get("start"), record.get("boot")) is False:
+        return None
+    return str(record["endpoint"])
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -214,6 +295,11 @@ class _Server(fl.FlightServerBase):  # type: ignore[misc]
         why = "; ".join(refused) or f"it is not inside {' or '.join(map(str, self.roots))}"
         log.warning("store service: refused %s: %s", location, why)
         raise fl.FlightServerError(f"refusing to serve {location}: {why}", _REFUSED)
+
+    def do_action(self, context: Any, action: fl.Action) -> Iterator[bytes]:
+        if action.type == "ping":  # is the service (and so its host's memory) still there?
+            return iter([socket.gethostname().encode()])
+        raise fl.FlightServerError(f"unknown action {action.type!r}", _REFUSED)
 
     def do_get(self, context: Any, ticket: fl.Ticket) -> fl.FlightDataStream:
         try:
@@ -368,6 +454,23 @@ def _read_bytes(reader: fl.FlightStreamReader) -> pa.Buffer:
     return out if out is not None else pa.py_buffer(b"")
 
 
+def ping(endpoint: str, token: str | None = None, timeout: float = 5.0) -> str:
+    """The serving host's name if the service at ``endpoint`` answers within ``timeout``;
+    ``ServiceUnreachableError`` (or ``AuthRefusedError``) otherwise."""
+    what = f"the store service {endpoint}"
+    options = fl.FlightCallOptions(
+        headers=[(b"authorization", f"Bearer {token or token_from_env()}".encode())], timeout=timeout
+    )
+    try:
+        results = list(_client(endpoint).do_action(fl.Action("ping", b""), options))
+    except fl.FlightUnauthenticatedError:
+        raise AuthRefusedError(f"{what}: the service refused the token") from None
+    except (fl.FlightError, OSError) as exc:
+        _drop_client(endpoint)
+        raise ServiceUnreachableError(f"{what} is unreachable ({_message(exc)})") from None
+    return results[0].body.to_pybytes().decode() if results else ""
+
+
 def fetch(endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT) -> pa.Buffer:
     """Partition ``index`` at ``location`` (as the metadata records it), exactly the bytes of
     its file on the service's host, as one buffer: check it with ``tiers.checksum_buffer``,
@@ -394,13 +497,26 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--root", required=True, help="the file tier's root (e.g. /dev/shm/phalanx-$USER/store)")
     p.add_argument("--also", action="append", default=[], help="another root to serve (the spill directory)")
-    p.add_argument("--host", required=True, help="the address to bind: the host's cluster address or 127.0.0.1")
+    p.add_argument(
+        "--host",
+        required=True,
+        help="the address to bind: the host's cluster address, 127.0.0.1, or auto (what this host's name resolves to)",
+    )
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--endpoint-file", help="write the endpoint here (atomically) once serving")
+    p.add_argument(
+        "--key",
+        help=f"publish the endpoint as ROOT/{SERVICES_DIR}/KEY.json for the ranks of this host "
+        "(PHALANX_STORE_SERVICE_KEY=KEY); removed on exit",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    record: Path | None = None
     try:
-        svc = StoreService(args.root, args.host, args.port, also=args.also)
+        also = args.also or ([os.environ[ENV_SPILL]] if os.environ.get(ENV_SPILL) else [])
+        svc = StoreService(args.root, resolve_host(args.host), args.port, also=also)
+        if args.key:
+            record = publish_endpoint(args.root, args.key, svc.endpoint)
     except (ValueError, OSError, fl.FlightError) as exc:
         print(f"phalanx store service: {exc}", file=sys.stderr)
         return 1
@@ -416,7 +532,11 @@ def main(argv: list[str] | None = None) -> int:
         os.replace(tmp, args.endpoint_file)
     log.info("serving %s on %s (pid %d)", ", ".join(map(str, svc.roots)), svc.endpoint, os.getpid())
     print(svc.endpoint, flush=True)
-    svc.serve()
+    try:
+        svc.serve()
+    finally:
+        if record is not None:
+            record.unlink(missing_ok=True)
     log.info("stopped")
     return 0
 

@@ -106,3 +106,9 @@ class DatasetExistsError(StoreError):
 
 class ChecksumError(StoreError):
     pass
+
+
+class PartitionLostError(StoreError):
+    """A partition held in the memory of another host cannot be read: that host, or its store
+    service, is gone and no written-through copy exists.  The message names the dataset,
+    partition and host; a resume recomputes the stage that wrote it."""

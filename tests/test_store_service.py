@@ -17,6 +17,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from phalanx.errors import UnsafePathError
+from phalanx.store.remote import local_endpoint
 from phalanx.store.service import (
     ENV_TOKEN,
     ENV_TOKEN_FILE,
@@ -27,7 +28,6 @@ from phalanx.store.service import (
     StoreService,
     fetch,
     fetch_table,
-    local_endpoint,
     ping,
     token_from_env,
     write_token_file,

@@ -40,6 +40,27 @@ class PartitionInfo:
     rows: int
     bytes: int
     checksum: str
+    # Where it lives when the store spans hosts (all empty on one host or a shared root):
+    host: str = ""  # the host whose memory holds it
+    root_id: str = ""  # identity of that host's store root (FileTier.root_id): same id, same files
+    endpoint: str = ""  # that host's store service (grpc+tcp://addr:port), "" if none
+    copy: str = ""  # a written-through copy's directory on a durable tier, "" if none
+
+    @property
+    def place(self) -> dict[str, str]:
+        """The non-empty placement fields, as stored."""
+        return {k: v for k in PLACE_FIELDS if (v := getattr(self, k))}
+
+    @classmethod
+    def of(
+        cls, index: int, rows: int, nbytes: int, checksum: str, place: str | dict[str, str] | None = None
+    ) -> PartitionInfo:
+        """From stored fields; ``place``: the JSON (or dict) ``place`` gave."""
+        fields = json.loads(place) if isinstance(place, str) and place else (place or {})
+        return cls(index, rows, nbytes, checksum, **{k: str(v) for k, v in fields.items() if k in PLACE_FIELDS})
+
+
+PLACE_FIELDS = ("host", "root_id", "endpoint", "copy")
 
 
 @dataclass
@@ -86,6 +107,7 @@ class DatasetInfo:
             "created": self.created,
             "schema": {f.name: str(f.type) for f in self.schema},
             "location": self.location,
+            "hosts": [p.host for p in self.partitions] if any(p.host for p in self.partitions) else [],
             "pinned": self.pinned,
             "accessed": self.accessed,
         }
@@ -146,7 +168,8 @@ CREATE TABLE IF NOT EXISTS datasets (
     PRIMARY KEY (session, name));
 CREATE TABLE IF NOT EXISTS partitions (
     session TEXT NOT NULL, name TEXT NOT NULL, idx INTEGER NOT NULL, rows INTEGER NOT NULL,
-    bytes INTEGER NOT NULL, checksum TEXT NOT NULL, PRIMARY KEY (session, name, idx));
+    bytes INTEGER NOT NULL, checksum TEXT NOT NULL, place TEXT NOT NULL DEFAULT '',
+    PRIMARY KEY (session, name, idx));
 """
 
 
@@ -169,7 +192,8 @@ class SQLiteMetadata(MetadataBackend):
         """Whether both tables exist with today's columns (then opening writes nothing)."""
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
-        return {"datasets", "partitions"} <= tables and "accessed" in cols
+        part_cols = {r[1] for r in con.execute("PRAGMA table_info(partitions)")}
+        return {"datasets", "partitions"} <= tables and "accessed" in cols and "place" in part_cols
 
     @classmethod
     def _migrate(cls, con: sqlite3.Connection) -> None:
@@ -186,6 +210,8 @@ class SQLiteMetadata(MetadataBackend):
                 cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
                 if "accessed" not in cols:
                     con.execute("ALTER TABLE datasets ADD COLUMN accessed REAL NOT NULL DEFAULT 0")
+                if "place" not in {r[1] for r in con.execute("PRAGMA table_info(partitions)")}:
+                    con.execute("ALTER TABLE partitions ADD COLUMN place TEXT NOT NULL DEFAULT ''")
             con.execute("COMMIT")
         except BaseException:
             con.execute("ROLLBACK")
@@ -213,9 +239,9 @@ class SQLiteMetadata(MetadataBackend):
     def _info(self, con: sqlite3.Connection, row: tuple[Any, ...]) -> DatasetInfo:
         session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed = row
         parts = [
-            PartitionInfo(*p)
+            PartitionInfo.of(*p)
             for p in con.execute(
-                "SELECT idx, rows, bytes, checksum FROM partitions WHERE session=? AND name=? ORDER BY idx",
+                "SELECT idx, rows, bytes, checksum, place FROM partitions WHERE session=? AND name=? ORDER BY idx",
                 (session, name),
             )
         ]
@@ -302,8 +328,19 @@ class SQLiteMetadata(MetadataBackend):
                 ),
             )
             con.executemany(
-                "INSERT INTO partitions VALUES (?,?,?,?,?,?)",
-                [(info.session, info.name, p.index, p.rows, p.bytes, p.checksum) for p in info.partitions],
+                "INSERT INTO partitions VALUES (?,?,?,?,?,?,?)",
+                [
+                    (
+                        info.session,
+                        info.name,
+                        p.index,
+                        p.rows,
+                        p.bytes,
+                        p.checksum,
+                        json.dumps(p.place) if p.place else "",
+                    )
+                    for p in info.partitions
+                ],
             )
         return old
 

@@ -14,6 +14,7 @@ from ..operators.shuffle import shuffle_table
 from . import repartition as R
 from .metadata import DatasetInfo
 from .store import Store
+from .tiers import FileTier
 
 if TYPE_CHECKING:
     from ..runtime.env import BSPEnv
@@ -26,6 +27,22 @@ class RankStore:
         self.env = env
         self.store = store
         self.last_plan = ""  # which repartition path the last get took (for benchmarks, logs)
+        self._root_ids: list[str] | None = None
+
+    def root_ids(self) -> list[str]:
+        """Each rank's store-root identity (``FileTier.root_id``; "" on an object store),
+        gathered once (collective): ranks with different ids are on hosts that do not share
+        the root — the store then spans hosts, each keeping its ranks' partitions."""
+        if self._root_ids is None:
+            tier = self.store.tier
+            self._root_ids = self.env.comm.allgather_obj(tier.root_id() if isinstance(tier, FileTier) else "")
+        return self._root_ids
+
+    def _leads_root(self) -> bool:
+        """Whether this rank is the first of those that share its root (it moves their
+        partitions into place, or removes them)."""
+        ids = self.root_ids()
+        return ids.index(ids[self.env.rank]) == self.env.rank
 
     def for_session(self, session: str) -> RankStore:
         """The same store, another session (namespace)."""
@@ -60,26 +77,34 @@ class RankStore:
             return store.new_staging_id(env.gang_id or "gang")
 
         staging_id = comm.on_root(plan)
+        spans_hosts = len(set(self.root_ids())) > 1
+        discards = self._leads_root() if spans_hosts else env.rank == 0  # one remover per root
         try:
             part = comm.on_every_rank(
                 f"put {name!r}: writing partitions", store.stage_partition, staging_id, env.rank, table, name
             )
         except Exception:
-            if env.rank == 0:
+            if discards:
                 store.discard_staging(name, staging_id)
             raise
         reports = comm.allgather_obj((part, table.schema.serialize().to_pybytes()))
         schemas = [pa.ipc.read_schema(pa.py_buffer(s)) for _, s in reports]
         bad = [r for r, s in enumerate(schemas) if not s.equals(schemas[0])]
         if bad:
-            if env.rank == 0:
+            if discards:
                 store.discard_staging(name, staging_id)
             raise StoreError(
                 f"put {name!r}: ranks {bad} have a different schema than rank 0: {schemas[bad[0]]} vs {schemas[0]}"
             )
+        if spans_hosts:  # each host's first rank moves that host's partitions into place
+            comm.on_every_rank(
+                f"put {name!r}: moving partitions into place on each host",
+                lambda: store.commit_here(name, staging_id) if discards else None,
+            )
         partitioning = R.hash_partitioning(partitioned_by, comm.world_size) if partitioned_by else None
+        parts = [p for p, _ in reports]
         return comm.on_root(
-            store.seal, name, staging_id, [p for p, _ in reports], schemas[0], partitioning, producer, run, replace
+            store.seal, name, staging_id, parts, schemas[0], partitioning, producer, run, replace, spans_hosts
         )
 
     def get(
@@ -111,10 +136,13 @@ class RankStore:
         wanted = list(dict.fromkeys(keys + as_list(columns))) if columns is not None else None
 
         if verify:  # split over the ranks: each partition is hashed once, not once per reader
-            comm.on_every_rank(f"get {name!r}: verifying checksums", verify_share, env, self.store, info)
+            comm.on_every_rank(
+                f"get {name!r}: verifying checksums", verify_share, env, self.store, info, self.root_ids()
+            )
 
         def open_partition(i: int) -> pa.Table:
-            table = self.store.partition(info, i)
+            # checked above where it is local (O(1) now); a fetched one is checked as it arrives
+            table = self.store.partition(info, i, verify=verify)
             return table.select(wanted) if wanted is not None else table
 
         rank, nranks = env.rank, env.world_size
@@ -139,11 +167,19 @@ class RankStore:
         return DataFrame(table, env, partitioned_by)
 
 
-def verify_share(env: BSPEnv, store: Store, info: DatasetInfo) -> None:
-    """Check this rank's share of a dataset's checksums (partition i by rank i mod world size);
-    run on every rank (``comm.on_every_rank``) so a bad partition fails the read everywhere."""
-    for i in range(env.rank, info.num_partitions, env.world_size):
-        store.partition(info, i, verify=True)
+def verify_share(env: BSPEnv, store: Store, info: DatasetInfo, root_ids: Sequence[str] = ()) -> None:
+    """Check this rank's share of the checksums that need checking (``Store.needs_verify``):
+    partition i by the (i mod k)-th of the k ranks that read its root — all ranks on one host or
+    a shared root; on a store spanning hosts, the ranks of the host that holds it (a partition
+    no rank here holds is checked by whoever fetches it).  Run on every rank
+    (``comm.on_every_rank``) so a bad partition fails the read everywhere."""
+    for i, part in enumerate(info.partitions):
+        if not store.is_here(part):
+            continue
+        sharers = [r for r, rid in enumerate(root_ids) if rid == part.root_id] if part.root_id else []
+        sharers = sharers or list(range(env.world_size))
+        if sharers[i % len(sharers)] == env.rank and store.needs_verify(info, i):
+            store.partition(info, i, verify=True)
 
 
 def _as_table(data: Any) -> tuple[pa.Table, tuple[str, ...] | None]:

@@ -174,7 +174,9 @@ class RedisMetadata(MetadataBackend):
                 "version": info.version,
                 "location": info.location,
                 "schema": base64.b64encode(info.schema.serialize().to_pybytes()).decode(),
-                "partitions": [[p.index, p.rows, p.bytes, p.checksum] for p in info.partitions],
+                "partitions": [
+                    [p.index, p.rows, p.bytes, p.checksum, *([p.place] if p.place else [])] for p in info.partitions
+                ],
                 "partitioning": info.partitioning,
                 "producer": info.producer,
                 "run": info.run,
@@ -192,7 +194,7 @@ class RedisMetadata(MetadataBackend):
             d["version"],
             d["location"],
             schema,
-            [PartitionInfo(*p) for p in d["partitions"]],
+            [PartitionInfo.of(*p) for p in d["partitions"]],
             d["partitioning"],
             d["producer"],
             d["run"],

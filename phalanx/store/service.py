@@ -57,16 +57,15 @@ import pyarrow.ipc as ipc
 
 from ..errors import StoreError, UnsafePathError
 from ..paths import ENV_SPILL, state_dir
-from ..private import FILE_MODE, makedirs
-from ..procs import boot_id, same_process, start_time
+from ..private import FILE_MODE
 from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
 from ..runtime.envvars import ENV_STORE_TOKEN_FILE as ENV_TOKEN_FILE
+from .remote import SERVICES_DIR, publish_endpoint
 from .tiers import FileTier, check_mine, part_file
 
 log = logging.getLogger("phalanx.store.service")
 
 TOKEN_FILE_NAME = "store.token"  # the per-user default token, in the state directory
-SERVICES_DIR = ".services"  # <root>/.services/<key>.json: the endpoint of this host's service
 CHUNK = 4 << 20  # bytes per record batch of a raw fetch
 DEFAULT_TIMEOUT = 60.0  # seconds for one fetch, connection included
 WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
@@ -162,53 +161,6 @@ def resolve_host(host: str) -> str:
         raise ValueError(
             f"--host auto: this host's name {name!r} does not resolve ({exc}); give --host ADDRESS"
         ) from None
-
-
-def endpoint_record(root: str | os.PathLike[str], key: str) -> Path:
-    if not key or "/" in key or key.startswith("."):
-        raise ValueError(f"bad service key {key!r}")
-    return Path(root) / SERVICES_DIR / f"{key}.json"
-
-
-def publish_endpoint(root: str | os.PathLike[str], key: str, endpoint: str) -> Path:
-    """Record ``endpoint`` as this host's service for ``key`` (atomically, 0600)."""
-    path = endpoint_record(root, key)
-    makedirs(path.parent)
-    record = {
-        "endpoint": endpoint,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "start": start_time(os.getpid()),
-        "boot": boot_id(),
-    }
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
-    with os.fdopen(fd, "w") as f:
-        json.dump(record, f)
-    os.replace(tmp, path)
-    return path
-
-
-def local_endpoint(root: str | os.PathLike[str], key: str) -> str | None:
-    """The endpoint of the live service ``key`` on this host (its record in the host's own
-    store root), or None: no record, or its process is gone."""
-    path = endpoint_record(root, key)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        check_mine(path, st)
-        record = json.loads(os.read(fd, 1 << 16))
-    except (UnsafePathError, ValueError) as exc:
-        log.warning("ignoring the service record %s: %s", path, exc)
-        return None
-    finally:
-        os.close(fd)
-    if same_process(int(record["pid"]), record.get("start"), record.get("boot")) is False:
-        return None
-    return str(record["endpoint"])
 
 
 # ---- the server -----------------------------------------------------------------------------
@@ -521,10 +473,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"phalanx store service: {exc}", file=sys.stderr)
         return 1
 
+    stopping = threading.Event()
+
     def stop(signum: int, frame: object) -> None:
         log.info("signal %d: stopping", signum)
+        stopping.set()
 
-    signal.signal(signal.SIGTERM, stop)  # serve() returns on a signal once its handler ran
+    # The server answers from its own threads since it was made; this thread only waits for a
+    # signal (not in serve(): a signal that came before serve() began would never end it).
+    signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     if args.endpoint_file:
         tmp = f"{args.endpoint_file}.{os.getpid()}.tmp"
@@ -533,7 +490,9 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving %s on %s (pid %d)", ", ".join(map(str, svc.roots)), svc.endpoint, os.getpid())
     print(svc.endpoint, flush=True)
     try:
-        svc.serve()
+        while not stopping.wait(1.0):
+            pass
+        svc.close()
     finally:
         if record is not None:
             record.unlink(missing_ok=True)

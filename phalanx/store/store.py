@@ -30,7 +30,14 @@ import pyarrow as pa
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError, UnsafePathError
 from ..paths import ENV_SPILL, ENV_STORE, default_spill_root, default_store_root
 from ..private import FILE_MODE, makedirs
-from ..runtime.envvars import ENV_STORE_BUDGET, ENV_STORE_METADATA, ENV_STORE_SESSION
+from ..runtime.envvars import (
+    ENV_STORE_ATTEMPT,
+    ENV_STORE_BUDGET,
+    ENV_STORE_METADATA,
+    ENV_STORE_SERVICE_KEY,
+    ENV_STORE_SESSION,
+)
+from . import remote
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
 from .tiers import FileTier, Staged, Tier, check_mine, checksum_buffer, open_tier, part_file
 
@@ -128,8 +135,16 @@ class Store:
         *,
         memory_budget: int | str | None = None,
         spill: str | Path | None = None,
+        attempt: str | None = None,
     ):
+        """``attempt``: who trusts what this store wrote or verified (docs/reliability.md,
+        "when checksums are checked"): the run attempt of a driver and its gangs; default
+        ``PHALANX_STORE_ATTEMPT``, else one of its own."""
         self.session = _check_session(session)
+        self.attempt = attempt or os.environ.get(ENV_STORE_ATTEMPT) or uuid.uuid4().hex[:16]
+        self.service_key = os.environ.get(ENV_STORE_SERVICE_KEY, "")  # this host's store service
+        self.reads = remote.ReadCounts()  # bytes this process read here vs fetched from other hosts
+        self._verified: set[tuple[str, int]] = set()  # (version, partition) checked by this process
         text = os.fspath(root) if root else (os.environ.get(ENV_STORE) or str(default_store_root()))
         self.tier: Tier = open_tier(text)
         local_root = self.tier.local_root
@@ -150,6 +165,12 @@ class Store:
             if self.spill_tier.root == local_root:
                 raise ValueError(f"the spill directory must differ from the store root ({text})")
 
+    def new_attempt(self, attempt: str | None = None) -> None:
+        """Trust nothing this store wrote or checked so far: the next read of each partition
+        checks its checksum again (a resume's driver is a new attempt)."""
+        self.attempt = attempt or uuid.uuid4().hex[:16]
+        self._verified = set()
+
     def for_session(self, session: str) -> Store:
         """The same store (tiers, metadata, budget), another session."""
         other = copy.copy(self)
@@ -169,6 +190,7 @@ class Store:
             ENV_STORE_METADATA: self._rank_metadata_url(),
             ENV_STORE_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
             ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
+            ENV_STORE_ATTEMPT: self.attempt,
         }
 
     def _rank_metadata_url(self) -> str:
@@ -235,9 +257,15 @@ class Store:
         return info
 
     def partition(self, info: DatasetInfo, index: int, verify: bool = False) -> pa.Table:
-        """One partition: memory-mapped (zero-copy) from a file tier, downloaded from an object
-        store; ``verify`` checks its checksum first."""
+        """One partition: memory-mapped (zero-copy) from a file tier of this host, downloaded
+        from an object store, fetched from the store service of the host that holds it.
+
+        ``verify``: check its checksum where trust is crossed — unless this attempt wrote or
+        checked it already here (then the read stays O(1)); a fetched partition is always
+        checked.  See ``needs_verify``."""
         part = info.partitions[index]
+        if not self.is_here(part):
+            return self._fetched(info, index)
         location = info.location
         where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
         try:
@@ -257,13 +285,22 @@ class Store:
             raise StoreError(f"{where} is missing") from None
         except OSError as exc:
             raise StoreError(f"{where} is unreadable: {exc}") from None
-        if verify:
-            actual = checksum_buffer(buf)
-            if actual != part.checksum:
-                raise ChecksumError(
-                    f"{where}: checksum mismatch (stored {part.checksum}, "
-                    f"file has {actual}); the file was changed or corrupted"
-                )
+        if verify and self.needs_verify(info, index, location):
+            self._check(buf, part, where)
+            self._remember_verified(info, index)
+        table = self._open(tier, buf, part, where)
+        self.reads.local += part.bytes
+        return table
+
+    def _check(self, buf: pa.Buffer, part: PartitionInfo, where: str) -> None:
+        actual = checksum_buffer(buf)
+        if actual != part.checksum:
+            raise ChecksumError(
+                f"{where}: checksum mismatch (stored {part.checksum}, file has {actual}); the file was changed or corrupted"
+            )
+
+    @staticmethod
+    def _open(tier: Tier, buf: pa.Buffer, part: PartitionInfo, where: str) -> pa.Table:
         try:
             table = tier.open_partition(buf)
         except (pa.ArrowException, OSError) as exc:  # e.g. a damaged schema: ArrowNotImplementedError
@@ -271,6 +308,63 @@ class Store:
         if table.num_rows != part.rows:
             raise StoreError(f"{where} has {table.num_rows} rows, the metadata says {part.rows}")
         return table
+
+    # ---- where partitions live (the store across hosts) ----------------------------------------
+    def placement(self) -> dict[str, str]:
+        """What a partition written by this process records about where it lives: this host,
+        its store root's identity and its store service (empty on an object store)."""
+        if not isinstance(self.tier, FileTier):
+            return {}
+        endpoint = remote.local_endpoint(self.tier.root, self.service_key) if self.service_key else None
+        return {"host": remote.hostname(), "root_id": self.tier.root_id(), "endpoint": endpoint or ""}
+
+    def is_here(self, part: PartitionInfo) -> bool:
+        """Whether this process reads ``part``'s files itself (same root: this host, or a file
+        system the writer's host shares) rather than through its host's store service."""
+        return not part.root_id or (isinstance(self.tier, FileTier) and part.root_id == self.tier.root_id())
+
+    def needs_verify(self, info: DatasetInfo, index: int, location: str | None = None) -> bool:
+        """Whether a read of partition ``index`` here must check its checksum: not when this
+        attempt (a run attempt: the driver and its gangs) wrote it or checked it on this host,
+        nor when this process checked it already; else yes — a resume of an earlier attempt,
+        data read from disk (spill) or an object store, a partition from another host."""
+        if (info.version, index) in self._verified:
+            return False
+        marker = self._marker(info, index)
+        location = location or info.location
+        return not (marker is not None and self.tier.owns(location) and marker.exists())
+
+    def _marker(self, info: DatasetInfo, index: int) -> Path | None:
+        """This host's record that this attempt wrote or checked a partition (file tier only)."""
+        root = self.tier.local_root
+        if root is None or not self.is_here(info.partitions[index]):
+            return None
+        return root / info.session / ".verified" / self.attempt / f"{info.version}.{index}"
+
+    def _remember_verified(self, info: DatasetInfo, index: int) -> None:
+        self._verified.add((info.version, index))
+        self._mark(info.session, info.version, index, info.partitions[index])
+
+    def _mark(self, session: str, version: str, index: int, part: PartitionInfo) -> None:
+        root = self.tier.local_root
+        if root is None or not self.is_here(part):
+            return
+        path = root / session / ".verified" / self.attempt / f"{version}.{index}"
+        try:
+            makedirs(path.parent)
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE))
+        except OSError as exc:  # only costs a second check later
+            log.debug("%s: cannot record %s: %s", self._where(), path, exc)
+
+    def _fetched(self, info: DatasetInfo, index: int) -> pa.Table:
+        """A partition held by another host: its exact bytes from that host's store service
+        (or from its written-through copy when the host is gone), always checked."""
+        part = info.partitions[index]
+        where = f"dataset {info.name!r} partition {index}"
+        buf = remote.fetch_partition(self._where(), info, index, self._tier_for)
+        self._check(buf, part, f"{where} (fetched from {part.host or part.endpoint})")
+        self.reads.fetched += part.bytes
+        return self._open(self.tier, buf, part, where)
 
     def read(self, name: str, columns: Sequence[str] | None = None, verify: bool = True) -> pa.Table:
         """The whole dataset as one table (partitions in order), checksums verified."""
@@ -333,7 +427,10 @@ class Store:
             raise StoreError(
                 f"{self._where()}: put {name!r} partition {index}: writing {location}/{part_file(index)} failed: {exc}"
             ) from exc
-        return PartitionInfo(index, table.num_rows, nbytes, checksum)
+        part = PartitionInfo(index, table.num_rows, nbytes, checksum, **self.placement())
+        self._verified.add((staging_id, index))  # hashed while written: this attempt trusts it
+        self._mark(self.session, staging_id, index, part)
+        return part
 
     def discard_staging(self, name: str | None, staging_id: str) -> None:
         """Remove the partitions of a put that will not be sealed."""
@@ -351,17 +448,15 @@ class Store:
         producer: str,
         run: str,
         replace: bool,
+        committed: bool = False,
     ) -> DatasetInfo:
         """Publish a staged dataset: move its files into place (file tier), then one atomic
-        metadata step; only then can a reader find it."""
+        metadata step; only then can a reader find it.  ``committed``: each host moved its
+        own partitions into place already (``commit_here``: a put whose ranks span hosts)."""
         _check_name(name)
-        staging = self.tier.staging(self.session, name, staging_id)
         final = self.tier.final(self.session, name, staging_id)
-        try:
-            self.tier.commit(staging, final)
-        except BaseException:
-            self.tier.remove(staging)
-            raise
+        if not committed:
+            self.commit_here(name, staging_id)
         now = time.time()
         info = DatasetInfo(
             self.session,
@@ -408,6 +503,15 @@ class Store:
         except Exception as exc:
             log.warning("%s: after sealing %r: %s", self._where(), name, exc)
         return info
+
+    def commit_here(self, name: str, staging_id: str) -> None:
+        """Move this host's staged partitions of a put into place (file tier: one rename)."""
+        staging = self.tier.staging(self.session, name, staging_id)
+        try:
+            self.tier.commit(staging, self.tier.final(self.session, name, staging_id))
+        except BaseException:
+            self.tier.remove(staging)
+            raise
 
     def _exists(self, name: str) -> DatasetExistsError:
         return DatasetExistsError(

@@ -18,6 +18,7 @@ import errno
 import os
 import pwd
 import stat
+import uuid
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import NamedTuple
@@ -29,9 +30,10 @@ import xxhash
 from .._registry import Registry
 from ..errors import UnsafePathError
 from ..paths import default_spill_root  # noqa: F401  (re-exported: tests/faults/test_security.py imports it here)
-from ..private import create_private, makedirs
+from ..private import FILE_MODE, create_private, makedirs
 
 CHECKSUM = "xxh3_64"
+ROOT_ID_FILE = ".root-id"  # FileTier.root_id
 
 
 def checksum_buffer(buf: pa.Buffer | bytes | memoryview) -> str:
@@ -227,9 +229,37 @@ class FileTier(Tier):
     def __init__(self, root: str | os.PathLike[str]):
         self.root = Path(root).absolute()
         self.url = str(self.root)
+        self._root_id: str | None = None
 
     def __repr__(self) -> str:
         return f"FileTier({self.url})"
+
+    def root_id(self) -> str:
+        """This root's identity: a random id in ``<root>/.root-id``, made by its first user.
+        Two processes see the same files exactly when they read the same id — ranks on one
+        host, or on hosts that mount one shared file system — while the same path on hosts
+        with their own ``/dev/shm`` gives different ids (the store then spans hosts)."""
+        if self._root_id is None:
+            path = makedirs(self.root) / ROOT_ID_FILE
+            tmp = path.with_name(f".{ROOT_ID_FILE}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+            try:
+                os.write(fd, uuid.uuid4().hex.encode())
+            finally:
+                os.close(fd)
+            try:
+                os.link(tmp, path)  # publishes it whole, or finds the one another process made
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                check_mine(path, os.fstat(fd))
+                self._root_id = os.read(fd, 64).decode().strip()
+            finally:
+                os.close(fd)
+        return self._root_id
 
     @property
     def local_root(self) -> Path:

@@ -214,6 +214,8 @@ class TierContract:
         tstore.tier.remove(info.location)
         tstore.tier.write_buffer(info.location, 0, serialize(pa.table({"a": np.arange(1000)})))
         tstore.tier.write_buffer(info.location, 1, pa.py_buffer(bytes(data)))
+        assert len(tstore.read("c")) == 2000  # this attempt wrote it: trusted, not hashed again
+        tstore.new_attempt()  # a later attempt (a resume) checks what it did not write
         with pytest.raises(ChecksumError, match=r"dataset 'c' partition 1 .*checksum mismatch"):
             tstore.read("c")
 

@@ -1,0 +1,117 @@
+"""Partitions held by other hosts: where this host's store service is, and reading a
+partition from the service of the host that holds it (or its written-through copy).
+
+Kept apart from ``service.py`` so that ``import phalanx`` does not load Arrow Flight: a store
+whose partitions are all on this host never imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pyarrow as pa
+
+from ..errors import PartitionLostError, UnsafePathError
+from ..private import FILE_MODE, makedirs
+from ..procs import boot_id, same_process, start_time
+from .tiers import check_mine
+
+if TYPE_CHECKING:
+    from .metadata import DatasetInfo
+    from .tiers import Tier
+
+SERVICES_DIR = ".services"  # <root>/.services/<key>.json: the endpoint of this host's service
+
+
+@dataclass
+class ReadCounts:
+    """Bytes of partitions a process read: mapped or read on its own host vs fetched."""
+
+    local: int = 0
+    fetched: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"local": self.local, "fetched": self.fetched}
+
+
+@cache
+def hostname() -> str:
+    return socket.gethostname()
+
+
+# ---- this host's service ------------------------------------------------------------------------
+def endpoint_record(root: str | os.PathLike[str], key: str) -> Path:
+    if not key or "/" in key or key.startswith("."):
+        raise ValueError(f"bad store service key {key!r}")
+    return Path(root) / SERVICES_DIR / f"{key}.json"
+
+
+def publish_endpoint(root: str | os.PathLike[str], key: str, endpoint: str) -> Path:
+    """Record ``endpoint`` as this host's store service for ``key`` (atomically, 0600)."""
+    path = endpoint_record(root, key)
+    makedirs(path.parent)
+    pid = os.getpid()
+    record = {"endpoint": endpoint, "host": hostname(), "pid": pid, "start": start_time(pid), "boot": boot_id()}
+    tmp = path.with_name(f".{path.name}.{pid}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE)
+    with os.fdopen(fd, "w") as f:
+        json.dump(record, f)
+    os.replace(tmp, path)
+    return path
+
+
+def local_endpoint(root: str | os.PathLike[str], key: str) -> str | None:
+    """The endpoint of the live store service ``key`` of this host (its record in the host's
+    own store root), or None: no record, or its process is gone."""
+    path = endpoint_record(root, key)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        check_mine(path, os.fstat(fd))
+        record = json.loads(os.read(fd, 1 << 16))
+        pid, started, boot = int(record["pid"]), record.get("start"), record.get("boot")
+        endpoint = str(record["endpoint"])
+    except (UnsafePathError, ValueError, KeyError, TypeError):
+        return None
+    finally:
+        os.close(fd)
+    return None if same_process(pid, started, boot) is False else endpoint
+
+
+# ---- reading another host's partition ---------------------------------------------------------
+def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callable[[str], Tier]) -> pa.Buffer:
+    """Partition ``index`` of ``info``, held by another host: its exact bytes from that host's
+    store service, else from its written-through copy; ``PartitionLostError`` naming dataset,
+    partition and host when neither can be read.  The caller checks the checksum."""
+    from .service import RemoteStoreError, ServiceUnreachableError, fetch, token_from_env
+
+    part = info.partitions[index]
+    why = f"its host runs no store service (key {part.root_id})"
+    if part.endpoint:
+        try:
+            return fetch(part.endpoint, token_from_env(), info.location, index)
+        except ServiceUnreachableError as exc:
+            why = f"the host or its store service is gone ({exc})"
+        except FileNotFoundError as exc:  # the host is back, its memory is not
+            why = f"the host no longer has it ({exc})"
+        except RemoteStoreError:
+            raise
+    if part.copy:
+        try:
+            return tier_for(part.copy).read_buffer(part.copy, index)
+        except OSError as exc:
+            why += f"; its written-through copy at {part.copy} is unreadable too ({exc})"
+    raise PartitionLostError(
+        f"{where}: dataset {info.name!r} partition {index} is held in the memory of host {part.host or '?'}"
+        f" and cannot be read: {why}. The data is lost with that host: `phalanx run --resume RUN` "
+        f"recomputes {('stage ' + repr(info.producer)) if info.producer else 'the stage that wrote it'}"
+    )

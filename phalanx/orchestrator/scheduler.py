@@ -420,8 +420,9 @@ class RunAllocations:
 
 
 def unverified(store: Store, outputs: list[str]) -> str | None:
-    """Why sealed outputs cannot be trusted (missing, a partition corrupted or truncated), or
-    None when every partition of every output passes its checksum."""
+    """Why sealed outputs cannot be trusted (missing, a partition corrupted, truncated or lost
+    with its host), or None when every partition of every output passes its checksum (checked
+    where it lives: here, or by the store service of the host that holds it)."""
     from ..errors import StoreError
 
     for name in outputs:
@@ -430,7 +431,7 @@ def unverified(store: Store, outputs: list[str]) -> str | None:
         info = store.info(name)
         try:
             for i in range(info.num_partitions):
-                store.partition(info, i, verify=True)
+                store.check(info, i)
         except StoreError as exc:
             return f"output {name!r} failed verification ({exc})"
     return None

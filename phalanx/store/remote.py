@@ -8,6 +8,7 @@ whose partitions are all on this host never imports it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -26,6 +27,8 @@ from .tiers import check_mine
 if TYPE_CHECKING:
     from .metadata import DatasetInfo
     from .tiers import Tier
+
+log = logging.getLogger("phalanx.store")
 
 SERVICES_DIR = ".services"  # <root>/.services/<key>.json: the endpoint of this host's service
 
@@ -115,3 +118,37 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
         f" and cannot be read: {why}. The data is lost with that host: `phalanx run --resume RUN` "
         f"recomputes {('stage ' + repr(info.producer)) if info.producer else 'the stage that wrote it'}"
     )
+
+
+def checksum_there(where: str, info: DatasetInfo, index: int) -> str:
+    """The checksum of another host's partition, computed by that host's store service (no
+    bytes move); ``PartitionLostError`` when the service is gone or lost the partition."""
+    from .service import RemoteStoreError, ServiceUnreachableError, remote_checksum
+
+    part = info.partitions[index]
+    why = f"its host runs no store service (key {part.root_id})"
+    if part.endpoint:
+        try:
+            return remote_checksum(part.endpoint, None, info.location, index)
+        except ServiceUnreachableError as exc:
+            why = f"the host or its store service is gone ({exc})"
+        except FileNotFoundError as exc:
+            why = f"the host no longer has it ({exc})"
+        except RemoteStoreError:
+            raise
+    raise PartitionLostError(
+        f"{where}: dataset {info.name!r} partition {index} is held in the memory of host {part.host or '?'}"
+        f" and cannot be checked: {why}"
+    )
+
+
+def remove_there(where: str, location: str, endpoints: set[str]) -> None:
+    """Remove ``location`` on the hosts of ``endpoints`` (their store services); a host that
+    does not answer keeps it (logged: its memory is freed when its allocation's node is)."""
+    from .service import RemoteStoreError, remote_remove
+
+    for endpoint in sorted(endpoints):
+        try:
+            remote_remove(endpoint, None, location)
+        except RemoteStoreError as exc:
+            log.warning("%s: %s stays on the host of %s: %s", where, location, endpoint, exc)

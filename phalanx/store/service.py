@@ -61,7 +61,7 @@ from ..private import FILE_MODE
 from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
 from ..runtime.envvars import ENV_STORE_TOKEN_FILE as ENV_TOKEN_FILE
 from .remote import SERVICES_DIR, publish_endpoint
-from .tiers import FileTier, check_mine, part_file
+from .tiers import FileTier, check_mine, checksum_buffer, part_file, remove_under
 
 log = logging.getLogger("phalanx.store.service")
 
@@ -251,7 +251,30 @@ class _Server(fl.FlightServerBase):  # type: ignore[misc]
     def do_action(self, context: Any, action: fl.Action) -> Iterator[bytes]:
         if action.type == "ping":  # is the service (and so its host's memory) still there?
             return iter([socket.gethostname().encode()])
+        try:
+            want = json.loads(action.body.to_pybytes())
+            location = str(want["location"])
+        except (ValueError, KeyError, TypeError):
+            raise fl.FlightServerError(f"bad {action.type} request: expected {{location, ...}}", _REFUSED) from None
+        if action.type == "checksum":  # checked where it lives: no bytes cross the network
+            return iter([checksum_buffer(self._open(location, int(want["index"]))).encode()])
+        if action.type == "remove":  # a replaced or deleted version, or a session, of this user's
+            self._remove(location)
+            return iter([b"removed"])
         raise fl.FlightServerError(f"unknown action {action.type!r}", _REFUSED)
+
+    def _remove(self, location: str) -> None:
+        for root in self.roots:
+            if FileTier(root).owns(location):
+                try:
+                    remove_under(root, location)
+                except UnsafePathError as exc:
+                    log.warning("store service: refused to remove %s: %s", location, exc)
+                    raise fl.FlightServerError(str(exc), _REFUSED) from None
+                return
+        raise fl.FlightServerError(
+            f"refusing to remove {location}: it is not inside {' or '.join(map(str, self.roots))}", _REFUSED
+        )
 
     def do_get(self, context: Any, ticket: fl.Ticket) -> fl.FlightDataStream:
         try:
@@ -406,21 +429,44 @@ def _read_bytes(reader: fl.FlightStreamReader) -> pa.Buffer:
     return out if out is not None else pa.py_buffer(b"")
 
 
-def ping(endpoint: str, token: str | None = None, timeout: float = 5.0) -> str:
-    """The serving host's name if the service at ``endpoint`` answers within ``timeout``;
-    ``ServiceUnreachableError`` (or ``AuthRefusedError``) otherwise."""
-    what = f"the store service {endpoint}"
+def _action(endpoint: str, token: str | None, kind: str, request: dict[str, Any], timeout: float, what: str) -> str:
     options = fl.FlightCallOptions(
         headers=[(b"authorization", f"Bearer {token or token_from_env()}".encode())], timeout=timeout
     )
     try:
-        results = list(_client(endpoint).do_action(fl.Action("ping", b""), options))
+        results = list(_client(endpoint).do_action(fl.Action(kind, json.dumps(request).encode()), options))
     except fl.FlightUnauthenticatedError:
         raise AuthRefusedError(f"{what}: the service refused the token") from None
+    except fl.FlightServerError as exc:
+        if exc.extra_info == _NOT_FOUND:
+            raise RemotePartitionNotFoundError(f"{what}: not there") from None
+        if exc.extra_info == _REFUSED:
+            raise LocationRefusedError(f"{what}: {_message(exc)}") from None
+        raise RemoteStoreError(f"{what}: {_message(exc)}") from None
     except (fl.FlightError, OSError) as exc:
         _drop_client(endpoint)
-        raise ServiceUnreachableError(f"{what} is unreachable ({_message(exc)})") from None
+        raise ServiceUnreachableError(f"{what}: the service is unreachable ({_message(exc)})") from None
     return results[0].body.to_pybytes().decode() if results else ""
+
+
+def ping(endpoint: str, token: str | None = None, timeout: float = 5.0) -> str:
+    """The serving host's name if the service at ``endpoint`` answers within ``timeout``;
+    ``ServiceUnreachableError`` (or ``AuthRefusedError``) otherwise."""
+    return _action(endpoint, token, "ping", {}, timeout, f"the store service {endpoint}")
+
+
+def remote_checksum(
+    endpoint: str, token: str | None, location: str, index: int, timeout: float = DEFAULT_TIMEOUT
+) -> str:
+    """The checksum of partition ``index`` at ``location``, computed by the service of the
+    host that holds it (what a resume checks without moving the bytes)."""
+    what = f"partition {index} at {location} on the store service {endpoint}"
+    return _action(endpoint, token, "checksum", {"location": location, "index": index}, timeout, what)
+
+
+def remote_remove(endpoint: str, token: str | None, location: str, timeout: float = 30.0) -> None:
+    """Remove ``location`` (a dataset version or a session directory) on the service's host."""
+    _action(endpoint, token, "remove", {"location": location}, timeout, f"removing {location} on {endpoint}")
 
 
 def fetch(endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT) -> pa.Buffer:

@@ -292,6 +292,20 @@ class Store:
         self.reads.local += part.bytes
         return table
 
+    def check(self, info: DatasetInfo, index: int) -> None:
+        """Raise unless partition ``index`` is there and passes its checksum: read here, or
+        hashed by the store service of the host that holds it (no bytes move)."""
+        part = info.partitions[index]
+        if self.is_here(part):
+            self.partition(info, index, verify=True)
+            return
+        actual = remote.checksum_there(self._where(), info, index)
+        if actual != part.checksum:
+            raise ChecksumError(
+                f"{self._where()}: dataset {info.name!r} partition {index} on host {part.host}: checksum mismatch "
+                f"(stored {part.checksum}, the file there has {actual}); the file was changed or corrupted"
+            )
+
     def _check(self, buf: pa.Buffer, part: PartitionInfo, where: str) -> None:
         actual = checksum_buffer(buf)
         if actual != part.checksum:
@@ -499,6 +513,7 @@ class Store:
         try:
             if old is not None:
                 self._retire(old.location)
+                self._remove_elsewhere(old)
             self._enforce_budget()
         except Exception as exc:
             log.warning("%s: after sealing %r: %s", self._where(), name, exc)
@@ -602,6 +617,19 @@ class Store:
         if old is None:
             raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
         self._retire(old.location)
+        self._remove_elsewhere(old)
+
+    def _elsewhere(self, info: DatasetInfo) -> set[str]:
+        """The store services of the other hosts that hold partitions of ``info``."""
+        return {p.endpoint for p in info.partitions if p.endpoint and not self.is_here(p)}
+
+    def _remove_elsewhere(self, info: DatasetInfo, location: str | None = None) -> None:
+        """Remove a replaced or deleted version (or ``location``) on the other hosts holding
+        its partitions: at once — a reader there maps a partition before reading it, and a
+        mapped file stays readable after removal; one that looks later follows the metadata."""
+        endpoints = self._elsewhere(info)
+        if endpoints:
+            remote.remove_there(self._where(), location or info.location, endpoints)
 
     # Readers look a dataset up, then open its files (rank 0 looks up for the whole gang), so
     # the files of a replaced or deleted version stay for a grace period before removal.
@@ -684,15 +712,20 @@ class Store:
         """Remove every dataset of this session (metadata and payload); returns how many."""
         names = self.list()
         refused: builtins.list[str] = []
+        elsewhere: dict[str, set[str]] = {}  # session directory on other hosts → their services
         for name in names:
             old = self.meta.delete(self.session, name)
             if old is not None:  # an explicit wipe: no grace period
                 self._refusing(refused, self._remove_payload, old.location)
+                if self._elsewhere(old):
+                    elsewhere.setdefault(str(Path(old.location).parent.parent), set()).update(self._elsewhere(old))
         # The session's directory goes only when no dataset was sealed meanwhile.
         if not self.meta.list(self.session):
             for tier in (self.tier, self.spill_tier):
                 if tier is not None:
                     self._refusing(refused, tier.remove_session, self.session)
+            for session_dir, endpoints in elsewhere.items():
+                remote.remove_there(self._where(), session_dir, endpoints)
         self._refused(refused)
         return len(names)
 

@@ -159,18 +159,10 @@ def test_a_reader_on_any_host_reads_the_whole_dataset_right(spread, multihost_be
     sizes = [p.bytes for p in Store(root, session="s", metadata=meta).info("ds").partitions]
     assert counts == {"local": sizes[1], "fetched": sizes[0] + sizes[2]}
     # from the driver's namespace (px.Store outside a gang): every partition fetched
-    old = {k: os.environ.get(k) for k in env if k.startswith("PHALANX_STORE")}
-    os.environ.update({k: env[k] for k in old})
-    try:
+    with _with_env(env):
         store = Store(root, session="s", metadata=meta)
         pd.testing.assert_frame_equal(store.read("ds").to_pandas(), want)
         assert store.reads.local == 0 and store.reads.fetched == sum(sizes)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def test_a_lost_host_fails_the_read_naming_dataset_partition_and_host(spread, multihost_bed, shared_tmp):
@@ -187,3 +179,67 @@ def test_a_lost_host_fails_the_read_naming_dataset_partition_and_host(spread, mu
     assert "dataset 'ds' partition 1 is held in the memory of host px-h2" in r.stderr
     assert "phalanx run --resume" in r.stderr and "stage 'writer'" in r.stderr
     assert time.monotonic() - t0 < 60
+
+
+def _with_env(env: dict):
+    """The store variables of ``env`` in this (driver) process, for a px.Store made here."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def scope():
+        old = {k: os.environ.get(k) for k in env if k.startswith("PHALANX_STORE")}
+        os.environ.update({k: env[k] for k in old})
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    return scope()
+
+
+FLIP = """
+import sys
+path = sys.argv[1] + "/part-00000.arrow"
+data = bytearray(open(path, "rb").read())
+data[len(data) // 2] ^= 0xFF
+open(path, "wb").write(bytes(data))
+"""
+
+
+def test_checksums_are_checked_where_the_partitions_live(spread, multihost_bed):
+    """What a resume does before it reuses an output: each host's service hashes its own
+    partition; a corrupted one is named with its host, no bytes move."""
+    from phalanx.errors import ChecksumError
+    from phalanx.store import Store
+
+    root, meta, env, _ = spread
+    with _with_env(env):
+        store = Store(root, session="s", metadata=meta)
+        info = store.info("ds")
+        for i in range(3):
+            store.check(info, i)
+        assert store.reads.fetched == 0
+        r = multihost_bed.run_on("px-h1", [*_py(FLIP), info.location], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        with pytest.raises(ChecksumError, match="dataset 'ds' partition 0 on host px-h1: checksum mismatch"):
+            store.check(info, 0)
+
+
+def test_deleting_a_dataset_frees_the_memory_of_every_host_holding_it(spread, multihost_bed):
+    from phalanx.store import Store
+
+    root, meta, env, _ = spread
+    with _with_env(env):
+        store = Store(root, session="s", metadata=meta)
+        location = store.info("ds").location
+
+        def present() -> list[bool]:
+            return [multihost_bed.run_on(h, ["test", "-e", location]).returncode == 0 for h in HOSTS]
+
+        assert present() == [True, True, True]
+        store.delete("ds")
+        assert present() == [False, False, False]

@@ -13,7 +13,8 @@ Slurm a site runs.  Two ways to get the nodes, chosen by the site's ``slurm:`` s
     a share of it: no queueing per stage (the RADICAL-Pilot / Parsl pattern).  Concurrent gangs
     get disjoint CPUs (``--exact``); a gang that does not fit waits until a step ends.  The
     pilot belongs to the run's ``SlurmExecutor`` (made for its first gang, cancelled by
-    ``close_run``); the site's slots are its ntasks.
+    ``close_run``); the site's slots are its ntasks.  For a directory store it also runs one
+    store service per node for its whole life (``pilot.py``).
 
 ``SlurmExecutor`` (``executor.py``) is the plug-in: its config model ``SlurmConfig``
 (``config.py``) types the section below; ``launcher()`` gives a ``SlurmJobLauncher`` or a
@@ -43,6 +44,7 @@ Site keys (the ``slurm:`` section of a site file, or of a stage over the site's;
     mpi: pmix                           # srun --mpi=... (communicator: mpi)
     prologue: ["module load python"]    # shell lines run before srun (per-stage mode)
     sbatch_args: [...], srun_args: [...]  # anything else, verbatim
+    srun_via: [CMD, ARG]                # pilot steps: the driver's srun runs under it (env passed)
     poll_interval: 0.5                  # seconds between squeue calls
     pending_timeout: 600                # fail a gang whose job is PENDING longer (default: wait)
     job_name: phalanx                   # prefix of job and step names

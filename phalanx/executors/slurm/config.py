@@ -166,6 +166,13 @@ class SlurmConfig(_Options):
     )
     sbatch_args: list[str] = Field(default_factory=list, description="further sbatch arguments, verbatim")
     srun_args: list[str] = Field(default_factory=list, description="further srun arguments, verbatim")
+    srun_via: list[str] = Field(
+        default_factory=list,
+        description="a command the driver's srun of a pilot step runs under (argv before srun; it "
+        "must pass the environment through), where the driver's own host is one the compute nodes "
+        "cannot call back: srun listens for its tasks, e.g. the test bed's "
+        "[tests/infra/multihost-exec, px-head]",
+    )
     poll_interval: float = Field(
         0.5, gt=0, allow_inf_nan=False, description="seconds between squeue calls of a gang (be kind to slurmctld)"
     )

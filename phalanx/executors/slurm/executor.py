@@ -153,7 +153,7 @@ class SlurmExecutor(Executor[SlurmConfig]):
         )
         launcher: SlurmLauncher
         if cfg.allocation == "pilot":
-            launcher = SlurmStepLauncher(self.pilot(), echo, **common)
+            launcher = SlurmStepLauncher(self.pilot(), echo, srun_via=cfg.srun_via, **common)
         else:
             launcher = SlurmJobLauncher(
                 echo, slurm=SlurmCommands(cfg.conf), prologue=cfg.prologue, sbatch_args=cfg.sbatch_args, **common

@@ -19,9 +19,11 @@ from typing import Any
 from ...errors import GangError
 from ...procs import signal_group
 from ...runtime import protocol as P
+from ...runtime.envvars import ENV_STORE, ENV_STORE_SERVICE_KEY
 from .. import exit_files
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import FileFollower
+from ..network import is_loopback
 from .commands import (
     FAILED,
     HOPELESS,
@@ -35,7 +37,7 @@ from .commands import (
     allocation,
 )
 from .config import STEP_OPTIONS
-from .pilot import SlurmPilot
+from .pilot import STORE_ENV, SlurmPilot, route_from
 
 # How a rank whose wrapper never wrote an exit code ended, by the job's final state.
 _STATE_SIGNAL = {
@@ -433,11 +435,13 @@ class SlurmStepLauncher(SlurmLauncher):
     ``pilot`` (started by the first gang that needs it); a gang that does not fit the free
     share waits for one."""
 
-    def __init__(self, pilot: SlurmPilot, echo: Echo = False, **common: Any):
-        """``common``: see ``SlurmLauncher`` (SLURM's commands are the pilot's)."""
+    def __init__(self, pilot: SlurmPilot, echo: Echo = False, *, srun_via: Sequence[str] = (), **common: Any):
+        """``srun_via``: argv the step's srun runs under (``slurm.srun_via``); ``common``: see
+        ``SlurmLauncher`` (SLURM's commands are the pilot's)."""
         common.setdefault("site", pilot.site)
         super().__init__(echo, slurm=pilot.slurm, **common)
         self.pilot = pilot
+        self.srun_via = list(srun_via)
 
     def _reset(self, log_dir: Path | None, world_size: int) -> None:
         super()._reset(log_dir, world_size)
@@ -451,11 +455,29 @@ class SlurmStepLauncher(SlurmLauncher):
         if pilot.ntasks and self.world_size > int(pilot.ntasks):
             raise GangError(_does_not_fit(self.world_size, pilot.ntasks, self.site))
         # a pilot queued behind other jobs fails the gang within its start timeout, not never
-        pilot.start(pilot.start_timeout or self.start_timeout, hook=self.allocation_hook, driver=env.get(P.ENV_CONTROL))
+        pilot.start(
+            pilot.start_timeout or self.start_timeout,
+            hook=self.allocation_hook,
+            driver=env.get(P.ENV_CONTROL),
+            store={k: env[k] for k in STORE_ENV if env.get(k)},
+        )
         self.job_id = pilot.job_id
+        control = env.get(P.ENV_CONTROL, "").rpartition(":")[0]
+        far = pilot.far_nodes() if is_loopback(control) else {}
+        if far:
+            node, addr = next(iter(far.items()))
+            via = route_from(addr)
+            raise GangError(
+                f"slurm: the nodes of pilot job {pilot.job_id} are other hosts ({', '.join(sorted(far))}) but "
+                f"the driver listens on {control} only{_site(self.site)}: set the site's driver_host to an "
+                f"address they reach" + (f" (this host's route to {node} leaves from {via})" if via else "")
+            )
+        if pilot.store_key and env.get(ENV_STORE) == pilot.store_root:  # its node's store service
+            env[ENV_STORE_SERVICE_KEY] = pilot.store_key
         self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
         step_options = {k: v for k, v in self.options.items() if k in STEP_OPTIONS}
         cmd = [
+            *self.srun_via,
             self.slurm.exe("srun"),
             f"--jobid={pilot.job_id}",
             "--exact",

@@ -8,11 +8,23 @@ A pilot started for a driver's gangs ends with that driver: its batch script hol
 connection to a listener of the driver (``network.Beacon``, on the address the ranks reach the
 driver at) and exits when it closes — the driver exited or was killed — so SLURM ends the
 job and every step on it.  The run DB has its record too (``commands.allocation``).
+
+A pilot started for a gang whose store is a directory (``PHALANX_STORE`` in the gang's
+environment, not ``s3://``) runs one store service per node for the life of the allocation:
+its batch script starts, before the holder, a job step ``srun --overlap --ntasks-per-node=1``
+of ``python -m phalanx.store.service --root R --host auto --key slurm-JOB`` (token from
+``PHALANX_STORE_TOKEN_FILE`` or the per-user default file, never the command line).  Each
+service publishes its endpoint in its own node's ``R/.services/slurm-JOB.json``; the ranks of
+every gang on the pilot get ``PHALANX_STORE_SERVICE_KEY=slurm-JOB`` (``store_key``) and find
+their node's service there.  ``start`` waits (up to ``SERVICE_WAIT_S``) until every node's
+service is serving: each also writes its endpoint to ``LOG_DIR/store-JOB-NODE.endpoint``.
 """
 
 from __future__ import annotations
 
+import logging
 import shlex
+import socket
 import sys
 import threading
 import time
@@ -22,11 +34,24 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import GangError
-from ...paths import default_log_root
+from ...paths import ENV_SPILL, ENV_STORE, default_log_root
+from ...runtime.envvars import ENV_STORE_TOKEN_FILE
 from ..base import AllocationHook, held, released
 from ..network import Beacon
 from .commands import HOPELESS, JobInfo, SlurmCommands, _hopeless, _option_args, _site, _wait_inactive, allocation
 from .config import SlurmConfig, SlurmPilotConfig
+
+log = logging.getLogger("phalanx.executors.slurm")
+
+# what a pilot's store services take from the environment of the gang that starts the pilot
+STORE_ENV = (ENV_STORE, ENV_SPILL, ENV_STORE_TOKEN_FILE)
+SERVICE_WAIT_S = 60.0  # start() waits this long for every node's store service, then goes on
+# one store service per node, run by the pilot's batch script before its holder: $0 python, $1
+# the store root, $2 the pilot's log dir
+_SERVICE = (
+    'exec "$0" -m phalanx.store.service --root "$1" --host auto --key "slurm-$SLURM_JOB_ID" '
+    '--endpoint-file "$2/store-$SLURM_JOB_ID-$SLURMD_NODENAME.endpoint"'
+)
 
 # The pilot's holder: connected to the driver's beacon, it ends when the driver does.
 _HOLDER = """import socket, sys, time
@@ -98,6 +123,15 @@ class SlurmPilot:
         self._hook: AllocationHook | None = None  # the hook told of the current job
         self._record: dict | None = None
         self._beacon: Beacon | None = None
+        self.store_root: str | None = None  # the root the pilot's store services serve, if any
+        self.store_services: dict[str, str] = {}  # node → endpoint of its store service
+        self._far: tuple[str | None, dict[str, str]] = (None, {})  # (job, far_nodes())
+
+    @property
+    def store_key(self) -> str | None:
+        """``PHALANX_STORE_SERVICE_KEY`` of the ranks on this pilot: its store services' key
+        (``slurm-JOB``), or None when the pilot runs none."""
+        return f"slurm-{self.job_id}" if self.job_id and self.store_root else None
 
     @classmethod
     def from_config(cls, config: SlurmConfig, site: str = "slurm", hook: AllocationHook | None = None) -> SlurmPilot:
@@ -125,13 +159,20 @@ class SlurmPilot:
         return self.job_id is not None and self.info is not None and self.info.state == "RUNNING"
 
     def start(
-        self, timeout: float | None = None, *, hook: AllocationHook | None = None, driver: str | None = None
+        self,
+        timeout: float | None = None,
+        *,
+        hook: AllocationHook | None = None,
+        driver: str | None = None,
+        store: Mapping[str, str] | None = None,
     ) -> SlurmPilot:
         """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
         limit, a node failure) is replaced by a fresh one.  ``hook``: told of the job unless
         the pilot has its own (a gang's allocation hook); ``driver``: "host:port" the nodes
         reach this driver at (a gang's control address) — the pilot then ends when this
-        process does.  ``close`` from another thread ends the wait (GangError)."""
+        process does; ``store``: the environment of the gang's store (``STORE_ENV``): a fresh
+        pilot runs a store service per node for a directory root.  ``close`` from another
+        thread ends the wait (GangError)."""
         with self._lock:
             job_id = self.job_id
             if job_id is not None:
@@ -142,13 +183,15 @@ class SlurmPilot:
                     job_id = None
             if job_id is None:
                 self._forget()
-                job_id = self._submit(self.hook if self.hook is not None else hook, driver)
+                job_id = self._submit(self.hook if self.hook is not None else hook, driver, store)
             timeout = timeout if timeout is not None else self.start_timeout
             deadline = time.monotonic() + timeout if timeout else None
             wait = 0.05
             while True:
                 self.info = info = self.slurm.job(job_id)
                 if info.state == "RUNNING":
+                    if self.store_root and not self.store_services:
+                        self._await_services(info)
                     return self
                 if info.state == "PENDING" and info.reason in HOPELESS:
                     self.slurm.cancel(job_id)
@@ -165,8 +208,8 @@ class SlurmPilot:
                 time.sleep(wait)
                 wait = min(wait * 2, self.poll_interval)
 
-    def _submit(self, hook: AllocationHook | None, driver: str | None) -> str:
-        """Submit the holder job; its id (also ``self.job_id``)."""
+    def _submit(self, hook: AllocationHook | None, driver: str | None, store: Mapping[str, str] | None = None) -> str:
+        """Submit the holder job (and the store services: ``start``); its id (also ``self.job_id``)."""
         self.log_dir = default_log_root().parent / "slurm-pilots"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.job_name}-{uuid.uuid4().hex[:12]}"  # unique: released by name
@@ -184,14 +227,47 @@ class SlurmPilot:
         if driver:
             self._beacon = Beacon(driver.rpartition(":")[0])
             hold = "exec " + shlex.join([sys.executable, "-c", _HOLDER, *map(str, self._beacon.address)])
+        env = self.slurm.env()
+        services: list[str] = []
+        root = (store or {}).get(ENV_STORE, "")
+        if root and "://" not in root:  # a directory on each node, not an object store
+            self.store_root = root
+            env.update({k: v for k, v in (store or {}).items() if k in STORE_ENV and v})
+            srun = [
+                self.slurm.exe("srun"),
+                "--overlap",  # shares the CPUs of the gangs' --exact steps (docs/multihost.md)
+                "--ntasks-per-node=1",
+                "--kill-on-bad-exit=0",
+                "--input=none",
+                f"--job-name={name}-store",
+                f"--output={str(self.log_dir).replace('%', '%%')}/store-%j-%N.log",
+            ]
+            service = [sys.executable, root, str(self.log_dir)]
+            services = [
+                "# one store service per node while the allocation lives (phalanx.store.service)",
+                shlex.join(srun)
+                + ' --nodes="$SLURM_JOB_NUM_NODES" --ntasks="$SLURM_JOB_NUM_NODES" '
+                + shlex.join(["/bin/sh", "-c", _SERVICE, *service])
+                + " &",
+            ]
+        else:
+            self.store_root = None
+        self.store_services = {}
         body = "\n".join(
-            ["#!/bin/sh", "# phalanx pilot: holds the allocation; gangs run as its job steps", *self.prologue, hold, ""]
+            [
+                "#!/bin/sh",
+                "# phalanx pilot: holds the allocation; gangs run as its job steps",
+                *self.prologue,
+                *services,
+                hold,
+                "",
+            ]
         )
         self._hook, self._record = hook, allocation("pilot", name, self.slurm)
         held(hook, self._record)  # before sbatch: see base.held
         try:
             # no script file: sbatch reads the script from its stdin
-            self.job_id = job_id = self.slurm.submit(args + self.sbatch_args, self.slurm.env(), self.site, body)
+            self.job_id = job_id = self.slurm.submit(args + self.sbatch_args, env, self.site, body)
         except BaseException:
             self._forget()
             raise
@@ -199,6 +275,50 @@ class SlurmPilot:
         held(hook, self._record)
         self.info = None
         return job_id
+
+    def _await_services(self, info: JobInfo) -> None:
+        """Wait until every node's store service writes its endpoint (up to ``SERVICE_WAIT_S``);
+        a node whose service did not start is logged, and its ranks run without one."""
+        assert self.log_dir is not None and self.job_id is not None  # submitted
+        r = self.slurm.run("scontrol", "show", "hostnames", info.nodes, timeout=30)
+        nodes = r.stdout.split() if r.returncode == 0 else []
+        files = {n: self.log_dir / f"store-{self.job_id}-{n}.endpoint" for n in nodes}
+        deadline = time.monotonic() + SERVICE_WAIT_S
+        wait = 0.05
+        while True:
+            found = {n: f.read_text().strip() for n, f in files.items() if f.exists()}
+            if len(found) == len(files) or time.monotonic() > deadline or self._closing:
+                break
+            time.sleep(wait)
+            wait = min(wait * 2, self.poll_interval)
+        self.store_services = found
+        missing = sorted(set(files) - set(found))
+        if missing:
+            log.warning(
+                "slurm: pilot job %s: no store service on %s after %.0f s%s; see %s/store-%s-NODE.log",
+                self.job_id,
+                ", ".join(missing),
+                SERVICE_WAIT_S,
+                _site(self.site),
+                self.log_dir,
+                self.job_id,
+            )
+
+    def far_nodes(self) -> dict[str, str]:
+        """The running pilot's nodes whose address (``NodeAddr``) is not one of this host's:
+        ``{node: address}``; their ranks cannot reach a driver on loopback."""
+        job, far = self._far
+        if job == self.job_id or self.info is None or not self.info.nodes:
+            return far
+        r = self.slurm.run("scontrol", "show", "node", "-o", self.info.nodes, timeout=30)
+        far = {}
+        for line in r.stdout.splitlines() if r.returncode == 0 else []:
+            fields = {k: v for k, _, v in (f.partition("=") for f in line.split())}
+            addr = fields.get("NodeAddr", "")
+            if addr and not _is_here(addr):
+                far[fields.get("NodeName", addr)] = addr
+        self._far = (self.job_id, far)
+        return far
 
     def _forget(self) -> None:
         """The pilot's job is gone: tell the hook, close the beacon."""
@@ -229,6 +349,9 @@ class SlurmPilot:
         if not _wait_inactive(self.slurm, job, 15.0).active:
             with self._lock:
                 self._forget()
+        if self.store_root and self.log_dir is not None:  # the services' endpoints, for start()
+            for f in self.log_dir.glob(f"store-{job}-*.endpoint"):
+                f.unlink(missing_ok=True)
 
     def __enter__(self) -> SlurmPilot:
         return self.start()
@@ -238,3 +361,23 @@ class SlurmPilot:
 
     def __repr__(self) -> str:
         return f"<SlurmPilot job={self.job_id} {self.info.state if self.info else '-'}>"
+
+
+def _is_here(host: str) -> bool:
+    """``host`` (a name or address) is an address of this host: one it can bind."""
+    try:
+        with socket.socket(socket.AF_INET) as s:
+            s.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
+
+
+def route_from(host: str) -> str | None:
+    """The address of this host that packets to ``host`` leave from (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))
+            return str(s.getsockname()[0])
+    except OSError:
+        return None

@@ -1,0 +1,223 @@
+"""A phalanx gang on the SLURM pilot across the hosts of the test bed (docs/multihost.md), the
+driver (this pytest) in the root namespace: one rank per host, each with its own /dev/shm; a
+shuffle and an allreduce among them right against pandas; the store (SQLite catalogue and
+file tier) on the shared /var/tmp, written by one host's rank and read by another's.
+
+    .venv/bin/python -m pytest -m multihost tests/multihost/test_slurm_gang_multihost.py -q -p no:randomly
+
+The site (``SITE``): ``slurm.srun_via`` runs the driver's ``srun --jobid`` inside px-head (srun
+listens for its tasks on the address its host's name resolves to: 127.0.0.1 in the root
+namespace, which no host reaches); ``driver_host`` is the root namespace's bridge address
+(``auto`` resolves this machine's name, to 127.0.0.1 here); the rendezvous, store and logs
+are under ``shared_tmp``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import time
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pytest
+
+import phalanx as px
+from phalanx.executors.slurm import SlurmExecutor
+from phalanx.store.service import ping, read_token_file, write_token_file
+
+from .conftest import INFRA, N_HOSTS
+
+pytestmark = pytest.mark.multihost
+
+HOSTS = [f"px-h{i}" for i in range(1, N_HOSTS + 1)]
+
+
+def slurm_section(conf: str) -> dict:
+    return {
+        "allocation": "pilot",
+        "conf": conf,
+        "srun_via": [str(INFRA / "multihost-exec"), "px-head"],
+        "ranks_per_node": 1,
+        "poll_interval": 0.25,
+        "pilot": {"nodes": N_HOSTS, "ntasks": N_HOSTS, "time": "00:30:00"},
+    }
+
+
+@pytest.fixture(scope="module")
+def driver_host(multihost_bed) -> str:
+    return multihost_bed.load_state()["bridge_addr"]  # 10.231.0.1: what every host reaches
+
+
+@pytest.fixture
+def pilot_run(multihost_slurm, shared_tmp, monkeypatch):
+    """A run scope on the multihost cluster's pilot (closed at the end: the pilot is cancelled);
+    gang logs and the pilot's log under shared_tmp."""
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))
+    ex = SlurmExecutor(slurm_section(multihost_slurm), site="slurm-multihost")
+    ex.open_run()
+    yield ex
+    ex.close_run()
+
+
+def _part(rank: int, rows: int = 3000) -> pa.Table:
+    rng = np.random.default_rng(rank)
+    return pa.table(
+        {
+            "key": pa.array([f"k{int(k)}" for k in rng.integers(0, 97, rows)]),
+            "v": pa.array(rng.integers(0, 1000, rows), type=pa.int64()),
+            "src": pa.array(np.full(rows, rank, dtype=np.int64)),
+        }
+    )
+
+
+def where(env):
+    marker = f"/dev/shm/phalanx-mh-rank-{env.rank}"
+    open(marker, "w").close()
+    try:
+        seen = sorted(n for n in os.listdir("/dev/shm") if n.startswith("phalanx-mh-rank-"))
+    finally:
+        os.unlink(marker)
+    return {"rank": env.rank, "host": socket.gethostname(), "shm": seen, "node": os.environ.get("SLURMD_NODENAME")}
+
+
+def compute(env):
+    """allreduce of a vector, and a shuffle + groupby of each rank's part."""
+    total = env.comm.allreduce(np.arange(4, dtype=np.int64) * (env.rank + 1))
+    df = px.DataFrame.from_arrow(_part(env.rank), env)
+    by_key = df.groupby("key").agg({"v": "sum"}).collect(root=0)
+    shuffled = df.shuffle("key").to_arrow()
+    keys = set(shuffled.column("key").to_pylist())
+    return total.tolist(), by_key, keys, sorted(set(shuffled.column("src").to_pylist()))
+
+
+def put_then_get(env, name):
+    df = px.DataFrame.from_arrow(_part(env.rank, 500), env)
+    env.store.put(name, df, producer="mh")
+    back = env.store.get(name, by="key")
+    mine = back.to_arrow()
+    return socket.gethostname(), back.collect(root=0), mine.num_rows
+
+
+def test_a_pilot_gang_runs_one_rank_per_host_and_its_collectives_are_right(pilot_run, driver_host, shared_tmp):
+    with px.Gang(
+        N_HOSTS,
+        executor=pilot_run,
+        control_host=driver_host,
+        rendezvous=f"file://{shared_tmp}/rdzv",
+        store=shared_tmp / "store",
+        echo=False,
+    ) as gang:
+        info = gang.run(where)
+        assert [i["host"] for i in info] == [i["node"] for i in info]
+        assert sorted(i["host"] for i in info) == HOSTS  # one rank on each host
+        for i in info:  # each rank sees its own marker only: no /dev/shm in common
+            assert i["shm"] == [f"phalanx-mh-rank-{i['rank']}"], info
+        assert gang.hosts == [i["host"] for i in info]
+
+        results = gang.run(compute)
+        n = N_HOSTS
+        assert all(r[0] == (np.arange(4) * sum(range(1, n + 1))).tolist() for r in results)
+        ref = pd.concat([_part(r).to_pandas() for r in range(n)]).groupby("key")["v"].sum().sort_index()
+        got = results[0][1].to_pandas().set_index("key")["v"].sort_index()
+        pd.testing.assert_series_equal(got, ref, check_names=False)
+        keys = [r[2] for r in results]  # the shuffle: each key on exactly one rank
+        assert set().union(*keys) == set(ref.index) and sum(len(k) for k in keys) == len(ref)
+
+        name = "mh-put"
+        results = gang.run(put_then_get, name)
+        whole = pd.concat([_part(r, 500).to_pandas() for r in range(n)])
+        back = results[0][1].to_pandas()
+        assert sorted(r[0] for r in results) == HOSTS
+        assert sum(r[2] for r in results) == len(whole)
+        pd.testing.assert_frame_equal(
+            back.sort_values(["src", "key", "v"]).reset_index(drop=True),
+            whole.sort_values(["src", "key", "v"]).reset_index(drop=True),
+        )
+    # the catalogue and the partitions are on the shared /var/tmp: the driver reads them too
+    store = px.Store(shared_tmp / "store")
+    assert store.read(name).num_rows == len(whole)
+    assert (shared_tmp / "store" / "meta.sqlite").is_file()
+
+
+def test_a_driver_listening_on_loopback_is_refused_naming_an_address_the_nodes_reach(pilot_run, shared_tmp):
+    """``auto`` is what this machine's name resolves to: 127.0.0.1 in the bed's root namespace
+    (/etc/hosts: "127.0.0.1 vm"), which the ranks on px-h1.. cannot reach."""
+    assert socket.gethostbyname(socket.getfqdn()) == "127.0.0.1"  # what ControlServer makes of auto here
+    t0 = time.monotonic()
+    with pytest.raises(px.GangError) as info:
+        px.Gang(
+            N_HOSTS, executor=pilot_run, control_host="auto", rendezvous=f"file://{shared_tmp}/rdzv", echo=False
+        ).start()
+    message = str(info.value)
+    assert "the driver listens on 127.0.0.1 only" in message and "px-h1, px-h2, px-h3" in message, message
+    assert "leaves from 10.231.0.1" in message, message
+    assert time.monotonic() - t0 < 30
+
+
+# ---- the pilot's store services: one per node, for the life of the allocation ----------------
+def service_env(env):
+    return {k: os.environ.get(k) for k in ("PHALANX_STORE", "PHALANX_STORE_SERVICE_KEY")} | {
+        "host": socket.gethostname()
+    }
+
+
+def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
+    multihost_bed, multihost_slurm, shared_tmp, driver_host, monkeypatch
+):
+    bed = multihost_bed
+    root = f"/dev/shm/phalanx-mh-{shared_tmp.name}/store"  # each host's own
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))
+    monkeypatch.setenv("PHALANX_STORE_TOKEN_FILE", str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
+    ex = SlurmExecutor(slurm_section(multihost_slurm), site="slurm-multihost")
+    ex.open_run()
+    try:
+        with px.Gang(
+            N_HOSTS,
+            executor=ex,
+            control_host=driver_host,
+            rendezvous=f"file://{shared_tmp}/rdzv",
+            store=root,
+            echo=False,
+        ) as gang:
+            pilot = ex.pilot()
+            key = f"slurm-{pilot.job_id}"
+            seen = gang.run(service_env)
+            assert sorted(s["host"] for s in seen) == HOSTS
+            assert all(s["PHALANX_STORE"] == root and s["PHALANX_STORE_SERVICE_KEY"] == key for s in seen), seen
+            assert sorted(pilot.store_services) == HOSTS  # start() waited for every node's
+            token = read_token_file(shared_tmp / "token")
+            for h in bed.hosts():
+                r = bed.run_on(
+                    h["name"],
+                    ["cat", f"{root}/.services/{key}.json"],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                assert r.returncode == 0, f"{h['name']}: no endpoint record: {r.stderr}"
+                record = json.loads(r.stdout)
+                assert record["host"] == h["name"], record
+                assert record["endpoint"].startswith(f"grpc+tcp://{h['addr']}:"), record  # its own address
+                assert pilot.store_services[h["name"]] == record["endpoint"]
+                assert bed.pid_alive(record["pid"])
+                mode = bed.run_on(h["name"], ["stat", "-c", "%a", f"{root}/.services/{key}.json"], capture_output=True)
+                assert mode.stdout.decode().strip() == "600"
+                assert ping(record["endpoint"], token) == h["name"]  # served, over the bridge from the root namespace
+            pids = {
+                h["name"]: json.loads(
+                    bed.run_on(h["name"], ["cat", f"{root}/.services/{key}.json"], capture_output=True).stdout
+                )["pid"]
+                for h in bed.hosts()
+            }
+    finally:
+        ex.close_run()
+    assert not list((shared_tmp / "logs" / "slurm-pilots").glob("*.endpoint"))
+    for h in bed.hosts():  # the allocation ended: so did every service, its record with it
+        assert not bed.pid_alive(pids[h["name"]]), h
+        r = bed.run_on(h["name"], ["ls", f"{root}/.services"], capture_output=True, text=True, timeout=30)
+        assert r.stdout.split() == [], (h["name"], r.stdout)
+        bed.run_on(h["name"], ["rm", "-rf", os.path.dirname(root)], timeout=30)

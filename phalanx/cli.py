@@ -484,9 +484,11 @@ def cmd_store(args: argparse.Namespace) -> int:
             if not infos:
                 print(f"no datasets in session {store.session!r} of {store.root}")
             for info in infos:
+                hosts = list(dict.fromkeys(p.host for p in info.partitions if p.host))
                 print(
                     f"{info.name:30} {info.num_rows:>14,} rows {info.nbytes / 1e6:>10.1f} MB "
                     f"{info.num_partitions:>4} parts  {info.partitioning.get('kind')}  {info.producer}"
+                    + (f"  on {','.join(hosts)}" if hosts else "")
                 )
         elif args.store_cmd == "show":
             print(json.dumps(store.info(args.name).summary(), indent=2, default=str))

@@ -108,6 +108,7 @@ class DatasetInfo:
             "schema": {f.name: str(f.type) for f in self.schema},
             "location": self.location,
             "hosts": [p.host for p in self.partitions] if any(p.host for p in self.partitions) else [],
+            "places": [p.place for p in self.partitions] if any(p.place for p in self.partitions) else [],
             "pinned": self.pinned,
             "accessed": self.accessed,
         }

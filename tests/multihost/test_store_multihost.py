@@ -18,6 +18,7 @@ import sys
 import textwrap
 import time
 import uuid
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -141,6 +142,16 @@ def test_partitions_record_the_host_that_holds_them(spread):
     assert len({p.root_id for p in info.partitions}) == 3  # three roots that share nothing
     assert [p.endpoint.split(":")[1] for p in info.partitions] == ["//10.231.0.11", "//10.231.0.12", "//10.231.0.13"]
     assert info.summary()["hosts"] == list(HOSTS)
+    # what a user sees: where each dataset lives
+    ls = subprocess.run(
+        [str(Path(sys.executable).parent / "phalanx"), "store", "--root", root, "--session", "s", "ls"],
+        env={**env, "PHALANX_STORE_METADATA": meta},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert ls.returncode == 0, ls.stderr
+    assert "on px-h1,px-h2,px-h3" in ls.stdout
 
 
 def test_a_reader_on_any_host_reads_the_whole_dataset_right(spread, multihost_bed, shared_tmp):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import socket
 import time
 
@@ -165,6 +166,11 @@ def service_env(env):
     }
 
 
+def put_then_get_counted(env, name):
+    host, back, mine = put_then_get(env, name)
+    return host, back, mine, env.store.reads.as_dict()
+
+
 def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
     multihost_bed, multihost_slurm, shared_tmp, driver_host, monkeypatch
 ):
@@ -180,7 +186,7 @@ def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
             executor=ex,
             control_host=driver_host,
             rendezvous=f"file://{shared_tmp}/rdzv",
-            store=root,
+            store=px.Store(root, metadata=f"sqlite://{shared_tmp}/meta.sqlite"),  # the catalogue shared
             echo=False,
         ) as gang:
             pilot = ex.pilot()
@@ -207,6 +213,24 @@ def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
                 mode = bed.run_on(h["name"], ["stat", "-c", "%a", f"{root}/.services/{key}.json"], capture_output=True)
                 assert mode.stdout.decode().strip() == "600"
                 assert ping(record["endpoint"], token) == h["name"]  # served, over the bridge from the root namespace
+            # partitions written in three hosts' memory, read back by key across them: through
+            # the services of the pilot
+            results = gang.run(put_then_get_counted, "spread")
+            whole = pd.concat([_part(r, 500).to_pandas() for r in range(N_HOSTS)])
+            cols = ["src", "key", "v"]
+            pd.testing.assert_frame_equal(
+                results[0][1].to_pandas().sort_values(cols).reset_index(drop=True),
+                whole.sort_values(cols).reset_index(drop=True),
+            )
+            assert all(r[3]["local"] > 0 for r in results), [r[3] for r in results]  # each its own host's
+            # the driver (no partition in its /dev/shm) reads all three through the hosts' services
+            reader = px.Store(root, metadata=f"sqlite://{shared_tmp}/meta.sqlite")
+            table = reader.read("spread")
+            pd.testing.assert_frame_equal(
+                table.to_pandas().sort_values(cols).reset_index(drop=True),
+                whole.sort_values(cols).reset_index(drop=True),
+            )
+            assert reader.reads.local == 0 and reader.reads.fetched == sum(r[3]["local"] for r in results)
             pids = {
                 h["name"]: json.loads(
                     bed.run_on(h["name"], ["cat", f"{root}/.services/{key}.json"], capture_output=True).stdout
@@ -221,3 +245,4 @@ def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
         r = bed.run_on(h["name"], ["ls", f"{root}/.services"], capture_output=True, text=True, timeout=30)
         assert r.stdout.split() == [], (h["name"], r.stdout)
         bed.run_on(h["name"], ["rm", "-rf", os.path.dirname(root)], timeout=30)
+    shutil.rmtree(os.path.dirname(root), ignore_errors=True)  # the driver's Store made it here too

@@ -207,8 +207,24 @@ class StoreConfig(_Strict):
         description="where the store's catalogue lives: sqlite:///path or redis://host:port/db (ranks on "
         "several hosts); default: $PHALANX_STORE_METADATA, else SQLite beside the store root",
     )
+    durability: Literal["memory", "write-through"] = Field(
+        "memory",
+        description="memory: a partition lives in the memory of the host that wrote it, as long as that "
+        "host's allocation (a pilot's node, the driver's host); write-through: also copied to `durable` as it "
+        "is written, so it outlives the host and its allocation (SLURM per-stage jobs on hosts that share no "
+        "store root need this)",
+    )
+    durable: Optional[str] = Field(
+        None, description="write-through target: a directory every host mounts or s3://bucket/prefix"
+    )
 
-    @field_validator("root", "metadata")
+    @model_validator(mode="after")
+    def _durable_given(self) -> StoreConfig:
+        if self.durability == "write-through" and not self.durable:
+            raise ValueError("durability: write-through needs durable: a shared directory or s3://bucket/prefix")
+        return self
+
+    @field_validator("root", "metadata", "durable")
     @classmethod
     def _known_scheme(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
         """``s3://`` needs a store tier of that name, ``redis://`` a metadata backend."""
@@ -216,7 +232,9 @@ class StoreConfig(_Strict):
         from ..store.tiers import tiers
 
         kind, registry = (
-            ("store tier", tiers) if info.field_name == "root" else ("store metadata backend", metadata_backends)
+            ("store tier", tiers)
+            if info.field_name in ("root", "durable")
+            else ("store metadata backend", metadata_backends)
         )
         if value and "://" in value:
             _one_of(kind, value.split("://", 1)[0], registry.names())

@@ -56,7 +56,8 @@ class Scheduler:
         on_event: Callable[[str, str, str], None] | None = None,
     ):
         self.wf, self.site, self.db, self.run_id = wf, site, db, run_id
-        self.store = Store(site.store.root, session, metadata=site.store.metadata)
+        durable = site.store.durable if site.store.durability == "write-through" else None
+        self.store = Store(site.store.root, session, metadata=site.store.metadata, durable=durable)
         self.on_event = on_event or (lambda stage, kind, msg: None)
         self.executor = site.create_executor()
         self.caps = self.executor.capabilities

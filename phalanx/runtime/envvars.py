@@ -50,6 +50,7 @@ ENV_STORE_SESSION = "PHALANX_STORE_SESSION"  # session (namespace)
 ENV_STORE_METADATA = "PHALANX_STORE_METADATA"  # sqlite:///path/meta.sqlite | redis://host:port/db
 ENV_STORE_BUDGET = "PHALANX_STORE_BUDGET"  # memory budget of a file-tier root, bytes ("4GiB" works)
 ENV_STORE_ATTEMPT = "PHALANX_STORE_ATTEMPT"  # the run attempt: what it wrote or checked is not checked again
+ENV_STORE_DURABLE = "PHALANX_STORE_DURABLE"  # write-through target (store.durable): partitions copied there too
 ENV_STORE_TOKEN = "PHALANX_STORE_TOKEN"  # the store services' bearer secret itself (prefer the file)
 ENV_STORE_TOKEN_FILE = "PHALANX_STORE_TOKEN_FILE"  # a 0600 file holding it (default: STATE/store.token)
 ENV_STORE_SERVICE_KEY = "PHALANX_STORE_SERVICE_KEY"  # names this host's store service: ROOT/.services/KEY.json

@@ -22,7 +22,7 @@ import pyarrow as pa
 from ..errors import PartitionLostError, UnsafePathError
 from ..private import FILE_MODE, makedirs
 from ..procs import boot_id, same_process, start_time
-from .tiers import check_mine
+from .tiers import check_mine, checksum_buffer
 
 if TYPE_CHECKING:
     from .metadata import DatasetInfo
@@ -120,7 +120,7 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
     )
 
 
-def checksum_there(where: str, info: DatasetInfo, index: int) -> str:
+def checksum_there(where: str, info: DatasetInfo, index: int, tier_for: Callable[[str], Tier]) -> str:
     """The checksum of another host's partition, computed by that host's store service (no
     bytes move); ``PartitionLostError`` when the service is gone or lost the partition."""
     from .service import RemoteStoreError, ServiceUnreachableError, remote_checksum
@@ -136,6 +136,11 @@ def checksum_there(where: str, info: DatasetInfo, index: int) -> str:
             why = f"the host no longer has it ({exc})"
         except RemoteStoreError:
             raise
+    if part.copy:  # the host is gone, its written-through copy is what a reader gets
+        try:
+            return checksum_buffer(tier_for(part.copy).read_buffer(part.copy, index))
+        except OSError as exc:
+            why += f"; its written-through copy at {part.copy} is unreadable too ({exc})"
     raise PartitionLostError(
         f"{where}: dataset {info.name!r} partition {index} is held in the memory of host {part.host or '?'}"
         f" and cannot be checked: {why}"

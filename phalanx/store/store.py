@@ -33,6 +33,7 @@ from ..private import FILE_MODE, makedirs
 from ..runtime.envvars import (
     ENV_STORE_ATTEMPT,
     ENV_STORE_BUDGET,
+    ENV_STORE_DURABLE,
     ENV_STORE_METADATA,
     ENV_STORE_SERVICE_KEY,
     ENV_STORE_SESSION,
@@ -136,8 +137,11 @@ class Store:
         memory_budget: int | str | None = None,
         spill: str | Path | None = None,
         attempt: str | None = None,
+        durable: str | Path | None = None,
     ):
-        """``attempt``: who trusts what this store wrote or verified (docs/reliability.md,
+        """``durable``: write-through — every partition is also copied there as it is written
+        (a directory every host mounts, or ``s3://...``), so it outlives the host that holds it
+        in memory; default ``PHALANX_STORE_DURABLE``.  ``attempt``: who trusts what this store wrote or verified (docs/reliability.md,
         "when checksums are checked"): the run attempt of a driver and its gangs; default
         ``PHALANX_STORE_ATTEMPT``, else one of its own."""
         self.session = _check_session(session)
@@ -158,6 +162,8 @@ class Store:
         if metadata is None:
             metadata = os.environ.get(ENV_STORE_METADATA) or default_metadata_url(self.tier)
         self.meta: MetadataBackend = open_metadata(metadata)
+        durable_root = os.fspath(durable) if durable else os.environ.get(ENV_STORE_DURABLE) or None
+        self.durable_tier: Tier | None = open_tier(durable_root) if durable_root else None
         spill_root = spill or os.environ.get(ENV_SPILL) or None
         self.spill_tier: FileTier | None = None
         if budget is not None or spill_root:
@@ -191,6 +197,7 @@ class Store:
             ENV_STORE_BUDGET: "" if self.memory_budget is None else str(self.memory_budget),
             ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
             ENV_STORE_ATTEMPT: self.attempt,
+            ENV_STORE_DURABLE: self.durable_tier.root_url if self.durable_tier else "",
         }
 
     def _rank_metadata_url(self) -> str:
@@ -299,7 +306,7 @@ class Store:
         if self.is_here(part):
             self.partition(info, index, verify=True)
             return
-        actual = remote.checksum_there(self._where(), info, index)
+        actual = remote.checksum_there(self._where(), info, index, self._tier_for)
         if actual != part.checksum:
             raise ChecksumError(
                 f"{self._where()}: dataset {info.name!r} partition {index} on host {part.host}: checksum mismatch "
@@ -388,7 +395,7 @@ class Store:
         return table.select(list(columns)) if columns is not None else table
 
     def _tier_for(self, location: str) -> Tier:
-        for tier in (self.tier, self.spill_tier):
+        for tier in (self.tier, self.spill_tier, self.durable_tier):
             if tier is not None and tier.owns(location):
                 return tier
         if "://" in location:
@@ -441,13 +448,32 @@ class Store:
             raise StoreError(
                 f"{self._where()}: put {name!r} partition {index}: writing {location}/{part_file(index)} failed: {exc}"
             ) from exc
-        part = PartitionInfo(index, table.num_rows, nbytes, checksum, **self.placement())
+        through = self._write_through(location, index, name or "", staging_id) if self.durable_tier else ""
+        part = PartitionInfo(index, table.num_rows, nbytes, checksum, copy=through, **self.placement())
         self._verified.add((staging_id, index))  # hashed while written: this attempt trusts it
         self._mark(self.session, staging_id, index, part)
         return part
 
+    def _write_through(self, location: str, index: int, name: str, staging_id: str) -> str:
+        """Copy the partition just written to the durable tier (its exact bytes); where."""
+        assert self.durable_tier is not None
+        through = self._durable_location(name, staging_id)
+        try:
+            self.durable_tier.write_buffer(through, index, self.tier.read_buffer(location, index))
+        except OSError as exc:
+            raise StoreError(
+                f"{self._where()}: put {name!r} partition {index}: writing it through to {through} failed: {exc}"
+            ) from exc
+        return through
+
+    def _durable_location(self, name: str, staging_id: str) -> str:
+        assert self.durable_tier is not None
+        return self.durable_tier.final(self.session, name, f"{staging_id}.copy")
+
     def discard_staging(self, name: str | None, staging_id: str) -> None:
         """Remove the partitions of a put that will not be sealed."""
+        if name is not None and self.durable_tier is not None:
+            self.durable_tier.remove(self._durable_location(name, staging_id))
         if name is None and not self.tier.atomic_rename:
             return
         self.tier.remove(self.tier.staging(self.session, name or "", staging_id))
@@ -619,14 +645,23 @@ class Store:
         self._retire(old.location)
         self._remove_elsewhere(old)
 
+    def _remove_copies(self, info: DatasetInfo) -> None:
+        for through in {p.copy for p in info.partitions if p.copy}:
+            try:
+                self._tier_for(through).remove(through)
+            except (OSError, StoreError) as exc:
+                log.warning("%s: the written-through copy %s stays: %s", self._where(), through, exc)
+
     def _elsewhere(self, info: DatasetInfo) -> set[str]:
         """The store services of the other hosts that hold partitions of ``info``."""
         return {p.endpoint for p in info.partitions if p.endpoint and not self.is_here(p)}
 
     def _remove_elsewhere(self, info: DatasetInfo, location: str | None = None) -> None:
         """Remove a replaced or deleted version (or ``location``) on the other hosts holding
-        its partitions: at once — a reader there maps a partition before reading it, and a
-        mapped file stays readable after removal; one that looks later follows the metadata."""
+        its partitions, and its written-through copy: at once — a reader there maps a
+        partition before reading it, and a mapped file stays readable after removal; one that
+        looks later follows the metadata."""
+        self._remove_copies(info)
         endpoints = self._elsewhere(info)
         if endpoints:
             remote.remove_there(self._where(), location or info.location, endpoints)
@@ -717,6 +752,7 @@ class Store:
             old = self.meta.delete(self.session, name)
             if old is not None:  # an explicit wipe: no grace period
                 self._refusing(refused, self._remove_payload, old.location)
+                self._remove_copies(old)
                 if self._elsewhere(old):
                     elsewhere.setdefault(str(Path(old.location).parent.parent), set()).update(self._elsewhere(old))
         # The session's directory goes only when no dataset was sealed meanwhile.

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from phalanx.runtime.envvars import ENV_STORE_SERVICE_KEY, ENV_STORE_TOKEN_FILE
+from phalanx.runtime.envvars import ENV_STORE_DURABLE, ENV_STORE_SERVICE_KEY, ENV_STORE_TOKEN_FILE
 
 pytestmark = pytest.mark.multihost
 
@@ -82,7 +82,7 @@ def _reference() -> pd.DataFrame:
 
 
 @pytest.fixture
-def spread(multihost_bed, shared_tmp):
+def spread(request, multihost_bed, shared_tmp):
     """Services on px-h1..3 (each serving its own /dev/shm root) and dataset 's/ds' with
     partition i written on HOSTS[i]; yields (root, metadata URL, env, {host: service Popen})."""
     bed = multihost_bed
@@ -93,6 +93,8 @@ def spread(multihost_bed, shared_tmp):
     token.chmod(0o600)
     key = f"test-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, ENV_STORE_TOKEN_FILE: str(token), ENV_STORE_SERVICE_KEY: key}
+    if getattr(request, "param", None) == "write-through":  # store.durability: write-through
+        env[ENV_STORE_DURABLE] = str(shared_tmp / "durable")
     services: dict[str, subprocess.Popen] = {}
     try:
         for host in HOSTS:
@@ -254,3 +256,25 @@ def test_deleting_a_dataset_frees_the_memory_of_every_host_holding_it(spread, mu
         assert present() == [True, True, True]
         store.delete("ds")
         assert present() == [False, False, False]
+
+
+@pytest.mark.parametrize("spread", ["write-through"], indirect=True)
+def test_written_through_partitions_outlive_their_host(spread, multihost_bed, shared_tmp):
+    """store.durability: write-through — each partition is also copied to a shared directory
+    as it is written; a reader whose partition's host is gone reads the copy (checked)."""
+    root, meta, env, services = spread
+    services["px-h2"].send_signal(signal.SIGKILL)
+    services["px-h2"].wait(timeout=15)
+    out = shared_tmp / "h3.parquet"
+    r = multihost_bed.run_on("px-h3", [*_py(READ), root, meta, str(out)], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    pd.testing.assert_frame_equal(pd.read_parquet(out), _reference())
+    from phalanx.store import Store
+
+    with _with_env(env):
+        store = Store(root, session="s", metadata=meta)
+        info = store.info("ds")
+        assert all(p.copy.startswith(str(shared_tmp / "durable")) for p in info.partitions)
+        store.check(info, 1)  # a resume finds the output whole: from the copy
+        store.delete("ds")
+        assert not any((shared_tmp / "durable").rglob("*.arrow"))

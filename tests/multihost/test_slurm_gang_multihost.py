@@ -239,10 +239,75 @@ def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
             }
     finally:
         ex.close_run()
-    assert not list((shared_tmp / "logs" / "slurm-pilots").glob("*.endpoint"))
+    assert not list((shared_tmp / "logs").rglob("*.endpoint"))
     for h in bed.hosts():  # the allocation ended: so did every service, its record with it
         assert not bed.pid_alive(pids[h["name"]]), h
         r = bed.run_on(h["name"], ["ls", f"{root}/.services"], capture_output=True, text=True, timeout=30)
         assert r.stdout.split() == [], (h["name"], r.stdout)
         bed.run_on(h["name"], ["rm", "-rf", os.path.dirname(root)], timeout=30)
     shutil.rmtree(os.path.dirname(root), ignore_errors=True)  # the driver's Store made it here too
+
+
+# ---- a workflow run on that site -------------------------------------------------------------
+WORKFLOW = """
+name: mh
+stages:
+  generate:
+    app: apps:wf_generate
+    ranks: 3
+    params: {rows: 6000, seed: 5}
+    outputs: [tx]
+  totals:
+    app: apps:wf_totals
+    ranks: 2
+    needs: [generate]
+    inputs: {tx: {dataset: tx, by: [user]}}
+    outputs: [totals]
+"""
+
+
+def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memory(
+    multihost_slurm, shared_tmp, driver_host, monkeypatch
+):
+    """generate (3 ranks: one per host, each partition in its host's /dev/shm) → totals (2
+    ranks, reading by user: the third host's partition through its store service); outputs
+    written through to a shared directory, read after the run (the pilot and its services
+    are gone by then)."""
+    import yaml
+
+    root = f"/dev/shm/phalanx-mh-{shared_tmp.name}/store"
+    monkeypatch.setenv("PHALANX_STORE_TOKEN_FILE", str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
+    site = {
+        "name": "slurm-multihost",
+        "executor": "slurm",
+        "driver_host": driver_host,
+        "rendezvous": f"file://{shared_tmp}/rdzv",
+        "start_timeout": 120,
+        "store": {
+            "root": root,
+            "metadata": f"sqlite://{shared_tmp}/meta.sqlite",
+            "durability": "write-through",
+            "durable": str(shared_tmp / "durable"),
+        },
+        "slurm": slurm_section(multihost_slurm),
+    }
+    (shared_tmp / "site.yaml").write_text(yaml.safe_dump(site))
+    (shared_tmp / "wf.yaml").write_text(WORKFLOW)
+    try:
+        result = px.run(shared_tmp / "wf.yaml", shared_tmp / "site.yaml", state=shared_tmp / "state", progress=False)
+        assert result.ok, result.failed
+        from phalanx.orchestrator.rundb import RunDB
+
+        stages = {s["stage"]: s for s in RunDB(shared_tmp / "state").stages(result.run_id)}
+        read = stages["totals"]["inputs"]["tx"]
+        assert read["fetched"] > 0 and read["read_here"] > 0, read  # 2 ranks, partitions on 3 hosts
+        store = px.Store(root, result.session, metadata=f"sqlite://{shared_tmp}/meta.sqlite")
+        got = store.read("totals").to_pandas().sort_values("user").reset_index(drop=True)
+    finally:
+        shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+    parts = []
+    for r in range(3):
+        rng = np.random.default_rng([5, r])
+        parts.append(pd.DataFrame({"user": rng.integers(0, 50, 2000), "amount": rng.integers(1, 100, 2000)}))
+    expected = pd.concat(parts).groupby("user", as_index=False)["amount"].sum()
+    pd.testing.assert_frame_equal(got, expected, check_dtype=False)

@@ -460,6 +460,7 @@ class SlurmStepLauncher(SlurmLauncher):
             hook=self.allocation_hook,
             driver=env.get(P.ENV_CONTROL),
             store={k: env[k] for k in STORE_ENV if env.get(k)},
+            log_dir=self._logs,  # on a filesystem the nodes share, as the ranks' logs must be
         )
         self.job_id = pilot.job_id
         control = env.get(P.ENV_CONTROL, "").rpartition(":")[0]

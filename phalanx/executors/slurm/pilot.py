@@ -17,7 +17,8 @@ of ``python -m phalanx.store.service --root R --host auto --key slurm-JOB`` (tok
 service publishes its endpoint in its own node's ``R/.services/slurm-JOB.json``; the ranks of
 every gang on the pilot get ``PHALANX_STORE_SERVICE_KEY=slurm-JOB`` (``store_key``) and find
 their node's service there.  ``start`` waits (up to ``SERVICE_WAIT_S``) until every node's
-service is serving: each also writes its endpoint to ``LOG_DIR/store-JOB-NODE.endpoint``.
+service is serving: each also writes its endpoint to ``store-JOB-NODE.endpoint`` in the pilot's
+log directory (the starting gang's: the nodes share it).
 """
 
 from __future__ import annotations
@@ -165,13 +166,16 @@ class SlurmPilot:
         hook: AllocationHook | None = None,
         driver: str | None = None,
         store: Mapping[str, str] | None = None,
+        log_dir: str | Path | None = None,
     ) -> SlurmPilot:
         """Submit the holder job and wait until it is RUNNING; a pilot that ended (its time
         limit, a node failure) is replaced by a fresh one.  ``hook``: told of the job unless
         the pilot has its own (a gang's allocation hook); ``driver``: "host:port" the nodes
         reach this driver at (a gang's control address) — the pilot then ends when this
         process does; ``store``: the environment of the gang's store (``STORE_ENV``): a fresh
-        pilot runs a store service per node for a directory root.  ``close`` from another
+        pilot runs a store service per node for a directory root; ``log_dir``: where a fresh
+        pilot writes its log and its services' (the starting gang's log dir, which the nodes
+        share; default: ``slurm-pilots`` beside the gang log root).  ``close`` from another
         thread ends the wait (GangError)."""
         with self._lock:
             job_id = self.job_id
@@ -183,7 +187,7 @@ class SlurmPilot:
                     job_id = None
             if job_id is None:
                 self._forget()
-                job_id = self._submit(self.hook if self.hook is not None else hook, driver, store)
+                job_id = self._submit(self.hook if self.hook is not None else hook, driver, store, log_dir)
             timeout = timeout if timeout is not None else self.start_timeout
             deadline = time.monotonic() + timeout if timeout else None
             wait = 0.05
@@ -208,9 +212,15 @@ class SlurmPilot:
                 time.sleep(wait)
                 wait = min(wait * 2, self.poll_interval)
 
-    def _submit(self, hook: AllocationHook | None, driver: str | None, store: Mapping[str, str] | None = None) -> str:
+    def _submit(
+        self,
+        hook: AllocationHook | None,
+        driver: str | None,
+        store: Mapping[str, str] | None = None,
+        log_dir: str | Path | None = None,
+    ) -> str:
         """Submit the holder job (and the store services: ``start``); its id (also ``self.job_id``)."""
-        self.log_dir = default_log_root().parent / "slurm-pilots"
+        self.log_dir = Path(log_dir) if log_dir else default_log_root().parent / "slurm-pilots"
         self.log_dir.mkdir(parents=True, exist_ok=True)
         name = f"{self.job_name}-{uuid.uuid4().hex[:12]}"  # unique: released by name
         args = [

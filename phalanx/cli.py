@@ -423,7 +423,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         for freed in released.get(s["stage"], []):  # what a dead driver left, freed by status/cancel/resume
             print(f"      released {freed}")
         for local, i in s["inputs"].items():
-            print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']})")
+            fetched = i.get("fetched", 0)  # bytes of stored partitions fetched from other hosts
+            where = f"; {fetched / 1e6:.1f} MB fetched, {i.get('read_here', 0) / 1e6:.1f} MB here" if fetched else ""
+            print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']}{where})")
     return 0
 
 

@@ -224,6 +224,8 @@ def test_rows_bytes_and_repartition_paths_are_the_run_dbs(retried):
                 "rows": number(tr.one("td", cls="rows").text()),
                 "bytes": number(tr.one("td", cls="bytes").text()),
                 "plan": tr.one("td", cls="plan").text(),
+                "read_here": number(tr.one("td", cls="read_here").text()),
+                "fetched": number(tr.one("td", cls="fetched").text()),
             }
             for tr in sec.all("tr", cls="input")
         }
@@ -233,6 +235,8 @@ def test_rows_bytes_and_repartition_paths_are_the_run_dbs(retried):
         assert int(facts["attempts"]) == st["attempts"]
     totals = {s["stage"]: s for s in db.stages(run_id)}["totals"]
     assert totals["inputs"]["tx"]["rows"] == 4000 and totals["inputs"]["tx"]["plan"]
+    # one host: every stored byte read is read here, none fetched
+    assert totals["inputs"]["tx"]["read_here"] > 0 and totals["inputs"]["tx"]["fetched"] == 0
     assert html.escape(totals["inputs"]["tx"]["plan"]) in page
 
 

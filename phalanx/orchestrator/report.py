@@ -334,12 +334,14 @@ def _inputs_table(inputs: dict[str, dict]) -> str:
     rows = "".join(
         f'<tr class="input" data-name="{esc(local)}"><td class="name">{esc(local)}</td>'
         f'<td class="dataset">{esc(i["dataset"])}</td>{_rows_cell(i["rows"])}{_bytes_cell(i["bytes"])}'
-        f'<td class="plan">{esc(i["plan"])}</td></tr>'
+        f'<td class="plan">{esc(i["plan"])}</td>'
+        f"{_bytes_cell(i.get('read_here', 0), 'read_here')}{_bytes_cell(i.get('fetched', 0), 'fetched')}</tr>"
         for local, i in inputs.items()
     )
     return (
         f'<table class="io inputs"><caption>inputs</caption><tr><th>as</th><th>dataset</th><th>rows</th>'
-        f"<th>bytes</th><th>repartition</th></tr>{rows}</table>"
+        f'<th>bytes</th><th>repartition</th><th title="stored partitions read on the ranks\' own hosts">'
+        f'read here</th><th title="stored partitions fetched from other hosts">fetched</th></tr>{rows}</table>'
     )
 
 
@@ -364,8 +366,8 @@ def _rows_cell(rows: int) -> str:
     return f'<td class="rows num">{rows:,}</td>'
 
 
-def _bytes_cell(nbytes: int) -> str:
-    return f'<td class="bytes num">{nbytes:,} B <span class="muted">({_size(nbytes)})</span></td>'
+def _bytes_cell(nbytes: int, cls: str = "bytes") -> str:
+    return f'<td class="{cls} num">{nbytes:,} B <span class="muted">({_size(nbytes)})</span></td>'
 
 
 def _failures(s: dict) -> str:

@@ -472,13 +472,17 @@ def failed_ranks(gang: Gang, exc: Exception) -> list[dict]:
 
 
 def input_totals(results: list[dict]) -> dict[str, dict]:
-    """Per input: rows and bytes read over all ranks and the repartition path taken."""
+    """Per input: rows and bytes read over all ranks, the repartition path taken, and the bytes
+    of stored partitions read on the ranks' own hosts vs fetched from other hosts."""
     totals: dict[str, dict] = {}
     for res in results:
         for local, st in res["inputs"].items():
-            t = totals.setdefault(local, {"dataset": st["dataset"], "rows": 0, "bytes": 0, "plan": st["plan"]})
-            t["rows"] += st["rows"]
-            t["bytes"] += st["bytes"]
+            t = totals.setdefault(
+                local,
+                {"dataset": st["dataset"], "rows": 0, "bytes": 0, "plan": st["plan"], "read_here": 0, "fetched": 0},
+            )
+            for key in ("rows", "bytes", "read_here", "fetched"):
+                t[key] += st.get(key, 0)
     return totals
 
 

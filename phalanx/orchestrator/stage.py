@@ -34,6 +34,8 @@ class StageContext:
             spec.pop("seed", None)
         session, _, short = dataset.rpartition("/")  # "session/name": another run's dataset
         store = self.env.store.for_session(session) if session else self.env.store
+        reads = store.store.reads  # partition bytes read on this host vs fetched from others
+        here, fetched = reads.local, reads.fetched
         frame = store.get(short, **{k: v for k, v in spec.items() if v is not None})
         table = frame.to_arrow()
         self.input_stats[name] = {
@@ -41,6 +43,8 @@ class StageContext:
             "rows": table.num_rows,
             "bytes": table.nbytes,
             "plan": store.last_plan,
+            "read_here": reads.local - here,
+            "fetched": reads.fetched - fetched,
         }
         return frame
 

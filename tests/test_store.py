@@ -545,3 +545,22 @@ def test_processes_opening_a_catalogue_at_once_all_succeed(tmp_path, catalogue):
     assert failures == []
     with sqlite3.connect(path) as con:
         assert "accessed" in {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
+
+
+def test_rank_hosts_puts_each_reader_where_most_of_its_rows_are():
+    """Placement by locality (store spread over hosts): reader rank r runs where most of the
+    bytes of its balanced share live; no host recorded → no preference."""
+    from phalanx.store.metadata import DatasetInfo, PartitionInfo
+    from phalanx.store.repartition import rank_hosts
+
+    def info(parts):
+        return DatasetInfo("s", "d", "v", "/x", pa.schema([("a", pa.int64())]), parts)
+
+    spread = info([PartitionInfo(i, 100, 800, "c", host=h) for i, h in enumerate(["h1", "h2", "h3"])])
+    assert rank_hosts([spread], 3) == ["h1", "h2", "h3"]  # N = M: partition r's host
+    assert rank_hosts([spread], 1) == ["h1"]  # a tie: the first host by name
+    # 2 readers of 3 partitions: rows [0,150) mostly on h1, [150,300) mostly on h3
+    assert rank_hosts([spread], 2) == ["h1", "h3"]
+    skewed = info([PartitionInfo(0, 10, 80, "c", host="h1"), PartitionInfo(1, 290, 2320, "c", host="h2")])
+    assert rank_hosts([skewed], 2) == ["h2", "h2"]
+    assert rank_hosts([info([PartitionInfo(0, 100, 800, "c")])], 2) is None  # one host / shared root

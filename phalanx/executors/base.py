@@ -106,6 +106,12 @@ class Launcher(ABC):
         """Extra per-rank environment for placement (CPU affinity, threads)."""
         return [{} for _ in range(world_size)]
 
+    def prefer_hosts(self, hosts: Sequence[str]) -> bool:
+        """Run rank r on ``hosts[r]`` where this launcher can choose (the host holding most of
+        that rank's input, ``store.repartition.rank_hosts``; "" for no preference), before
+        ``launch``.  False where it cannot (one host, or hosts the resource manager picks)."""
+        return False
+
     def status(self) -> str | None:
         """The resource manager's view of the gang (``slurm: job 42 PENDING (Resources)``), or
         None where there is none to tell (processes of this machine)."""

@@ -18,6 +18,7 @@ from ..errors import GangError, RankError
 from ..gang import Gang
 from ..runtime.envvars import ENV_PARAM_PREFIX
 from ..store import Store
+from ..store.repartition import rank_hosts
 from .fingerprint import changes, fingerprints
 from .models import Site, Workflow
 from .rundb import RunDB
@@ -254,6 +255,7 @@ class Scheduler:
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
         # driver killed without a word leaves enough for the next status/cancel/resume to free it.
         launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
+        self._place_by_locality(stage, launcher)
         return Gang(
             st.ranks,
             executor=launcher,
@@ -265,6 +267,20 @@ class Scheduler:
             start_timeout=self.site.start_timeout,
             control_host=self.site.driver_host,
         )
+
+    def _place_by_locality(self, stage: str, launcher) -> None:
+        """Ask the launcher to put each rank on the host that holds most of its input (a store
+        spread over hosts); said in an event when it did."""
+        st = self.wf.stages[stage]
+        infos = []
+        for spec in st.inputs.values():
+            session, _, short = spec.dataset.rpartition("/")
+            store = self.store.for_session(session) if session else self.store
+            if store.exists(short):
+                infos.append(store.info(short))
+        hosts = rank_hosts(infos, st.ranks) if infos else None
+        if hosts and launcher.prefer_hosts(hosts):
+            self._event(stage, "placed", f"ranks on the hosts holding their input: {', '.join(hosts)}")
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""

@@ -72,3 +72,24 @@ def take_rows(info: DatasetInfo, open_partition: OpenPartition, rows: np.ndarray
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
     return grouped.take(pa.array(inverse))  # back to the permutation's order
+
+
+def rank_hosts(infos: Sequence[DatasetInfo], nranks: int) -> list[str] | None:
+    """The host each of ``nranks`` reader ranks should run on so that most of what it reads
+    is in that host's memory: for a balanced read (rank r takes rows [lo, hi) of each
+    dataset; a read by the stored hash partitioning takes partition r, the same rows when the
+    counts match), the host holding the most of those bytes.  None when no partition records a
+    host (one host, a shared root, an object store): placement then does not matter."""
+    weights: list[dict[str, float]] = [{} for _ in range(nranks)]
+    for info in infos:
+        bounds, offsets = balanced_bounds(info.num_rows, nranks), row_offsets(info)
+        for r in range(nranks):
+            lo, hi = int(bounds[r]), int(bounds[r + 1])
+            for i, part in enumerate(info.partitions):
+                overlap = min(hi, int(offsets[i + 1])) - max(lo, int(offsets[i]))
+                if overlap > 0 and part.host:
+                    w = weights[r]
+                    w[part.host] = w.get(part.host, 0.0) + part.bytes * overlap / max(part.rows, 1)
+    if not any(weights):
+        return None
+    return [max(sorted(w), key=w.__getitem__) if w else "" for w in weights]

@@ -19,7 +19,9 @@ import os
 import secrets
 import shutil
 import socket
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -311,3 +313,21 @@ def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memo
         parts.append(pd.DataFrame({"user": rng.integers(0, 50, 2000), "amount": rng.integers(1, 100, 2000)}))
     expected = pd.concat(parts).groupby("user", as_index=False)["amount"].sum()
     pd.testing.assert_frame_equal(got, expected, check_dtype=False)
+
+
+def test_a_pilot_whose_log_dir_the_nodes_lack_fails_at_once_with_slurms_reason(multihost_slurm, shared_tmp):
+    """A log dir in the driver's /tmp, which no host has: SLURM cannot open the batch script's
+    output, the job fails (JobLaunchFailure) right after it started, and the pilot's start
+    says so at once instead of waiting for its store services."""
+    from phalanx.executors.slurm import SlurmPilot
+
+    private = Path(tempfile.mkdtemp(prefix="phalanx-mh-pilot-"))  # /tmp: the root namespace's own
+    pilot = SlurmPilot({"nodes": N_HOSTS, "ntasks": N_HOSTS}, conf=multihost_slurm)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(px.GangError, match=r"slurm: pilot job \d+ FAILED \(JobLaunchFailure\)"):
+            pilot.start(60, store={"PHALANX_STORE": str(shared_tmp / "store")}, log_dir=private)
+        assert time.monotonic() - t0 < 15
+    finally:
+        pilot.close()
+        shutil.rmtree(private, ignore_errors=True)

@@ -194,8 +194,8 @@ class SlurmPilot:
             while True:
                 self.info = info = self.slurm.job(job_id)
                 if info.state == "RUNNING":
-                    if self.store_root and not self.store_services:
-                        self._await_services(info)
+                    if self.store_root and not self.store_services and not self._await_services(info):
+                        continue  # it ended while its services started (e.g. its batch script failed)
                     return self
                 if info.state == "PENDING" and info.reason in HOPELESS:
                     self.slurm.cancel(job_id)
@@ -286,21 +286,27 @@ class SlurmPilot:
         self.info = None
         return job_id
 
-    def _await_services(self, info: JobInfo) -> None:
+    def _await_services(self, info: JobInfo) -> bool:
         """Wait until every node's store service writes its endpoint (up to ``SERVICE_WAIT_S``);
-        a node whose service did not start is logged, and its ranks run without one."""
+        a node whose service did not start is logged, and its ranks run without one.  False
+        when the pilot stopped running meanwhile."""
         assert self.log_dir is not None and self.job_id is not None  # submitted
         r = self.slurm.run("scontrol", "show", "hostnames", info.nodes, timeout=30)
         nodes = r.stdout.split() if r.returncode == 0 else []
         files = {n: self.log_dir / f"store-{self.job_id}-{n}.endpoint" for n in nodes}
         deadline = time.monotonic() + SERVICE_WAIT_S
         wait = 0.05
+        last_poll = time.monotonic()
         while True:
             found = {n: f.read_text().strip() for n, f in files.items() if f.exists()}
             if len(found) == len(files) or time.monotonic() > deadline or self._closing:
                 break
             time.sleep(wait)
             wait = min(wait * 2, self.poll_interval)
+            if time.monotonic() - last_poll >= max(self.poll_interval, 1.0):  # still running?
+                last_poll = time.monotonic()
+                if self.slurm.job(self.job_id).state not in ("RUNNING", "UNKNOWN"):
+                    return False
         self.store_services = found
         missing = sorted(set(files) - set(found))
         if missing:
@@ -313,6 +319,7 @@ class SlurmPilot:
                 self.log_dir,
                 self.job_id,
             )
+        return True
 
     def far_nodes(self) -> dict[str, str]:
         """The running pilot's nodes whose address (``NodeAddr``) is not one of this host's:

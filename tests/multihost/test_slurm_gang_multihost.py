@@ -161,6 +161,17 @@ def test_a_driver_listening_on_loopback_is_refused_naming_an_address_the_nodes_r
     assert time.monotonic() - t0 < 30
 
 
+def test_a_loopback_tcp_rendezvous_is_refused_with_the_pilot_on_other_hosts(pilot_run, driver_host):
+    """``rendezvous: tcp`` (the default) is tcp://127.0.0.1:PORT: rank 0 would host it on its
+    own host's loopback, and the other ranks would wait out the start timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(px.GangError) as info:
+        px.Gang(N_HOSTS, executor=pilot_run, control_host=driver_host, rendezvous="tcp", echo=False).start()
+    message = str(info.value)
+    assert "but the rendezvous is tcp on 127.0.0.1" in message and "file:///" in message, message
+    assert time.monotonic() - t0 < 30
+
+
 # ---- the pilot's store services: one per node, for the life of the allocation ----------------
 def service_env(env):
     return {k: os.environ.get(k) for k in ("PHALANX_STORE", "PHALANX_STORE_SERVICE_KEY")} | {

@@ -15,6 +15,7 @@ from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from ...errors import GangError
 from ...procs import signal_group
@@ -463,16 +464,7 @@ class SlurmStepLauncher(SlurmLauncher):
             log_dir=self._logs,  # on a filesystem the nodes share, as the ranks' logs must be
         )
         self.job_id = pilot.job_id
-        control = env.get(P.ENV_CONTROL, "").rpartition(":")[0]
-        far = pilot.far_nodes() if is_loopback(control) else {}
-        if far:
-            node, addr = next(iter(far.items()))
-            via = route_from(addr)
-            raise GangError(
-                f"slurm: the nodes of pilot job {pilot.job_id} are other hosts ({', '.join(sorted(far))}) but "
-                f"the driver listens on {control} only{_site(self.site)}: set the site's driver_host to an "
-                f"address they reach" + (f" (this host's route to {node} leaves from {via})" if via else "")
-            )
+        self._check_reachable(env)
         if pilot.store_key and env.get(ENV_STORE) == pilot.store_root:  # its node's store service
             env[ENV_STORE_SERVICE_KEY] = pilot.store_key
         self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
@@ -496,6 +488,30 @@ class SlurmStepLauncher(SlurmLauncher):
         threading.Thread(
             target=self._read_srun_stderr, args=(self._srun,), daemon=True, name="phalanx-slurm-srun"
         ).start()
+
+    def _check_reachable(self, env: Mapping[str, str]) -> None:
+        """GangError when the pilot's nodes are other hosts but the driver listens on loopback
+        or the rendezvous is a loopback ``tcp://`` (rank 0 would host it on its own loopback):
+        the ranks would wait out the start timeout."""
+        control = env.get(P.ENV_CONTROL, "").rpartition(":")[0]
+        rdzv = urlparse(env.get(P.ENV_RDZV, ""))
+        loopback_rdzv = rdzv.scheme == "tcp" and is_loopback(rdzv.hostname)
+        far = self.pilot.far_nodes() if is_loopback(control) or loopback_rdzv else {}
+        if not far:
+            return
+        where = f"the nodes of pilot job {self.pilot.job_id} are other hosts ({', '.join(sorted(far))})"
+        if is_loopback(control):
+            node, addr = next(iter(far.items()))
+            via = route_from(addr)
+            raise GangError(
+                f"slurm: {where} but the driver listens on {control} only{_site(self.site)}: set the site's "
+                f"driver_host to an address they reach"
+                + (f" (this host's route to {node} leaves from {via})" if via else "")
+            )
+        raise GangError(
+            f"slurm: {where} but the rendezvous is tcp on {rdzv.hostname}{_site(self.site)}: rank 0 would host it "
+            "where the others cannot reach it; use a rendezvous every node reaches (file:///a/shared/dir, redis://...)"
+        )
 
     def _read_srun_stderr(self, proc: subprocess.Popen) -> None:
         assert proc.stderr is not None  # stderr=PIPE (_start)

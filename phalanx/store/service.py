@@ -69,6 +69,20 @@ TOKEN_FILE_NAME = "store.token"  # the per-user default token, in the state dire
 CHUNK = 4 << 20  # bytes per record batch of a raw fetch
 DEFAULT_TIMEOUT = 60.0  # seconds for one fetch, connection included
 WILDCARDS = ("", "0.0.0.0", "::", "[::]", "*")
+# A holder that vanishes during a fetch without closing the connection (host down, network
+# cut) is noticed by gRPC's keepalive within ~15 s, well before the fetch's own timeout.  Pings
+# only while a call runs: the server's default policy refuses pings on an idle connection
+# more often than every 5 minutes (and the Python Flight server cannot change it).
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 0),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_time_between_pings_ms", 10_000),
+    # a host that does not answer a connection at all (down before the read began) fails the
+    # call after ~5 s of connecting, not at the call's deadline
+    ("grpc.min_reconnect_backoff_ms", 5_000),
+]
 
 _NOT_FOUND, _REFUSED = b"phalanx:not-found", b"phalanx:refused"
 
@@ -362,7 +376,7 @@ def _client(endpoint: str) -> fl.FlightClient:
     with _clients_lock:
         client = _clients.get(key)
         if client is None:
-            client = _clients[key] = fl.connect(endpoint)
+            client = _clients[key] = fl.connect(endpoint, generic_options=KEEPALIVE)
         return client
 
 

@@ -278,3 +278,56 @@ def test_written_through_partitions_outlive_their_host(spread, multihost_bed, sh
         store.check(info, 1)  # a resume finds the output whole: from the copy
         store.delete("ds")
         assert not any((shared_tmp / "durable").rglob("*.arrow"))
+
+
+def _fetching_from(bed, host: str, port: int) -> bool:
+    """Whether a connection to ``host``'s service port is established (a fetch under way)."""
+    ss = bed.run_on(
+        host, ["ss", "-Htn", "state", "established", f"( sport = :{port} )"], capture_output=True, text=True
+    )
+    return bool(ss.stdout.strip())
+
+
+@pytest.mark.parametrize("when", ["mid-fetch", "before the read"])
+def test_a_host_cut_off_fails_the_reader_within_seconds(when, spread, multihost_bed, shared_tmp):
+    """px-h1 stops answering (its link goes down: no RST, no FIN — a host that vanished) while
+    px-h3 fetches its partition, or before px-h3 starts reading: gRPC keepalive, or the connect
+    timeout, notices, and the read fails naming the dataset, partition and host instead of
+    hanging until the fetch's deadline (60 s)."""
+    root, meta, env, _ = spread
+    from phalanx.store import Store
+
+    endpoint = Store(root, session="s", metadata=meta).info("ds").partitions[0].endpoint
+    port = int(endpoint.rsplit(":", 1)[1])
+    veth = next(h["veth"] for h in multihost_bed.hosts() if h["name"] == "px-h1")
+    shape = ["ip", "netns", "exec", "px-h1", "tc", "qdisc"]
+    rate = ["root", "tbf", "rate", "1mbit", "burst", "32kb", "latency", "1s"]  # ~1 MB: ~8 s
+    subprocess.run([*shape, "add", "dev", "eth0", *rate], check=True)
+    out = shared_tmp / "h3.parquet"
+    try:
+        if when == "before the read":
+            subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        reader = multihost_bed.popen_on(
+            "px-h3",
+            [*_py(READ), root, meta, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        if when == "mid-fetch":
+            deadline = time.monotonic() + 60
+            while not _fetching_from(multihost_bed, "px-h1", port):
+                assert reader.poll() is None, reader.communicate()
+                assert time.monotonic() < deadline, "the reader never connected to px-h1"
+                time.sleep(0.1)
+            subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        t0 = time.monotonic()
+        _, err = reader.communicate(timeout=90)
+        took = time.monotonic() - t0
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        subprocess.run([*shape, "del", "dev", "eth0", "root"], check=False)
+    assert reader.returncode != 0 and not out.exists()
+    assert "dataset 'ds' partition 0 is held in the memory of host px-h1" in err, err
+    assert took < 30, f"the reader took {took:.1f} s to notice"

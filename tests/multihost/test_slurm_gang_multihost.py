@@ -56,6 +56,17 @@ def driver_host(multihost_bed) -> str:
 
 
 @pytest.fixture
+def host_root(multihost_bed, shared_tmp):
+    """A store root in /dev/shm: each host's own (and the driver's, which a driver's Store
+    makes); removed everywhere at the end."""
+    root = f"/dev/shm/phalanx-mh-{shared_tmp.name}/store"
+    yield root
+    for h in multihost_bed.hosts():
+        multihost_bed.run_on(h["name"], ["rm", "-rf", os.path.dirname(root)], timeout=30)
+    shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+
+
+@pytest.fixture
 def pilot_run(multihost_slurm, shared_tmp, monkeypatch):
     """A run scope on the multihost cluster's pilot (closed at the end: the pilot is cancelled);
     gang logs and the pilot's log under shared_tmp."""
@@ -153,7 +164,12 @@ def test_a_driver_listening_on_loopback_is_refused_naming_an_address_the_nodes_r
     t0 = time.monotonic()
     with pytest.raises(px.GangError) as info:
         px.Gang(
-            N_HOSTS, executor=pilot_run, control_host="auto", rendezvous=f"file://{shared_tmp}/rdzv", echo=False
+            N_HOSTS,
+            executor=pilot_run,
+            control_host="auto",
+            rendezvous=f"file://{shared_tmp}/rdzv",
+            store=shared_tmp / "store",  # not the test session's in /dev/shm: the hosts would get it
+            echo=False,
         ).start()
     message = str(info.value)
     assert "the driver listens on 127.0.0.1 only" in message and "px-h1, px-h2, px-h3" in message, message
@@ -161,12 +177,19 @@ def test_a_driver_listening_on_loopback_is_refused_naming_an_address_the_nodes_r
     assert time.monotonic() - t0 < 30
 
 
-def test_a_loopback_tcp_rendezvous_is_refused_with_the_pilot_on_other_hosts(pilot_run, driver_host):
+def test_a_loopback_tcp_rendezvous_is_refused_with_the_pilot_on_other_hosts(pilot_run, driver_host, shared_tmp):
     """``rendezvous: tcp`` (the default) is tcp://127.0.0.1:PORT: rank 0 would host it on its
     own host's loopback, and the other ranks would wait out the start timeout."""
     t0 = time.monotonic()
     with pytest.raises(px.GangError) as info:
-        px.Gang(N_HOSTS, executor=pilot_run, control_host=driver_host, rendezvous="tcp", echo=False).start()
+        px.Gang(
+            N_HOSTS,
+            executor=pilot_run,
+            control_host=driver_host,
+            rendezvous="tcp",
+            store=shared_tmp / "store",
+            echo=False,
+        ).start()
     message = str(info.value)
     assert "but the rendezvous is tcp on 127.0.0.1" in message and "file:///" in message, message
     assert time.monotonic() - t0 < 30
@@ -185,10 +208,10 @@ def put_then_get_counted(env, name):
 
 
 def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
-    multihost_bed, multihost_slurm, shared_tmp, driver_host, monkeypatch
+    multihost_bed, multihost_slurm, shared_tmp, driver_host, host_root, monkeypatch
 ):
     bed = multihost_bed
-    root = f"/dev/shm/phalanx-mh-{shared_tmp.name}/store"  # each host's own
+    root = host_root  # each host's own
     monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))
     monkeypatch.setenv("PHALANX_STORE_TOKEN_FILE", str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
     ex = SlurmExecutor(slurm_section(multihost_slurm), site="slurm-multihost")
@@ -257,8 +280,6 @@ def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
         assert not bed.pid_alive(pids[h["name"]]), h
         r = bed.run_on(h["name"], ["ls", f"{root}/.services"], capture_output=True, text=True, timeout=30)
         assert r.stdout.split() == [], (h["name"], r.stdout)
-        bed.run_on(h["name"], ["rm", "-rf", os.path.dirname(root)], timeout=30)
-    shutil.rmtree(os.path.dirname(root), ignore_errors=True)  # the driver's Store made it here too
 
 
 # ---- a workflow run on that site -------------------------------------------------------------
@@ -280,7 +301,7 @@ stages:
 
 
 def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memory(
-    multihost_slurm, shared_tmp, driver_host, monkeypatch
+    multihost_slurm, shared_tmp, driver_host, host_root, monkeypatch
 ):
     """generate (3 ranks: one per host, each partition in its host's /dev/shm) → totals (2
     ranks, reading by user: the third host's partition through its store service); outputs
@@ -288,7 +309,7 @@ def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memo
     are gone by then)."""
     import yaml
 
-    root = f"/dev/shm/phalanx-mh-{shared_tmp.name}/store"
+    root = host_root
     monkeypatch.setenv("PHALANX_STORE_TOKEN_FILE", str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
     site = {
         "name": "slurm-multihost",
@@ -306,18 +327,15 @@ def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memo
     }
     (shared_tmp / "site.yaml").write_text(yaml.safe_dump(site))
     (shared_tmp / "wf.yaml").write_text(WORKFLOW)
-    try:
-        result = px.run(shared_tmp / "wf.yaml", shared_tmp / "site.yaml", state=shared_tmp / "state", progress=False)
-        assert result.ok, result.failed
-        from phalanx.orchestrator.rundb import RunDB
+    result = px.run(shared_tmp / "wf.yaml", shared_tmp / "site.yaml", state=shared_tmp / "state", progress=False)
+    assert result.ok, result.failed
+    from phalanx.orchestrator.rundb import RunDB
 
-        stages = {s["stage"]: s for s in RunDB(shared_tmp / "state").stages(result.run_id)}
-        read = stages["totals"]["inputs"]["tx"]
-        assert read["fetched"] > 0 and read["read_here"] > 0, read  # 2 ranks, partitions on 3 hosts
-        store = px.Store(root, result.session, metadata=f"sqlite://{shared_tmp}/meta.sqlite")
-        got = store.read("totals").to_pandas().sort_values("user").reset_index(drop=True)
-    finally:
-        shutil.rmtree(os.path.dirname(root), ignore_errors=True)
+    stages = {s["stage"]: s for s in RunDB(shared_tmp / "state").stages(result.run_id)}
+    read = stages["totals"]["inputs"]["tx"]
+    assert read["fetched"] > 0 and read["read_here"] > 0, read  # 2 ranks, partitions on 3 hosts
+    store = px.Store(root, result.session, metadata=f"sqlite://{shared_tmp}/meta.sqlite")
+    got = store.read("totals").to_pandas().sort_values("user").reset_index(drop=True)
     parts = []
     for r in range(3):
         rng = np.random.default_rng([5, r])

@@ -266,7 +266,9 @@ def test_the_pilot_runs_a_store_service_on_each_host_until_it_closes(
                 table.to_pandas().sort_values(cols).reset_index(drop=True),
                 whole.sort_values(cols).reset_index(drop=True),
             )
-            assert reader.reads.local == 0 and reader.reads.fetched == sum(r[3]["local"] for r in results)
+            info = reader.info("spread")
+            assert sorted(p.host for p in info.partitions) == HOSTS  # one partition in each host's memory
+            assert reader.reads.local == 0 and reader.reads.fetched == sum(p.bytes for p in info.partitions)
             pids = {
                 h["name"]: json.loads(
                     bed.run_on(h["name"], ["cat", f"{root}/.services/{key}.json"], capture_output=True).stdout
@@ -331,9 +333,19 @@ def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memo
     assert result.ok, result.failed
     from phalanx.orchestrator.rundb import RunDB
 
-    stages = {s["stage"]: s for s in RunDB(shared_tmp / "state").stages(result.run_id)}
+    db = RunDB(shared_tmp / "state")
+    stages = {s["stage"]: s for s in db.stages(result.run_id)}
     read = stages["totals"]["inputs"]["tx"]
     assert read["fetched"] > 0 and read["read_here"] > 0, read  # 2 ranks, partitions on 3 hosts
+    # totals' rank r reads rows [3000r, 3000r+3000): most of them in generate's rank 2r partition,
+    # and it ran on that partition's host
+    hosts = {
+        s: [r["host"] for r in sorted(db.attempts(result.run_id, s)[-1]["rank_info"], key=lambda r: r["rank"])]
+        for s in ("generate", "totals")
+    }
+    assert hosts["totals"] == [hosts["generate"][0], hosts["generate"][2]], hosts
+    placed = [e["message"] for e in db.events(result.run_id) if e["message"].startswith("ranks on the hosts")]
+    assert placed == [f"ranks on the hosts holding their input: {', '.join(hosts['totals'])}"], placed
     store = px.Store(root, result.session, metadata=f"sqlite://{shared_tmp}/meta.sqlite")
     got = store.read("totals").to_pandas().sort_values("user").reset_index(drop=True)
     parts = []
@@ -360,3 +372,29 @@ def test_a_pilot_whose_log_dir_the_nodes_lack_fails_at_once_with_slurms_reason(m
     finally:
         pilot.close()
         shutil.rmtree(private, ignore_errors=True)
+
+
+# ---- placing ranks on the hosts that hold their input ------------------------------------------
+def hostname(env):
+    return socket.gethostname()
+
+
+def test_a_pilot_step_puts_each_rank_on_the_node_asked_for(pilot_run, driver_host, shared_tmp):
+    pilot = pilot_run.pilot()
+    launcher = pilot_run.launcher(N_HOSTS)
+    assert launcher.prefer_hosts(["px-h1"] * N_HOSTS) is False  # the pilot is not running yet
+    pilot.start(60)
+    gang_kw = dict(control_host=driver_host, rendezvous=f"file://{shared_tmp}/rdzv", store=shared_tmp / "store")
+    assert launcher.prefer_hosts(["elsewhere"] * N_HOSTS) is False  # none of the pilot's nodes
+    for want, got in [
+        (["px-h3", "px-h1", "px-h2"], ["px-h3", "px-h1", "px-h2"]),
+        (["px-h2", "px-h2", ""], ["px-h2", "px-h1", "px-h3"]),  # one rank a node (ranks_per_node)
+    ]:
+        launcher = pilot_run.launcher(N_HOSTS)
+        assert launcher.prefer_hosts(want)
+        with px.Gang(N_HOSTS, executor=launcher, echo=False, **gang_kw) as gang:
+            assert gang.run(hostname) == got
+    launcher = pilot_run.launcher(2)
+    assert launcher.prefer_hosts(["px-h3", "px-h2"])
+    with px.Gang(2, executor=launcher, echo=False, **gang_kw) as gang:
+        assert gang.run(hostname) == ["px-h3", "px-h2"]

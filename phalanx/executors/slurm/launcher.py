@@ -443,6 +443,7 @@ class SlurmStepLauncher(SlurmLauncher):
         super().__init__(echo, slurm=pilot.slurm, **common)
         self.pilot = pilot
         self.srun_via = list(srun_via)
+        self.placed: list[str] = []  # node of each rank, as prefer_hosts chose them for the next launch
 
     def _reset(self, log_dir: Path | None, world_size: int) -> None:
         super()._reset(log_dir, world_size)
@@ -469,6 +470,14 @@ class SlurmStepLauncher(SlurmLauncher):
             env[ENV_STORE_SERVICE_KEY] = pilot.store_key
         self._hold(allocation("step", self.step_name, self.slurm, pilot.job_id))
         step_options = {k: v for k, v in self.options.items() if k in STEP_OPTIONS}
+        if len(self.placed) == self.world_size:  # rank r on placed[r]: SLURM's arbitrary distribution
+            for key in ("nodes", "ntasks-per-node", "distribution", "nodelist", "spread-job"):
+                step_options.pop(key, None)
+            hostfile = self._logs / "slurm-hostfile"
+            hostfile.write_text("\n".join(self.placed) + "\n")
+            env["SLURM_HOSTFILE"] = str(hostfile)
+            step_options.update({"distribution": "arbitrary", "nodes": len(set(self.placed))})
+            self.placed = []  # this launch's
         cmd = [
             *self.srun_via,
             self.slurm.exe("srun"),
@@ -488,6 +497,35 @@ class SlurmStepLauncher(SlurmLauncher):
         threading.Thread(
             target=self._read_srun_stderr, args=(self._srun,), daemon=True, name="phalanx-slurm-srun"
         ).start()
+
+    def prefer_hosts(self, hosts: Sequence[str]) -> bool:
+        """Rank r on node ``hosts[r]`` (a node of the running pilot; "" or another host: the
+        pilot's least loaded node), at most ``ranks_per_node`` (else the pilot's tasks per node)
+        ranks a node; the next launch's step uses SLURM's arbitrary distribution.  False when
+        the pilot is not running yet or none of ``hosts`` is one of its nodes."""
+        pilot = self.pilot
+        if not pilot.running or pilot.info is None:
+            return False
+        nodes = pilot.node_names()
+        if not nodes or not set(hosts) & set(nodes):
+            return False
+        per_node = self.options.get("ntasks-per-node")
+        cap = int(per_node) if per_node else -(-int(pilot.ntasks) // len(nodes)) if pilot.ntasks else len(hosts)
+        if cap * len(nodes) < len(hosts):
+            return False
+        load = dict.fromkeys(nodes, 0)
+        placed = [h if h in load else "" for h in hosts]
+        for r, h in enumerate(placed):  # the preferred nodes first, up to their cap
+            if h and load[h] < cap:
+                load[h] += 1
+            else:
+                placed[r] = ""
+        for r, h in enumerate(placed):  # the rest on the least loaded
+            if not h:
+                placed[r] = min(nodes, key=lambda n: load[n])
+                load[placed[r]] += 1
+        self.placed = placed
+        return True
 
     def _check_reachable(self, env: Mapping[str, str]) -> None:
         """GangError when the pilot's nodes are other hosts but the driver listens on loopback

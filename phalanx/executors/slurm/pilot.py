@@ -291,8 +291,7 @@ class SlurmPilot:
         a node whose service did not start is logged, and its ranks run without one.  False
         when the pilot stopped running meanwhile."""
         assert self.log_dir is not None and self.job_id is not None  # submitted
-        r = self.slurm.run("scontrol", "show", "hostnames", info.nodes, timeout=30)
-        nodes = r.stdout.split() if r.returncode == 0 else []
+        nodes = self.node_names()
         files = {n: self.log_dir / f"store-{self.job_id}-{n}.endpoint" for n in nodes}
         deadline = time.monotonic() + SERVICE_WAIT_S
         wait = 0.05
@@ -320,6 +319,13 @@ class SlurmPilot:
                 self.job_id,
             )
         return True
+
+    def node_names(self) -> list[str]:
+        """The running pilot's nodes, by name (``scontrol show hostnames``)."""
+        if self.info is None or not self.info.nodes:
+            return []
+        r = self.slurm.run("scontrol", "show", "hostnames", self.info.nodes, timeout=30)
+        return r.stdout.split() if r.returncode == 0 else []
 
     def far_nodes(self) -> dict[str, str]:
         """The running pilot's nodes whose address (``NodeAddr``) is not one of this host's:

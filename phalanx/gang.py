@@ -544,7 +544,10 @@ class Gang:
             return msg.failure
         code = self._wait_exitcode(rank, getattr(self._launcher, "exit_latency", 1.0))
         if code is not None and code < 0:
-            how = f"killed by signal {signal.Signals(-code).name}"
+            try:
+                how = f"killed by signal {signal.Signals(-code).name}"
+            except ValueError:  # a real-time signal (e.g. 53, as SLURM ends a step): no name
+                how = f"killed by signal {-code}"
             launcher = self._launcher  # None once torn down by another thread (a cancel)
             if code == -signal.SIGKILL and launcher is not None:  # over a memory limit, the OOM killer...
                 how += launcher.memory_note(rank)

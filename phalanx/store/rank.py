@@ -140,26 +140,39 @@ class RankStore:
                 f"get {name!r}: verifying checksums", verify_share, env, self.store, info, self.root_ids()
             )
 
-        def open_partition(i: int) -> pa.Table:
-            # checked above where it is local (O(1) now); a fetched one is checked as it arrives
-            table = self.store.partition(info, i, verify=verify)
-            return table.select(wanted) if wanted is not None else table
+        def open_rows(i: int, select: dict[str, Any]) -> pa.Table:
+            # checked above where it is local (O(1) now); from another host, only the rows asked
+            # for move, picked by the holder after it checked the file
+            return self.store.rows(info, i, select, wanted, verify)
 
         rank, nranks = env.rank, env.world_size
         partitioned_by = None
         if keys and R.matches_hash(info, keys, nranks):
-            table, self.last_plan, partitioned_by = open_partition(rank), "hash: stored partition, zero-copy", keys
+            table = self.store.partition(info, rank, verify=verify)
+            table = table.select(wanted) if wanted is not None else table
+            self.last_plan, partitioned_by = "hash: stored partition, zero-copy", keys
+        elif keys and self.store.spans_hosts(info, self.root_ids()):
+            # Partitions in several hosts' memory: each reader pulls its rows by key from every
+            # holder, which splits its partition once for all readers (each row moves once).
+            def pull() -> pa.Table:
+                pieces = [
+                    self.store.rows_by_key(info, i, keys, nranks, rank, wanted) for i in range(info.num_partitions)
+                ]
+                schema = pieces[0].schema if pieces else info.schema
+                return pa.concat_tables(pieces) if pieces else schema.empty_table()
+
+            table = comm.on_every_rank(f"get {name!r}: pulling rows by key from the hosts holding them", pull)
+            self.last_plan, partitioned_by = "hash: rows split at the hosts holding them", keys
         elif keys:
             local = comm.on_every_rank(
-                f"get {name!r}: reading partitions", R.balanced_rows, info, open_partition, rank, nranks
+                f"get {name!r}: reading partitions", R.balanced_rows, info, open_rows, rank, nranks
             )
             table = shuffle_table(comm, local, keys)
             self.last_plan, partitioned_by = "hash: balanced read + shuffle", keys
         elif shuffle == "random":
-            rows = R.permutation_share(info.num_rows, seed, rank, nranks)
-            table, self.last_plan = R.take_rows(info, open_partition, rows), "random permutation"
+            table, self.last_plan = R.random_share(info, open_rows, seed, rank, nranks), "random permutation"
         else:
-            table, self.last_plan = R.balanced_rows(info, open_partition, rank, nranks), "balanced, zero-copy"
+            table, self.last_plan = R.balanced_rows(info, open_rows, rank, nranks), "balanced, zero-copy"
         if columns is not None:
             table = table.select(list(columns))
             if partitioned_by and not set(partitioned_by) <= set(columns):

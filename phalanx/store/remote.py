@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("phalanx.store")
 
+NO_SERVICE = (
+    "no store service served it (the allocation that wrote it started none: a SLURM pilot runs one per "
+    "node; elsewhere give the site a store root every host mounts, or store.durability: write-through)"
+)
 SERVICES_DIR = ".services"  # <root>/.services/<key>.json: the endpoint of this host's service
 
 
@@ -98,7 +102,7 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
     from .service import RemoteStoreError, ServiceUnreachableError, fetch, token_from_env
 
     part = info.partitions[index]
-    why = f"its host runs no store service (key {part.root_id})"
+    why = NO_SERVICE
     if part.endpoint:
         try:
             return fetch(part.endpoint, token_from_env(), info.location, index)
@@ -126,7 +130,7 @@ def checksum_there(where: str, info: DatasetInfo, index: int, tier_for: Callable
     from .service import RemoteStoreError, ServiceUnreachableError, remote_checksum
 
     part = info.partitions[index]
-    why = f"its host runs no store service (key {part.root_id})"
+    why = NO_SERVICE
     if part.endpoint:
         try:
             return remote_checksum(part.endpoint, None, info.location, index)
@@ -157,3 +161,28 @@ def remove_there(where: str, location: str, endpoints: set[str]) -> None:
             remote_remove(endpoint, None, location)
         except RemoteStoreError as exc:
             log.warning("%s: %s stays on the host of %s: %s", where, location, endpoint, exc)
+
+
+def rows_at_holder(
+    info: DatasetInfo,
+    index: int,
+    ask: Callable[[str, str], pa.Table],
+    here: Callable[[pa.Table], pa.Table],
+    read_whole: Callable[[int], pa.Table],
+) -> tuple[pa.Table, bool]:
+    """Some rows of partition ``index``, picked by the store service of the host that holds it
+    (``ask(endpoint, token)``: it checks the file first, and only those rows move), else picked
+    here (``here``) from the whole partition (``read_whole``: no service, or a service gone —
+    which then reads a partition of this host, or the written-through copy, or says what is
+    lost).  Returns the rows and whether they came from another host."""
+    from .service import RemoteStoreError, ServiceUnreachableError, token_from_env
+
+    p = info.partitions[index]
+    if p.endpoint:
+        try:
+            return ask(p.endpoint, token_from_env()), p.host != hostname()
+        except (ServiceUnreachableError, FileNotFoundError):
+            pass  # read_whole says what is lost, or reads the copy
+        except RemoteStoreError:
+            raise
+    return here(read_whole(index)), False

@@ -1,6 +1,7 @@
 """Which rows of a stored dataset go to consumer rank r of M: the three get plans.
 
-- balanced: contiguous global row ranges, as zero-copy slices of the memory-mapped partitions;
+- balanced: contiguous global row ranges, as zero-copy slices of the memory-mapped partitions
+  (of a partition on another host, only the slice is fetched: ``select_rows`` runs there);
 - hash by keys: the stored partition itself when it was written hash-partitioned by the same
   keys for M ranks with the same hash function, else balanced + a shuffle among consumers;
 - random: a seeded permutation of all rows, each rank taking a disjoint share.
@@ -8,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,7 +20,7 @@ from ..operators.common import balanced_bounds
 from ..operators.kernels import HASH_ID
 from .metadata import DatasetInfo
 
-OpenPartition = Callable[[int], pa.Table]
+OpenRows = Callable[[int, dict[str, Any]], pa.Table]  # (partition, select_rows' selection) → rows
 
 
 def hash_partitioning(keys: Sequence[str], nparts: int) -> dict[str, Any]:
@@ -33,8 +35,9 @@ def row_offsets(info: DatasetInfo) -> np.ndarray:
     return np.concatenate([[0], np.cumsum([p.rows for p in info.partitions], dtype=np.int64)])
 
 
-def balanced_rows(info: DatasetInfo, open_partition: OpenPartition, rank: int, nranks: int) -> pa.Table:
-    """Rows [lo, hi) of the whole dataset for this rank: slices, no copy."""
+def balanced_rows(info: DatasetInfo, open_rows: OpenRows, rank: int, nranks: int) -> pa.Table:
+    """Rows [lo, hi) of the whole dataset for this rank: slices (no copy where the partition
+    is mapped here; only the slice moves where it is fetched)."""
     bounds = balanced_bounds(info.num_rows, nranks)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
     offsets = row_offsets(info)
@@ -42,7 +45,7 @@ def balanced_rows(info: DatasetInfo, open_partition: OpenPartition, rank: int, n
     for i in range(info.num_partitions):
         start, stop = max(lo, int(offsets[i])), min(hi, int(offsets[i + 1]))
         if start < stop:
-            pieces.append(open_partition(i).slice(start - int(offsets[i]), stop - start))
+            pieces.append(open_rows(i, {"slice": [start - int(offsets[i]), stop - int(offsets[i])]}))
     return pa.concat_tables(pieces) if pieces else info.schema.empty_table()
 
 
@@ -53,25 +56,42 @@ def permutation_share(total: int, seed: int, rank: int, nranks: int) -> np.ndarr
     return perm[int(bounds[rank]) : int(bounds[rank + 1])]
 
 
-def take_rows(info: DatasetInfo, open_partition: OpenPartition, rows: np.ndarray) -> pa.Table:
-    """Global row numbers → a table in that order (one take per partition touched)."""
+def random_share(info: DatasetInfo, open_rows: OpenRows, seed: int, rank: int, nranks: int) -> pa.Table:
+    """This rank's share of one seeded permutation of all rows, in the permutation's order:
+    from each partition the rows of the share it holds (``select_rows``), then reordered."""
+    rows = permutation_share(info.num_rows, seed, rank, nranks)
     if len(rows) == 0:
         return info.schema.empty_table()
     offsets = row_offsets(info)
     part = np.searchsorted(offsets, rows, side="right") - 1
     order = np.argsort(part, kind="stable")
-    grouped_rows, grouped_part = rows[order], part[order]
     pieces = []
-    # grouped_part is sorted: each partition's rows are one contiguous run of it
-    bounds = np.searchsorted(grouped_part, np.arange(info.num_partitions + 1))
-    for i in range(info.num_partitions):
-        lo, hi = int(bounds[i]), int(bounds[i + 1])
-        if lo < hi:
-            pieces.append(open_partition(i).take(pa.array(grouped_rows[lo:hi] - offsets[i])))
-    grouped = pa.concat_tables(pieces)
+    for i in np.unique(part):
+        perm = [info.num_rows, seed, rank, nranks, int(offsets[i])]
+        pieces.append(open_rows(int(i), {"perm": perm}))
+    grouped = pa.concat_tables(pieces)  # partition by partition, each in the permutation's order
     inverse = np.empty_like(order)
     inverse[order] = np.arange(len(order))
     return grouped.take(pa.array(inverse))  # back to the permutation's order
+
+
+def select_rows(table: pa.Table, select: dict[str, Any]) -> pa.Table:
+    """The rows of one partition a reader asked for — ``{"slice": [start, stop]}``, or
+    ``{"perm": [total, seed, rank, nranks, offset]}``: those of ``permutation_share`` that fall
+    in this partition (which starts at global row ``offset``), in the permutation's order.  The
+    same function runs where the partition is mapped and in the store service that holds it."""
+    if "slice" in select:
+        start, stop = (int(x) for x in select["slice"])
+        return table.slice(start, stop - start)
+    total, seed, rank, nranks, offset = (int(x) for x in select["perm"])
+    share = _cached_share(total, seed, rank, nranks)
+    mine = share[(share >= offset) & (share < offset + table.num_rows)] - offset
+    return table.take(pa.array(mine))
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_share(total: int, seed: int, rank: int, nranks: int) -> np.ndarray:
+    return permutation_share(total, seed, rank, nranks)
 
 
 def rank_hosts(infos: Sequence[DatasetInfo], nranks: int) -> list[str] | None:

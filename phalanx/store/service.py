@@ -55,12 +55,13 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
-from ..errors import StoreError, UnsafePathError
+from ..errors import ChecksumError, StoreError, UnsafePathError
 from ..paths import ENV_SPILL, state_dir
 from ..private import FILE_MODE
 from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
 from ..runtime.envvars import ENV_STORE_TOKEN_FILE as ENV_TOKEN_FILE
 from .remote import SERVICES_DIR, publish_endpoint
+from .repartition import select_rows
 from .tiers import FileTier, check_mine, checksum_buffer, part_file, remove_under
 
 log = logging.getLogger("phalanx.store.service")
@@ -84,7 +85,7 @@ KEEPALIVE = [
     ("grpc.min_reconnect_backoff_ms", 5_000),
 ]
 
-_NOT_FOUND, _REFUSED = b"phalanx:not-found", b"phalanx:refused"
+_NOT_FOUND, _REFUSED, _CORRUPT = b"phalanx:not-found", b"phalanx:refused", b"phalanx:corrupt"
 
 
 class RemoteStoreError(StoreError):
@@ -241,6 +242,7 @@ class _Server(fl.FlightServerBase):  # type: ignore[misc]
         super().__init__(location, middleware={"auth": _BearerAuth(token)})
         self.roots = list(roots)
         self.chunk = chunk
+        self.splits = _Splits()
 
     def _open(self, location: str, index: int) -> pa.Buffer:
         refused: list[str] = []
@@ -299,8 +301,117 @@ class _Server(fl.FlightServerBase):  # type: ignore[misc]
         buf = self._open(location, index)
         if kind == "table":
             return fl.RecordBatchStream(ipc.open_file(pa.BufferReader(buf)).read_all())
+        if kind == "rows":  # a slice, or a random share's rows: selected here, only they move
+            try:
+                checksum, select = str(want["checksum"]), dict(want["select"])
+                columns = None if want.get("columns") is None else [str(c) for c in want["columns"]]
+            except (KeyError, TypeError, ValueError):
+                raise fl.FlightServerError("bad rows ticket: expected {select, checksum}", _REFUSED) from None
+            self.splits.check(buf, location, index, checksum)
+            table = ipc.open_file(pa.BufferReader(buf)).read_all()
+            try:
+                rows = select_rows(table.select(columns) if columns is not None else table, select)
+            except (KeyError, TypeError, ValueError, pa.ArrowInvalid) as exc:
+                raise fl.FlightServerError(f"bad rows ticket: {exc}", _REFUSED) from None
+            return fl.RecordBatchStream(rows)
+        if kind == "hash":  # one reader's rows by key: the split made here, once for all readers
+            try:
+                keys, nparts, part = [str(k) for k in want["by"]], int(want["nparts"]), int(want["part"])
+                checksum = str(want["checksum"])
+                columns = None if want.get("columns") is None else [str(c) for c in want["columns"]]
+            except (KeyError, TypeError, ValueError):
+                raise fl.FlightServerError("bad hash ticket: expected {by, nparts, part, checksum}", _REFUSED) from None
+            return fl.RecordBatchStream(self.splits.part(buf, location, index, checksum, keys, nparts, part, columns))
         schema = pa.schema([("chunk", pa.binary())], metadata={"size": str(buf.size)})
         return fl.GeneratorStream(schema, _chunks(buf, schema, self.chunk))
+
+
+class _Splits:
+    """Partitions split by key hash for M readers, made once and kept until each of the M
+    parts was sent once (or until more than ``limit`` bytes of splits are held: the oldest
+    go).  The file is checked against the reader's checksum before it is split: the reader
+    gets rows, not the file, so the check happens here, where the bytes are."""
+
+    def __init__(self, limit: int = 1 << 30):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._splits: dict[tuple[Any, ...], tuple[list[pa.Table], set[int]]] = {}
+        self._making: dict[tuple[Any, ...], threading.Lock] = {}
+        self._checked: set[tuple[str, int, str]] = set()
+
+    def part(
+        self,
+        buf: pa.Buffer,
+        location: str,
+        index: int,
+        checksum: str,
+        keys: list[str],
+        nparts: int,
+        part: int,
+        columns: list[str] | None = None,
+    ) -> pa.Table:
+        key = (location, index, checksum, tuple(keys), nparts, None if columns is None else tuple(columns))
+        with self._lock:
+            making = self._making.setdefault(key, threading.Lock())
+        with making:  # the first reader splits; the others wait for it instead of splitting too
+            with self._lock:
+                entry = self._splits.get(key)
+            if entry is None:
+                entry = (self._split(buf, location, index, checksum, keys, nparts, columns), set())
+                with self._lock:
+                    self._splits[key] = entry
+                    self._trim(key)
+        tables, sent = entry
+        with self._lock:
+            sent.add(part)
+            if len(sent) == nparts:  # every reader has its rows: free the split
+                self._splits.pop(key, None)
+                self._making.pop(key, None)
+        return tables[part]
+
+    def check(self, buf: pa.Buffer, location: str, index: int, checksum: str) -> None:
+        """The file against the reader's checksum, once per (file, checksum) in this service."""
+        key = (location, index, checksum)
+        with self._lock:
+            if key in self._checked:
+                return
+        actual = checksum_buffer(buf)
+        if actual != checksum:
+            raise fl.FlightServerError(
+                f"partition {index} at {location}: checksum mismatch (stored {checksum}, the file has {actual}); "
+                "the file was changed or corrupted",
+                _CORRUPT,
+            )
+        with self._lock:
+            self._checked.add(key)
+
+    def _split(
+        self,
+        buf: pa.Buffer,
+        location: str,
+        index: int,
+        checksum: str,
+        keys: list[str],
+        nparts: int,
+        columns: list[str] | None,
+    ) -> list[pa.Table]:
+        from ..operators.kernels import hash_partition
+
+        self.check(buf, location, index, checksum)
+        table = ipc.open_file(pa.BufferReader(buf)).read_all()
+        try:
+            return hash_partition(table.select(columns) if columns is not None else table, keys, nparts)
+        except (KeyError, pa.ArrowException) as exc:
+            raise fl.FlightServerError(f"partition {index} at {location}: {exc}", _REFUSED) from None
+
+    def _trim(self, keep: tuple[Any, ...]) -> None:
+        held = sum(t.nbytes for tables, _ in self._splits.values() for t in tables)
+        for key in list(self._splits):
+            if held <= self.limit:
+                break
+            if key != keep:
+                tables, _ = self._splits.pop(key)
+                held -= sum(t.nbytes for t in tables)
 
 
 def _chunks(buf: pa.Buffer, schema: pa.Schema, chunk: int) -> Iterator[pa.RecordBatch]:
@@ -391,16 +502,27 @@ def _message(exc: BaseException) -> str:
     return str(exc).split(". Detail:", 1)[0].split(". gRPC client debug context", 1)[0]
 
 
-def _call(endpoint: str, token: str, location: str, index: int, kind: str, timeout: float) -> fl.FlightStreamReader:
-    ticket = fl.Ticket(json.dumps({"location": location, "index": index, "as": kind}).encode())
+def _call(
+    endpoint: str, token: str, location: str, index: int, kind: str, timeout: float, extra: dict[str, Any] | None = None
+) -> fl.FlightStreamReader:
+    ticket = fl.Ticket(json.dumps({"location": location, "index": index, "as": kind, **(extra or {})}).encode())
     options = fl.FlightCallOptions(headers=[(b"authorization", f"Bearer {token}".encode())], timeout=timeout)
     return _client(endpoint).do_get(ticket, options)
 
 
-def _fetch(endpoint: str, token: str, location: str, index: int, kind: str, timeout: float, read: Any) -> Any:
+def _fetch(
+    endpoint: str,
+    token: str,
+    location: str,
+    index: int,
+    kind: str,
+    timeout: float,
+    read: Any,
+    extra: dict[str, Any] | None = None,
+) -> Any:
     what = f"partition {index} at {location} from the store service {endpoint}"
     try:
-        return read(_call(endpoint, token, location, index, kind, timeout))
+        return read(_call(endpoint, token, location, index, kind, timeout, extra))
     except fl.FlightUnauthenticatedError:
         raise AuthRefusedError(f"{what}: the service refused the token") from None
     except (fl.FlightUnavailableError, fl.FlightTimedOutError, fl.FlightCancelledError) as exc:
@@ -411,6 +533,8 @@ def _fetch(endpoint: str, token: str, location: str, index: int, kind: str, time
             raise RemotePartitionNotFoundError(f"{what}: no such partition there") from None
         if exc.extra_info == _REFUSED:
             raise LocationRefusedError(f"{what}: {_message(exc)}") from None
+        if exc.extra_info == _CORRUPT:
+            raise ChecksumError(f"{what}: {_message(exc)}") from None
         raise RemoteStoreError(f"{what}: {_message(exc)}") from None
     except (fl.FlightError, pa.ArrowException, OSError) as exc:
         if isinstance(exc, RemoteStoreError):
@@ -492,6 +616,51 @@ def fetch(endpoint: str, token: str, location: str, index: int, timeout: float =
     ``AuthRefusedError``, ``LocationRefusedError``."""
     buf: pa.Buffer = _fetch(endpoint, token, location, index, "bytes", timeout, _read_bytes)
     return buf
+
+
+def fetch_hash_part(
+    endpoint: str,
+    token: str,
+    location: str,
+    index: int,
+    checksum: str,
+    keys: Sequence[str],
+    nparts: int,
+    part: int,
+    columns: Sequence[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> pa.Table:
+    """The rows of partition ``index`` whose ``keys`` hash to ``part`` of ``nparts`` (the same
+    hash as a shuffle), split by the service that holds it — which checks the file against
+    ``checksum`` first (``ChecksumError`` naming it otherwise).  Only those rows cross the
+    network; the service splits once for all ``nparts`` readers."""
+    extra = {
+        "by": list(keys),
+        "nparts": nparts,
+        "part": part,
+        "checksum": checksum,
+        "columns": None if columns is None else list(columns),
+    }
+    table: pa.Table = _fetch(endpoint, token, location, index, "hash", timeout, lambda r: r.read_all(), extra)
+    return table
+
+
+def fetch_rows(
+    endpoint: str,
+    token: str,
+    location: str,
+    index: int,
+    checksum: str,
+    select: dict[str, Any],
+    columns: Sequence[str] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> pa.Table:
+    """The rows of partition ``index`` that ``repartition.select_rows(select)`` picks (a
+    slice, a random share's rows), selected by the service that holds it after it checked the
+    file against ``checksum``: only those rows cross the network."""
+    extra = {"select": select, "checksum": checksum, "columns": None if columns is None else list(columns)}
+    table: pa.Table = _fetch(endpoint, token, location, index, "rows", timeout, lambda r: r.read_all(), extra)
+    return table
 
 
 def fetch_table(endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT) -> pa.Table:

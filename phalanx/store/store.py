@@ -39,6 +39,7 @@ from ..runtime.envvars import (
     ENV_STORE_SESSION,
 )
 from . import remote
+from . import repartition as R
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
 from .tiers import FileTier, Staged, Tier, check_mine, checksum_buffer, open_tier, part_file
 
@@ -376,6 +377,70 @@ class Store:
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE))
         except OSError as exc:  # only costs a second check later
             log.debug("%s: cannot record %s: %s", self._where(), path, exc)
+
+    def spans_hosts(self, info: DatasetInfo, root_ids: Sequence[str] = ()) -> bool:
+        """Whether ``info``'s partitions live on several hosts, or on hosts that are not those of
+        ``root_ids`` (a gang's ranks): a by-key read then pulls each reader's rows from each
+        holder (``rows_by_key``) instead of fetching whole partitions and shuffling."""
+        roots = {p.root_id for p in info.partitions if p.root_id}
+        if len(roots) > 1:
+            return True
+        here = set(root_ids) if root_ids else {self.tier.root_id()} if isinstance(self.tier, FileTier) else set()
+        return bool(roots - here)
+
+    def rows_by_key(
+        self, info: DatasetInfo, index: int, keys: Sequence[str], nparts: int, part: int, columns: Sequence[str] | None
+    ) -> pa.Table:
+        """The rows of partition ``index`` whose ``keys`` hash to ``part`` of ``nparts`` (as a
+        shuffle would send them), split by the service of the host that holds it — once for
+        all ``nparts`` readers, checked there: only those rows move — else here."""
+        from ..operators.kernels import hash_partition
+        from .service import fetch_hash_part
+
+        def ask(endpoint: str, token: str) -> pa.Table:
+            p = info.partitions[index]
+            return fetch_hash_part(endpoint, token, info.location, index, p.checksum, keys, nparts, part, columns)
+
+        def here(whole: pa.Table) -> pa.Table:
+            return hash_partition(whole.select(list(columns)) if columns is not None else whole, keys, nparts)[part]
+
+        return self._rows_at_holder(info, index, ask, here)
+
+    def rows(
+        self, info: DatasetInfo, index: int, select: dict[str, Any], columns: Sequence[str] | None, verify: bool
+    ) -> pa.Table:
+        """The rows of partition ``index`` that ``repartition.select_rows(select)`` picks: a
+        zero-copy slice (or a take) of the mapped partition here; from another host, only
+        those rows, picked by its service after it checked the file."""
+        if self.is_here(info.partitions[index]):
+            table = self.partition(info, index, verify=verify)
+            return R.select_rows(table.select(list(columns)) if columns is not None else table, select)
+        from .service import fetch_rows
+
+        def ask(endpoint: str, token: str) -> pa.Table:
+            p = info.partitions[index]
+            return fetch_rows(endpoint, token, info.location, index, p.checksum, select, columns)
+
+        def here(whole: pa.Table) -> pa.Table:
+            return R.select_rows(whole.select(list(columns)) if columns is not None else whole, select)
+
+        return self._rows_at_holder(info, index, ask, here)
+
+    def _rows_at_holder(
+        self,
+        info: DatasetInfo,
+        index: int,
+        ask: Callable[[str, str], pa.Table],
+        here: Callable[[pa.Table], pa.Table],
+    ) -> pa.Table:
+        rows, fetched = remote.rows_at_holder(info, index, ask, here, lambda i: self.partition(info, i, verify=True))
+        if fetched:
+            self.reads.fetched += rows.nbytes
+        elif info.partitions[index].endpoint and not self.is_here(info.partitions[index]):
+            pass  # read whole by partition(): counted there
+        elif info.partitions[index].endpoint:  # picked by this host's own service: read here
+            self.reads.local += rows.nbytes
+        return rows
 
     def _fetched(self, info: DatasetInfo, index: int) -> pa.Table:
         """A partition held by another host: its exact bytes from that host's store service

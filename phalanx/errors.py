@@ -108,6 +108,26 @@ class ChecksumError(StoreError):
     pass
 
 
+class RemoteStoreError(StoreError):
+    """A fetch from a store service failed; the message names the endpoint, location and index."""
+
+
+class ServiceUnreachableError(RemoteStoreError, ConnectionError):
+    """The service did not answer (host down, service gone, network cut, timeout)."""
+
+
+class RemotePartitionNotFoundError(RemoteStoreError, FileNotFoundError):
+    """The service answered, but has no such partition."""
+
+
+class AuthRefusedError(RemoteStoreError, PermissionError):
+    """The service refused the token."""
+
+
+class LocationRefusedError(RemoteStoreError, PermissionError):
+    """The service refused to open the location (outside its roots, a link, someone else's)."""
+
+
 class PartitionLostError(StoreError):
     """A partition held in the memory of another host cannot be read: that host, or its store
     service, is gone and no written-through copy exists.  The message names the dataset,

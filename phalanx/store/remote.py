@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from ..errors import PartitionLostError, UnsafePathError
+from ..errors import PartitionLostError, RemoteStoreError, ServiceUnreachableError, UnsafePathError
 from ..private import FILE_MODE, makedirs
 from ..procs import boot_id, same_process, start_time
 from .tiers import check_mine, checksum_buffer
@@ -99,7 +99,7 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
     """Partition ``index`` of ``info``, held by another host: its exact bytes from that host's
     store service, else from its written-through copy; ``PartitionLostError`` naming dataset,
     partition and host when neither can be read.  The caller checks the checksum."""
-    from .service import RemoteStoreError, ServiceUnreachableError, fetch, token_from_env
+    from .service import fetch, token_from_env
 
     part = info.partitions[index]
     why = NO_SERVICE
@@ -127,7 +127,7 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
 def checksum_there(where: str, info: DatasetInfo, index: int, tier_for: Callable[[str], Tier]) -> str:
     """The checksum of another host's partition, computed by that host's store service (no
     bytes move); ``PartitionLostError`` when the service is gone or lost the partition."""
-    from .service import RemoteStoreError, ServiceUnreachableError, remote_checksum
+    from .service import remote_checksum
 
     part = info.partitions[index]
     why = NO_SERVICE
@@ -154,7 +154,7 @@ def checksum_there(where: str, info: DatasetInfo, index: int, tier_for: Callable
 def remove_there(where: str, location: str, endpoints: set[str]) -> None:
     """Remove ``location`` on the hosts of ``endpoints`` (their store services); a host that
     does not answer keeps it (logged: its memory is freed when its allocation's node is)."""
-    from .service import RemoteStoreError, remote_remove
+    from .service import remote_remove
 
     for endpoint in sorted(endpoints):
         try:
@@ -175,7 +175,7 @@ def rows_at_holder(
     here (``here``) from the whole partition (``read_whole``: no service, or a service gone —
     which then reads a partition of this host, or the written-through copy, or says what is
     lost).  Returns the rows and whether they came from another host."""
-    from .service import RemoteStoreError, ServiceUnreachableError, token_from_env
+    from .service import token_from_env
 
     p = info.partitions[index]
     if p.endpoint:

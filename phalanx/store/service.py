@@ -55,7 +55,15 @@ import pyarrow as pa
 import pyarrow.flight as fl
 import pyarrow.ipc as ipc
 
-from ..errors import ChecksumError, StoreError, UnsafePathError
+from ..errors import (
+    AuthRefusedError,
+    ChecksumError,
+    LocationRefusedError,
+    RemotePartitionNotFoundError,
+    RemoteStoreError,
+    ServiceUnreachableError,
+    UnsafePathError,
+)
 from ..paths import ENV_SPILL, state_dir
 from ..private import FILE_MODE
 from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
@@ -86,26 +94,6 @@ KEEPALIVE = [
 ]
 
 _NOT_FOUND, _REFUSED, _CORRUPT = b"phalanx:not-found", b"phalanx:refused", b"phalanx:corrupt"
-
-
-class RemoteStoreError(StoreError):
-    """A fetch from a store service failed; the message names the endpoint, location and index."""
-
-
-class ServiceUnreachableError(RemoteStoreError, ConnectionError):
-    """The service did not answer (host down, service gone, network cut, timeout)."""
-
-
-class RemotePartitionNotFoundError(RemoteStoreError, FileNotFoundError):
-    """The service answered, but has no such partition."""
-
-
-class AuthRefusedError(RemoteStoreError, PermissionError):
-    """The service refused the token."""
-
-
-class LocationRefusedError(RemoteStoreError, PermissionError):
-    """The service refused to open the location (outside its roots, a link, someone else's)."""
 
 
 # ---- the secret -----------------------------------------------------------------------------

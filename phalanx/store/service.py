@@ -323,7 +323,7 @@ class _Splits:
     def __init__(self, limit: int = 1 << 30):
         self.limit = limit
         self._lock = threading.Lock()
-        self._splits: dict[tuple[Any, ...], tuple[list[pa.Table], set[int]]] = {}
+        self._splits: dict[tuple[Any, ...], tuple[list[pa.Table], set[int]]] = {}  # oldest first
         self._making: dict[tuple[Any, ...], threading.Lock] = {}
         self._checked: set[tuple[str, int, str]] = set()
 
@@ -393,6 +393,7 @@ class _Splits:
             raise fl.FlightServerError(f"partition {index} at {location}: {exc}", _REFUSED) from None
 
     def _trim(self, keep: tuple[Any, ...]) -> None:
+        """Drop the oldest splits (a reader that never came: its gang failed) past ``limit``."""
         held = sum(t.nbytes for tables, _ in self._splits.values() for t in tables)
         for key in list(self._splits):
             if held <= self.limit:

@@ -238,7 +238,7 @@ class Store:
 
     def memory_usage(self) -> int:
         """Bytes of sealed datasets (every session) on the store root: what the budget limits."""
-        return sum(d.nbytes for d in self.meta.all() if self.tier.owns(d.location))
+        return sum(d.nbytes for d in self.meta.all() if self._resident(d))
 
     # ---- reading --------------------------------------------------------------------------
     def use(self, name: str) -> DatasetInfo:
@@ -641,13 +641,18 @@ class Store:
         self._enforce_budget()
         return self.info(name)
 
+    def _resident(self, info: DatasetInfo) -> bool:
+        """Whether ``info`` lives on this store's root, all of it on this host (the budget and
+        spill are per host: a dataset spread over hosts is left alone)."""
+        return self.tier.owns(info.location) and all(self.is_here(p) for p in info.partitions)
+
     def _fits(self, info: DatasetInfo) -> bool:
         """Could ``info`` live in memory next to the pinned datasets?"""
         assert self.memory_budget is not None
         pinned = sum(
             d.nbytes
             for d in self.meta.all()
-            if d.pinned and self.tier.owns(d.location) and (d.session, d.name) != (info.session, info.name)
+            if d.pinned and self._resident(d) and (d.session, d.name) != (info.session, info.name)
         )
         return pinned + info.nbytes <= self.memory_budget
 
@@ -656,7 +661,7 @@ class Store:
         if self.memory_budget is None or self.spill_tier is None:
             return
         budget = self.memory_budget
-        resident = [d for d in self.meta.all() if self.tier.owns(d.location)]
+        resident = [d for d in self.meta.all() if self._resident(d)]
         total = sum(d.nbytes for d in resident)
         if total <= budget:
             return

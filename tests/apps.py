@@ -58,6 +58,21 @@ def wf_totals(env):
     return {"totals": totals}
 
 
+def wf_totals_losing_input(env):
+    """wf_totals whose first attempt finds partition 1 of its input ``tx`` gone (as when the
+    host holding it in memory is lost): rank 0 removes the file, then every rank reads."""
+    from pathlib import Path
+
+    marker = Path(env.params["lost_marker"])
+    if not marker.exists():
+        if env.rank == 0:
+            marker.touch()
+            info = env.store.info("tx")
+            (Path(info.location) / "part-00001.arrow").unlink()
+        env.comm.barrier()
+    return wf_totals(env)
+
+
 def wf_meet(env):
     """Waits (bounded) until the stage named in params.peer has started: proves concurrency."""
     from pathlib import Path

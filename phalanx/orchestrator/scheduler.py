@@ -71,6 +71,7 @@ class Scheduler:
         # Gangs of succeeded stages, kept for the next stage of the same size (slots → gang):
         # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
         self._idle: dict[tuple[int, ...], Gang] = {}
+        self._nested: set[str] = set()  # stages run again inside another's retry (lost inputs)
 
     def _event(self, stage: str | None, kind: str, message: str) -> None:
         self.db.event(self.run_id, kind, message, stage)
@@ -282,6 +283,32 @@ class Scheduler:
         if hosts and launcher.prefer_hosts(hosts):
             self._event(stage, "placed", f"ranks on the hosts holding their input: {', '.join(hosts)}")
 
+    def _recompute_lost_inputs(self, name: str, slots: list[int]) -> bool:
+        """Before a retry: inputs of ``name`` that stages of this workflow sealed but that are
+        now lost or damaged (their host is gone, a partition deleted or corrupted) are made
+        again from their lineage — the producing stage runs again, on this stage's slots —
+        else the retry would fail the same way.  True when something was recomputed."""
+        producers = {out: stage for stage, spec in self.wf.stages.items() for out in spec.outputs}
+        redo: dict[str, str] = {}
+        for spec in self.wf.stages[name].inputs.values():
+            dataset = spec.dataset
+            if "/" not in dataset and dataset in producers:
+                why = unverified(self.store, [dataset])
+                if why:
+                    redo.setdefault(producers[dataset], why)
+        for producer, why in redo.items():
+            if self.wf.stages[producer].ranks > len(slots):
+                self._event(name, "lost input", f"{why}; stage {producer!r} needs more slots than this stage holds")
+                return False
+            self._event(name, "lost input", f"{why}: stage {producer!r} runs again first")
+            self._nested.add(producer)
+            try:
+                if self._run_stage(producer, slots[: self.wf.stages[producer].ranks]) is not None:
+                    return False
+            finally:
+                self._nested.discard(producer)
+        return bool(redo)
+
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
         st = self.wf.stages[name]
@@ -315,7 +342,8 @@ class Scheduler:
             self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks)
             self._event(name, "failed", f"attempt {attempt}: {error}")
             if attempt < first + st.retries and not self._cancelled.is_set():
-                time.sleep(BACKOFF_S[min(attempt - first, len(BACKOFF_S) - 1)])
+                if not self._recompute_lost_inputs(name, slots):
+                    time.sleep(BACKOFF_S[min(attempt - first, len(BACKOFF_S) - 1)])
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
 
@@ -362,7 +390,13 @@ class Scheduler:
         except (RankError, GangError) as exc:
             return error_summary(exc), str(exc), failed_ranks(gang, exc)
         else:  # a gang that just succeeded may serve the next stage of its size
-            keep = self.site.reuse_gangs and self.caps.reuse_gangs and gang.running and not self._cancelled.is_set()
+            keep = (
+                self.site.reuse_gangs
+                and self.caps.reuse_gangs
+                and gang.running
+                and not self._cancelled.is_set()
+                and name not in self._nested  # it ran on another stage's slots
+            )
         finally:
             with self._lock:
                 self._gangs.pop(name, None)

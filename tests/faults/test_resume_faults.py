@@ -273,3 +273,30 @@ def test_a_sites_memory_gb_is_enforced_per_rank(db, fault):
     assert "rank 1" in result.failed["eat"] and "over its memory limit of 1 GiB" in result.failed["eat"], result.failed
     fault.outcome("the rank is killed at its share of memory_gb and named; the machine never ran short")
     fault.data_lost("none")
+
+
+def test_a_retry_recomputes_an_input_lost_since_it_was_sealed(db, tmp_path, fault):
+    """A stage's input is lost after its producer succeeded (here a partition file removed: on
+    a store spread over hosts, the host holding it went away): the stage's retry runs the
+    producer again from its lineage first, then reads; the result equals pandas."""
+    fault.describe("a stage input lost between its producer and the stage's retry", backend="local")
+    wf = pipeline()
+    wf.stages["totals"] = Stage(
+        app="apps:wf_totals_losing_input",
+        ranks=2,
+        retries=1,
+        inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+        outputs=["totals"],
+        params={"lost_marker": str(tmp_path / "lost")},
+    )
+    t0 = time.time()
+    result = run_workflow(wf, Site(name="t", cores=4), db=db)
+    assert result.ok, result.failed
+    pd.testing.assert_frame_equal(totals_of(result.session), expected_totals(4000), check_dtype=False)
+    assert len(db.attempts(result.run_id, "generate")) == 2 and len(db.attempts(result.run_id, "totals")) == 2
+    lost = [e for e in db.events(result.run_id) if e["kind"] == "lost input"]
+    assert lost and "'tx'" in lost[0]["message"] and "stage 'generate' runs again first" in lost[0]["message"]
+    fault.detected(lost[0]["ts"] - t0)
+    fault.outcome("the retry ran the producer again from its lineage, then read; result equals pandas")
+    fault.data_lost("none")
+    px.Store(session=result.session).delete_session()

@@ -8,6 +8,7 @@ its own /dev/shm; the reader host fetches each one, interleaved, several times:
   tcp           a plain socket: the holder sendall()s the memory-mapped file, the reader
                 recv_into()s a fresh buffer (the reference: what the network path can do)
   flight-bytes  phalanx.store.service.fetch: the file's exact bytes, one buffer
+  ... x2, x4    the same over 2 or 4 concurrent streams, each a byte range (fetch(streams=k))
   +verify       the same, then tiers.checksum_buffer and the zero-copy IPC open (what a
                 reader that trusts nothing pays)
   flight-table  phalanx.store.service.fetch_table: do_get of the IPC record batches
@@ -157,6 +158,12 @@ def read(args: argparse.Namespace) -> int:
     def fbytes(i: int) -> object:
         return fetch(info["endpoint"], token, info["parts"][i]["location"], 0)
 
+    def fbytes2(i: int) -> object:
+        return fetch(info["endpoint"], token, info["parts"][i]["location"], 0, streams=2)
+
+    def fbytes4(i: int) -> object:
+        return fetch(info["endpoint"], token, info["parts"][i]["location"], 0, streams=4)
+
     def fverify(i: int) -> object:
         buf = fbytes(i)
         if checksum_buffer(buf) != info["parts"][i]["checksum"]:
@@ -166,12 +173,20 @@ def read(args: argparse.Namespace) -> int:
     def ftable(i: int) -> object:
         return fetch_table(info["endpoint"], token, info["parts"][i]["location"], 0)
 
-    run = {"tcp": tcp, "flight-bytes": fbytes, "flight-bytes+verify": fverify, "flight-table": ftable}
+    run = {
+        "tcp": tcp,
+        "flight-bytes": fbytes,
+        "flight-bytes x2": fbytes2,
+        "flight-bytes x4": fbytes4,
+        "flight-bytes+verify": fverify,
+        "flight-table": ftable,
+    }
     if info.get("vineyard"):
         run.update(_vineyard_readers(info["vineyard"]))
     # once each, checked: the same bytes / rows everywhere
     for i, p in enumerate(info["parts"]):
-        assert checksum_buffer(tcp(i)) == p["checksum"] == checksum_buffer(fbytes(i))
+        assert checksum_buffer(tcp(i)) == p["checksum"] == checksum_buffer(fbytes(i)) == checksum_buffer(fbytes2(i))
+        assert checksum_buffer(fbytes4(i)) == p["checksum"]
         rows = fverify(i).num_rows
         assert ftable(i).num_rows == rows
         for m in ("vineyard-rpc", "vineyard-migrate"):

@@ -72,6 +72,8 @@ def test_fetch_returns_the_exact_bytes_and_checksum(served):
     assert got.equals(table)
     assert got.column("n").chunk(0).buffers()[1].address - buf.address < buf.size  # a view of buf
     assert fetch_table(svc.endpoint, TOKEN, location, 0).equals(table)
+    # over 3 concurrent streams, each a byte range: the same bytes in one buffer
+    assert fetch(svc.endpoint, TOKEN, location, 0, streams=3).to_pybytes() == buf.to_pybytes()
 
 
 def test_a_wrong_or_missing_token_is_refused_without_showing_it(served):

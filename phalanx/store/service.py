@@ -48,6 +48,7 @@ import stat
 import sys
 import threading
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -310,8 +311,13 @@ class _Server(fl.FlightServerBase):  # type: ignore[misc]
             except (KeyError, TypeError, ValueError):
                 raise fl.FlightServerError("bad hash ticket: expected {by, nparts, part, checksum}", _REFUSED) from None
             return fl.RecordBatchStream(self.splits.part(buf, location, index, checksum, keys, nparts, part, columns))
-        schema = pa.schema([("chunk", pa.binary())], metadata={"size": str(buf.size)})
-        return fl.GeneratorStream(schema, _chunks(buf, schema, self.chunk))
+        lo, hi = 0, buf.size
+        if "part" in want:  # one of k streams of the same file: its j-th byte range
+            j, k = (int(x) for x in want["part"])
+            lo, hi = j * buf.size // k, (j + 1) * buf.size // k
+        meta = {"size": str(buf.size), "offset": str(lo), "length": str(hi - lo)}
+        schema = pa.schema([("chunk", pa.binary())], metadata=meta)
+        return fl.GeneratorStream(schema, _chunks(buf.slice(lo, hi - lo), schema, self.chunk))
 
 
 class _Splits:
@@ -532,6 +538,36 @@ def _fetch(
         raise RemoteStoreError(f"{what}: {type(exc).__name__}: {_message(exc)}") from None
 
 
+class _Ranges:
+    """One file's bytes arriving over several streams into one buffer (made by the first)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.out: pa.Buffer | None = None
+
+    def read(self, reader: fl.FlightStreamReader) -> None:
+        meta = reader.schema.metadata
+        size, at, end = int(meta[b"size"]), int(meta[b"offset"]), int(meta[b"offset"]) + int(meta[b"length"])
+        with self.lock:
+            if self.out is None:
+                self.out = pa.allocate_buffer(size)
+            out = self.out
+        if out.size != size or end > size:
+            raise RemoteStoreError(f"the streams disagree on the size ({out.size} vs {size} bytes)")
+        view = memoryview(out)
+        while True:
+            try:
+                piece = reader.read_chunk().data.column(0)[0].as_buffer()
+            except StopIteration:
+                break
+            if at + piece.size > end:
+                raise RemoteStoreError(f"the service sent more than the {end} bytes it announced")
+            view[at : at + piece.size] = memoryview(piece)
+            at += piece.size
+        if at != end:
+            raise RemoteStoreError(f"a stream ended at byte {at} of its range ending at {end}")
+
+
 def _read_bytes(reader: fl.FlightStreamReader) -> pa.Buffer:
     size = int(reader.schema.metadata[b"size"])
     out: pa.Buffer | None = None
@@ -596,15 +632,28 @@ def remote_remove(endpoint: str, token: str | None, location: str, timeout: floa
     _action(endpoint, token, "remove", {"location": location}, timeout, f"removing {location} on {endpoint}")
 
 
-def fetch(endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT) -> pa.Buffer:
+def fetch(
+    endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT, streams: int = 1
+) -> pa.Buffer:
     """Partition ``index`` at ``location`` (as the metadata records it), exactly the bytes of
     its file on the service's host, as one buffer: check it with ``tiers.checksum_buffer``,
     open it with ``ipc.open_file(pa.BufferReader(buf))`` (zero-copy).  ``timeout``: seconds
     for the whole call.  Raises a ``RemoteStoreError`` naming the endpoint, location and
     index: ``ServiceUnreachableError``, ``RemotePartitionNotFoundError``,
     ``AuthRefusedError``, ``LocationRefusedError``."""
-    buf: pa.Buffer = _fetch(endpoint, token, location, index, "bytes", timeout, _read_bytes)
-    return buf
+    if streams <= 1:
+        buf: pa.Buffer = _fetch(endpoint, token, location, index, "bytes", timeout, _read_bytes)
+        return buf
+    ranges = _Ranges()
+    with ThreadPoolExecutor(streams, thread_name_prefix="phalanx-fetch") as pool:
+        done = [
+            pool.submit(_fetch, endpoint, token, location, index, "bytes", timeout, ranges.read, {"part": [j, streams]})
+            for j in range(streams)
+        ]
+        for d in done:
+            d.result()
+    assert ranges.out is not None
+    return ranges.out
 
 
 def fetch_hash_part(

@@ -106,6 +106,28 @@ def loader(
     )
 
 
+def _record_input(
+    env: Any, session: str | None, dataset: str, info: DatasetInfo, shuffle: str | None, here: int, fetched: int
+) -> None:
+    """Inside a workflow stage, what the loader read of one of the stage's inputs, for the run
+    record (as ``env.input`` records it): rows, bytes, how, and bytes read here vs fetched."""
+    scope = getattr(env, "_stage", None)
+    stats = getattr(scope, "input_stats", None)
+    if scope is None or stats is None:
+        return
+    full = f"{session}/{dataset}" if session else dataset
+    for local, spec in scope.inputs.items():
+        if spec.get("dataset") in (dataset, full):
+            stats[local] = {
+                "dataset": spec["dataset"],
+                "rows": info.num_rows,
+                "bytes": info.nbytes,
+                "plan": f"px.ml.loader, shuffle={shuffle}: every partition on every rank",
+                "read_here": here,
+                "fetched": fetched,
+            }
+
+
 # ---- which rows ---------------------------------------------------------------------------
 def samples_per_rank(num_rows: int, world_size: int, drop_last: bool) -> int:
     return num_rows // world_size if drop_last else -(-num_rows // world_size)
@@ -426,8 +448,13 @@ class Loader:
         if verify:
             from ..store.rank import verify_share
 
-            env.comm.on_every_rank(f"px.ml.loader {dataset!r}: verifying checksums", verify_share, env, store, info)
+            env.comm.on_every_rank(
+                f"px.ml.loader {dataset!r}: verifying checksums", verify_share, env, store, info, rank_store.root_ids()
+            )
+        reads = store.reads
+        here, fetched = reads.local, reads.fetched
         columns = _Columns(store, info, features + ([label] if label is not None else []))
+        _record_input(env, session, dataset, info, shuffle, reads.local - here, reads.fetched - fetched)
 
         self.num_rows = info.num_rows
         self.num_samples = samples_per_rank(self.num_rows, self.world_size, self.drop_last)

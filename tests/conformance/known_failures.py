@@ -23,3 +23,23 @@ KNOWN_FAILURES: dict[tuple[str, str], "str | tuple[str, bool]"] = {
     "thread waits in SlurmPilot.start (slurm.pending_timeout: 120 s here, forever when unset) and nothing "
     "ends that wait on cancel (measured: cancel() returned False after 117-119 s)",
 }
+KNOWN_FAILURES.update(
+    {
+        (
+            "test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout",
+            "slurm-multihost",
+        ): "issue 10, as on slurm-pilot: the gang's start_timeout (3 s) does not bound its pilot's wait in "
+        "SLURM's queue: SlurmPilot.start waits slurm.pending_timeout (30 s on this site; measured: still "
+        "waiting 8 s in, then started once the blocker was cancelled)",
+        (
+            "test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once",
+            "slurm-multihost",
+        ): "issue 10, as on slurm-pilot: RunHandle.cancel(timeout=8) blocks while the run's pilot is queued "
+        "(SlurmPilot.start's wait, bounded only by slurm.pending_timeout; measured: cancel() returned False "
+        "after 13 s)",
+        ("test_bytes_read_here_are_counted_once", "slurm-multihost"): "a read with verify=True counts each "
+        "partition its rank checks twice in reads.local: rank.verify_share checks by Store.partition(info, i, "
+        "verify=True), which adds part.bytes to reads.local, then the read maps it again and adds it again "
+        "(measured: 761,020 counted for 380,510 bytes mapped; with verify=False exactly 380,510)",
+    }
+)

@@ -10,15 +10,18 @@ manager's own tools (the OS process table, ``squeue``, Ray's GCS tables).
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from phalanx.testing.site import ContractSite, N
 
-SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local", "radical-local")
+SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local", "radical-local", "slurm-multihost")
 MARKS = {
     "local": [],
     "mpirun": [pytest.mark.mpi],
@@ -27,6 +30,8 @@ MARKS = {
     "ray": [pytest.mark.ray],
     "k8s-local": [pytest.mark.kubernetes],
     "radical-local": [pytest.mark.radical],
+    # the SLURM pilot across the test bed's hosts (docs/multihost.md): the multihost lane only
+    "slurm-multihost": [pytest.mark.multihost],
 }
 SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
 
@@ -209,4 +214,139 @@ def build(name: str, request) -> ContractSite:
             },
         }
         return ContractSite(name, data, "radical", impossible=impossible)
+    if name == "slurm-multihost":
+        return _multihost(request)
     raise ValueError(name)
+
+
+# ---- the SLURM pilot across the multi-host test bed ----------------------------------------------
+INFRA = Path(__file__).resolve().parents[1] / "infra"
+MH_SLURM_DIR = os.environ.get("PHALANX_SLURM_MH_DIR", "/var/tmp/phalanx-slurm-multihost")
+MH_HOSTS = int(os.environ.get("PHALANX_MULTIHOST_HOSTS", "3"))
+
+
+@dataclass
+class MultihostSite(ContractSite):
+    """A site whose ranks run on other hosts that share no /dev/shm or /tmp with the driver:
+    ``hosts`` (their names), ``run_on(host, argv, **subprocess_kw)`` runs a command inside one,
+    ``shared`` is a directory every host sees, ``veths`` each host's link in this namespace.
+    The store root (``data["store"]["root"]``) is in each host's own /dev/shm; the metadata is
+    on ``shared``.  On enter the store and log variables a driver-side ``px.Store`` needs are
+    set (``px.Gang(site=...)`` passes the store root only); on exit they are restored, and each
+    host's store root and the shared directory are removed."""
+
+    hosts: list[str] = field(default_factory=list)
+    run_on: object = None
+    shared: Path | None = None
+    veths: dict[str, str] = field(default_factory=dict)
+    bridge_addr: str = ""
+    _saved: dict = field(default_factory=dict)
+
+    ENV = ("PHALANX_STORE_METADATA", "PHALANX_LOG_DIR")
+
+    def __enter__(self) -> MultihostSite:
+        self._saved = {k: os.environ.get(k) for k in self.ENV}
+        os.environ["PHALANX_STORE_METADATA"] = self.data["store"]["metadata"]
+        os.environ["PHALANX_LOG_DIR"] = str(self.shared / "logs")  # the ranks' and the pilot's logs
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for k, v in self._saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            top = os.path.dirname(self.data["store"]["root"])
+            for h in self.hosts:
+                self.run_on(h, ["rm", "-rf", top], timeout=30)
+            shutil.rmtree(top, ignore_errors=True)  # the driver's Store makes one here too
+            if self.shared is not None:
+                shutil.rmtree(self.shared, ignore_errors=True)
+
+
+def _multihost(request) -> MultihostSite:
+    """The SLURM pilot across px-h1..px-h3 (tests/multihost/test_slurm_gang_multihost.py):
+    driver at the bridge address, srun inside px-head, a file:// rendezvous on a shared dir,
+    the store root in each host's /dev/shm (the pilot starts a store service per node), the
+    catalogue SQLite on /var/tmp.  pytest's tmp_path must be one every host sees: unless
+    ``--basetemp`` says otherwise, it is moved under /var/tmp."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("site 'slurm-multihost' needs root (the test bed's network and mount namespaces)")
+    for tool in ("ip", "unshare", "nsenter", "slurmctld"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"site 'slurm-multihost': '{tool}' is missing (iproute2, util-linux, slurm-wlm)")
+    factory = request.getfixturevalue("tmp_path_factory")
+    if getattr(factory, "_basetemp", None) is None and getattr(factory, "_given_basetemp", None) is None:
+        # the ranks write the contract's marker and fact files into tmp_path: not under /tmp,
+        # which every host has its own of
+        moved = tempfile.mkdtemp(prefix="phalanx-conformance-", dir="/var/tmp")
+        factory._given_basetemp = Path(moved) / "t"
+        request.config.add_cleanup(lambda: shutil.rmtree(moved, ignore_errors=True))  # pytest keeps a given one
+    base = str(factory.getbasetemp())
+    if base.startswith(("/tmp/", "/dev/shm/")):
+        pytest.skip(
+            f"site 'slurm-multihost': pytest's --basetemp {base} is private to each host; use one under /var/tmp"
+        )
+    from infra import multihost
+
+    multihost.up(MH_HOSTS)  # idempotent (a bed that is up stays up)
+    r = subprocess.run([str(INFRA / "slurm-multihost-up.sh")], capture_output=True, text=True, timeout=180)
+    if r.returncode:
+        pytest.fail(f"tests/infra/slurm-multihost-up.sh failed ({r.returncode}):\n{r.stderr}\n{r.stdout}")
+    conf = f"{MH_SLURM_DIR}/slurm.conf"
+    state = multihost.load_state()
+    shared = Path(tempfile.mkdtemp(prefix="phalanx-conformance-mh-", dir="/var/tmp"))
+    shared.chmod(0o755)
+    pilot = {"nodes": MH_HOSTS, "ntasks": N, "time": "00:30:00"}
+    data = {
+        "name": "slurm-multihost",
+        "executor": "slurm",
+        "communicator": "tcp",
+        "driver_host": state["bridge_addr"],  # 10.231.0.1: `auto` is 127.0.0.1 here
+        "rendezvous": f"file://{shared}/rdzv",  # tcp would be rank 0's loopback
+        "cores": N,
+        "store": {
+            "root": f"/dev/shm/{shared.name}/store",  # each host's own memory
+            "metadata": f"sqlite://{shared}/meta.sqlite",
+        },
+        "slurm": {
+            "allocation": "pilot",
+            "conf": conf,
+            "srun_via": [str(INFRA / "multihost-exec"), "px-head"],  # srun must run inside a host
+            "ranks_per_node": 1,
+            "poll_interval": 0.25,
+            "pilot": pilot,
+            # bounds a wait in SLURM's queue (known_failures.py); shorter than slurm-pilot's 120 s
+            "pending_timeout": 30,
+        },
+        **_SUITE,
+    }
+    impossible = {
+        "more-ranks-than-it-has": {"ranks": N + 1, "reason": r"slurm: .*pilot"},
+        # partition 'small' has MaxNodes=1: a pilot of 3 nodes there never starts
+        "an-impossible-request": {
+            "ranks": 2,
+            "site": {"slurm": {"partition": "small", "pilot": pilot}},
+            "reason": r"PartitionNodeLimit|PartitionConfig",
+        },
+    }
+    return MultihostSite(
+        "slurm-multihost",
+        data,
+        "slurm",
+        slurm_conf=conf,
+        impossible=impossible,
+        # each run its own pilot of one node and one task: three fit beside another pilot of 3
+        side_by_side={"cores": 1, "slurm": {"pilot": {**pilot, "nodes": 1, "ntasks": 1}}},
+        waiting=r"PENDING \((Resources|Priority)\)",
+        hosts=[h["name"] for h in multihost.hosts()],
+        run_on=multihost.run_on,
+        shared=shared,
+        veths={h["name"]: h["veth"] for h in multihost.hosts()},
+        bridge_addr=state["bridge_addr"],
+    )

@@ -107,7 +107,9 @@ class Gang:
             rendezvous = rendezvous or s.rendezvous
             control_host = control_host or s.driver_host
             start_timeout = start_timeout or s.start_timeout
-            store = store if store is not None else s.store.root
+            if store is None:  # the site's store: root, catalogue and write-through target
+                durable = s.store.durable if s.store.durability == "write-through" else None
+                store = Store(s.store.root, session, metadata=s.store.metadata, durable=durable)
             if executor is None:
                 executor = self._owned = s.create_executor()
         communicator = communicator or "tcp"

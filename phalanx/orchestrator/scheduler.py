@@ -342,7 +342,12 @@ class Scheduler:
             self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks)
             self._event(name, "failed", f"attempt {attempt}: {error}")
             if attempt < first + st.retries and not self._cancelled.is_set():
-                if not self._recompute_lost_inputs(name, slots):
+                try:
+                    recomputed = self._recompute_lost_inputs(name, slots)
+                except Exception as exc:  # e.g. the metadata unreachable: the retry will say so
+                    self._event(name, "lost input", f"could not check the inputs before the retry: {exc}")
+                    recomputed = False
+                if not recomputed:
                     time.sleep(BACKOFF_S[min(attempt - first, len(BACKOFF_S) - 1)])
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"

@@ -192,7 +192,7 @@ def verify_share(env: BSPEnv, store: Store, info: DatasetInfo, root_ids: Sequenc
         sharers = [r for r, rid in enumerate(root_ids) if rid == part.root_id] if part.root_id else []
         sharers = sharers or list(range(env.world_size))
         if sharers[i % len(sharers)] == env.rank and store.needs_verify(info, i):
-            store.partition(info, i, verify=True)
+            store.partition(info, i, verify=True, count=False)  # a check, not a read
 
 
 def _as_table(data: Any) -> tuple[pa.Table, tuple[str, ...] | None]:

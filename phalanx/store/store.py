@@ -264,16 +264,16 @@ class Store:
                 self._enforce_budget()
         return info
 
-    def partition(self, info: DatasetInfo, index: int, verify: bool = False) -> pa.Table:
+    def partition(self, info: DatasetInfo, index: int, verify: bool = False, *, count: bool = True) -> pa.Table:
         """One partition: memory-mapped (zero-copy) from a file tier of this host, downloaded
         from an object store, fetched from the store service of the host that holds it.
 
         ``verify``: check its checksum where trust is crossed — unless this attempt wrote or
         checked it already here (then the read stays O(1)); a fetched partition is always
-        checked.  See ``needs_verify``."""
+        checked.  See ``needs_verify``.  ``count``: add it to ``reads`` (not for a check alone)."""
         part = info.partitions[index]
         if not self.is_here(part):
-            return self._fetched(info, index)
+            return self._fetched(info, index, count)
         location = info.location
         where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
         try:
@@ -297,7 +297,8 @@ class Store:
             self._check(buf, part, where)
             self._remember_verified(info, index)
         table = self._open(tier, buf, part, where)
-        self.reads.local += part.bytes
+        if count:
+            self.reads.local += part.bytes
         return table
 
     def check(self, info: DatasetInfo, index: int) -> None:
@@ -305,7 +306,7 @@ class Store:
         hashed by the store service of the host that holds it (no bytes move)."""
         part = info.partitions[index]
         if self.is_here(part):
-            self.partition(info, index, verify=True)
+            self.partition(info, index, verify=True, count=False)
             return
         actual = remote.checksum_there(self._where(), info, index, self._tier_for)
         if actual != part.checksum:
@@ -442,14 +443,15 @@ class Store:
             self.reads.local += rows.nbytes
         return rows
 
-    def _fetched(self, info: DatasetInfo, index: int) -> pa.Table:
+    def _fetched(self, info: DatasetInfo, index: int, count: bool = True) -> pa.Table:
         """A partition held by another host: its exact bytes from that host's store service
         (or from its written-through copy when the host is gone), always checked."""
         part = info.partitions[index]
         where = f"dataset {info.name!r} partition {index}"
         buf = remote.fetch_partition(self._where(), info, index, self._tier_for)
         self._check(buf, part, f"{where} (fetched from {part.host or part.endpoint})")
-        self.reads.fetched += part.bytes
+        if count:
+            self.reads.fetched += part.bytes
         return self._open(self.tier, buf, part, where)
 
     def read(self, name: str, columns: Sequence[str] | None = None, verify: bool = True) -> pa.Table:

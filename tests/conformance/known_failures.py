@@ -37,9 +37,5 @@ KNOWN_FAILURES.update(
         ): "issue 10, as on slurm-pilot: RunHandle.cancel(timeout=8) blocks while the run's pilot is queued "
         "(SlurmPilot.start's wait, bounded only by slurm.pending_timeout; measured: cancel() returned False "
         "after 13 s)",
-        ("test_bytes_read_here_are_counted_once", "slurm-multihost"): "a read with verify=True counts each "
-        "partition its rank checks twice in reads.local: rank.verify_share checks by Store.partition(info, i, "
-        "verify=True), which adds part.bytes to reads.local, then the read maps it again and adds it again "
-        "(measured: 761,020 counted for 380,510 bytes mapped; with verify=False exactly 380,510)",
     }
 )

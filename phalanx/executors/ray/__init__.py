@@ -29,6 +29,10 @@ Differences from the local executor, by design:
 - A dead actor's rank reports exit code -9 (SIGKILL), and Ray's reason is appended to its log
   (``[phalanx ray] the rank's Ray actor died: ...``), which the gang's error shows.
 
+Locality: ``RayLauncher.prefer_hosts`` pins rank r's bundle to the node named (host name or
+node IP) by ``hosts[r]`` with Ray's built-in ``node:<ip>`` resource (the scheduler asks it for
+the hosts holding most of a stage's input).
+
 When the driver dies: the rank actors are named (``phalanx-<gang>-rankR``) but not detached, so
 they and the placement group belong to the driver's Ray job.  Measured on Ray 2.60 with the
 driver SIGKILLed: the GCS marks the job finished, kills its actors and removes its placement
@@ -41,7 +45,8 @@ The modules, one job each: ``config`` (the ``ray:`` section, importable without 
 (``RayLauncher``: placement group, actors, exit codes, logs), ``actor`` (the code that runs in
 the rank actor), ``placement`` (why a group cannot be placed), ``network`` (reachability and the
 rendezvous address), ``connection`` (this process's connection to Ray), ``release`` (free a
-recorded gang from any process).  None imports ``ray`` until a gang needs it.
+recorded gang from any process), ``services`` (one store service per node for a run whose store
+is a directory root: each node's own /dev/shm, read by the others through it).  None imports ``ray`` until a gang needs it.
 
 Site section (all optional; ``RayConfig`` documents each key)::
 

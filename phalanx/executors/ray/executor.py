@@ -15,6 +15,7 @@ from .config import RayConfig, ray_config
 from .connection import connect, connected
 from .launcher import RayLauncher
 from .release import release
+from .services import StoreServices
 
 log = logging.getLogger("phalanx.executors.ray")
 
@@ -38,6 +39,7 @@ class RayExecutor(Executor[RayConfig]):
         super().__init__(*args, **kwargs)
         self._launchers: weakref.WeakSet[RayLauncher] = weakref.WeakSet()
         self._lock = threading.Lock()
+        self.services = StoreServices(self.site)  # one store service per node, for this run
 
     def open_run(self, hook=None, demand=None, warm: int = 0) -> None:
         super().open_run(hook, demand, warm)
@@ -53,6 +55,7 @@ class RayExecutor(Executor[RayConfig]):
             holding = [launcher for launcher in self._launchers if launcher.holds]
         for launcher in holding:  # gangs nobody closed (a driver error between start and close)
             launcher.kill(grace_s=0)
+        self.services.close()
 
     def capacity(self) -> int | None:
         """The site's ``cores``, else — once this process is connected — the cluster's CPUs
@@ -86,6 +89,7 @@ class RayExecutor(Executor[RayConfig]):
         self.check(ranks, cfg)
         launcher = RayLauncher(cfg, echo=echo, site=self.site)
         launcher.allocation_hook = self.hook
+        launcher.services = self.services
         with self._lock:
             self._launchers.add(launcher)
         return launcher

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ...errors import GangError
 from ...runtime import protocol as P
 from ...runtime import threads as threads_
-from ...runtime.envvars import ENV_THREADS
+from ...runtime.envvars import ENV_STORE_SERVICE_KEY, ENV_STORE_TOKEN_FILE, ENV_THREADS
 from ..base import Echo, Launcher, held, released
 from ..logs import FileFollower
 from .actor import RankActor, is_worker
@@ -22,11 +22,13 @@ from .config import RayConfig, ray_config
 from .connection import connect, connected
 from .network import reachable_env
 from .placement import describe, why_unplaceable
+from .services import StoreServices
 
 if TYPE_CHECKING:
     from ray.util.placement_group import PlacementGroup
 
-_KILLED = -int(signal.SIGKILL)  # how a dead actor's rank is reported by exitcodes()
+_KILLED = -int(signal.SIGKILL)
+NODE_SHARE = 0.001  # of a node's node:<ip> resource (1.0 a node) that pins a bundle there  # how a dead actor's rank is reported by exitcodes()
 
 
 class RayLauncher(Launcher):
@@ -64,6 +66,8 @@ class RayLauncher(Launcher):
         self._log_paths: list[Path] = []
         self._allocation: dict | None = None  # the gang's placement group (base.held)
         self.timings: dict[str, float] = {}
+        self.services: StoreServices | None = None  # the run's store services (the executor's)
+        self.placed: list[str] = []  # per rank: the Ray node IP prefer_hosts chose ("" none)
 
     def __repr__(self) -> str:
         c = self.config
@@ -85,12 +89,55 @@ class RayLauncher(Launcher):
 
     def bundles(self, world_size: int) -> list[dict[str, float]]:
         try:
-            return self.config.bundles(world_size)
+            bundles = self.config.bundles(world_size)
         except ValueError as exc:
             raise GangError(f"site {self.site!r} (ray): {exc}") from None
+        if len(self.placed) == world_size:  # rank r on node placed[r]: Ray's node:<ip> resource
+            bundles = [{**b, f"node:{ip}": NODE_SHARE} if ip else b for b, ip in zip(bundles, self.placed)]
+        return bundles
+
+    def prefer_hosts(self, hosts: Sequence[str]) -> bool:
+        """Rank r on the Ray node whose host name or node IP is ``hosts[r]`` (its bundle asks
+        for a share of that node's ``node:<ip>`` resource), at most as many ranks a node as its
+        CPUs hold bundles; a rank whose host is "" or no node, or whose node is full, goes
+        where the placement group's strategy puts it (STRICT_SPREAD: one rank a node).  For the
+        next launch only.  False when none of ``hosts`` is a node of the cluster, the cluster
+        is on one host (one node address), or the strategy is STRICT_PACK (one node, Ray's choice)."""
+        if self.config.strategy == "STRICT_PACK":
+            return False
+        try:
+            ray = self.connect()
+            nodes = [nd for nd in ray.nodes() if nd.get("Alive")]
+        except Exception:
+            return False
+        ip_of: dict[str, str] = {}
+        room: dict[str, int] = {}
+        per_rank = self.config.cpus_per_rank
+        for nd in nodes:
+            ip = nd.get("NodeManagerAddress", "")
+            ip_of[ip] = ip
+            ip_of.setdefault(nd.get("NodeManagerHostname", ""), ip)
+            room[ip] = room.get(ip, 0) + int(nd.get("Resources", {}).get("CPU", 0) // per_rank)
+        if self.config.strategy == "STRICT_SPREAD":  # one rank an address (raylets may share one)
+            room = {ip: min(n, 1) for ip, n in room.items()}
+        if sum(1 for n in room.values() if n) < 2 or not any(h in ip_of for h in hosts if h):
+            return False  # one host with CPUs: nothing to choose
+        placed = []
+        for h in hosts:
+            ip = ip_of.get(h, "") if h else ""
+            if ip and room.get(ip, 0) > 0:
+                room[ip] -= 1
+                placed.append(ip)
+            else:
+                placed.append("")
+        if not any(placed):
+            return False
+        self.placed = placed
+        return True
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         bundles = self.bundles(len(rank_env))
+        self.placed = []  # this launch's
         ray = self.connect()
         self._reset()
         try:
@@ -171,6 +218,15 @@ class RayLauncher(Launcher):
             driver_ip=ray.util.get_node_ip_address,
             free_port=lambda ip: ray.get(self.actors[0].free_port.remote(ip), timeout=30),
         )
+        # the actors have the raylet's environment, not ours: the store services' token file
+        # (a path on the shared filesystem; never the token itself, which Ray would keep)
+        forward = {k: os.environ[k] for k in (ENV_STORE_TOKEN_FILE,) if os.environ.get(k)}
+        if forward:
+            rank_env = [{**forward, **env} for env in rank_env]
+        if self.services is not None:  # one store service per node (services.py)
+            key = self.services.ensure(ray, rank_env[0])
+            if key:
+                rank_env = [{**env, ENV_STORE_SERVICE_KEY: key} for env in rank_env]
         self._log_paths = [log_dir / f"rank-{r}.log" for r in range(n)]
         command = None if is_worker(argv) else list(argv)  # else a command stage's program
         self._done = [

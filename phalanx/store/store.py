@@ -37,6 +37,7 @@ from ..runtime.envvars import (
     ENV_STORE_METADATA,
     ENV_STORE_SERVICE_KEY,
     ENV_STORE_SESSION,
+    ENV_STORE_TOKEN_FILE,
 )
 from . import remote
 from . import repartition as R
@@ -199,6 +200,11 @@ class Store:
             ENV_SPILL: self.spill_tier.url if self.spill_tier else "",
             ENV_STORE_ATTEMPT: self.attempt,
             ENV_STORE_DURABLE: self.durable_tier.root_url if self.durable_tier else "",
+            # where the store services' token is (the path, never the secret): for ranks that
+            # do not inherit the driver's environment (Ray actors, pods)
+            **(
+                {ENV_STORE_TOKEN_FILE: os.environ[ENV_STORE_TOKEN_FILE]} if os.environ.get(ENV_STORE_TOKEN_FILE) else {}
+            ),
         }
 
     def _rank_metadata_url(self) -> str:

@@ -51,7 +51,7 @@ class ServiceActor:
         host = ray.util.get_node_ip_address()
         os.makedirs(root, exist_ok=True)
         full = {**os.environ, **env}
-        self.proc = subprocess.Popen(
+        self.proc = proc = subprocess.Popen(
             [python if os.path.exists(python) else sys.executable, "-m", "phalanx.store.service"]
             + ["--root", root, "--host", host, "--key", key],
             env=full,
@@ -61,16 +61,18 @@ class ServiceActor:
             text=True,
             preexec_fn=die_with_parent,
         )
+        assert proc.stdout is not None and proc.stderr is not None  # both PIPE
+        stdout, stderr = proc.stdout, proc.stderr
         out: list[str] = []
-        reader = threading.Thread(target=lambda: out.append(self.proc.stdout.readline().strip()), daemon=True)
+        reader = threading.Thread(target=lambda: out.append(stdout.readline().strip()), daemon=True)
         reader.start()
         reader.join(timeout)
         endpoint = out[0] if out else ""
         if not endpoint:
             err = ""
-            if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() or "").strip().splitlines()[-1:] or [""]
-                err = err[0]
+            if proc.poll() is not None:
+                lines = (stderr.read() or "").strip().splitlines()
+                err = lines[-1] if lines else ""
             self.stop()
             return {
                 "host": socket.gethostname(),
@@ -78,8 +80,8 @@ class ServiceActor:
                 "endpoint": "",
                 "error": err or "no endpoint in time",
             }
-        threading.Thread(target=self.proc.stderr.read, daemon=True).start()  # never blocks on a full pipe
-        return {"host": socket.gethostname(), "node_ip": host, "endpoint": endpoint, "pid": self.proc.pid}
+        threading.Thread(target=stderr.read, daemon=True).start()  # never blocks on a full pipe
+        return {"host": socket.gethostname(), "node_ip": host, "endpoint": endpoint, "pid": proc.pid}
 
     def stop(self, grace: float = 5.0) -> None:
         p, self.proc = self.proc, None

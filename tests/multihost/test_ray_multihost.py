@@ -19,6 +19,8 @@ import os
 import secrets
 import shutil
 import socket
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -37,6 +39,22 @@ pytestmark = pytest.mark.multihost
 HOSTS = [f"px-h{i}" for i in range(1, N_HOSTS + 1)]
 
 
+def _client_ready(address: str, within: float = 120.0) -> None:
+    """Until a Ray Client connection works (from a throwaway process, so this one's first
+    connection is the tests'): the head's client port opens before the server behind it can
+    start a session for a client — under load the first one failed ("Starting Ray client
+    server failed") though the next succeeded."""
+    probe = f"import ray; ray.init({address!r}, logging_level='ERROR'); ray.shutdown()"
+    deadline = time.monotonic() + within
+    while True:
+        r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=within)
+        if r.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Ray Client at {address} does not take a session: {r.stderr[-2000:]}")
+        time.sleep(2)
+
+
 @pytest.fixture(scope="module")
 def ray_bed(multihost_bed):
     pytest.importorskip("ray")
@@ -45,6 +63,7 @@ def ray_bed(multihost_bed):
     was_up = ray_multihost.healthy()
     t0 = time.monotonic()
     state = ray_multihost.up()
+    _client_ready(state["client"])
     state["fixture_up_s"] = round(time.monotonic() - t0, 1)
     yield state
     import ray

@@ -58,7 +58,7 @@ from phalanx.store.service import write_token_file
 
 from . import test_slurm_gang_multihost as pilot_tests
 from .conftest import N_HOSTS
-from .test_slurm_gang_multihost import HOSTS, slurm_section
+from .test_slurm_gang_multihost import HOSTS, pilot_site
 
 driver_host = pilot_tests.driver_host  # the pilot tests' fixtures, used here too
 host_root = pilot_tests.host_root
@@ -141,15 +141,9 @@ def test_the_etl_example_on_the_pilot_across_hosts_seals_the_same_bytes_as_on_on
     # ---- 2. on the pilot across px-h1..px-h3, the store in each host's own memory ------------
     root = host_root  # /dev/shm/...: each host's own
     metadata = f"sqlite://{shared_tmp}/meta.sqlite"  # the catalogue on the shared /var/tmp
-    site = {
-        "name": "slurm-multihost",
-        "executor": "slurm",
-        "driver_host": driver_host,
-        "rendezvous": f"file://{shared_tmp}/rdzv",
-        "start_timeout": 120,
-        "store": {"root": root, "metadata": metadata, "durability": "memory"},
-        "slurm": slurm_section(multihost_slurm),
-    }
+    site = pilot_site(
+        multihost_slurm, driver_host, shared_tmp, {"root": root, "metadata": metadata, "durability": "memory"}
+    )
     (shared_tmp / "site.yaml").write_text(yaml.safe_dump(site))
     gate = shared_tmp / "gate"
     gate.mkdir()

@@ -27,7 +27,7 @@ from phalanx.orchestrator.rundb import RunDB
 from phalanx.store.service import write_token_file
 
 from . import test_slurm_gang_multihost as pilot_tests
-from .test_slurm_gang_multihost import WORKFLOW, slurm_section
+from .test_slurm_gang_multihost import WORKFLOW, pilot_site
 
 driver_host = pilot_tests.driver_host  # the fixtures of the pilot tests, used here too
 host_root = pilot_tests.host_root
@@ -53,15 +53,7 @@ def test_resume_after_the_hosts_memory_is_gone(
     store_section = {"root": root, "metadata": f"sqlite://{shared_tmp}/meta.sqlite", "durability": durability}
     if durability == "write-through":
         store_section["durable"] = str(shared_tmp / "durable")
-    site = {
-        "name": "slurm-multihost",
-        "executor": "slurm",
-        "driver_host": driver_host,
-        "rendezvous": f"file://{shared_tmp}/rdzv",
-        "start_timeout": 120,
-        "store": store_section,
-        "slurm": slurm_section(multihost_slurm),
-    }
+    site = pilot_site(multihost_slurm, driver_host, shared_tmp, store_section)
     (shared_tmp / "site.yaml").write_text(yaml.safe_dump(site))
     (shared_tmp / "wf.yaml").write_text(WORKFLOW)
     state = shared_tmp / "state"

@@ -50,6 +50,20 @@ def slurm_section(conf: str) -> dict:
     }
 
 
+def pilot_site(conf: str, driver_host: str, shared: Path, store: dict) -> dict:
+    """A site file's content: the pilot across the hosts, the driver at the bridge address,
+    the rendezvous on the shared directory, the given ``store:`` section."""
+    return {
+        "name": "slurm-multihost",
+        "executor": "slurm",
+        "driver_host": driver_host,
+        "rendezvous": f"file://{shared}/rdzv",
+        "start_timeout": 120,
+        "store": store,
+        "slurm": slurm_section(conf),
+    }
+
+
 @pytest.fixture(scope="module")
 def driver_host(multihost_bed) -> str:
     return multihost_bed.load_state()["bridge_addr"]  # 10.231.0.1: what every host reaches
@@ -313,20 +327,17 @@ def test_a_two_stage_workflow_runs_on_the_pilot_with_the_store_in_the_hosts_memo
 
     root = host_root
     monkeypatch.setenv("PHALANX_STORE_TOKEN_FILE", str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
-    site = {
-        "name": "slurm-multihost",
-        "executor": "slurm",
-        "driver_host": driver_host,
-        "rendezvous": f"file://{shared_tmp}/rdzv",
-        "start_timeout": 120,
-        "store": {
+    site = pilot_site(
+        multihost_slurm,
+        driver_host,
+        shared_tmp,
+        {
             "root": root,
             "metadata": f"sqlite://{shared_tmp}/meta.sqlite",
             "durability": "write-through",
             "durable": str(shared_tmp / "durable"),
         },
-        "slurm": slurm_section(multihost_slurm),
-    }
+    )
     (shared_tmp / "site.yaml").write_text(yaml.safe_dump(site))
     (shared_tmp / "wf.yaml").write_text(WORKFLOW)
     result = px.run(shared_tmp / "wf.yaml", shared_tmp / "site.yaml", state=shared_tmp / "state", progress=False)

@@ -76,6 +76,17 @@ def fail_rank_1_once(env):
     env.comm.barrier()
 
 
+def where_and_sum(env):
+    """Rank r's node and pod, and the gang's sum of (r+1)**2 (the ranks still talk as one)."""
+    total = env.comm.allreduce_scalar((env.rank + 1) ** 2)
+    return {
+        "rank": env.rank,
+        "node": os.environ.get("PHALANX_NODE"),
+        "pod": os.environ.get("PHALANX_POD"),
+        "sum": total,
+    }
+
+
 # ---- the site and the cluster -------------------------------------------------------------------
 def wait_until(pred, within: float, what: str, poll: float = 0.1):
     deadline = time.monotonic() + within
@@ -616,3 +627,135 @@ def test_a_driver_started_outside_the_source_tree_still_starts_its_ranks(k8s, tm
         timeout=120,
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# ---- ranks on the nodes holding their input (prefer_hosts) ----------------------------------------
+def node_preference(pod: dict) -> list[str] | None:
+    """The node names a pod's preferred node affinity asks for (None: it has no affinity)."""
+    affinity = pod["spec"].get("affinity")
+    if affinity is None:
+        return None
+    terms = affinity["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    return [v for t in terms for f in t["preference"]["matchFields"] for v in f["values"]]
+
+
+def rank_of(pod: dict) -> int:
+    return int(pod["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"])
+
+
+def test_prefer_hosts_gives_each_rank_pod_an_affinity_for_its_node_and_the_gang_runs(k8s):
+    """Rank 0 asks for 127.0.0.2 by the node's kubernetes.io/hostname label... (here name and
+    label agree), rank 1 for 127.0.0.1 (the reverse of nothing asked): each pod read back from
+    the API server prefers its rank's node, lands there, and the gang computes as one."""
+    real = k8s.cluster.real_nodes
+    assert len(real) >= 2, real
+    hosts = [real[1], real[0]]
+    model = k8s.model()
+    executor = model.create_executor()
+    launcher = executor.launcher(2)
+    assert launcher.prefer_hosts(hosts) is True
+    assert launcher.placed == hosts
+    gang = px.Gang(2, site=model, executor=launcher, echo=False)
+    try:
+        out = gang.run(where_and_sum)
+        (job,) = k8s.jobs_of(gang.gang_id)
+        pods = sorted(k8s.pods(job), key=rank_of)
+        assert [node_preference(p) for p in pods] == [[hosts[0]], [hosts[1]]]
+        term = pods[0]["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+        assert term["weight"] == 100
+        assert "requiredDuringSchedulingIgnoredDuringExecution" not in pods[0]["spec"]["affinity"]["nodeAffinity"]
+        assert [p["spec"].get("schedulingGates") for p in pods] == [None, None]  # lifted
+        assert [p["spec"]["nodeName"] for p in pods] == hosts
+        assert [(r["rank"], r["node"], r["sum"]) for r in out] == [(0, hosts[0], 5), (1, hosts[1], 5)]
+        assert launcher.preferred == hosts and launcher.placed == []  # this launch's only
+    finally:
+        gang.close()
+    k8s.wait_nothing_left(gang.gang_id)
+
+
+def test_prefer_hosts_of_no_node_of_the_cluster_declines_and_the_pods_carry_no_affinity(k8s):
+    model = k8s.model()
+    executor = model.create_executor()
+    launcher = executor.launcher(2)
+    assert launcher.prefer_hosts(["no-such-host.example", ""]) is False
+    assert launcher.prefer_hosts(["", ""]) is False
+    assert launcher.placed == []
+    gang = px.Gang(2, site=model, executor=launcher, echo=False)
+    try:
+        out = gang.run(where_and_sum)
+        (job,) = k8s.jobs_of(gang.gang_id)
+        pods = k8s.pods(job)
+        assert len(pods) == 2
+        for pod in pods:
+            assert node_preference(pod) is None, pod["spec"].get("affinity")
+            assert not pod["spec"].get("schedulingGates")
+        template = k8s.get(f"/apis/batch/v1/namespaces/{NS}/jobs/{job}")["spec"]["template"]["spec"]
+        assert "schedulingGates" not in template and "affinity" not in template
+        assert [r["sum"] for r in out] == [5, 5]
+    finally:
+        gang.close()
+    k8s.wait_nothing_left(gang.gang_id)
+
+
+def test_the_manifests_of_a_placed_gang_gate_its_pods_and_the_patch_gives_a_preferred_affinity():
+    """No cluster: the Job of a placed gang holds its pods at the placement gate; the per-pod
+    patch is a preferred (never required) affinity for the node by name, and lifts only that
+    gate.  An unplaced gang's Job has neither."""
+    from phalanx.executors.kubernetes import manifests as M
+    from phalanx.executors.kubernetes.config import KubernetesConfig
+
+    cfg = KubernetesConfig(image="img:1")
+    base = dict(name="phalanx-g-ab12", ranks=2, argv=["python3"], env={}, authkey="00" * 16)
+    plain = M.pod_spec(M.job(cfg, M.GangSpec(**base)))
+    assert "schedulingGates" not in plain and "affinity" not in plain
+    assert M.job(cfg, M.GangSpec(**base, placed=["", ""])) == M.job(cfg, M.GangSpec(**base))
+    placed = M.pod_spec(M.job(cfg, M.GangSpec(**base, placed=["node-a", ""])))
+    assert placed["schedulingGates"] == [{"name": "phalanx.dev/placement"}]
+    assert "affinity" not in placed  # one template for every rank: the affinity comes per pod
+    assert {k: v for k, v in placed.items() if k != "schedulingGates"} == plain
+    jobset = M.pod_spec(M.jobset(cfg, M.GangSpec(**base, placed=["node-a", ""])))
+    assert jobset["schedulingGates"] == [{"name": "phalanx.dev/placement"}]
+
+    assert M.node_affinity("node-a") == {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": 100,
+                    "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["node-a"]}]},
+                }
+            ]
+        }
+    }
+    assert M.placement_patch("node-a") == {
+        "spec": {
+            "schedulingGates": [{"$patch": "delete", "name": "phalanx.dev/placement"}],
+            "affinity": M.node_affinity("node-a"),
+        }
+    }
+    assert M.placement_patch("") == {
+        "spec": {"schedulingGates": [{"$patch": "delete", "name": "phalanx.dev/placement"}]}
+    }
+
+
+def test_prefer_hosts_where_rbac_forbids_listing_nodes_declines_and_says_so_once(caplog):
+    """No cluster: a client that may not list nodes (HTTP 403) declines, with one warning a
+    process, and leaves the next launch unplaced."""
+    from types import SimpleNamespace
+
+    from kubernetes.client.exceptions import ApiException
+
+    from phalanx.executors.kubernetes.config import KubernetesConfig
+    from phalanx.executors.kubernetes.launcher import KubernetesLauncher
+
+    def forbidden():
+        raise ApiException(status=403, reason="Forbidden")
+
+    kube = SimpleNamespace(core=SimpleNamespace(list_node=forbidden))
+    site = f"rbac-{secrets.token_hex(3)}"
+    launcher = KubernetesLauncher(lambda: kube, KubernetesConfig(image="img:1"), site=site)
+    with caplog.at_level("WARNING", logger="phalanx.executors.kubernetes"):
+        assert launcher.prefer_hosts(["node-a", "node-b"]) is False
+        assert launcher.prefer_hosts(["node-a", "node-b"]) is False
+    said = [r.getMessage() for r in caplog.records if site in r.getMessage()]
+    assert len(said) == 1 and "cannot list the cluster's nodes" in said[0] and "403" in said[0], said
+    assert launcher.placed == []

@@ -19,6 +19,11 @@
   reasons (OOMKilled, Evicted, DeadlineExceeded, ImagePullBackOff, the scheduler's
   Unschedulable message) and starts each rank's log stream (``log_dir/rank-R.log`` through the
   API server: no shared filesystem needed for logs).
+- **Ranks where their input is.**  ``prefer_hosts`` maps the store's hosts to nodes (name or
+  ``kubernetes.io/hostname``); a placed gang's pods start behind the ``phalanx.dev/placement``
+  scheduling gate, which the watch lifts pod by pod after giving each a *preferred* node
+  affinity (weight 100) for its rank's node: one pod template cannot differ by rank, and a
+  required term would hold the gang while that node is full.
 - **Nothing left behind.**  The Job is in the run DB before it exists (``base.held``); the
   Secret, Service and PodGroup are owned by it.  ``kill`` (gang end, cancel, a failed start)
   and ``release`` (``phalanx status``/``--resume`` after a killed driver) delete them all; a

@@ -47,6 +47,14 @@ def hopeless(waiting: Any) -> bool:
 
 
 _LOG_WAIT_S = 3.0  # at most this long for a finished rank's log to arrive before its code is told
+_MERGE = "application/strategic-merge-patch+json"  # said, not left to the client: $patch: delete needs it
+_told: set[tuple[str, str]] = set()  # (site, what): said once a process (prefer_hosts declining)
+
+
+def _say_once(site: str, what: str, message: str) -> None:
+    if (site, what) not in _told:
+        _told.add((site, what))
+        log.warning("%s", message)
 
 
 class KubernetesLauncher(Launcher):
@@ -82,6 +90,7 @@ class KubernetesLauncher(Launcher):
         self.memory = memory
         self.kube: Kube | None = None
         self._lock = threading.RLock()
+        self.placed: list[str] = []  # per rank: the node prefer_hosts chose for the next launch ("" none)
         self._reset(0)
 
     def _reset(self, ranks: int) -> None:
@@ -100,6 +109,8 @@ class KubernetesLauncher(Launcher):
         self._allocation: dict | None = None
         self._output: RankOutput | None = None
         self._control_host = ""
+        self.preferred: list[str] = []  # per rank: the node this gang's pod prefers ("" none; []: not placed)
+        self._lifted: set[str] = set()  # pods whose placement gate was lifted
 
     def _site(self) -> str:
         return f"site {self.site!r} (kubernetes)"
@@ -107,6 +118,71 @@ class KubernetesLauncher(Launcher):
     # ---- launch -------------------------------------------------------------------------------
     def placement(self, world_size: int) -> list[dict[str, str]]:
         return [{P.ENV_THREADS: str(self.config.threads())} for _ in range(world_size)]
+
+    def prefer_hosts(self, hosts: Sequence[str]) -> bool:
+        """Rank r's pod prefers the node ``hosts[r]`` names — the node's name or its
+        ``kubernetes.io/hostname`` label ("", or a host that is no schedulable node the site's
+        ``node_selector`` admits: no preference) — with a preferred node affinity of weight 100
+        (``manifests.node_affinity``: a full node delays no rank).  The Job's one pod template
+        cannot differ by rank, so the next launch's pods start behind a scheduling gate that
+        the launcher lifts pod by pod, giving each its rank's affinity.  For the next launch
+        only; ``placed`` says what was chosen.  False when none of ``hosts`` is such a node,
+        or the cluster's nodes cannot be listed or its pods not patched (RBAC: said once)."""
+        self.placed = []
+        if not any(hosts):
+            return False
+        try:
+            kube = self._connect()
+            nodes = kube.core.list_node().items
+        except Exception as exc:
+            _say_once(
+                self.site,
+                "nodes",
+                f"{self._site()}: cannot list the cluster's nodes ({api_error(exc)}): ranks are not "
+                "placed on the hosts holding their input (RBAC: allow list on nodes)",
+            )
+            return False
+        wanted = self.config.node_selector
+        usable = [
+            n
+            for n in nodes
+            if not (n.spec and n.spec.unschedulable)
+            and all((n.metadata.labels or {}).get(k) == v for k, v in wanted.items())
+        ]
+        node_of = {n.metadata.name: n.metadata.name for n in usable}
+        for n in usable:  # a node's own name first, then the host name it is labelled with
+            label = (n.metadata.labels or {}).get(M.HOSTNAME_LABEL)
+            if label:
+                node_of.setdefault(label, n.metadata.name)
+        placed = [node_of.get(h, "") if h else "" for h in hosts]
+        if not any(placed) or not self._may_patch_pods(kube):
+            return False
+        self.placed = placed
+        return True
+
+    def _may_patch_pods(self, kube: Kube) -> bool:
+        """Whether this client may patch pods in the namespace (to lift the placement gate)."""
+        from kubernetes import client
+
+        ns = self.config.namespace
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"namespace": ns, "verb": "patch", "resource": "pods"}},
+        }
+        try:
+            allowed = bool(client.AuthorizationV1Api(kube.api).create_self_subject_access_review(review).status.allowed)
+            why = "RBAC: allow patch on pods"
+        except Exception as exc:
+            allowed, why = False, api_error(exc)
+        if not allowed:
+            _say_once(
+                self.site,
+                "patch",
+                f"{self._site()}: may not patch pods in namespace {ns!r} ({why}): ranks are not placed "
+                "on the hosts holding their input",
+            )
+        return allowed
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         cfg = self.config
@@ -116,6 +192,9 @@ class KubernetesLauncher(Launcher):
             if self.job is not None:
                 self.kill(grace_s=0)
             self._reset(len(rank_env))
+            if len(self.placed) == self.ranks:
+                self.preferred = self.placed
+            self.placed = []  # this launch's
             self.kube = kube = self._connect()
             env = shared_env(rank_env, (P.ENV_RANK,), "kubernetes")
             authkey = env.pop(P.ENV_AUTHKEY, "") or secrets.token_hex(16)
@@ -147,6 +226,7 @@ class KubernetesLauncher(Launcher):
                 host_mounts=self._host_mounts(env),
                 workdir=self.workdir,
                 memory=self.memory,
+                placed=self.preferred,
             )
             self._output = RankOutput(Path(log_dir), self.echo)
             for r in range(self.ranks):  # a rank that never starts still has a log to show
@@ -314,6 +394,45 @@ class KubernetesLauncher(Launcher):
             if ended is not None:
                 self._final[rank] = ended
                 self._final_at[rank] = time.monotonic()
+            gated = (
+                ended is None
+                and not deleted
+                and pod.metadata.name not in self._lifted
+                and any(g.name == M.PLACEMENT_GATE for g in pod.spec.scheduling_gates or [])
+            )
+            if gated:
+                self._lifted.add(pod.metadata.name)
+        if gated:
+            self._lift_gate(rank, pod.metadata.name)
+
+    def _lift_gate(self, rank: int, pod_name: str) -> None:
+        """Give a gated rank pod its node affinity and let the scheduler have it; where the
+        server refuses the affinity, the gate alone (the rank runs anywhere); where it refuses
+        that too, the rank fails (a gated pod would wait out the start timeout)."""
+        kube, ns = self.kube, self.config.namespace
+        if kube is None:
+            return
+        node = self.preferred[rank] if rank < len(self.preferred) else ""
+        try:
+            kube.core.patch_namespaced_pod(pod_name, ns, M.placement_patch(node), _content_type=_MERGE)
+            return
+        except Exception as exc:
+            first = api_error(exc)
+        try:
+            kube.core.patch_namespaced_pod(pod_name, ns, M.placement_patch(""), _content_type=_MERGE)
+            log.warning(
+                "%s: pod %s: no node affinity for %s (%s): it runs where it fits", self._site(), pod_name, node, first
+            )
+        except Exception as exc:
+            if self._stop.is_set() or getattr(exc, "status", None) == 404:
+                return
+            with self._lock:
+                if rank not in self._final:
+                    self._final[rank] = (
+                        _KILLED,
+                        f"pod {pod_name}: cannot lift its scheduling gate {M.PLACEMENT_GATE}: {api_error(exc)}",
+                    )
+                    self._final_at[rank] = time.monotonic()
 
     def _ended(self, rank: int, pod: Any, deleted: bool) -> tuple[int, str] | None:
         """(exit code, Kubernetes' note) of a rank whose pod ended or can never start; else None."""
@@ -424,8 +543,13 @@ class KubernetesLauncher(Launcher):
         why = _waiting_reason(list(pods.values()))
         counts = ", ".join(f"{n} {phase}" for phase, n in phases.items())
         gang = f"; gang scheduled as PodGroup {self.job}" if self._gang_api_used() else ""
+        near = ", ".join(f"{r}: {n}" for r, n in enumerate(self.preferred) if n)
+        near = f"; ranks prefer nodes {near}" if near else ""
         return (
-            f"kubernetes: job {self.config.namespace}/{self.job}: pods {counts}" + (f" ({why})" if why else "") + gang
+            f"kubernetes: job {self.config.namespace}/{self.job}: pods {counts}"
+            + (f" ({why})" if why else "")
+            + gang
+            + near
         )
 
     def _gang_api_used(self) -> bool:

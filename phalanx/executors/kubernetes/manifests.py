@@ -28,6 +28,11 @@ VOLCANO_GROUP = "scheduling.volcano.sh"
 JOBSET_GROUP, JOBSET_VERSION, JOBSET_PLURAL = "jobset.x-k8s.io", "v1alpha2", "jobsets"
 REPLICATED_JOB = "r"  # short: a rank's hostname <jobset>-r-0-<index> stays within 63 characters
 EXCLUSIVE_TOPOLOGY = "alpha.jobset.sigs.k8s.io/exclusive-topology"
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+# holds a gang's pods back from the scheduler until the launcher gave each its rank's node
+# affinity (one pod template serves every index of a Job: no per-rank field in it)
+PLACEMENT_GATE = "phalanx.dev/placement"
+PLACEMENT_WEIGHT = 100  # the most a preferred term weighs (1-100): ahead of the scheduler's other scores
 
 
 def job_name(prefix: str, gang_id: str) -> str:
@@ -52,6 +57,7 @@ class GangSpec:
     workdir: str | None = None
     memory: str | None = None  # the request when the section sets none (site's memory_gb)
     labels: dict[str, str] = field(default_factory=dict)
+    placed: Sequence[str] = ()  # per rank: the node it prefers ("" none; empty: no placement)
 
 
 def labels(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, str]:
@@ -191,6 +197,8 @@ def job(cfg: KubernetesConfig, spec: GangSpec) -> dict[str, Any]:
     ):
         if value:
             pod[key] = value
+    if any(spec.placed):  # the launcher lifts it per pod, with the rank's node affinity
+        pod["schedulingGates"] = [{"name": PLACEMENT_GATE}]
     annotations = dict(cfg.annotations)
     if spec.gang_api and spec.gang_api.startswith(NATIVE_GROUP + "/"):
         pod["schedulingGroup"] = {"podGroupName": spec.name}
@@ -268,6 +276,33 @@ def pod_spec(obj: Mapping[str, Any]) -> dict[str, Any]:
     return spec.get("template", {}).get("spec", {})
 
 
+def node_affinity(node: str) -> dict[str, Any]:
+    """A pod's preference for the node named ``node`` (its ``metadata.name``): preferred, not
+    required, so a full, cordoned or tainted node delays no rank — it runs elsewhere and reads
+    its input over the network (with a required term it would stay Pending, and with gang
+    scheduling hold the whole gang, until the start timeout)."""
+    return {
+        "nodeAffinity": {
+            "preferredDuringSchedulingIgnoredDuringExecution": [
+                {
+                    "weight": PLACEMENT_WEIGHT,
+                    "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]},
+                }
+            ]
+        }
+    }
+
+
+def placement_patch(node: str) -> dict[str, Any]:
+    """The strategic merge patch that gives a gated rank pod its node affinity (``node``; ""
+    none) and lifts :data:`PLACEMENT_GATE` (other gates stay).  Kubernetes lets a pod's
+    scheduling directives change while it is gated (KEP-3838; a preferred term freely)."""
+    spec: dict[str, Any] = {"schedulingGates": [{"$patch": "delete", "name": PLACEMENT_GATE}]}
+    if node:
+        spec["affinity"] = node_affinity(node)
+    return {"spec": spec}
+
+
 def rank_host(cfg: KubernetesConfig, name: str, rank: int) -> str:
     """A rank pod's DNS name under ``network: service``: ``<job>-<index>.<service>``; a
     JobSet's pods are ``<jobset>-<replicated job>-<job index>-<index>``."""
@@ -295,11 +330,14 @@ __all__ = [
     "GangSpec",
     "INDEX_ANNOTATION",
     "JOB_LABEL",
+    "PLACEMENT_GATE",
     "job",
     "job_name",
     "jobset",
     "labels",
+    "node_affinity",
     "owner_reference",
+    "placement_patch",
     "pod_group",
     "pod_spec",
     "rank_host",

@@ -7,10 +7,14 @@ its own /dev/shm; the reader host fetches each one, interleaved, several times:
 
   tcp           a plain socket: the holder sendall()s the memory-mapped file, the reader
                 recv_into()s a fresh buffer (the reference: what the network path can do)
-  flight-bytes  phalanx.store.service.fetch: the file's exact bytes, one buffer
-  ... x2, x4    the same over 2 or 4 concurrent streams, each a byte range (fetch(streams=k))
+  fetch         phalanx.store.service.fetch, what a reader on another host runs: the file's
+                exact bytes, one buffer, over the service's HTTP/1.1 bulk path (the holder
+                sendfile()s, the reader readinto()s; store/http_bytes.py)
+  ... x2        the same over 2 concurrent connections, each a byte range (fetch(streams=2))
   +verify       the same, then tiers.checksum_buffer and the zero-copy IPC open (what a
                 reader that trusts nothing pays)
+  flight-bytes  service.fetch_flight: the same bytes as Flight record batches of one binary
+                value each (the path before the bulk path; x2: two streams)
   flight-table  phalanx.store.service.fetch_table: do_get of the IPC record batches
   vineyard-rpc      (--vineyard) vineyardd on both hosts, metadata in etcd on px-head; the
                     reader's RPC client of the holder's vineyardd gets the table
@@ -139,7 +143,7 @@ def read(args: argparse.Namespace) -> int:
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from phalanx.store.service import fetch, fetch_table, token_from_env
+    from phalanx.store.service import fetch, fetch_flight, fetch_table, token_from_env
     from phalanx.store.tiers import checksum_buffer
 
     info = json.loads(Path(args.info).read_text())
@@ -155,39 +159,46 @@ def read(args: argparse.Namespace) -> int:
         _recv_exact(sock, memoryview(out))
         return out
 
-    def fbytes(i: int) -> object:
-        return fetch(info["endpoint"], token, info["parts"][i]["location"], 0)
+    def part(i: int) -> tuple[str, str, str, int]:
+        return info["endpoint"], token, info["parts"][i]["location"], 0
 
-    def fbytes2(i: int) -> object:
-        return fetch(info["endpoint"], token, info["parts"][i]["location"], 0, streams=2)
+    def hbytes(i: int) -> object:
+        return fetch(*part(i))
 
-    def fbytes4(i: int) -> object:
-        return fetch(info["endpoint"], token, info["parts"][i]["location"], 0, streams=4)
+    def hbytes2(i: int) -> object:
+        return fetch(*part(i), streams=2)
 
-    def fverify(i: int) -> object:
-        buf = fbytes(i)
+    def hverify(i: int) -> object:
+        buf = hbytes(i)
         if checksum_buffer(buf) != info["parts"][i]["checksum"]:
             raise AssertionError("checksum mismatch")
         return ipc.open_file(pa.BufferReader(buf)).read_all()
 
+    def fbytes(i: int) -> object:
+        return fetch_flight(*part(i))
+
+    def fbytes2(i: int) -> object:
+        return fetch_flight(*part(i), streams=2)
+
     def ftable(i: int) -> object:
-        return fetch_table(info["endpoint"], token, info["parts"][i]["location"], 0)
+        return fetch_table(*part(i))
 
     run = {
         "tcp": tcp,
+        "fetch": hbytes,
+        "fetch x2": hbytes2,
+        "fetch+verify": hverify,
         "flight-bytes": fbytes,
         "flight-bytes x2": fbytes2,
-        "flight-bytes x4": fbytes4,
-        "flight-bytes+verify": fverify,
         "flight-table": ftable,
     }
     if info.get("vineyard"):
         run.update(_vineyard_readers(info["vineyard"]))
     # once each, checked: the same bytes / rows everywhere
     for i, p in enumerate(info["parts"]):
-        assert checksum_buffer(tcp(i)) == p["checksum"] == checksum_buffer(fbytes(i)) == checksum_buffer(fbytes2(i))
-        assert checksum_buffer(fbytes4(i)) == p["checksum"]
-        rows = fverify(i).num_rows
+        for method in (tcp, hbytes, hbytes2, fbytes, fbytes2):
+            assert checksum_buffer(method(i)) == p["checksum"], method.__name__
+        rows = hverify(i).num_rows
         assert ftable(i).num_rows == rows
         for m in ("vineyard-rpc", "vineyard-migrate"):
             if m in run:

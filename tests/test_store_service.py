@@ -1,15 +1,19 @@
-"""phalanx.store.service on loopback: a partition's exact bytes over Arrow Flight, the token,
-the path checks, the errors and the bound address.  The same across real (namespace) hosts:
+"""phalanx.store.service on loopback: a partition's exact bytes over its HTTP bulk path and over
+Arrow Flight, the token, the path checks, the errors and the bound address.  The same across real (namespace) hosts:
 tests/multihost/test_store_service_multihost.py."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import re
 import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 import psutil
 import pyarrow as pa
@@ -17,6 +21,8 @@ import pyarrow.ipc as ipc
 import pytest
 
 from phalanx.errors import UnsafePathError
+from phalanx.store import http_bytes
+from phalanx.store.http_bytes import _byte_range
 from phalanx.store.remote import local_endpoint
 from phalanx.store.service import (
     ENV_TOKEN,
@@ -26,7 +32,9 @@ from phalanx.store.service import (
     RemotePartitionNotFoundError,
     ServiceUnreachableError,
     StoreService,
+    bytes_url,
     fetch,
+    fetch_flight,
     fetch_table,
     ping,
     token_from_env,
@@ -47,8 +55,8 @@ def _table(rows: int = 20_000) -> pa.Table:
     )
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["bulk", "flight-only"])
+def served(request, tmp_path_factory):
     root = tmp_path_factory.mktemp("store")
     tier = FileTier(root)
     location = tier.final("s", "ds", "v0-abc")
@@ -57,7 +65,9 @@ def served(tmp_path_factory):
     outside = tmp_path_factory.mktemp("outside")
     FileTier(outside).write_partition(str(outside / "d"), 0, table)
     os.symlink(outside / "d", root / "s" / "link")
-    with StoreService(root, "127.0.0.1", token=TOKEN, chunk=64 << 10) as svc:
+    bytes_port = 0 if request.param == "bulk" else None
+    with StoreService(root, "127.0.0.1", token=TOKEN, chunk=64 << 10, bytes_port=bytes_port) as svc:
+        assert bytes_url(svc.endpoint, TOKEN) == svc.bytes_url and bool(svc.bytes_url) == (request.param == "bulk")
         yield svc, root, location, table, nbytes, checksum, outside
 
 
@@ -74,6 +84,7 @@ def test_fetch_returns_the_exact_bytes_and_checksum(served):
     assert fetch_table(svc.endpoint, TOKEN, location, 0).equals(table)
     # over 3 concurrent streams, each a byte range: the same bytes in one buffer
     assert fetch(svc.endpoint, TOKEN, location, 0, streams=3).to_pybytes() == buf.to_pybytes()
+    assert fetch_flight(svc.endpoint, TOKEN, location, 0).to_pybytes() == buf.to_pybytes()
 
 
 def test_a_wrong_or_missing_token_is_refused_without_showing_it(served):
@@ -199,3 +210,91 @@ def test_a_service_publishes_its_endpoint_for_its_hosts_ranks_and_answers_pings(
     assert local_endpoint(root, "job-1") is None  # removed on exit
     with pytest.raises(ServiceUnreachableError, match=re.escape(endpoint)):
         ping(endpoint, TOKEN, timeout=2)
+
+
+# ---- the HTTP bulk path -----------------------------------------------------------------------
+def _get(url: str, path: str, headers: dict[str, str]) -> tuple[int, bytes, dict[str, str]]:
+    split = urlsplit(url)
+    conn = http.client.HTTPConnection(split.hostname, split.port, timeout=10)
+    try:
+        conn.request("GET", path, headers=headers)
+        resp = conn.getresponse()
+        return resp.status, resp.read(), dict(resp.getheaders())
+    finally:
+        conn.close()
+
+
+def test_the_bulk_path_is_bound_like_flight_and_asks_for_the_same_token(tmp_path):
+    tier = FileTier(tmp_path)
+    location = tier.final("s", "ds", "v0")
+    tier.write_partition(location, 0, _table(1000))
+    with StoreService(tmp_path, "127.0.0.1", token=TOKEN) as svc:
+        assert svc.bytes_url.startswith("http://127.0.0.1:")
+        port = int(svc.bytes_url.rsplit(":", 1)[1])
+        listening = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN
+        }
+        assert ("127.0.0.1", port) in listening and ("0.0.0.0", port) not in listening
+        path = f"/part?location={quote(location, safe='')}&index=0"
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+            status, body, _ = _get(svc.bytes_url, path, headers)
+            assert status == 401 and TOKEN.encode() not in body
+        status, body, head = _get(svc.bytes_url, path, {"Authorization": f"Bearer {TOKEN}", "Range": "bytes=10-19"})
+        whole = (Path(location) / part_file(0)).read_bytes()
+        assert (status, body) == (206, whole[10:20]) and head["Content-Range"] == f"bytes 10-19/{len(whole)}"
+        status, _, _ = _get(svc.bytes_url, "/etc/passwd", {"Authorization": f"Bearer {TOKEN}"})
+        assert status == 400
+        status, body, _ = _get(svc.bytes_url, path, {"Authorization": f"Bearer {TOKEN}", "Range": "bytes=99999999-"})
+        assert status == 416
+
+
+def test_byte_ranges_are_read_as_the_http_standard_says():
+    assert _byte_range(None, 100) == (0, 100)
+    assert _byte_range("bytes=0-0", 100) == (0, 1)
+    assert _byte_range("bytes=10-", 100) == (10, 100)
+    assert _byte_range("bytes=90-200", 100) == (90, 100)  # a last byte past the end: up to the end
+    assert _byte_range("bytes=0-5", 0) == (0, 0)  # an empty file
+    for bad in ("bytes=100-", "bytes=5-4", "bytes=-5", "items=0-1", "bytes=a-b", "bytes=1-x"):
+        assert _byte_range(bad, 100) is None, bad
+
+
+@pytest.fixture
+def bad_holder(monkeypatch):
+    """A holder that announces 1,000,000 bytes, sends 10, then stops (``"hang"``) or closes
+    (``"close"``) — as a host that dies mid-transfer does, seen from the reader."""
+    monkeypatch.setattr(http_bytes, "STALL_TIMEOUT", 1.0)
+    servers = []
+
+    def start(mode: str) -> str:
+        server = socket.create_server(("127.0.0.1", 0))
+        servers.append(server)
+
+        def answer() -> None:
+            conn, _ = server.accept()
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000000\r\nContent-Range: bytes 0-999999/1000000\r\n\r\n")
+            conn.sendall(b"0123456789")
+            if mode == "close":
+                conn.close()
+            else:
+                servers.append(conn)
+
+        threading.Thread(target=answer, daemon=True).start()
+        return f"http://127.0.0.1:{server.getsockname()[1]}"
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def test_a_holder_that_stops_mid_file_fails_the_read_naming_it(bad_holder):
+    url = bad_holder("hang")
+    t0 = time.monotonic()
+    with pytest.raises(ServiceUnreachableError, match=f"partition 2 at /x from the store service {url}: no data for"):
+        http_bytes.get(url, TOKEN, "/x", 2, timeout=30)
+    assert time.monotonic() - t0 < 5  # the stall timeout, not the fetch's 30 s
+    url = bad_holder("close")
+    with pytest.raises(ServiceUnreachableError, match="the service closed the connection after 10 of 1000000 bytes"):
+        http_bytes.get(url, TOKEN, "/x", 2, timeout=30)

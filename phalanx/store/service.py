@@ -1,4 +1,4 @@
-"""A store service: the partitions under a file tier's root, served read-only over Arrow Flight.
+"""A store service: the partitions under a file tier's root, served read-only over the network.
 
 Each host of a run's allocation keeps the partitions its ranks wrote in its own memory tier
 (``/dev/shm``).  A reader on another host fetches a partition's exact bytes from the service on
@@ -17,7 +17,9 @@ Or in the foreground, as a pilot starts one per node (the secret from the enviro
     PHALANX_STORE_TOKEN_FILE=~/.px/secret python -m phalanx.store.service \\
         --root /dev/shm/phalanx-alice/store --host 10.0.0.11 --endpoint-file /shared/ep.h1
 
-Engine: Arrow Flight (gRPC, in pyarrow); why, with numbers: docs/store.md, "Across hosts".
+Engine: Arrow Flight (gRPC, in pyarrow) for its calls and row-shaped answers, and plain HTTP/1.1
+for whole files (``http_bytes``: gRPC's receive path costs a reader three times a socket's CPU);
+why, with numbers: docs/store.md, "Across hosts".
 
 - Read-only: a ticket names a (location, index) as the metadata records it; the service opens
   ``<location>/part-NNNNN.arrow`` only inside its root(s), walking from the root one directory at
@@ -27,9 +29,9 @@ Engine: Arrow Flight (gRPC, in pyarrow); why, with numbers: docs/store.md, "Acro
   (``hmac.compare_digest``).  The token is never logged or put in an error message.
 - Bound to the address asked for (loopback or the host's cluster address); a wildcard address
   (``0.0.0.0``, ``::``) is refused unless ``any_address=True``.
-- The bytes travel as a stream of record batches of one ``binary`` value each (a slice of the
-  memory-mapped file, no copy on the server); the client copies each into one preallocated
-  buffer (the one copy a contiguous buffer needs).
+- A whole file's bytes: the holder's kernel ``sendfile``s them over HTTP, the reader receives
+  them into one preallocated buffer.  With ``--flight-only`` (one port) they travel as record
+  batches of one ``binary`` value each (slices of the mapped file), copied into one buffer.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ from ..paths import ENV_SPILL, state_dir
 from ..private import FILE_MODE
 from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
 from ..runtime.envvars import ENV_STORE_TOKEN_FILE as ENV_TOKEN_FILE
+from . import http_bytes
+from .http_bytes import BytesServer
 from .remote import SERVICES_DIR, publish_endpoint
 from .repartition import select_rows
 from .tiers import FileTier, check_mine, checksum_buffer, part_file, remove_under
@@ -226,36 +230,47 @@ def map_fd(fd: int) -> pa.Buffer:
     return pa.py_buffer(mmap.mmap(fd, size, prot=mmap.PROT_READ))
 
 
+def open_in_roots(roots: Sequence[Path], location: str, index: int) -> int:
+    """``open_partition_fd`` in whichever of ``roots`` holds ``location``: ``FileNotFoundError``
+    when it is not there, ``UnsafePathError`` (saying why, logged) when it may not be served."""
+    refused: list[str] = []
+    for root in roots:
+        if not FileTier(root).owns(location):
+            continue
+        try:
+            return open_partition_fd(root, location, index)
+        except UnsafePathError as exc:
+            refused.append(str(exc))
+    why = "; ".join(refused) or f"it is not inside {' or '.join(map(str, roots))}"
+    log.warning("store service: refused %s: %s", location, why)
+    raise UnsafePathError(why)
+
+
 class _Server(fl.FlightServerBase):  # type: ignore[misc]
-    def __init__(self, roots: Sequence[Path], location: str, token: str, chunk: int):
+    def __init__(self, roots: Sequence[Path], location: str, token: str, chunk: int, bytes_url: str = ""):
         super().__init__(location, middleware={"auth": _BearerAuth(token)})
         self.roots = list(roots)
         self.chunk = chunk
         self.splits = _Splits()
+        self.bytes_url = bytes_url  # the HTTP bulk path of this service (http_bytes), "" if none
 
     def _open(self, location: str, index: int) -> pa.Buffer:
-        refused: list[str] = []
-        for root in self.roots:
-            if not FileTier(root).owns(location):
-                continue
-            try:
-                fd = open_partition_fd(root, location, index)
-            except FileNotFoundError:
-                raise fl.FlightServerError(f"no partition {index} at {location}", _NOT_FOUND) from None
-            except UnsafePathError as exc:
-                refused.append(str(exc))
-                continue
-            try:
-                return map_fd(fd)
-            finally:
-                os.close(fd)
-        why = "; ".join(refused) or f"it is not inside {' or '.join(map(str, self.roots))}"
-        log.warning("store service: refused %s: %s", location, why)
-        raise fl.FlightServerError(f"refusing to serve {location}: {why}", _REFUSED)
+        try:
+            fd = open_in_roots(self.roots, location, index)
+        except FileNotFoundError:
+            raise fl.FlightServerError(f"no partition {index} at {location}", _NOT_FOUND) from None
+        except UnsafePathError as exc:
+            raise fl.FlightServerError(f"refusing to serve {location}: {exc}", _REFUSED) from None
+        try:
+            return map_fd(fd)
+        finally:
+            os.close(fd)
 
     def do_action(self, context: Any, action: fl.Action) -> Iterator[bytes]:
         if action.type == "ping":  # is the service (and so its host's memory) still there?
             return iter([socket.gethostname().encode()])
+        if action.type == "describe":  # where this service's bulk byte path listens
+            return iter([json.dumps({"bytes": self.bytes_url}).encode()])
         try:
             want = json.loads(action.body.to_pybytes())
             location = str(want["location"])
@@ -428,7 +443,9 @@ def _check_host(host: str, any_address: bool) -> str:
 class StoreService:
     """A Flight server of the partitions under ``root`` (and ``also``: e.g. the spill
     directory), on ``host:port`` (``port=0``: a free one), for holders of ``token`` (default:
-    ``token_from_env()``).  ``endpoint`` is what readers pass to ``fetch``."""
+    ``token_from_env()``).  ``endpoint`` is what readers pass to ``fetch``.  Whole files go over
+    its HTTP bulk path on ``host:bytes_port`` (0: a free one; None: none, Flight carries them —
+    for a firewall that opens one port)."""
 
     def __init__(
         self,
@@ -440,13 +457,29 @@ class StoreService:
         also: Sequence[str | os.PathLike[str]] = (),
         chunk: int = CHUNK,
         any_address: bool = False,
+        bytes_port: int | None = 0,
     ):
         self.roots = [Path(r).absolute() for r in (root, *also)]
         self.host = host
         bind = _check_host(host, any_address)
-        self._server = _Server(self.roots, f"grpc+tcp://{bind}:{port}", token or token_from_env(), chunk)
+        token = token or token_from_env()
+        roots = self.roots
+        self._bytes: BytesServer | None = None
+        if bytes_port is not None:
+            self._bytes = BytesServer(
+                bind, token, lambda location, index: open_in_roots(roots, location, index), bytes_port
+            )
+        try:
+            self._server = _Server(
+                self.roots, f"grpc+tcp://{bind}:{port}", token, chunk, self._bytes.url if self._bytes else ""
+            )
+        except BaseException:
+            if self._bytes is not None:
+                self._bytes.close()
+            raise
         self.port: int = self._server.port
         self.endpoint = f"grpc+tcp://{bind}:{self.port}"
+        self.bytes_url = self._bytes.url if self._bytes else ""  # the HTTP bulk path ("" none)
         self._closed = False
 
     def __repr__(self) -> str:  # never the token
@@ -464,6 +497,8 @@ class StoreService:
         if not self._closed:
             self._closed = True
             self._server.shutdown()
+            if self._bytes is not None:
+                self._bytes.close()
 
     def __enter__(self) -> StoreService:
         return self
@@ -637,10 +672,43 @@ def fetch(
 ) -> pa.Buffer:
     """Partition ``index`` at ``location`` (as the metadata records it), exactly the bytes of
     its file on the service's host, as one buffer: check it with ``tiers.checksum_buffer``,
-    open it with ``ipc.open_file(pa.BufferReader(buf))`` (zero-copy).  ``timeout``: seconds
-    for the whole call.  Raises a ``RemoteStoreError`` naming the endpoint, location and
-    index: ``ServiceUnreachableError``, ``RemotePartitionNotFoundError``,
+    open it with ``ipc.open_file(pa.BufferReader(buf))`` (zero-copy).  The bytes travel over
+    the service's HTTP bulk path (``http_bytes``: at raw TCP's cost) where it has one, over
+    Flight otherwise.  ``timeout``: seconds for the whole call; ``streams``: connections
+    filling the buffer side by side.  Raises a ``RemoteStoreError`` naming the endpoint,
+    location and index: ``ServiceUnreachableError``, ``RemotePartitionNotFoundError``,
     ``AuthRefusedError``, ``LocationRefusedError``."""
+    url = bytes_url(endpoint, token, timeout, f"partition {index} at {location} from the store service {endpoint}")
+    if url:
+        return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint)
+    return fetch_flight(endpoint, token, location, index, timeout, streams)
+
+
+_bytes_urls: dict[tuple[int, str], str] = {}
+
+
+def bytes_url(endpoint: str, token: str, timeout: float = DEFAULT_TIMEOUT, what: str = "") -> str:
+    """The HTTP bulk path of the service at ``endpoint`` ("" for a service without one), asked
+    once per process and endpoint.  Errors name ``what`` (the partition wanted) if given."""
+    key = (os.getpid(), endpoint)
+    url = _bytes_urls.get(key)
+    if url is None:
+        try:
+            said = _action(endpoint, token, "describe", {}, timeout, what or f"the store service {endpoint}")
+            url = str(json.loads(said)["bytes"])
+        except LocationRefusedError:  # a service from before the bulk path: "unknown action"
+            url = ""
+        except (ValueError, KeyError, TypeError):
+            raise RemoteStoreError(f"the store service {endpoint} described itself in an unreadable way") from None
+        _bytes_urls[key] = url
+    return url
+
+
+def fetch_flight(
+    endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT, streams: int = 1
+) -> pa.Buffer:
+    """``fetch`` over Flight only: the file's bytes as a stream of ``binary`` record batches
+    (for services without the bulk path, and for bench/store_remote.py's comparison)."""
     if streams <= 1:
         buf: pa.Buffer = _fetch(endpoint, token, location, index, "bytes", timeout, _read_bytes)
         return buf
@@ -721,7 +789,13 @@ def main(argv: list[str] | None = None) -> int:
         required=True,
         help="the address to bind: the host's cluster address, 127.0.0.1, or auto (what this host's name resolves to)",
     )
-    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="the Flight port (default: a free one)")
+    p.add_argument(
+        "--bytes-port", type=int, default=0, help="the port of the HTTP bulk path for whole files (default: a free one)"
+    )
+    p.add_argument(
+        "--flight-only", action="store_true", help="no bulk path: whole files over Flight too (one port to open)"
+    )
     p.add_argument("--endpoint-file", help="write the endpoint here (atomically) once serving")
     p.add_argument(
         "--key",
@@ -733,7 +807,8 @@ def main(argv: list[str] | None = None) -> int:
     record: Path | None = None
     try:
         also = args.also or ([os.environ[ENV_SPILL]] if os.environ.get(ENV_SPILL) else [])
-        svc = StoreService(args.root, resolve_host(args.host), args.port, also=also)
+        bytes_port = None if args.flight_only else args.bytes_port
+        svc = StoreService(args.root, resolve_host(args.host), args.port, also=also, bytes_port=bytes_port)
         if args.key:
             record = publish_endpoint(args.root, args.key, svc.endpoint)
     except (ValueError, OSError, fl.FlightError) as exc:
@@ -754,7 +829,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = f"{args.endpoint_file}.{os.getpid()}.tmp"
         Path(tmp).write_text(svc.endpoint + "\n")
         os.replace(tmp, args.endpoint_file)
-    log.info("serving %s on %s (pid %d)", ", ".join(map(str, svc.roots)), svc.endpoint, os.getpid())
+    bulk = f", whole files on {svc.bytes_url}" if svc.bytes_url else ""
+    log.info("serving %s on %s%s (pid %d)", ", ".join(map(str, svc.roots)), svc.endpoint, bulk, os.getpid())
     print(svc.endpoint, flush=True)
     try:
         while not stopping.wait(1.0):

@@ -1,0 +1,260 @@
+"""The store service's bulk path: a partition file's exact bytes over plain HTTP/1.1.
+
+Arrow Flight carries the store service's control plane and every row-shaped answer (a slice,
+one reader's rows by key); a whole file's bytes go over HTTP/1.1 on a second port of the same
+service.  Why: gRPC's receive path (HTTP/2 frames into its own slice buffers, reassembled, then
+copied into one buffer) costs a reader ~0.8 s of CPU per GB against ~0.27 s for a socket read,
+which held a Flight fetch to 55-60% of raw TCP between two test-bed hosts whatever the message
+size or number of streams (bench/store_remote.py; docs/store.md, "Across hosts").  Here the
+holder's kernel sends the file (``socket.sendfile``: nothing in Python touches the bytes) and
+the reader receives it straight into one preallocated buffer (``readinto``: the one copy any
+socket read makes) — what raw TCP does, inside a standard protocol.
+
+Same rules as the Flight calls: the same bearer token on every request (compared with
+``hmac.compare_digest``, never logged), the same bind address, files opened only through the
+service's own ``open_fd`` (inside its roots, no symbolic link, this user's).  Byte ranges use
+the standard ``Range`` header (RFC 9110) so several streams can fill one buffer.
+"""
+
+from __future__ import annotations
+
+import hmac
+import http.client
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, quote, urlsplit
+
+import pyarrow as pa
+
+from ..errors import (
+    AuthRefusedError,
+    LocationRefusedError,
+    RemotePartitionNotFoundError,
+    RemoteStoreError,
+    ServiceUnreachableError,
+    UnsafePathError,
+)
+
+log = logging.getLogger("phalanx.store.service")
+
+CONNECT_TIMEOUT = 5.0  # a host that does not answer a connection: fail fast, as the Flight calls do
+STALL_TIMEOUT = 15.0  # no byte for this long mid-transfer: the holder is gone (host down, cut)
+SERVE_TIMEOUT = 60.0  # the holder frees a request's thread whose reader stopped reading
+
+OpenFd = Callable[[str, int], int]  # (location, index) -> a read-only fd; FileNotFoundError, UnsafePathError
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: one connection serves a reader's requests
+    server_version = "phalanx-store"
+    timeout = SERVE_TIMEOUT
+    server: _HTTPServer
+
+    def log_message(self, format: str, *args: object) -> None:
+        log.debug("bytes %s: " + format, self.client_address[0], *args)
+
+    def _refuse(self, status: int, why: str) -> None:
+        body = why.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        got = self.headers.get_all("Authorization") or []
+        if len(got) != 1 or not hmac.compare_digest(got[0].encode(), self.server.expected):
+            return self._refuse(401, "store service: missing or wrong token")
+        url = urlsplit(self.path)
+        query = parse_qs(url.query)
+        try:
+            if url.path != "/part":
+                raise ValueError(url.path)
+            location, index = query["location"][0], int(query["index"][0])
+        except (KeyError, IndexError, ValueError):
+            return self._refuse(400, "bad request: expected GET /part?location=...&index=N")
+        try:
+            fd = self.server.open_fd(location, index)
+        except FileNotFoundError:
+            return self._refuse(404, f"no partition {index} at {location}")
+        except UnsafePathError as exc:
+            log.warning("store service: refused %s: %s", location, exc)
+            return self._refuse(403, f"refusing to serve {location}: {exc}")
+        with os.fdopen(fd, "rb") as file:
+            size = os.fstat(fd).st_size
+            wanted = _byte_range(self.headers.get("Range"), size)
+            if wanted is None:
+                return self._refuse(416, f"bad or unsatisfiable Range {self.headers.get('Range')!r} for {size} bytes")
+            lo, hi = wanted
+            self.send_response(206 if self.headers.get("Range") else 200)
+            self.send_header("Content-Length", str(hi - lo))
+            self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}" if hi > lo else f"bytes */{size}")
+            self.end_headers()
+            if hi > lo:
+                self.connection.sendfile(file, lo, hi - lo)
+
+
+def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """``[lo, hi)`` of a ``Range: bytes=a-b`` header (one range; the whole file without one)."""
+    if header is None:
+        return 0, size
+    if size == 0:
+        return 0, 0  # an empty file: any range of it is empty
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.partition("-")
+    if unit.strip() != "bytes" or not dash or not first.strip().isdigit():
+        return None
+    if last.strip() and not last.strip().isdigit():
+        return None
+    lo = int(first)
+    hi = min(size, int(last) + 1) if last.strip() else size
+    return (lo, hi) if lo < hi else None
+
+
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    expected: bytes
+    open_fd: OpenFd
+
+
+class BytesServer:
+    """An HTTP/1.1 server of partition files on ``host:port`` (0: a free one), for holders of ``token``;
+    ``url`` is what ``get`` takes.  Serves from its own thread until ``close``."""
+
+    def __init__(self, host: str, token: str, open_fd: OpenFd, port: int = 0):
+        bind = host.strip("[]")
+        server_class = (
+            type("_Server6", (_HTTPServer,), {"address_family": socket.AF_INET6}) if ":" in bind else _HTTPServer
+        )
+        self._httpd = server_class((bind, port), _Handler)
+        self._httpd.expected = f"Bearer {token}".encode()
+        self._httpd.open_fd = open_fd
+        self.port: int = self._httpd.server_address[1]
+        self.url = f"http://{host}:{self.port}"
+        self._thread = threading.Thread(target=self._httpd.serve_forever, name="phalanx-store-bytes", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+# ---- the client -----------------------------------------------------------------------------
+def get(
+    url: str, token: str, location: str, index: int, timeout: float, streams: int = 1, service: str = ""
+) -> pa.Buffer:
+    """Partition ``index`` at ``location`` from the bytes server at ``url``: exactly its file's
+    bytes in one buffer, over ``streams`` connections (byte ranges) filling it side by side.
+    ``timeout``: seconds for the whole fetch.  Errors name the service (``service``: as the
+    metadata records it, e.g. its Flight endpoint), location and index."""
+    what = f"partition {index} at {location} from the store service {service or url}"
+    deadline = time.monotonic() + timeout
+    if streams <= 1:
+        with _Connection(url, token, what, deadline) as conn:
+            return conn.read(location, index, None)
+    with _Connection(url, token, what, deadline) as conn:
+        head = conn.read(location, index, (0, 0))  # its first byte, to learn the file's size
+        size = conn.size
+    if size <= 1:
+        return head
+    out = pa.allocate_buffer(size)
+    bounds = [(j * size // streams, (j + 1) * size // streams) for j in range(streams)]
+
+    def fill(lo: int, hi: int) -> None:
+        with _Connection(url, token, what, deadline) as conn:
+            conn.read(location, index, (lo, hi - 1), into=out)
+
+    with ThreadPoolExecutor(streams, thread_name_prefix="phalanx-fetch") as pool:
+        for done in [pool.submit(fill, lo, hi) for lo, hi in bounds if hi > lo]:
+            done.result()
+    return out
+
+
+class _Connection:
+    def __init__(self, url: str, token: str, what: str, deadline: float):
+        split = urlsplit(url)
+        if split.scheme != "http" or not split.hostname or not split.port:
+            raise RemoteStoreError(f"{what}: not an http://HOST:PORT address")
+        self.what, self.deadline, self.size = what, deadline, -1
+        self.headers = {"Authorization": f"Bearer {token}"}
+        self.conn = http.client.HTTPConnection(split.hostname, split.port, timeout=self._left(CONNECT_TIMEOUT))
+
+    def _left(self, most: float) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise ServiceUnreachableError(f"{self.what}: timed out")
+        return min(most, left)
+
+    def __enter__(self) -> _Connection:
+        try:
+            self.conn.connect()
+        except OSError as exc:
+            raise ServiceUnreachableError(f"{self.what}: the service is unreachable ({exc})") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.conn.close()
+
+    def read(self, location: str, index: int, span: tuple[int, int] | None, into: pa.Buffer | None = None) -> pa.Buffer:
+        """The file's bytes (``span``: inclusive byte range), into ``into`` at their offset or
+        into a new buffer of their own."""
+        headers = dict(self.headers)
+        if span is not None:
+            headers["Range"] = f"bytes={span[0]}-{span[1]}"
+        try:
+            assert self.conn.sock is not None
+            self.conn.sock.settimeout(self._left(STALL_TIMEOUT))
+            self.conn.request("GET", f"/part?location={quote(location, safe='')}&index={index}", headers=headers)
+            resp = self.conn.getresponse()
+            if resp.status not in (200, 206):
+                raise _refusal(resp.status, resp.read(4096).decode(errors="replace"), self.what)
+            length = int(resp.getheader("Content-Length") or -1)
+            self.size, at = _total(resp.getheader("Content-Range"), length), 0 if span is None else span[0]
+            if length < 0 or self.size < 0 or at + length > self.size:
+                raise RemoteStoreError(f"{self.what}: a reply without a usable length")
+            out = into if into is not None else pa.allocate_buffer(length)
+            view = memoryview(out)[at : at + length] if into is not None else memoryview(out)
+            got = 0
+            while got < length:
+                self.conn.sock.settimeout(self._left(STALL_TIMEOUT))
+                n = resp.readinto(view[got:])
+                if not n:
+                    # the holder closed the connection: its service (or its host) went away
+                    raise ServiceUnreachableError(
+                        f"{self.what}: the service closed the connection after {got} of {length} bytes"
+                    )
+                got += n
+            return out
+        except RemoteStoreError:
+            raise
+        except TimeoutError as exc:
+            raise ServiceUnreachableError(f"{self.what}: no data for {STALL_TIMEOUT:.0f} s ({exc})") from None
+        except (http.client.HTTPException, ConnectionError) as exc:
+            raise ServiceUnreachableError(f"{self.what}: the connection failed ({type(exc).__name__}: {exc})") from None
+        except OSError as exc:
+            raise ServiceUnreachableError(f"{self.what}: {type(exc).__name__}: {exc}") from None
+
+
+def _total(content_range: str | None, length: int) -> int:
+    if content_range is None:
+        return length
+    try:
+        return int(content_range.rsplit("/", 1)[1])
+    except (IndexError, ValueError):
+        return -1
+
+
+def _refusal(status: int, why: str, what: str) -> RemoteStoreError:
+    if status == 401:
+        return AuthRefusedError(f"{what}: the service refused the token")
+    if status == 404:
+        return RemotePartitionNotFoundError(f"{what}: no such partition there")
+    if status == 403:
+        return LocationRefusedError(f"{what}: {why}")
+    return RemoteStoreError(f"{what}: HTTP {status}: {why}")

@@ -55,7 +55,7 @@ def wf_totals(env):
                 p.write_text(str(count + 1))
             raise RuntimeError(f"planned failure {count + 1}")
     totals = env.input("tx").groupby("user").agg({"amount": "sum"})
-    return {"totals": totals}
+    return {env.params.get("output", "totals"): totals}
 
 
 def wf_totals_losing_input(env):

@@ -49,6 +49,36 @@ def load_site(name_or_path: str, near: Path | None = None, where: str | None = N
     return load_model(Site, path)
 
 
+def stage_sites(wf: Workflow, default: Site, near: Path | None = None) -> dict[str, Site]:
+    """Stage → the site it runs on: the one its ``site:`` names (each file loaded once), else
+    ``default`` (the workflow's).  A ConfigError names every stage whose site cannot be loaded
+    (file:line of its ``site:``)."""
+    loaded: dict[str, Site] = {default.name: default}
+    out: dict[str, Site] = {}
+    problems: list[str] = []
+    for name, st in wf.stages.items():
+        if not st.site:
+            out[name] = default
+            continue
+        if st.site not in loaded:
+            try:
+                loaded[st.site] = load_site(st.site, near, where=wf.where(("stages", name, "site")))
+            except ConfigError as exc:
+                problems += exc.problems
+                continue
+        site = loaded[st.site]
+        if loaded.setdefault(site.name, site) is not site and loaded[site.name].model_dump() != site.model_dump():
+            problems.append(
+                f"{wf.where(('stages', name, 'site'))}: site {st.site!r} is named {site.name!r}, "
+                "as another site of this workflow is: give the sites different names"
+            )
+            continue
+        out[name] = loaded[site.name]
+    if problems:
+        raise ConfigError(problems)
+    return out
+
+
 def load_workflow(
     path: str | Path,
     site: str | None = None,
@@ -60,8 +90,10 @@ def load_workflow(
     data, root, source = load_yaml(path)
     overridden = _apply_overrides(data, overrides or {}) if isinstance(data, dict) else []
     wf = parse(Workflow, data, source, root, overridden)
-    st = load_site(site or wf.site, Path(path).resolve().parent, where=None if site else wf.where(("site",)))
-    problems = check(wf, st, existing=existing, check_imports=check_imports)
+    near = Path(path).resolve().parent
+    st = load_site(site or wf.site, near, where=None if site else wf.where(("site",)))
+    sites = stage_sites(wf, st, near)
+    problems = check(wf, st, existing=existing, check_imports=check_imports, sites=sites)
     if problems:
         raise ConfigError(problems)
     return wf, st

@@ -138,6 +138,11 @@ class _StageFields(_Strict):
         0, ge=0, le=MAX_RETRIES, description=f"reruns on a fresh gang after a failure (at most {MAX_RETRIES})"
     )
     timeout: Optional[Seconds] = Field(None, description="seconds before the stage is stopped")
+    site: Optional[str] = Field(
+        None,
+        description="the site this stage runs on: a name from site-configs/ or a path to a site file "
+        "(default: the workflow's); its inputs sealed on another site cross into this site's store",
+    )
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -181,7 +186,7 @@ Stage = create_model(
 
 
 class Workflow(_Strict, Located):
-    """A DAG of stages, run on one site."""
+    """A DAG of stages, run on its site (each stage on its own ``site:`` where it names one)."""
 
     name: Name = Field(description=f"letters, digits, '_', '.', '-', at most {MAX_NAME} (names the store session)")
     site: str = Field("local", description="a name from site-configs/ or a path to a site file")

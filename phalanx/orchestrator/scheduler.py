@@ -1,9 +1,15 @@
-"""Running a workflow: ready stages start as soon as the site can place their whole gang.
+"""Running a workflow: ready stages start as soon as their site can place their whole gang.
 
-Placement is all-or-nothing over the site's rank slots (no partial holds); independent stages
+Placement is all-or-nothing over a site's rank slots (no partial holds); independent stages
 run side by side on disjoint slots (disjoint CPUs when the slots fit the machine's cores); a
 failed stage is retried on a fresh gang with backoff; a stage whose outputs are sealed by an
 earlier attempt of the same run is not run again (--resume).
+
+A run spans every site its stages name (``site:`` on a stage; the workflow's by default): each
+site keeps its own store, executor, run-scoped allocations and slots (``SiteRun``), stages on
+different sites run side by side, and an input sealed on another site's store crosses into the
+consumer's store before the consumer starts (``store.crossing``; once per run, verified,
+resumable).
 """
 
 from __future__ import annotations
@@ -46,6 +52,32 @@ class RunResult:
             self.state = "succeeded" if self.ok else "failed"
 
 
+class SiteRun:
+    """One site of a run: its store (the run's session on the site's root), its executor and
+    its rank slots, and the gangs kept there for the next stage of the same size."""
+
+    def __init__(self, site: Site, session: str):
+        self.site = site
+        durable = site.store.durable if site.store.durability == "write-through" else None
+        self.store = Store(site.store.root, session, metadata=site.store.metadata, durable=durable)
+        self.executor = site.create_executor()
+        self.caps = self.executor.capabilities
+        self.capacity = self.executor.capacity() or UNBOUNDED_SLOTS
+        self.free = list(range(self.capacity))
+        # Gangs of succeeded stages, kept for the next stage of the same size (slots → gang):
+        # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
+        self.idle: dict[tuple[int, ...], Gang] = {}
+        self.opened = False
+
+    @property
+    def name(self) -> str:
+        return self.site.name
+
+    def same_store(self, other: SiteRun) -> bool:
+        """Both sites read and write one store (same root and metadata): nothing crosses."""
+        return (str(self.store.root), repr(self.store.meta)) == (str(other.store.root), repr(other.store.meta))
+
+
 class Scheduler:
     def __init__(
         self,
@@ -55,23 +87,31 @@ class Scheduler:
         run_id: str,
         session: str,
         on_event: Callable[[str, str, str], None] | None = None,
+        sites: dict[str, Site] | None = None,
     ):
         self.wf, self.site, self.db, self.run_id = wf, site, db, run_id
-        durable = site.store.durable if site.store.durability == "write-through" else None
-        self.store = Store(site.store.root, session, metadata=site.store.metadata, durable=durable)
         self.on_event = on_event or (lambda stage, kind, msg: None)
-        self.executor = site.create_executor()
-        self.caps = self.executor.capabilities
-        self.capacity = self.executor.capacity() or UNBOUNDED_SLOTS
-        self._free = list(range(self.capacity))
+        # stage → its site's name; each site opened once (its store, executor, slots)
+        self.sites: dict[str, SiteRun] = {site.name: SiteRun(site, session)}
+        self.where: dict[str, str] = {}
+        for stage in wf.stages:
+            model = (sites or {}).get(stage, site)
+            if model.name not in self.sites:
+                self.sites[model.name] = SiteRun(model, session)
+            self.where[stage] = model.name
+        self.home = self.sites[site.name]
+        self.store, self.executor = self.home.store, self.home.executor  # the workflow's site
         self._gangs: dict[str, Gang] = {}  # stage → its running gang (BSP or command)
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
         self._pending: list[str] = []  # stages not started yet
-        # Gangs of succeeded stages, kept for the next stage of the same size (slots → gang):
-        # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
-        self._idle: dict[tuple[int, ...], Gang] = {}
         self._nested: set[str] = set()  # stages run again inside another's retry (lost inputs)
+        self._crossed: dict[tuple[str, str], dict] = {}  # (dataset, site) → the crossing's record
+        self._crossing = threading.Lock()  # one crossing at a time per run: a dataset crosses once
+
+    def at(self, stage: str) -> SiteRun:
+        """The site ``stage`` runs on."""
+        return self.sites[self.where[stage]]
 
     def _event(self, stage: str | None, kind: str, message: str) -> None:
         self.db.event(self.run_id, kind, message, stage)
@@ -85,7 +125,7 @@ class Scheduler:
         # staged and never sealed — a driver killed mid-put leaves it — is removed now.
         for a in self.db.attempts(self.run_id):
             if a["gang_id"]:
-                self.store.abort_staging(a["gang_id"])
+                self.at(a["stage"]).store.abort_staging(a["gang_id"]) if a["stage"] in self.where else None
             if a["state"] == "running":  # its driver died with it (a lost run): it never ends now
                 self.db.end_attempt(
                     self.run_id, a["stage"], a["attempt"], "lost", "its driver was gone before it ended (run resumed)"
@@ -97,24 +137,37 @@ class Scheduler:
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
         self._pending = pending
-        warm = self.capacity if self.site.warm_ranks is None else self.site.warm_ranks
-        if not any(self.wf.stages[s].kind != "command" for s in pending):
-            warm = 0
-        # what lives as long as the run (a pilot allocation, warm processes) ends with it
-        self.executor.open_run(
-            hook=RunAllocations(self.db, self.run_id, None),
-            demand=self._warm_demand,
-            warm=warm if self.caps.warm_pool else 0,
-        )
-        known = self.executor.capacity()  # some executors know only once connected (a Ray cluster's CPUs)
-        if known and known != self.capacity:
-            self.capacity, self._free = known, list(range(known))
+        if len(self.sites) > 1:
+            plan = ", ".join(f"{name} on {self.where[name]}" for name in self.wf.stages)
+            self._event(None, "sites", f"{len(self.sites)} sites: {plan}")
         try:
+            for here in self.sites.values():
+                self._open_site(here, pending)
             return self._run(pending, done, deps)
         finally:
-            for closing in self._close_idle(list(self._idle)):
-                closing.join(timeout=30)  # the run ends with its gangs gone (a Job deleted...)
-            self.executor.close_run()
+            for here in self.sites.values():
+                for closing in self._close_idle(here, list(here.idle)):
+                    closing.join(timeout=30)  # the run ends with its gangs gone (a Job deleted...)
+                if here.opened:
+                    here.executor.close_run()
+
+    def _open_site(self, here: SiteRun, pending: list[str]) -> None:
+        """What lives as long as the run on this site (a pilot allocation, warm processes)."""
+        mine = [s for s in pending if self.where[s] == here.name]
+        if not mine and here is not self.home:
+            return  # every stage there was reused: nothing to hold
+        warm = here.capacity if here.site.warm_ranks is None else here.site.warm_ranks
+        if not any(self.wf.stages[s].kind != "command" for s in mine):
+            warm = 0
+        here.executor.open_run(
+            hook=RunAllocations(self.db, self.run_id, None),
+            demand=lambda: self._warm_demand(here),
+            warm=warm if here.caps.warm_pool else 0,
+        )
+        here.opened = True
+        known = here.executor.capacity()  # some executors know only once connected (a Ray cluster's CPUs)
+        if known and known != here.capacity:
+            here.capacity, here.free = known, list(range(known))
 
     def _reusable(self, stage: str, prior: dict) -> bool:
         """A stage that succeeded in an earlier attempt of this run is not run again only when
@@ -124,7 +177,7 @@ class Scheduler:
         problem = (
             ("changed since it ran: " + "; ".join(changed))
             if changed
-            else unverified(self.store, self.wf.stages[stage].outputs)
+            else unverified(self.at(stage).store, self.wf.stages[stage].outputs)
         )
         if problem:
             self._event(stage, "rerun", f"{problem}: runs again")
@@ -134,42 +187,46 @@ class Scheduler:
         )
         return True
 
-    def _warm_demand(self) -> int:
-        """Rank processes the warm pool should have ready: the ranks of stages not started yet
-        that no live gang of their size can serve (those reuse it)."""
+    def _warm_demand(self, here: SiteRun) -> int:
+        """Rank processes the site's warm pool should have ready: the ranks of its stages not
+        started yet that no live gang of their size can serve (those reuse it)."""
         with self._lock:
-            live = {len(k) for k in self._idle} | {g.world_size for g in self._gangs.values()}
-        stages = [self.wf.stages[s] for s in list(self._pending)]
+            live = {len(k) for k in here.idle} | {
+                g.world_size for s, g in self._gangs.items() if self.where.get(s) == here.name
+            }
+        stages = [self.wf.stages[s] for s in list(self._pending) if self.where[s] == here.name]
         return sum(st.ranks for st in stages if st.kind != "command" and st.ranks not in live)
 
     def _place(self, stage: str, ranks: int, reuse: bool) -> tuple[list[int], Gang | None]:
-        """Slots for a gang of ``ranks``: an idle gang's when one fits in the free slots."""
+        """Slots for a gang of ``ranks`` on the stage's site: an idle gang's when one fits in
+        the free slots."""
+        here = self.at(stage)
         gang, dead = None, []
         with self._lock:
             if reuse:
-                for key in list(self._idle):
-                    if len(key) == ranks and set(key) <= set(self._free):
-                        candidate = self._idle.pop(key)
+                for key in list(here.idle):
+                    if len(key) == ranks and set(key) <= set(here.free):
+                        candidate = here.idle.pop(key)
                         problem = candidate.health()  # a rank may have died while it sat idle
                         if problem is None:
                             gang, slots = candidate, list(key)
                             break
                         dead.append((candidate, problem))
             if gang is None:  # slots no kept gang holds first: keep those gangs for later stages
-                held = {s for k in self._idle for s in k}
-                slots = sorted(self._free, key=lambda s: s in held)[:ranks]
-            self._free = [s for s in self._free if s not in slots]
-            stale = [k for k in self._idle if set(k) & set(slots)]  # their CPUs go to a new gang
+                held = {s for k in here.idle for s in k}
+                slots = sorted(here.free, key=lambda s: s in held)[:ranks]
+            here.free = [s for s in here.free if s not in slots]
+            stale = [k for k in here.idle if set(k) & set(slots)]  # their CPUs go to a new gang
         for g, problem in dead:
             self._event(stage, "gang", f"kept gang {g.gang_id} not reused: {problem}; a fresh gang starts")
             threading.Thread(target=g.close, name="phalanx-close-gang", daemon=True).start()
-        self._close_idle(stale)
+        self._close_idle(here, stale)
         return slots, gang
 
-    def _close_idle(self, keys: list[tuple[int, ...]]) -> list[threading.Thread]:
-        """Close these idle gangs, each in a thread of its own (the threads)."""
+    def _close_idle(self, here: SiteRun, keys: list[tuple[int, ...]]) -> list[threading.Thread]:
+        """Close these idle gangs of a site, each in a thread of its own (the threads)."""
         with self._lock:
-            gangs = [self._idle.pop(k) for k in keys if k in self._idle]
+            gangs = [here.idle.pop(k) for k in keys if k in here.idle]
         threads = [threading.Thread(target=g.close, name="phalanx-close-gang", daemon=True) for g in gangs]
         for t in threads:
             t.start()
@@ -180,12 +237,12 @@ class Scheduler:
         why: dict[str, str] = {}  # skipped stage → why it never ran
         running: dict[Future, tuple[str, list[int]]] = {}
         for name in list(pending):  # a gang the site can never place fails now, not never
-            ranks = self.wf.stages[name].ranks
-            if ranks > self.capacity:
+            ranks, here = self.wf.stages[name].ranks, self.at(name)
+            if ranks > here.capacity:
                 pending.remove(name)
                 failed[name] = (
-                    f"{ranks} ranks, but site {self.site.name!r} ({self.site.executor}) can give at "
-                    f"most {self.capacity} at once"
+                    f"{ranks} ranks, but site {here.name!r} ({here.site.executor}) can give at "
+                    f"most {here.capacity} at once"
                 )
                 self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=failed[name])
                 self._event(name, "failed", failed[name])
@@ -200,11 +257,11 @@ class Scheduler:
                                 "the run was cancelled" if self._cancelled.is_set() else "an upstream stage failed"
                             )
                             continue
-                        ranks = self.wf.stages[name].ranks
-                        if deps[name] <= done and ranks <= len(self._free):
+                        ranks, here = self.wf.stages[name].ranks, self.at(name)
+                        if deps[name] <= done and ranks <= len(here.free):
                             reuse = (
-                                self.site.reuse_gangs
-                                and self.caps.reuse_gangs
+                                here.site.reuse_gangs
+                                and here.caps.reuse_gangs
                                 and self.wf.stages[name].kind != "command"
                             )
                             slots, gang = self._place(name, ranks, reuse)
@@ -217,7 +274,8 @@ class Scheduler:
                     finished, _ = wait(list(running), timeout=0.2, return_when=FIRST_COMPLETED)
                     for fut in finished:
                         name, slots = running.pop(fut)
-                        self._free = sorted(self._free + slots)
+                        here = self.at(name)
+                        here.free = sorted(here.free + slots)
                         error = fut.result()
                         if error is None:
                             done.add(name)
@@ -242,17 +300,18 @@ class Scheduler:
         self._cancelled.set()
         with self._lock:
             gangs = list(self._gangs.values())
-        self._close_idle(list(self._idle))
+        for here in self.sites.values():
+            self._close_idle(here, list(here.idle))
         for g in gangs:
             g._teardown(graceful=False)
 
     def _gang(self, stage: str, slots: list[int], log_dir) -> Gang:
         """A gang for one attempt of ``stage`` on ``slots``: the site's executor with the stage's
         own section over the site's."""
-        st = self.wf.stages[stage]
-        config = self.executor.stage_config(st.executor_section(self.site.executor))
-        self.executor.check(st.ranks, config)
-        launcher = self.executor.launcher(len(slots), slots=slots, config=config)
+        st, here = self.wf.stages[stage], self.at(stage)
+        config = here.executor.stage_config(st.executor_section(here.site.executor))
+        here.executor.check(st.ranks, config)
+        launcher = here.executor.launcher(len(slots), slots=slots, config=config)
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
         # driver killed without a word leaves enough for the next status/cancel/resume to free it.
         launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
@@ -260,28 +319,77 @@ class Scheduler:
         return Gang(
             st.ranks,
             executor=launcher,
-            communicator=self.site.communicator,
-            rendezvous=self.site.rendezvous,
+            communicator=here.site.communicator,
+            rendezvous=here.site.rendezvous,
             log_dir=log_dir,
             echo=False,
-            store=self.store,
-            start_timeout=self.site.start_timeout,
-            control_host=self.site.driver_host,
+            store=here.store,
+            start_timeout=here.site.start_timeout,
+            control_host=here.site.driver_host,
         )
 
     def _place_by_locality(self, stage: str, launcher) -> None:
         """Ask the launcher to put each rank on the host that holds most of its input (a store
         spread over hosts); said in an event when it did."""
-        st = self.wf.stages[stage]
+        st, home = self.wf.stages[stage], self.at(stage).store
         infos = []
         for spec in st.inputs.values():
             session, _, short = spec.dataset.rpartition("/")
-            store = self.store.for_session(session) if session else self.store
+            store = home.for_session(session) if session else home
             if store.exists(short):
                 infos.append(store.info(short))
         hosts = rank_hosts(infos, st.ranks) if infos else None
         if hosts and launcher.prefer_hosts(hosts):
             self._event(stage, "placed", f"ranks on the hosts holding their input: {', '.join(hosts)}")
+
+    def _cross_inputs(self, stage: str) -> dict[str, dict]:
+        """Inputs of ``stage`` that a stage on another site sealed in that site's store, brought
+        into this site's store before the gang starts (local name → the crossing's record)."""
+        here = self.at(stage)
+        producers = {out: s for s, spec in self.wf.stages.items() for out in spec.outputs}
+        crossed = {}
+        for local, spec in self.wf.stages[stage].inputs.items():
+            producer = producers.get(spec.dataset)
+            if producer is None:
+                continue
+            there = self.at(producer)
+            if there is not here and not there.same_store(here):
+                crossed[local] = self._cross(spec.dataset, there, here, stage)
+        return crossed
+
+    def _cross(self, dataset: str, there: SiteRun, here: SiteRun, stage: str) -> dict:
+        """One dataset from ``there``'s store into ``here``'s: streamed partition by partition,
+        each checked against its checksum, resumable, and once per run — a second reader on
+        this site (or a retry) finds it crossed (``already``) and nothing moves."""
+        from ..store.crossing import cross
+
+        with self._crossing:
+            try:
+                c = cross(there.store, dataset, here.store, run=self.run_id)
+            except Exception as exc:
+                raise GangError(
+                    f"input {dataset!r} could not cross from site {there.name!r} to site {here.name!r}: {exc}"
+                ) from exc
+        via = "object store" if any(str(x.store.root).startswith("s3://") for x in (there, here)) else "direct"
+        record = {
+            "from": there.name,
+            "to": here.name,
+            "bytes": c.bytes_moved,
+            "seconds": round(c.seconds, 3),
+            "path": via,
+            "already": c.already,
+        }
+        if c.already:
+            self._event(stage, "crossed", f"{dataset}: already crossed from {there.name} to {here.name} in this run")
+        else:
+            rate = c.bytes_moved / c.seconds / 1e6 if c.seconds > 0 else 0.0
+            self._event(
+                stage,
+                "crossed",
+                f"{dataset}: {there.name} → {here.name} ({via}), {c.bytes_moved / 1e6:,.1f} MB in "
+                f"{c.seconds:.2f} s ({rate:,.0f} MB/s), checksums verified",
+            )
+        return record
 
     def _recompute_lost_inputs(self, name: str, slots: list[int]) -> bool:
         """Before a retry: inputs of ``name`` that stages of this workflow sealed but that are
@@ -293,7 +401,9 @@ class Scheduler:
         for spec in self.wf.stages[name].inputs.values():
             dataset = spec.dataset
             if "/" not in dataset and dataset in producers:
-                why = unverified(self.store, [dataset])
+                if self.where[producers[dataset]] != self.where[name]:
+                    continue  # made on another site: its own retries are there; the crossing re-checks
+                why = unverified(self.at(name).store, [dataset])
                 if why:
                     redo.setdefault(producers[dataset], why)
         for producer, why in redo.items():
@@ -352,8 +462,13 @@ class Scheduler:
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
 
-    def _succeeded(self, name: str, attempt: int, message: str, results: list[dict] | None = None) -> None:
+    def _succeeded(
+        self, name: str, attempt: int, message: str, results: list[dict] | None = None, crossed: dict | None = None
+    ) -> None:
         outputs = results[0]["outputs"] if results else {}
+        totals = input_totals(results) if results else {}
+        for local, crossing in (crossed or {}).items():  # the run record says how the input got here
+            totals.setdefault(local, {}).update(crossed=crossing)
         self.db.end_attempt(self.run_id, name, attempt, "succeeded", ranks=rank_records(results) if results else None)
         self.db.set_stage(
             self.run_id,
@@ -363,7 +478,7 @@ class Scheduler:
             outputs=outputs,
             error=None,
             fingerprint=self.fingerprints[name],
-            **({"inputs": input_totals(results)} if results else {}),
+            **({"inputs": totals} if totals else {}),
         )
         self._event(name, "succeeded", message)
 
@@ -372,9 +487,13 @@ class Scheduler:
     ) -> tuple[str, str, list[dict]] | None:
         """One attempt of a bsp/torch stage on a gang (the previous stage's, when it was kept for
         this one); None on success, else (summary, full error, per-rank records)."""
-        st = self.wf.stages[name]
+        st, here = self.wf.stages[name], self.at(name)
         inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
         self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
+        try:
+            crossed = self._cross_inputs(name)
+        except Exception as exc:  # the source site unreachable, a checksum mismatch: this attempt's failure
+            return error_summary(exc), str(exc), []
         gang = reused if reused is not None and reused.redirect_logs(log_dir) else None
         how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
         if gang is None:
@@ -396,8 +515,8 @@ class Scheduler:
             return error_summary(exc), str(exc), failed_ranks(gang, exc)
         else:  # a gang that just succeeded may serve the next stage of its size
             keep = (
-                self.site.reuse_gangs
-                and self.caps.reuse_gangs
+                here.site.reuse_gangs
+                and here.caps.reuse_gangs
                 and gang.running
                 and not self._cancelled.is_set()
                 and name not in self._nested  # it ran on another stage's slots
@@ -406,11 +525,11 @@ class Scheduler:
             with self._lock:
                 self._gangs.pop(name, None)
                 if keep:
-                    self._idle[tuple(slots)] = gang
+                    here.idle[tuple(slots)] = gang
             if not keep:
                 gang.close()
         rows = ", ".join(f"{k}: {r:,} rows" for k, (r, _) in results[0]["outputs"].items())
-        self._succeeded(name, attempt, rows, results)
+        self._succeeded(name, attempt, rows, results, crossed)
         return None
 
     def _run_command(
@@ -419,10 +538,10 @@ class Scheduler:
         """An external program on every rank (an existing MPI or native code as a stage), on a
         gang like any stage's (``Gang.run_command``): params as PHALANX_PARAM_*.  None on
         success, else (summary, full error, per-rank records) as for BSP stages."""
-        st = self.wf.stages[name]
+        st, here = self.wf.stages[name], self.at(name)
         self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))
-        if not self.caps.runs_commands:
-            error = f"executor {self.site.executor!r} cannot start programs: command stages cannot run on it"
+        if not here.caps.runs_commands:
+            error = f"executor {here.site.executor!r} cannot start programs: command stages cannot run on it"
             return error, error, None
         command = st.command
         if not command:  # the stage model's validator requires one for a command stage
@@ -549,9 +668,11 @@ def run_workflow(
     db: RunDB | None = None,
     resume: str | None = None,
     on_event=None,
+    sites: dict[str, Site] | None = None,
 ) -> RunResult:
-    """Run (or resume) a workflow; returns which stages failed."""
-    return prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event).run()
+    """Run (or resume) a workflow; returns which stages failed.  ``site``: the workflow's;
+    ``sites``: stage → the site it names (default: loaded from the stages' ``site:``)."""
+    return prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event, sites=sites).run()
 
 
 def prepare_run(
@@ -562,10 +683,18 @@ def prepare_run(
     db: RunDB | None = None,
     resume: str | None = None,
     on_event=None,
+    sites: dict[str, Site] | None = None,
 ) -> Scheduler:
     """The run's record (new, or the resumed run's, locked to this driver) and its scheduler,
     not started yet: ``.run()`` runs it, ``.cancel()`` from another thread stops it, and
     ``.run_id`` is known at once (what a run handle needs)."""
+    if sites is None and any(st.site for st in wf.stages.values()):
+        from pathlib import Path
+
+        from .loading import stage_sites
+
+        near = Path(file).resolve().parent if file and not file.startswith("<") else None
+        sites = stage_sites(wf, site, near)
     db = db or RunDB()
     if resume:
         try:
@@ -579,7 +708,7 @@ def prepare_run(
             wf.name, file, site.name, site.store.session, {n: s.ranks for n, s in wf.stages.items()}
         )
     try:
-        return Scheduler(wf, site, db, run_id, session, on_event)
+        return Scheduler(wf, site, db, run_id, session, on_event, sites)
     except BaseException as exc:  # the store refused (another user's root, Redis down): the run ends here
         db.event(run_id, "failed", f"{type(exc).__name__}: {exc}")
         db.set_run(run_id, "failed")

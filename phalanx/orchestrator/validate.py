@@ -77,9 +77,12 @@ def check(
     root: yaml.Node | None = None,
     existing: set[str] | None = None,
     check_imports: bool = True,
+    sites: dict[str, Site] | None = None,
 ) -> list[str]:
     """Every problem found, as "file:line: field: message" (empty when the workflow is sound).
-    Fields are located in the file ``wf`` was read from, unless ``source`` says otherwise."""
+    Fields are located in the file ``wf`` was read from, unless ``source`` says otherwise.
+    ``site``: the workflow's; ``sites``: stage → the site it names (``loading.stage_sites``),
+    each stage checked against its own site's capacity and executor."""
     problems: list[str] = []
 
     def report(loc: tuple, message: str) -> None:
@@ -93,16 +96,24 @@ def check(
             if out in producers:
                 report(("stages", name, "outputs"), f"dataset {out!r} is also produced by stage {producers[out]!r}")
             producers.setdefault(out, name)
-    try:
-        executor = site.create_executor()
-    except Exception as exc:  # what the executor refuses of the site as a whole (cores over a pilot's ntasks)
-        return problems + [f"{site.where((site.executor,))}: {exc}"]
-    capacity = executor.capacity()
+    site_of = {name: (sites or {}).get(name, site) for name in names}
+    used = {s.name: s for s in [site, *site_of.values()]}  # the workflow's site first
+    made = {}
+    for here in used.values():
+        try:
+            made[here.name] = here.create_executor()
+        except Exception as exc:  # what the executor refuses of the site as a whole (cores over a pilot's ntasks)
+            problems.append(f"{here.where((here.executor,))}: {exc}")
+    if len(made) < len(used):
+        return problems
     has_torch = installed("torch")
-    if site.communicator == "gloo" and not has_torch:
-        problems.append(f"{site.where(('communicator',))}: {missing('communicator gloo', 'torch', 'torch')}")
+    for here in used.values():
+        if here.communicator == "gloo" and not has_torch:
+            problems.append(f"{here.where(('communicator',))}: {missing('communicator gloo', 'torch', 'torch')}")
     for name in names:
-        st = wf.stages[name]
+        st, here = wf.stages[name], site_of[name]
+        executor = made[here.name]
+        capacity = executor.capacity()
         for i, need in enumerate(st.needs):
             if need not in wf.stages:
                 report(("stages", name, "needs", i), f"unknown stage {need!r} (stages: {', '.join(sorted(names))})")
@@ -111,7 +122,7 @@ def check(
         for local, spec in st.inputs.items():
             session, _, short = spec.dataset.rpartition("/")
             if session:  # another session's dataset (e.g. an earlier run's): must be sealed now
-                problem = _not_sealed_in(site, session, short)
+                problem = _not_sealed_in(here, session, short)
                 if problem:
                     report(("stages", name, "inputs", local), problem)
             elif spec.dataset not in producers and spec.dataset not in (existing or set()):
@@ -121,7 +132,7 @@ def check(
                     "(another run's output: 'SESSION/NAME')",
                 )
         if capacity and st.ranks > capacity:
-            report(("stages", name, "ranks"), f"{st.ranks} ranks, but site {site.name!r} can give at most {capacity}")
+            report(("stages", name, "ranks"), f"{st.ranks} ranks, but site {here.name!r} can give at most {capacity}")
         if check_imports and st.app:
             problem = _import_problem(st.app)
             if problem:
@@ -134,24 +145,27 @@ def check(
             runners = [n for n in executors.names() if capabilities(n).runs_commands]
             report(
                 ("stages", name, "kind"),
-                f"command stages need an executor that starts programs ({', '.join(runners)}), not {site.executor!r}",
+                f"command stages need an executor that starts programs ({', '.join(runners)}), not {here.executor!r}",
             )
-    problems += _executor_problems(wf, site, executor, report)
-    problem = _listen_problem(site.driver_host)
-    if problem:
-        problems.append(f"{site.where(('driver_host',))}: {problem}")
+    for here in used.values():
+        stages = [n for n in names if site_of[n].name == here.name]
+        problems += _executor_problems(wf, stages, here, made[here.name], report)
+        problem = _listen_problem(here.driver_host)
+        if problem:
+            problems.append(f"{here.where(('driver_host',))}: {problem}")
     cycle = _find_cycle({n: {d for d in deps if d in wf.stages} for n, deps in dependencies(wf).items()})
     if cycle:
         report(("stages", cycle[0], "needs"), "cycle: " + " → ".join(cycle))
     return problems
 
 
-def _executor_problems(wf: Workflow, site: Site, executor, report) -> list[str]:
+def _executor_problems(wf: Workflow, stages: list[str], site: Site, executor, report) -> list[str]:
     """What the executor refuses of a stage's gang (a resources list that does not match it, a
     gang bigger than a pilot), checked without starting anything: reported at the stage's own
     section, else at the site's (once)."""
     at_site: dict[str, str] = {}
-    for name, st in wf.stages.items():
+    for name in stages:
+        st = wf.stages[name]
         section = st.executor_section(site.executor)
         try:
             executor.check(st.ranks, executor.stage_config(section))

@@ -1,0 +1,147 @@
+"""One workflow, several sites: each stage on the site it names, with its own store, slots and
+executor; an input sealed on another site's store crosses into the consumer's store first —
+byte-identical, verified, once per run, and reused by --resume.
+
+The sites here are this machine with different store roots and slot counts (the local
+executor); the multi-site runs on SLURM + Kubernetes are in the multisite lane's other files."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+import phalanx as px
+from phalanx.orchestrator.loading import load_workflow
+from phalanx.orchestrator.models import Site, Stage, StoreConfig, Workflow
+from phalanx.orchestrator.rundb import RunDB
+from phalanx.orchestrator.scheduler import run_workflow
+from phalanx.orchestrator.yamlio import ConfigError
+from phalanx.store.tiers import part_file
+
+pytestmark = pytest.mark.multisite
+
+
+def generated(rows: int, ranks: int, seed: int) -> pd.DataFrame:
+    """What apps:wf_generate makes, computed here independently."""
+    import numpy as np
+
+    parts = []
+    for r in range(ranks):
+        rng = np.random.default_rng([seed, r])
+        parts.append(
+            pd.DataFrame({"user": rng.integers(0, 50, rows // ranks), "amount": rng.integers(1, 100, rows // ranks)})
+        )
+    return pd.concat(parts)
+
+
+@pytest.fixture
+def db(tmp_path):
+    return RunDB(tmp_path / "state")
+
+
+def two_sites(tmp_path: Path) -> tuple[Site, Site]:
+    hpc = Site(name="hpc", cores=2, store=StoreConfig(root=str(tmp_path / "hpc-store")))
+    cloud = Site(name="cloud", cores=3, store=StoreConfig(root=str(tmp_path / "cloud-store")))
+    return hpc, cloud
+
+
+def across(**totals_params) -> Workflow:
+    """tx made on one site; two stages of the other site read it (by key, N=2 → M=3)."""
+    return Workflow(
+        name="across",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=2, params={"rows": 4000, "seed": 5}, outputs=["tx"]),
+            "totals": Stage(
+                app="apps:wf_totals",
+                ranks=3,
+                inputs={"tx": {"dataset": "tx", "by": ["user"]}},
+                outputs=["totals"],
+                params=totals_params,
+            ),
+            "again": Stage(
+                app="apps:wf_totals",
+                ranks=1,
+                inputs={"tx": "tx"},
+                outputs=["totals_again"],
+                params={"output": "totals_again"},
+            ),
+        },
+    )
+
+
+def test_stages_on_two_sites_get_their_input_across_once_byte_identical(db, tmp_path):
+    hpc, cloud = two_sites(tmp_path)
+    wf = across()
+    sites = {"generate": hpc, "totals": cloud, "again": cloud}
+    result = run_workflow(wf, hpc, db=db, sites=sites)
+    assert result.ok, result.failed
+    made = px.Store(hpc.store.root, session=result.session)
+    got = px.Store(cloud.store.root, session=result.session)
+    assert not made.exists("totals") and got.exists("totals")  # sealed where its stage ran
+    expected = generated(4000, 2, seed=5).groupby("user", as_index=False)["amount"].sum()
+    for name in ("totals", "totals_again"):
+        table = got.read(name).to_pandas().sort_values("user").reset_index(drop=True)
+        pd.testing.assert_frame_equal(table, expected, check_dtype=False)
+    # the crossed dataset: the same partition files, byte for byte, and the same checksums
+    src, dst = made.info("tx"), got.info("tx")
+    assert [p.checksum for p in src.partitions] == [p.checksum for p in dst.partitions]
+    for i in range(src.num_partitions):
+        assert (Path(src.location) / part_file(i)).read_bytes() == (Path(dst.location) / part_file(i)).read_bytes()
+    # the run record says how each input got there; the bytes crossed once for two readers
+    stages = {s["stage"]: s for s in db.stages(result.run_id)}
+    crossings = [stages[s]["inputs"]["tx"]["crossed"] for s in ("totals", "again")]
+    assert all(c["from"] == "hpc" and c["to"] == "cloud" and c["path"] == "direct" for c in crossings)
+    assert sorted(c["bytes"] for c in crossings) == [0, src.nbytes]
+    assert sorted(c["already"] for c in crossings) == [False, True]
+    events = [(e["stage"], e["kind"], e["message"]) for e in db.events(result.run_id)]
+    assert any(k == "sites" and "generate on hpc, totals on cloud, again on cloud" in m for _, k, m in events)
+    assert sum(1 for _, k, m in events if k == "crossed" and "hpc → cloud" in m) == 1
+
+
+def test_a_resumed_run_does_not_send_again_what_already_crossed(db, tmp_path):
+    hpc, cloud = two_sites(tmp_path)
+    wf = across(fail_marker=str(tmp_path / "fail-once"), fail_times=1)
+    del wf.stages["again"]
+    sites = {"generate": hpc, "totals": cloud}
+    first = run_workflow(wf, hpc, db=db, sites=sites)
+    assert not first.ok and "planned failure" in first.failed["totals"]
+    tx = px.Store(cloud.store.root, session=first.session).info("tx")  # crossed before the failure
+    again = run_workflow(wf, hpc, db=db, sites=sites, resume=first.run_id)
+    assert again.ok, again.failed
+    crossed = {s["stage"]: s for s in db.stages(first.run_id)}["totals"]["inputs"]["tx"]["crossed"]
+    assert crossed["already"] and crossed["bytes"] == 0
+    assert px.Store(cloud.store.root, session=first.session).info("tx").version == tx.version
+
+
+def test_validate_checks_each_stage_against_its_own_site(tmp_path):
+    (tmp_path / "site-configs").mkdir()
+    (tmp_path / "site-configs" / "small.yaml").write_text(f"name: small\ncores: 2\nstore: {{root: {tmp_path}/s}}\n")
+    (tmp_path / "apps_here.py").write_text("def run(env):\n    pass\n")
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(
+        textwrap.dedent(
+            """\
+            name: sites
+            stages:
+              a: {app: "apps:wf_generate", ranks: 3, site: small, outputs: [tx]}
+              b:
+                app: "apps:wf_totals"
+                inputs: {tx: tx}
+                site: nowhere
+            """
+        )
+    )
+    with pytest.raises(ConfigError) as err:
+        load_workflow(wf)
+    problems = err.value.problems
+    assert any(p.startswith(f"{wf}:7:") and "no such site file 'nowhere'" in p for p in problems), problems
+    wf.write_text(wf.read_text().replace("site: nowhere", "site: local"))
+    with pytest.raises(ConfigError) as err:
+        load_workflow(wf)
+    assert err.value.problems == [f"{wf}:3: stages.a.ranks: 3 ranks, but site 'small' can give at most 2"]
+    wf.write_text(wf.read_text().replace("ranks: 3", "ranks: 2"))
+    got, site = load_workflow(wf)
+    assert site.name == "local" and got.stages["a"].site == "small"

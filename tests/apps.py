@@ -41,6 +41,20 @@ def wf_generate(env):
     env.output("tx", px.DataFrame.from_arrow(part, env))
 
 
+def wf_generate_reference(rows: int, ranks: int, seed: int = 0):
+    """What wf_generate makes over ``ranks`` ranks, as one pandas frame, made here on its own
+    (the tests' independent reference)."""
+    import numpy as np
+    import pandas as pd
+
+    parts = []
+    for r in range(ranks):
+        rng = np.random.default_rng([seed, r])
+        n = rows // ranks
+        parts.append(pd.DataFrame({"user": rng.integers(0, 50, n), "amount": rng.integers(1, 100, n)}))
+    return pd.concat(parts)
+
+
 def wf_totals(env):
     """Per-user totals of the input ``tx``; optionally fails (params: fail_marker, fail_times)."""
     marker = env.params.get("fail_marker")

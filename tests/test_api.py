@@ -19,7 +19,7 @@ from phalanx.orchestrator.yamlio import ConfigError
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
-from test_scheduler import generated  # noqa: E402
+from apps import wf_generate_reference as generated  # noqa: E402
 
 
 def build(name: str = "api") -> px.Workflow:

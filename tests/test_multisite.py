@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from apps import wf_generate_reference as generated
 
 import phalanx as px
 from phalanx.orchestrator.loading import load_workflow
@@ -22,19 +23,6 @@ from phalanx.orchestrator.yamlio import ConfigError
 from phalanx.store.tiers import part_file
 
 pytestmark = pytest.mark.multisite
-
-
-def generated(rows: int, ranks: int, seed: int) -> pd.DataFrame:
-    """What apps:wf_generate makes, computed here independently."""
-    import numpy as np
-
-    parts = []
-    for r in range(ranks):
-        rng = np.random.default_rng([seed, r])
-        parts.append(
-            pd.DataFrame({"user": rng.integers(0, 50, rows // ranks), "amount": rng.integers(1, 100, rows // ranks)})
-        )
-    return pd.concat(parts)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from apps import wf_generate_reference as generated
 
 import phalanx as px
 from phalanx.orchestrator.models import Site, Stage, Workflow
@@ -28,18 +29,6 @@ def db(tmp_path):
 
 def site(cores: int) -> Site:
     return Site(name=f"test{cores}", cores=cores)
-
-
-def generated(rows: int, ranks: int, seed: int = 0) -> pd.DataFrame:
-    import numpy as np
-
-    parts = []
-    for r in range(ranks):
-        rng = np.random.default_rng([seed, r])
-        parts.append(
-            pd.DataFrame({"user": rng.integers(0, 50, rows // ranks), "amount": rng.integers(1, 100, rows // ranks)})
-        )
-    return pd.concat(parts)
 
 
 def pipeline(**totals_params) -> Workflow:

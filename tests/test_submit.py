@@ -27,8 +27,8 @@ from phalanx.procs import descendants
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import apps  # noqa: E402
+from apps import wf_generate_reference as generated  # noqa: E402
 from test_gang import wait_dead  # noqa: E402
-from test_scheduler import generated  # noqa: E402
 
 SITE = Site(name="t2", cores=2)
 ROWS, SEED = 2000, 4

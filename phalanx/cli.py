@@ -27,7 +27,7 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from .orchestrator.loading import load_workflow
+    from .orchestrator.loading import load_workflow, site_plan, stage_sites
     from .orchestrator.yamlio import ConfigError
 
     try:
@@ -42,6 +42,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
         f"{args.workflow}: ok — workflow {wf.name!r}, {len(wf.stages)} stages, "
         f"largest gang {ranks} ranks, site {site.name!r} ({site.executor}, {_slots(site.capacity())})"
     )
+    sites = stage_sites(wf, site, Path(args.workflow).resolve().parent)
+    if len({s.name for s in sites.values()}) > 1:
+        print("\n".join(site_plan(wf, sites)))
     return 0
 
 

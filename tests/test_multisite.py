@@ -7,6 +7,9 @@ executor); the multi-site runs on SLURM + Kubernetes are in the multisite lane's
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -133,3 +136,68 @@ def test_validate_checks_each_stage_against_its_own_site(tmp_path):
     wf.write_text(wf.read_text().replace("ranks: 3", "ranks: 2"))
     got, site = load_workflow(wf)
     assert site.name == "local" and got.stages["a"].site == "small"
+
+
+def site_files(tmp_path: Path) -> Path:
+    """site-configs/ with an "hpc" and a "cloud" site (their own store roots) beside a workflow
+    file of three stages on them: the ETL shape, made small."""
+    (tmp_path / "site-configs").mkdir()
+    for name, cores in (("hpc", 2), ("cloud", 3)):
+        (tmp_path / "site-configs" / f"{name}.yaml").write_text(
+            f"name: {name}\ncores: {cores}\nstore: {{root: {tmp_path}/{name}-store}}\n"
+        )
+    wf = tmp_path / "wf.yaml"
+    wf.write_text(
+        textwrap.dedent(
+            """\
+            name: etl-across
+            site: hpc
+            stages:
+              generate: {app: "apps:wf_generate", ranks: 2, params: {rows: 3000, seed: 9}, outputs: [tx]}
+              totals:
+                app: "apps:wf_totals"
+                ranks: 3
+                site: cloud
+                inputs: {tx: {dataset: tx, by: [user]}}
+                outputs: [totals]
+            """
+        )
+    )
+    return wf
+
+
+def test_validate_says_where_each_stage_runs_and_what_crosses_and_the_file_runs(tmp_path):
+    wf = site_files(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "validate", str(wf)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "  generate: site 'hpc' (local), 2 ranks" in lines
+    assert "  totals: site 'cloud' (local), 3 ranks" in lines
+    assert "  crosses: tx from 'hpc' to 'cloud' (read by totals)" in lines
+    result = px.run(str(wf), state=tmp_path / "state", progress=False)
+    assert result.ok, result.failed
+    got = px.Store(tmp_path / "cloud-store", session=result.session).read("totals").to_pandas()
+    expected = generated(3000, 2, seed=9).groupby("user", as_index=False)["amount"].sum()
+    pd.testing.assert_frame_equal(got.sort_values("user").reset_index(drop=True), expected, check_dtype=False)
+
+
+def test_a_python_workflow_names_a_site_per_stage(tmp_path, monkeypatch):
+    import apps
+
+    site_files(tmp_path)
+    monkeypatch.chdir(tmp_path)  # ./site-configs
+    wf = px.Workflow("py-across", site="hpc")
+    wf.add(px.stage(apps.wf_generate, ranks=2, params={"rows": 2000, "seed": 4}, outputs=["tx"]))
+    wf.add(px.stage(apps.wf_totals, ranks=1, site="cloud", inputs={"tx": "tx"}, outputs=["totals"]))
+    result = px.run(wf, state=tmp_path / "state", progress=False)
+    assert result.ok, result.failed
+    got = px.Store(tmp_path / "cloud-store", session=result.session).read("totals").to_pandas()
+    expected = generated(2000, 2, seed=4).groupby("user", as_index=False)["amount"].sum()
+    pd.testing.assert_frame_equal(got.sort_values("user").reset_index(drop=True), expected, check_dtype=False)
+    assert not px.Store(tmp_path / "hpc-store", session=result.session).exists("totals")

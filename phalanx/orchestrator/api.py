@@ -59,8 +59,10 @@ def stage(
     params: dict[str, Any] | None = None,
     retries: int = 0,
     timeout: float | None = None,
+    site: str | None = None,
 ) -> Any:
-    """Mark ``fn(env)`` as a stage: ``@px.stage(ranks=2, needs=[generate], outputs=["x"])``."""
+    """Mark ``fn(env)`` as a stage: ``@px.stage(ranks=2, needs=[generate], outputs=["x"])``;
+    ``site``: the site it runs on (a name or site file; default: the workflow's)."""
 
     def mark(f: Callable) -> StageFn:
         spec = {
@@ -73,6 +75,7 @@ def stage(
             "params": dict(params or {}),
             "retries": retries,
             "timeout": timeout,
+            **({"site": site} if site else {}),
         }
         return StageFn(f, name or f.__name__, spec)
 
@@ -110,6 +113,7 @@ class Workflow:
         params: dict[str, Any] | None = None,
         retries: int = 0,
         timeout: float | None = None,
+        site: str | None = None,
     ) -> StageFn:
         """An external program on every rank (kind: command)."""
         spec = {
@@ -120,6 +124,7 @@ class Workflow:
             "params": dict(params or {}),
             "retries": retries,
             "timeout": timeout,
+            **({"site": site} if site else {}),
         }
         return self.add(StageFn(None, name, spec))
 
@@ -233,7 +238,7 @@ def _checked(
 ) -> tuple[WorkflowModel, Site, str]:
     """The workflow's model (``overrides`` set in it), its site and the file it came from,
     checked (``ConfigError``)."""
-    from .loading import load_site, load_workflow
+    from .loading import load_site, load_workflow, stage_sites
     from .validate import check
 
     file = "<python>"
@@ -255,7 +260,10 @@ def _checked(
             )
         wf = workflow.model(overrides) if isinstance(workflow, Workflow) else workflow
         site_model = site if isinstance(site, Site) else load_site(str(site or wf.site))
-        problems = check(wf, site_model, source=f"workflow {wf.name!r}", existing=existing, check_imports=False)
+        sites = stage_sites(wf, site_model)
+        problems = check(
+            wf, site_model, source=f"workflow {wf.name!r}", existing=existing, check_imports=False, sites=sites
+        )
         if problems:
             raise ConfigError(problems)
     return wf, site_model, file

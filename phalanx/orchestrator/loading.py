@@ -79,6 +79,25 @@ def stage_sites(wf: Workflow, default: Site, near: Path | None = None) -> dict[s
     return out
 
 
+def site_plan(wf: Workflow, sites: dict[str, Site]) -> list[str]:
+    """Which stage runs where, and which datasets will cross between sites (by whom they are
+    read): what ``phalanx validate`` prints for a workflow on several sites."""
+    producers = {out: name for name, st in wf.stages.items() for out in st.outputs}
+    lines = []
+    for name, st in wf.stages.items():
+        here = sites[name]
+        lines.append(f"  {name}: site {here.name!r} ({here.executor}), {st.ranks} rank{'' if st.ranks == 1 else 's'}")
+    crossing: dict[tuple[str, str, str], list[str]] = {}
+    for name, st in wf.stages.items():
+        for spec in st.inputs.values():
+            made = producers.get(spec.dataset)
+            if made is not None and sites[made].name != sites[name].name:
+                crossing.setdefault((spec.dataset, sites[made].name, sites[name].name), []).append(name)
+    for (dataset, src, dst), readers in crossing.items():
+        lines.append(f"  crosses: {dataset} from {src!r} to {dst!r} (read by {', '.join(readers)})")
+    return lines
+
+
 def load_workflow(
     path: str | Path,
     site: str | None = None,

@@ -1,6 +1,7 @@
 """Store backends: the same metadata tests on SQLite and a real redis-server, the same tier
-tests on a directory and an S3 server (moto, started on loopback), the memory budget with
-spill / reload / pin, and gangs whose ranks reach S3 and Redis through env.store."""
+tests on a directory, an S3 server (moto, started on loopback) and a real S3-compatible server
+(SeaweedFS on loopback, marker ``s3``), the memory budget with spill / reload / pin, and gangs
+whose ranks reach S3 and Redis through env.store."""
 
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ import phalanx as px
 from phalanx.runtime.rendezvous import free_port
 from phalanx.store.metadata import open_metadata
 from phalanx.store.store import parse_bytes
-from phalanx.store.tiers import serialize
+from phalanx.store.tiers import part_file, serialize
 from phalanx.testing.store import MetadataContract, TierContract
 
 BUCKET = "phalanx-test"
+ANON_BUCKET = "phalanx-anon"  # SeaweedFS: unsigned requests may use this one
 
 
 # ---- servers --------------------------------------------------------------------------------
@@ -72,6 +74,40 @@ def s3_endpoint():
             proc.wait()
 
 
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint():
+    """A real S3-compatible server: one SeaweedFS ``weed server`` on free ports of 127.0.0.1
+    (tests/infra/seaweedfs.py), with the bucket ``BUCKET`` for random credentials (``.env()``)
+    and ``ANON_BUCKET`` for unsigned requests as well.
+    Skipped when the pinned binary is not built (tests/infra/seaweedfs-build.sh); the s3 lane of
+    .ci/run builds it and sets PHALANX_REQUIRE_SEAWEEDFS=1, which turns that skip into a failure."""
+    from infra import seaweedfs
+
+    weed = seaweedfs.find_binary()
+    if weed is None:
+        if os.environ.get("PHALANX_REQUIRE_SEAWEEDFS") == "1":
+            pytest.fail(seaweedfs.why_missing())
+        pytest.skip(seaweedfs.why_missing())
+    server = seaweedfs.start(weed, anonymous_buckets=(ANON_BUCKET,))
+    try:
+        server.create_bucket(BUCKET)
+        server.create_bucket(ANON_BUCKET)
+        yield server
+    finally:
+        server.stop()  # by PID; its data directory is removed
+
+
+@pytest.fixture
+def seaweedfs_credentials(seaweedfs_endpoint):
+    """The SeaweedFS server's credentials in the AWS variables for one test (moto's fixture holds
+    other ones for its module); a MonkeyPatch of its own, since a test may undo its ``monkeypatch``
+    halfway (pyarrow's client reads the variables at each request)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in seaweedfs_endpoint.env().items():
+            mp.setenv(k, v)
+        yield seaweedfs_endpoint
+
+
 def s3_root(endpoint: str, prefix: str | None = None) -> str:
     return f"s3://{BUCKET}/{prefix or 't-' + uuid.uuid4().hex[:8]}?endpoint_override={endpoint}"
 
@@ -102,14 +138,50 @@ class TestMetadataConformance(MetadataContract):
 
 # ---- tier conformance: a directory and S3 --------------------------------------------------
 class TestTierConformance(TierContract):
-    """A directory and an S3 server (moto on loopback); the mix-in opens a store on each, with
-    SQLite metadata in a temporary directory."""
+    """A directory, an S3 server (moto on loopback) and a real S3-compatible server (SeaweedFS on
+    loopback: marker s3, the s3 lane); the mix-in opens a store on each, with SQLite metadata in a
+    temporary directory."""
 
-    @pytest.fixture(params=["file", "s3"])
+    @pytest.fixture(params=["file", "s3", pytest.param("seaweedfs", marks=pytest.mark.s3)])
     def tier_root(self, request, tmp_path):
         if request.param == "file":
             return str(tmp_path / "root")
+        if request.param == "seaweedfs":
+            return s3_root(request.getfixturevalue("seaweedfs_credentials").endpoint)
         return s3_root(request.getfixturevalue("s3_endpoint"))
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_objects_on_a_real_s3_server_hold_exactly_the_bytes_written(
+    seaweedfs_credentials, signed, tmp_path, monkeypatch
+):
+    """pyarrow's AWS SDK uploads ``aws-chunked`` bodies with checksum trailers by default, and this
+    SeaweedFS stores that framing as the object's bytes when the upload is unsigned (``anonymous``),
+    silently (1,000 bytes were stored as 1,051; signed uploads are decoded).  phalanx's object tier turns it off itself
+    (objectstore._AWS_CHECKSUM_ENV): with no such variable set by the user, every object the server
+    keeps is exactly the partition the store wrote — by the server's own account (its filer's
+    metadata), not the client's — and reads back verified."""
+    for k in ("AWS_REQUEST_CHECKSUM_CALCULATION", "AWS_RESPONSE_CHECKSUM_VALIDATION"):
+        monkeypatch.delenv(k, raising=False)  # a user who has never heard of them
+    server = seaweedfs_credentials
+    bucket = BUCKET if signed else ANON_BUCKET
+    root = f"s3://{bucket}/framing-{uuid.uuid4().hex[:8]}?endpoint_override={server.endpoint}"
+    store = px.Store(root + ("" if signed else "&anonymous=true"), session="frm", metadata=str(tmp_path / "m.sqlite"))
+    rng = np.random.default_rng(7)
+    parts = [
+        pa.table({"k": np.arange(n, dtype=np.int64), "x": rng.random(n), "s": [f"row-{i}" for i in range(n)]})
+        for n in (3, 1000, 70_000)
+    ]
+    info = store.put("framed", parts, producer="unit")
+    assert len(info.partitions) == 3
+    key_prefix = info.location[len(f"s3://{bucket}/") :]
+    for i, (p, written) in enumerate(zip(info.partitions, parts)):
+        assert p.bytes == serialize(written).size
+        stored = server.object_size(bucket, f"{key_prefix}/{part_file(i)}")
+        assert stored == p.bytes, f"partition {i}: {p.bytes} bytes written, the server stored {stored}"
+    assert_same_rows(store.read("framed", verify=True), pa.concat_tables(parts))
+    store.delete_session()
 
 
 def test_s3_reads_download_and_objects_are_laid_out_by_session_name_version(s3_endpoint, tmp_path):

@@ -27,6 +27,22 @@ from .tiers import Staged, Tier, checksum_buffer, part_file, serialize
 
 _OPTIONS = ("endpoint_override", "region", "scheme", "anonymous", "force_virtual_addressing")
 
+# pyarrow's AWS SDK sends uploads as ``aws-chunked`` bodies with checksum trailers unless told
+# otherwise; S3-compatible servers that do not decode that framing (SeaweedFS, seen here) store it
+# as the object's bytes, silently.  "WHEN_REQUIRED" sends plain bodies (and validates response
+# checksums only where the API requires them); the store checksums every partition itself.  The
+# SDK reads these from the environment when a client is configured, so they are set here, before
+# this module's only S3FileSystem is made; setdefault: a user's own setting wins.
+_AWS_CHECKSUM_ENV = {
+    "AWS_REQUEST_CHECKSUM_CALCULATION": "WHEN_REQUIRED",
+    "AWS_RESPONSE_CHECKSUM_VALIDATION": "WHEN_REQUIRED",
+}
+
+
+def _plain_uploads() -> None:
+    for k, v in _AWS_CHECKSUM_ENV.items():
+        os.environ.setdefault(k, v)
+
 
 def parse_s3_url(url: str) -> tuple[str, dict[str, Any]]:
     """``s3://bucket/prefix?opts`` → (``bucket/prefix``, S3FileSystem keyword arguments)."""
@@ -69,6 +85,7 @@ class ObjectTier(Tier):
 
     def __init__(self, url: str):
         self.base, self.options = parse_s3_url(url)
+        _plain_uploads()  # before the S3 client is configured: see _AWS_CHECKSUM_ENV
         self.fs = pafs.S3FileSystem(**self.options)
         query = urlparse(url).query
         # the URL as given (options included): what ranks get through PHALANX_STORE

@@ -243,3 +243,42 @@ def fault(request):
     if path and record.fault:
         with open(path, "a") as f:
             f.write(json.dumps(asdict(record)) + "\n")
+
+
+# ---- a real S3-compatible server (the s3 and multisite lanes) ------------------------------------
+SEAWEEDFS_BUCKET = "phalanx-test"
+SEAWEEDFS_ANON_BUCKET = "phalanx-anon"  # unsigned requests may use this one
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_endpoint():
+    """A real S3-compatible server: one SeaweedFS ``weed server`` on free ports of 127.0.0.1
+    (tests/infra/seaweedfs.py), with the bucket ``SEAWEEDFS_BUCKET`` for random credentials (``.env()``)
+    and ``SEAWEEDFS_ANON_BUCKET`` for unsigned requests as well.
+    Skipped when the pinned binary is not built (tests/infra/seaweedfs-build.sh); the s3 lane of
+    .ci/run builds it and sets PHALANX_REQUIRE_SEAWEEDFS=1, which turns that skip into a failure."""
+    from infra import seaweedfs
+
+    weed = seaweedfs.find_binary()
+    if weed is None:
+        if os.environ.get("PHALANX_REQUIRE_SEAWEEDFS") == "1":
+            pytest.fail(seaweedfs.why_missing())
+        pytest.skip(seaweedfs.why_missing())
+    server = seaweedfs.start(weed, anonymous_buckets=(SEAWEEDFS_ANON_BUCKET,))
+    try:
+        server.create_bucket(SEAWEEDFS_BUCKET)
+        server.create_bucket(SEAWEEDFS_ANON_BUCKET)
+        yield server
+    finally:
+        server.stop()  # by PID; its data directory is removed
+
+
+@pytest.fixture
+def seaweedfs_credentials(seaweedfs_endpoint):
+    """The SeaweedFS server's credentials in the AWS variables for one test (moto's fixture holds
+    other ones for its module); a MonkeyPatch of its own, since a test may undo its ``monkeypatch``
+    halfway (pyarrow's client reads the variables at each request)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in seaweedfs_endpoint.env().items():
+            mp.setenv(k, v)
+        yield seaweedfs_endpoint

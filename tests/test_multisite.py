@@ -201,3 +201,25 @@ def test_a_python_workflow_names_a_site_per_stage(tmp_path, monkeypatch):
     expected = generated(2000, 2, seed=4).groupby("user", as_index=False)["amount"].sum()
     pd.testing.assert_frame_equal(got.sort_values("user").reset_index(drop=True), expected, check_dtype=False)
     assert not px.Store(tmp_path / "hpc-store", session=result.session).exists("totals")
+
+
+def test_sites_that_share_an_object_store_cross_through_it(db, tmp_path, seaweedfs_credentials):
+    """Two sites whose stores do not reach each other's hosts but name the same exchange (a real
+    S3-compatible server, SeaweedFS): tx goes up to it and down to the consumer's store."""
+    exchange = f"s3://phalanx-test/exchange?endpoint_override={seaweedfs_credentials.endpoint}"
+    hpc, cloud = two_sites(tmp_path)
+    hpc.store.exchange = cloud.store.exchange = exchange
+    wf = across()
+    del wf.stages["again"]
+    result = run_workflow(wf, hpc, db=db, sites={"generate": hpc, "totals": cloud})
+    assert result.ok, result.failed
+    crossed = {s["stage"]: s for s in db.stages(result.run_id)}["totals"]["inputs"]["tx"]["crossed"]
+    src = px.Store(hpc.store.root, session=result.session).info("tx")
+    assert crossed["path"] == "object store" and crossed["bytes"] == 2 * src.nbytes  # up, then down
+    middle = px.Store(exchange, session=result.session)
+    assert [p.checksum for p in middle.info("tx").partitions] == [p.checksum for p in src.partitions]
+    got = px.Store(cloud.store.root, session=result.session)
+    assert [p.checksum for p in got.info("tx").partitions] == [p.checksum for p in src.partitions]
+    expected = generated(4000, 2, seed=5).groupby("user", as_index=False)["amount"].sum()
+    table = got.read("totals").to_pandas().sort_values("user").reset_index(drop=True)
+    pd.testing.assert_frame_equal(table, expected, check_dtype=False)

@@ -25,7 +25,7 @@ from phalanx.store.store import parse_bytes
 from phalanx.store.tiers import part_file, serialize
 from phalanx.testing.store import MetadataContract, TierContract
 
-BUCKET = "phalanx-test"
+BUCKET = "phalanx-test"  # moto's, and the SeaweedFS fixture's (tests/conftest.py: SEAWEEDFS_BUCKET)
 ANON_BUCKET = "phalanx-anon"  # SeaweedFS: unsigned requests may use this one
 
 
@@ -72,40 +72,6 @@ def s3_endpoint():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-@pytest.fixture(scope="session")
-def seaweedfs_endpoint():
-    """A real S3-compatible server: one SeaweedFS ``weed server`` on free ports of 127.0.0.1
-    (tests/infra/seaweedfs.py), with the bucket ``BUCKET`` for random credentials (``.env()``)
-    and ``ANON_BUCKET`` for unsigned requests as well.
-    Skipped when the pinned binary is not built (tests/infra/seaweedfs-build.sh); the s3 lane of
-    .ci/run builds it and sets PHALANX_REQUIRE_SEAWEEDFS=1, which turns that skip into a failure."""
-    from infra import seaweedfs
-
-    weed = seaweedfs.find_binary()
-    if weed is None:
-        if os.environ.get("PHALANX_REQUIRE_SEAWEEDFS") == "1":
-            pytest.fail(seaweedfs.why_missing())
-        pytest.skip(seaweedfs.why_missing())
-    server = seaweedfs.start(weed, anonymous_buckets=(ANON_BUCKET,))
-    try:
-        server.create_bucket(BUCKET)
-        server.create_bucket(ANON_BUCKET)
-        yield server
-    finally:
-        server.stop()  # by PID; its data directory is removed
-
-
-@pytest.fixture
-def seaweedfs_credentials(seaweedfs_endpoint):
-    """The SeaweedFS server's credentials in the AWS variables for one test (moto's fixture holds
-    other ones for its module); a MonkeyPatch of its own, since a test may undo its ``monkeypatch``
-    halfway (pyarrow's client reads the variables at each request)."""
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in seaweedfs_endpoint.env().items():
-            mp.setenv(k, v)
-        yield seaweedfs_endpoint
 
 
 def s3_root(endpoint: str, prefix: str | None = None) -> str:

@@ -222,6 +222,12 @@ class StoreConfig(_Strict):
     durable: Optional[str] = Field(
         None, description="write-through target: a directory every host mounts or s3://bucket/prefix"
     )
+    exchange: Optional[str] = Field(
+        None,
+        description="an object store (s3://bucket/prefix?endpoint_override=...) this site shares with other "
+        "sites: a dataset crossing between two sites that name the same exchange goes through it; otherwise "
+        "the consumer's site reads it from the producer's store directly (its store services must be reachable)",
+    )
 
     @model_validator(mode="after")
     def _durable_given(self) -> StoreConfig:

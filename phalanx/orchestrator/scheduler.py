@@ -360,34 +360,44 @@ class Scheduler:
     def _cross(self, dataset: str, there: SiteRun, here: SiteRun, stage: str) -> dict:
         """One dataset from ``there``'s store into ``here``'s: streamed partition by partition,
         each checked against its checksum, resumable, and once per run — a second reader on
-        this site (or a retry) finds it crossed (``already``) and nothing moves."""
+        this site (or a retry) finds it crossed (``already``) and nothing moves.  Through the
+        object store both sites name as their ``exchange`` when they do (two legs: up, then
+        down), else directly from the producer's store."""
         from ..store.crossing import cross
 
+        exchange = there.site.store.exchange
+        via = "object store" if exchange and exchange == here.site.store.exchange else "direct"
         with self._crossing:
             try:
-                c = cross(there.store, dataset, here.store, run=self.run_id)
+                if via == "direct":
+                    legs = [cross(there.store, dataset, here.store, run=self.run_id)]
+                else:
+                    middle = Store(exchange, here.store.session)
+                    legs = [cross(there.store, dataset, middle, run=self.run_id)]
+                    legs.append(cross(middle, dataset, here.store, run=self.run_id))
             except Exception as exc:
                 raise GangError(
-                    f"input {dataset!r} could not cross from site {there.name!r} to site {here.name!r}: {exc}"
+                    f"input {dataset!r} could not cross from site {there.name!r} to site {here.name!r} ({via}): {exc}"
                 ) from exc
-        via = "object store" if any(str(x.store.root).startswith("s3://") for x in (there, here)) else "direct"
+        moved, seconds = sum(c.bytes_moved for c in legs), sum(c.seconds for c in legs)
+        already = all(c.already for c in legs)
         record = {
             "from": there.name,
             "to": here.name,
-            "bytes": c.bytes_moved,
-            "seconds": round(c.seconds, 3),
+            "bytes": moved,
+            "seconds": round(seconds, 3),
             "path": via,
-            "already": c.already,
+            "already": already,
         }
-        if c.already:
+        if already:
             self._event(stage, "crossed", f"{dataset}: already crossed from {there.name} to {here.name} in this run")
         else:
-            rate = c.bytes_moved / c.seconds / 1e6 if c.seconds > 0 else 0.0
+            rate = moved / seconds / 1e6 if seconds > 0 else 0.0
             self._event(
                 stage,
                 "crossed",
-                f"{dataset}: {there.name} → {here.name} ({via}), {c.bytes_moved / 1e6:,.1f} MB in "
-                f"{c.seconds:.2f} s ({rate:,.0f} MB/s), checksums verified",
+                f"{dataset}: {there.name} → {here.name} ({via}), {moved / 1e6:,.1f} MB in "
+                f"{seconds:.2f} s ({rate:,.0f} MB/s), checksums verified",
             )
         return record
 

@@ -428,8 +428,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         for local, i in s["inputs"].items():
             fetched = i.get("fetched", 0)  # bytes of stored partitions fetched from other hosts
             where = f"; {fetched / 1e6:.1f} MB fetched, {i.get('read_here', 0) / 1e6:.1f} MB here" if fetched else ""
+            where += crossing_text(i.get("crossed"))
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']}{where})")
     return 0
+
+
+def crossing_text(crossed: dict | None) -> str:
+    """How an input came from another site's store, for ``phalanx status`` ("" when it did not)."""
+    if not crossed:
+        return ""
+    if crossed.get("already"):
+        return f"; crossed from site {crossed['from']} earlier in this run"
+    return f"; crossed from site {crossed['from']} ({crossed['path']}, {crossed['bytes'] / 1e6:.1f} MB in {crossed['seconds']:.2f} s)"
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

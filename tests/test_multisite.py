@@ -20,6 +20,7 @@ from apps import wf_generate_reference as generated
 import phalanx as px
 from phalanx.orchestrator.loading import load_workflow
 from phalanx.orchestrator.models import Site, Stage, StoreConfig, Workflow
+from phalanx.orchestrator.report import write_report
 from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
 from phalanx.orchestrator.yamlio import ConfigError
@@ -87,6 +88,17 @@ def test_stages_on_two_sites_get_their_input_across_once_byte_identical(db, tmp_
     assert all(c["from"] == "hpc" and c["to"] == "cloud" and c["path"] == "direct" for c in crossings)
     assert sorted(c["bytes"] for c in crossings) == [0, src.nbytes]
     assert sorted(c["already"] for c in crossings) == [False, True]
+    # where a user sees it: phalanx status and the HTML report
+    status = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "status", result.run_id, "--state", str(tmp_path / "state")],
+        capture_output=True,
+        text=True,
+    )
+    assert status.returncode == 0, status.stderr
+    assert f"crossed from site hpc (direct, {src.nbytes / 1e6:.1f} MB in" in status.stdout, status.stdout
+    assert "crossed from site hpc earlier in this run" in status.stdout
+    page = write_report(db, result.run_id, tmp_path / "report.html").read_text()
+    assert f'<td class="crossed" data-bytes="{src.nbytes}">from hpc (direct, ' in page
     events = [(e["stage"], e["kind"], e["message"]) for e in db.events(result.run_id)]
     assert any(k == "sites" and "generate on hpc, totals on cloud, again on cloud" in m for _, k, m in events)
     assert sum(1 for _, k, m in events if k == "crossed" and "hpc → cloud" in m) == 1

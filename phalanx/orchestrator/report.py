@@ -335,13 +335,26 @@ def _inputs_table(inputs: dict[str, dict]) -> str:
         f'<tr class="input" data-name="{esc(local)}"><td class="name">{esc(local)}</td>'
         f'<td class="dataset">{esc(i["dataset"])}</td>{_rows_cell(i["rows"])}{_bytes_cell(i["bytes"])}'
         f'<td class="plan">{esc(i["plan"])}</td>'
-        f"{_bytes_cell(i.get('read_here', 0), 'read_here')}{_bytes_cell(i.get('fetched', 0), 'fetched')}</tr>"
+        f"{_bytes_cell(i.get('read_here', 0), 'read_here')}{_bytes_cell(i.get('fetched', 0), 'fetched')}"
+        f"{_crossed_cell(i.get('crossed'))}</tr>"
         for local, i in inputs.items()
     )
     return (
         f'<table class="io inputs"><caption>inputs</caption><tr><th>as</th><th>dataset</th><th>rows</th>'
         f'<th>bytes</th><th>repartition</th><th title="stored partitions read on the ranks\' own hosts">'
-        f'read here</th><th title="stored partitions fetched from other hosts">fetched</th></tr>{rows}</table>'
+        f'read here</th><th title="stored partitions fetched from other hosts">fetched</th>'
+        f'<th title="brought from another site\'s store before the stage ran">crossed</th></tr>{rows}</table>'
+    )
+
+
+def _crossed_cell(crossed: dict | None) -> str:
+    if not crossed:
+        return '<td class="crossed muted">—</td>'
+    if crossed.get("already"):
+        return f'<td class="crossed">from {esc(crossed["from"])}, earlier in this run</td>'
+    return (
+        f'<td class="crossed" data-bytes="{int(crossed["bytes"])}">from {esc(crossed["from"])} '
+        f"({esc(crossed['path'])}, {crossed['bytes'] / 1e6:,.1f} MB in {crossed['seconds']:.2f} s)</td>"
     )
 
 

@@ -77,6 +77,9 @@ class DatasetInfo:
     created: float = 0.0
     pinned: bool = False
     accessed: float = 0.0  # last get/read (or the seal), for least-recently-used spill
+    # Where a dataset that crossed from another store came from (store.crossing): that store,
+    # session, name and version; empty for a dataset put here.
+    origin: dict[str, str] = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:
@@ -111,6 +114,7 @@ class DatasetInfo:
             "places": [p.place for p in self.partitions] if any(p.place for p in self.partitions) else [],
             "pinned": self.pinned,
             "accessed": self.accessed,
+            **({"origin": self.origin} if self.origin else {}),
         }
 
 
@@ -166,7 +170,7 @@ CREATE TABLE IF NOT EXISTS datasets (
     session TEXT NOT NULL, name TEXT NOT NULL, version TEXT NOT NULL, location TEXT NOT NULL,
     schema BLOB NOT NULL, partitioning TEXT NOT NULL, producer TEXT, run TEXT,
     created REAL NOT NULL, pinned INTEGER NOT NULL DEFAULT 0, accessed REAL NOT NULL DEFAULT 0,
-    PRIMARY KEY (session, name));
+    origin TEXT NOT NULL DEFAULT '', PRIMARY KEY (session, name));
 CREATE TABLE IF NOT EXISTS partitions (
     session TEXT NOT NULL, name TEXT NOT NULL, idx INTEGER NOT NULL, rows INTEGER NOT NULL,
     bytes INTEGER NOT NULL, checksum TEXT NOT NULL, place TEXT NOT NULL DEFAULT '',
@@ -194,11 +198,11 @@ class SQLiteMetadata(MetadataBackend):
         tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
         part_cols = {r[1] for r in con.execute("PRAGMA table_info(partitions)")}
-        return {"datasets", "partitions"} <= tables and "accessed" in cols and "place" in part_cols
+        return {"datasets", "partitions"} <= tables and {"accessed", "origin"} <= cols and "place" in part_cols
 
     @classmethod
     def _migrate(cls, con: sqlite3.Connection) -> None:
-        """Create the tables, or add the column a catalogue of the first version of the store
+        """Create the tables, or add the columns a catalogue of an older version of the store
         lacks, under the write lock from the first statement (BEGIN IMMEDIATE): processes that
         open a new or old catalogue at once look and change one after another, so no two add
         the column ("duplicate column name")."""
@@ -211,6 +215,8 @@ class SQLiteMetadata(MetadataBackend):
                 cols = {r[1] for r in con.execute("PRAGMA table_info(datasets)")}
                 if "accessed" not in cols:
                     con.execute("ALTER TABLE datasets ADD COLUMN accessed REAL NOT NULL DEFAULT 0")
+                if "origin" not in cols:
+                    con.execute("ALTER TABLE datasets ADD COLUMN origin TEXT NOT NULL DEFAULT ''")
                 if "place" not in {r[1] for r in con.execute("PRAGMA table_info(partitions)")}:
                     con.execute("ALTER TABLE partitions ADD COLUMN place TEXT NOT NULL DEFAULT ''")
             con.execute("COMMIT")
@@ -235,10 +241,10 @@ class SQLiteMetadata(MetadataBackend):
         finally:
             con.close()
 
-    _COLS = "session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed"
+    _COLS = "session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed, origin"
 
     def _info(self, con: sqlite3.Connection, row: tuple[Any, ...]) -> DatasetInfo:
-        session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed = row
+        session, name, version, location, schema, partitioning, producer, run, created, pinned, accessed, origin = row
         parts = [
             PartitionInfo.of(*p)
             for p in con.execute(
@@ -259,6 +265,7 @@ class SQLiteMetadata(MetadataBackend):
             created,
             bool(pinned),
             accessed or created,
+            json.loads(origin) if origin else {},
         )
 
     def _row(self, con: sqlite3.Connection, session: str, name: str) -> DatasetInfo | None:
@@ -313,7 +320,7 @@ class SQLiteMetadata(MetadataBackend):
                 self._delete_rows(con, info.session, info.name)
             created = info.created or time.time()
             con.execute(
-                f"INSERT INTO datasets ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+                f"INSERT INTO datasets ({self._COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
                 (
                     info.session,
                     info.name,
@@ -326,6 +333,7 @@ class SQLiteMetadata(MetadataBackend):
                     created,
                     int(info.pinned),
                     info.accessed or created,
+                    json.dumps(info.origin) if info.origin else "",
                 ),
             )
             con.executemany(

@@ -181,6 +181,7 @@ class RedisMetadata(MetadataBackend):
                 "producer": info.producer,
                 "run": info.run,
                 "created": info.created,
+                **({"origin": info.origin} if info.origin else {}),  # a crossed dataset's (absent before)
             }
         ).encode()
 
@@ -201,6 +202,7 @@ class RedisMetadata(MetadataBackend):
             d["created"],
             bool(pinned),
             float(accessed) if accessed else d["created"],
+            d.get("origin") or {},
         )
 
     # ---- reading ---------------------------------------------------------------------------

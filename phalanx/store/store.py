@@ -280,6 +280,18 @@ class Store:
         part = info.partitions[index]
         if not self.is_here(part):
             return self._fetched(info, index, count)
+        tier, buf, location, where = self._read_here(info, index)
+        if verify and self.needs_verify(info, index, location):
+            self._check(buf, part, where)
+            self._remember_verified(info, index)
+        table = self._open(tier, buf, part, where)
+        if count:
+            self.reads.local += part.bytes
+        return table
+
+    def _read_here(self, info: DatasetInfo, index: int) -> tuple[Tier, pa.Buffer, str, str]:
+        """Partition ``index``'s bytes from a tier this process reads itself (following a move
+        to another tier since ``info`` was read): (tier, bytes, location, where)."""
         location = info.location
         where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
         try:
@@ -299,13 +311,22 @@ class Store:
             raise StoreError(f"{where} is missing") from None
         except OSError as exc:
             raise StoreError(f"{where} is unreadable: {exc}") from None
-        if verify and self.needs_verify(info, index, location):
-            self._check(buf, part, where)
-            self._remember_verified(info, index)
-        table = self._open(tier, buf, part, where)
-        if count:
-            self.reads.local += part.bytes
-        return table
+        return tier, buf, location, where
+
+    def partition_bytes(self, info: DatasetInfo, index: int) -> pa.Buffer:
+        """Partition ``index``'s exact file bytes, always checked against the metadata's
+        checksum (``ChecksumError`` naming it): mapped or downloaded here as ``partition`` reads
+        them, or fetched from the store service of the host that holds it (or its
+        written-through copy).  Counted in neither ``reads`` nor the verified set: what a copy
+        of the dataset to another store (``store.crossing``) reads."""
+        part = info.partitions[index]
+        if not self.is_here(part):
+            buf = remote.fetch_partition(self._where(), info, index, self._tier_for)
+            where = f"dataset {info.name!r} partition {index} (fetched from {part.host or part.endpoint})"
+        else:
+            _, buf, _, where = self._read_here(info, index)
+        self._check(buf, part, f"{self._where()}: {where}")
+        return buf
 
     def check(self, info: DatasetInfo, index: int) -> None:
         """Raise unless partition ``index`` is there and passes its checksum: read here, or
@@ -454,8 +475,7 @@ class Store:
         (or from its written-through copy when the host is gone), always checked."""
         part = info.partitions[index]
         where = f"dataset {info.name!r} partition {index}"
-        buf = remote.fetch_partition(self._where(), info, index, self._tier_for)
-        self._check(buf, part, f"{where} (fetched from {part.host or part.endpoint})")
+        buf = self.partition_bytes(info, index)
         if count:
             self.reads.fetched += part.bytes
         return self._open(self.tier, buf, part, where)
@@ -562,10 +582,13 @@ class Store:
         run: str,
         replace: bool,
         committed: bool = False,
+        *,
+        origin: dict[str, str] | None = None,
     ) -> DatasetInfo:
         """Publish a staged dataset: move its files into place (file tier), then one atomic
         metadata step; only then can a reader find it.  ``committed``: each host moved its
-        own partitions into place already (``commit_here``: a put whose ranks span hosts)."""
+        own partitions into place already (``commit_here``: a put whose ranks span hosts).
+        ``origin``: where a crossed dataset came from (``store.crossing``)."""
         _check_name(name)
         final = self.tier.final(self.session, name, staging_id)
         if not committed:
@@ -583,6 +606,7 @@ class Store:
             run,
             now,
             accessed=now,
+            origin=origin or {},
         )
         try:
             old = self.meta.seal(info, replace)

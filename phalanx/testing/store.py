@@ -85,6 +85,17 @@ class MetadataContract:
         assert not got.pinned and got.num_rows == 7 and got.nbytes == 700
         assert [x.name for x in meta.list("s")] == ["d"] and meta.sessions() == ["s"]
 
+    def test_a_crossed_datasets_origin_is_kept(self, meta):
+        """``DatasetInfo.origin`` (store.crossing): stored, moved along, absent when not given."""
+        origin = {"store": "s3://bucket/p", "session": "etl", "name": "d", "version": "v0"}
+        crossed = dataset()
+        crossed.origin = dict(origin)
+        meta.seal(crossed, replace=False)
+        meta.seal(dataset(name="e"), replace=False)
+        assert meta.get("s", "d").origin == origin and meta.get("s", "e").origin == {}
+        assert meta.relocate("s", "d", "v1", "/x/v1", "/y/v1") and meta.get("s", "d").origin == origin
+        assert meta.get("s", "d").summary()["origin"] == origin and "origin" not in meta.get("s", "e").summary()
+
     def test_a_name_exists_unless_replaced(self, meta):
         meta.seal(dataset(version="v1"), replace=False)
         with pytest.raises(FileExistsError):

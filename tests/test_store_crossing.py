@@ -18,11 +18,6 @@ import pyarrow as pa
 import pytest
 from test_store_backends import s3_endpoint, s3_root  # noqa: F401  (the moto fixture)
 
-try:  # the real S3-compatible server's fixture (marker s3), where test_store_backends has it
-    from test_store_backends import seaweedfs_endpoint
-except ImportError:
-    seaweedfs_endpoint = None
-
 import phalanx as px
 from phalanx.errors import ChecksumError, DatasetExistsError
 from phalanx.store.crossing import Crossing, CrossingProgress, cross
@@ -281,14 +276,10 @@ def test_a_catalogue_of_the_previous_version_gains_the_origin_column(tmp_path):
 
 
 @pytest.mark.s3
-def test_file_to_a_real_s3_server_and_back_is_byte_identical(request, tmp_path, monkeypatch):
-    """Against SeaweedFS (tests/infra/seaweedfs.py): every object the server stores holds the
-    partition's exact bytes (a crossing reads each one back and checks it)."""
-    if seaweedfs_endpoint is None:
-        pytest.skip("tests/test_store_backends.py has no seaweedfs_endpoint fixture")
-    server = request.getfixturevalue("seaweedfs_endpoint")
-    for k, v in server.env().items():  # its credentials, for this test (moto's are the module's)
-        monkeypatch.setenv(k, v)
+def test_file_to_a_real_s3_server_and_back_is_byte_identical(seaweedfs_credentials, tmp_path):
+    """Against SeaweedFS (tests/conftest.py's fixture, tests/infra/seaweedfs.py): every object
+    the server stores holds the partition's exact bytes (a crossing reads each one back)."""
+    server = seaweedfs_credentials
     src = px.Store(tmp_path / "a", session="etl")
     src.put("features", parts_of(4, 3000))
     cloud = px.Store(s3_root(server.endpoint), session="train", metadata=f"sqlite://{tmp_path / 'cloud.sqlite'}")

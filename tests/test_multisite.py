@@ -18,6 +18,8 @@ import pytest
 from apps import wf_generate_reference as generated
 
 import phalanx as px
+from phalanx.executors import executors
+from phalanx.executors.local import LocalExecutor
 from phalanx.orchestrator.loading import load_workflow
 from phalanx.orchestrator.models import Site, Stage, StoreConfig, Workflow
 from phalanx.orchestrator.report import write_report
@@ -235,3 +237,30 @@ def test_sites_that_share_an_object_store_cross_through_it(db, tmp_path, seaweed
     expected = generated(4000, 2, seed=5).groupby("user", as_index=False)["amount"].sum()
     table = got.read("totals").to_pandas().sort_values("user").reset_index(drop=True)
     pd.testing.assert_frame_equal(table, expected, check_dtype=False)
+
+
+class UnreachableExecutor(LocalExecutor):
+    """A site whose resource manager does not answer when the run opens it (what a SLURM
+    controller or a Ray head that is down looks like to ``open_run``)."""
+
+    def open_run(self, *args, **kwargs) -> None:
+        raise ConnectionError("the resource manager at 192.0.2.1:6817 refused the connection")
+
+
+def test_a_site_that_cannot_be_reached_fails_only_its_stages_naming_it(db, tmp_path):
+    if "unreachable" not in executors.names():
+        executors.register(
+            "unreachable", "test_multisite:UnreachableExecutor", config="phalanx.executors.local:LocalConfig"
+        )
+    hpc, _ = two_sites(tmp_path)
+    down = Site(name="far", executor="unreachable", cores=2, store=StoreConfig(root=str(tmp_path / "far-store")))
+    wf = across()
+    sites = {"generate": hpc, "totals": down, "again": hpc}
+    result = run_workflow(wf, hpc, db=db, sites=sites)
+    assert not result.ok and set(result.failed) == {"totals"}
+    assert result.failed["totals"].startswith("site 'far' cannot be reached: ConnectionError: the resource manager")
+    stages = {s["stage"]: s["state"] for s in db.stages(result.run_id)}
+    assert stages == {"generate": "succeeded", "totals": "failed", "again": "succeeded"}
+    expected = generated(4000, 2, seed=5).groupby("user", as_index=False)["amount"].sum()
+    table = px.Store(hpc.store.root, session=result.session).read("totals_again").to_pandas()
+    pd.testing.assert_frame_equal(table.sort_values("user").reset_index(drop=True), expected, check_dtype=False)

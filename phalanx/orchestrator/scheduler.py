@@ -68,6 +68,7 @@ class SiteRun:
         # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
         self.idle: dict[tuple[int, ...], Gang] = {}
         self.opened = False
+        self.down = ""  # why the site could not be opened for this run ("" when it was)
 
     @property
     def name(self) -> str:
@@ -142,7 +143,13 @@ class Scheduler:
             self._event(None, "sites", f"{len(self.sites)} sites: {plan}")
         try:
             for here in self.sites.values():
-                self._open_site(here, pending)
+                try:
+                    self._open_site(here, pending)
+                except Exception as exc:  # one site's resource manager unreachable...
+                    if len(self.sites) == 1:
+                        raise  # ...on one site, the run's own failure, as always
+                    here.down = f"site {here.name!r} cannot be reached: {type(exc).__name__}: {exc}"
+                    self._event(None, "site down", here.down)  # ...on several: only its stages fail
             return self._run(pending, done, deps)
         finally:
             for here in self.sites.values():
@@ -238,9 +245,9 @@ class Scheduler:
         running: dict[Future, tuple[str, list[int]]] = {}
         for name in list(pending):  # a gang the site can never place fails now, not never
             ranks, here = self.wf.stages[name].ranks, self.at(name)
-            if ranks > here.capacity:
+            if here.down or ranks > here.capacity:
                 pending.remove(name)
-                failed[name] = (
+                failed[name] = here.down or (
                     f"{ranks} ranks, but site {here.name!r} ({here.site.executor}) can give at "
                     f"most {here.capacity} at once"
                 )
@@ -557,6 +564,10 @@ class Scheduler:
         if not command:  # the stage model's validator requires one for a command stage
             error = f"stage {name!r} is a command stage without a command"
             return error, error, None
+        try:  # its inputs sealed on another site cross first, as a bsp stage's do
+            crossed = self._cross_inputs(name)
+        except Exception as exc:
+            return error_summary(exc), str(exc), None
         gang = self._gang(name, slots, log_dir)
         env = {f"{ENV_PARAM_PREFIX}{k.upper()}": str(v) for k, v in st.params.items()}
         self._event(name, "start", f"attempt {attempt}: {counted(st.ranks, 'rank')} of {command[0]!r} on slots {slots}")
@@ -573,7 +584,7 @@ class Scheduler:
             self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
             with self._lock:
                 self._gangs.pop(name, None)
-        self._succeeded(name, attempt, f"{counted(st.ranks, 'rank')} exited 0")
+        self._succeeded(name, attempt, f"{counted(st.ranks, 'rank')} exited 0", crossed=crossed)
         return None
 
 

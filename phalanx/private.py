@@ -104,3 +104,25 @@ def create_private(path: str | os.PathLike, truncate: bool = False) -> Path:
     an existing file is emptied.  SQLite gives a database's -wal and -shm files its mode."""
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT | (os.O_TRUNC if truncate else 0), FILE_MODE))
     return Path(path)
+
+
+def read_private_file(path: str | os.PathLike, what: str) -> str:
+    """The text of ``path``, a regular file of this user's that only this user can read (a
+    secret: a token, credentials); ``UnsafePathError`` naming ``what`` and the path otherwise —
+    never the contents."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UnsafePathError(f"{what} {path} is not a regular file")
+        if st.st_uid != os.getuid():
+            raise UnsafePathError(
+                f"{what} {path} is owned by {_user(st.st_uid)} (uid {st.st_uid}), not by you ({_user(os.getuid())})"
+            )
+        if st.st_mode & 0o077:
+            raise UnsafePathError(
+                f"{what} {path} has mode {stat.S_IMODE(st.st_mode):04o}: others could read it (chmod 600 it)"
+            )
+        return os.read(fd, 1 << 20).decode()
+    finally:
+        os.close(fd)

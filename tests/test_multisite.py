@@ -217,10 +217,16 @@ def test_a_python_workflow_names_a_site_per_stage(tmp_path, monkeypatch):
     assert not px.Store(tmp_path / "hpc-store", session=result.session).exists("totals")
 
 
-def test_sites_that_share_an_object_store_cross_through_it(db, tmp_path, seaweedfs_credentials):
+def test_sites_that_share_an_object_store_cross_through_it(db, tmp_path, seaweedfs_endpoint, monkeypatch):
     """Two sites whose stores do not reach each other's hosts but name the same exchange (a real
-    S3-compatible server, SeaweedFS): tx goes up to it and down to the consumer's store."""
-    exchange = f"s3://phalanx-test/exchange?endpoint_override={seaweedfs_credentials.endpoint}"
+    S3-compatible server, SeaweedFS): tx goes up to it and down to the consumer's store.  Its
+    credentials by reference (env:EXCHANGE); the AWS variables hold wrong ones, so a crossing
+    that used them would be refused."""
+    monkeypatch.setenv("EXCHANGE_ACCESS_KEY_ID", seaweedfs_endpoint.access_key)
+    monkeypatch.setenv("EXCHANGE_SECRET_ACCESS_KEY", seaweedfs_endpoint.secret_key)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "not-the-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    exchange = f"s3://phalanx-test/exchange?endpoint_override={seaweedfs_endpoint.endpoint}&credentials=env:EXCHANGE"
     hpc, cloud = two_sites(tmp_path)
     hpc.store.exchange = cloud.store.exchange = exchange
     wf = across()
@@ -230,6 +236,8 @@ def test_sites_that_share_an_object_store_cross_through_it(db, tmp_path, seaweed
     crossed = {s["stage"]: s for s in db.stages(result.run_id)}["totals"]["inputs"]["tx"]["crossed"]
     src = px.Store(hpc.store.root, session=result.session).info("tx")
     assert crossed["path"] == "object store" and crossed["bytes"] == 2 * src.nbytes  # up, then down
+    records = str(db.stages(result.run_id)) + str(db.events(result.run_id))
+    assert seaweedfs_endpoint.secret_key not in records
     middle = px.Store(exchange, session=result.session)
     assert [p.checksum for p in middle.info("tx").partitions] == [p.checksum for p in src.partitions]
     got = px.Store(cloud.store.root, session=result.session)

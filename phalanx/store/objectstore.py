@@ -4,7 +4,9 @@ Root URL: ``s3://bucket/prefix?endpoint_override=http://host:port&region=us-east
 The endpoint (and region) travel in the URL so every rank of a gang that gets the URL through
 ``PHALANX_STORE`` talks to the same server; credentials do not: they come from the usual AWS
 environment variables (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOKEN``),
-which ranks inherit from the driver, or from the AWS credential chain of each host.
+which ranks inherit from the driver, or from the AWS credential chain of each host — or from the
+reference the URL names (``credentials=env:NAME`` or ``file:PATH``; ``credentials.py``), so two
+sites' object stores can use different keys in one run.
 
 Object stores cannot rename, so there is no staging area: a put writes each partition under its
 final key prefix ``<prefix>/<session>/<name>/<staging_id>/part-00000.arrow`` and the metadata
@@ -23,9 +25,10 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 
 from ..redact import redact
+from .credentials import resolve as resolve_credentials
 from .tiers import Staged, Tier, checksum_buffer, part_file, serialize
 
-_OPTIONS = ("endpoint_override", "region", "scheme", "anonymous", "force_virtual_addressing")
+_OPTIONS = ("endpoint_override", "region", "scheme", "anonymous", "force_virtual_addressing", "credentials")
 
 # pyarrow's AWS SDK sends uploads as ``aws-chunked`` bodies with checksum trailers unless told
 # otherwise; S3-compatible servers that do not decode that framing (SeaweedFS, seen here) store it
@@ -54,7 +57,7 @@ def parse_s3_url(url: str) -> tuple[str, dict[str, Any]]:
     if unknown:
         raise ValueError(
             f"store URL {redact(url)!r}: unknown option(s) {sorted(unknown)}; "
-            f"known: {', '.join(_OPTIONS)} (credentials come from AWS_* variables)"
+            f"known: {', '.join(_OPTIONS)} (credentials=env:NAME or file:PATH, else the AWS_* variables)"
         )
     kwargs: dict[str, Any] = {}
     endpoint = (
@@ -72,6 +75,11 @@ def parse_s3_url(url: str) -> tuple[str, dict[str, Any]]:
     for flag in ("anonymous", "force_virtual_addressing"):
         if flag in query:
             kwargs[flag] = query[flag].lower() in ("1", "true", "yes")
+    if "credentials" in query:  # a reference (env:NAME, file:PATH), resolved here: credentials.py
+        try:
+            kwargs.update(resolve_credentials(query["credentials"]))
+        except (ValueError, OSError) as exc:
+            raise type(exc)(f"store URL {redact(url)!r}: {exc}") from None
     base = (u.netloc + "/" + u.path.strip("/")).rstrip("/")
     return base, kwargs
 

@@ -68,7 +68,7 @@ from ..errors import (
     UnsafePathError,
 )
 from ..paths import ENV_SPILL, state_dir
-from ..private import FILE_MODE
+from ..private import FILE_MODE, read_private_file
 from ..runtime.envvars import ENV_STORE_TOKEN as ENV_TOKEN
 from ..runtime.envvars import ENV_STORE_TOKEN_FILE as ENV_TOKEN_FILE
 from . import http_bytes
@@ -104,19 +104,7 @@ _NOT_FOUND, _REFUSED, _CORRUPT = b"phalanx:not-found", b"phalanx:refused", b"pha
 # ---- the secret -----------------------------------------------------------------------------
 def read_token_file(path: str | os.PathLike[str]) -> str:
     """The secret in ``path``: a regular file of this user's that only this user can read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafePathError(f"token file {path} is not a regular file")
-        check_mine(path, st)
-        if st.st_mode & 0o077:
-            raise UnsafePathError(
-                f"token file {path} has mode {stat.S_IMODE(st.st_mode):04o}: others could read it (chmod 600 it)"
-            )
-        token = os.read(fd, 1 << 16).decode().strip()
-    finally:
-        os.close(fd)
+    token = read_private_file(path, "token file").strip()
     if not token:
         raise ValueError(f"token file {path} is empty")
     return token

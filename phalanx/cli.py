@@ -414,12 +414,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     for e in db.events(args.run):
         if e["kind"] == "release":
             released.setdefault(e["stage"], []).append(e["message"])
-    for s in db.stages(args.run):
+    stages = db.stages(args.run)
+    several = len({s.get("site") for s in stages if s.get("site")}) > 1  # a run over several sites
+    for s in stages:
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
+        site = f"  on {s['site']}" if several and s.get("site") else ""
         print(
             f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
-            f"  {took:>7}  {rows}{('  ' + s['error']) if s['error'] else ''}"
+            f"  {took:>7}  {rows}{site}{('  ' + s['error']) if s['error'] else ''}"
         )
         if s["stage"] in placed and s["state"] == "running":  # e.g. "slurm: job 42 RUNNING on n[1-2]"
             print(f"      on {placed[s['stage']]}")

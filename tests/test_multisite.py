@@ -8,6 +8,7 @@ executor); the multi-site runs on SLURM + Kubernetes are in the multisite lane's
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -100,6 +101,13 @@ def test_stages_on_two_sites_get_their_input_across_once_byte_identical(db, tmp_
     assert f"crossed from site hpc (direct, {src.nbytes / 1e6:.1f} MB in" in status.stdout, status.stdout
     assert "crossed from site hpc earlier in this run" in status.stdout
     page = write_report(db, result.run_id, tmp_path / "report.html").read_text()
+    # the timeline: one group of lanes per site, each under its name, its stages in it
+    hpc_at, cloud_at = (
+        page.index('class="site-group" data-site="hpc"'),
+        page.index('class="site-group" data-site="cloud"'),
+    )
+    assert hpc_at < page.index('data-stage="generate"') < cloud_at < page.index('data-stage="totals"')
+    assert re.search(r"generate +succeeded .* on hpc", status.stdout), status.stdout
     assert f'<td class="crossed" data-bytes="{src.nbytes}">from hpc (direct, ' in page
     events = [(e["stage"], e["kind"], e["message"]) for e in db.events(result.run_id)]
     assert any(k == "sites" and "generate on hpc, totals on cloud, again on cloud" in m for _, k, m in events)

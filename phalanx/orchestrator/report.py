@@ -37,6 +37,7 @@ COLOURS = {
 # Timeline geometry, in SVG user units (= CSS pixels at 100 %).
 WIDTH, LABEL_W, RIGHT = 1000, 180, 36  # picture width, stage-name column, right margin
 TOP, LANE_H, GAP, BOTTOM = 34, 34, 6, 12  # axis band, lane height, space between lanes, bottom margin
+GROUP_H = 18  # the title of a site's group of lanes (a run over several sites)
 PAD = 3  # attempt bar inside its lane; rank bars inside the attempt bar
 
 
@@ -172,14 +173,30 @@ class Axis:
 
 
 def timeline_svg(s: dict) -> str:
+    """One lane per stage; on a run over several sites the lanes are grouped by site, each
+    group under its site's name."""
     axis = Axis(s["t0"], max(s["t1"] - s["t0"], 1e-3))
-    height = TOP + len(s["stages"]) * (LANE_H + GAP) + BOTTOM
+    groups: dict[str, list[dict]] = {}
+    for st in s["stages"]:
+        groups.setdefault(st.get("site") or "", []).append(st)
+    titled = len(groups) > 1
+    height = TOP + len(s["stages"]) * (LANE_H + GAP) + (len(groups) * GROUP_H if titled else 0) + BOTTOM
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="timeline" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',
         _ticks_svg(axis, height),
     ]
-    parts += [_lane_svg(st, i, axis) for i, st in enumerate(s["stages"])]
+    y = TOP
+    for site, stages in groups.items():
+        if titled:
+            parts.append(
+                f'<text class="site-group" data-site="{esc(site)}" x="4" y="{y + GROUP_H - 4}" '
+                f'font-weight="bold" fill="#333">site {esc(site)}</text>'
+            )
+            y += GROUP_H
+        for st in stages:
+            parts.append(_lane_svg(st, y, axis))
+            y += LANE_H + GAP
     return "\n".join(parts + ["</svg>"])
 
 
@@ -221,8 +238,8 @@ def _ticks_svg(axis: Axis, height: float) -> str:
     return "\n".join(parts + ["</g>"])
 
 
-def _lane_svg(st: dict, i: int, axis: Axis) -> str:
-    name, y = st["stage"], TOP + i * (LANE_H + GAP)
+def _lane_svg(st: dict, y: float, axis: Axis) -> str:
+    name = st["stage"]
     short = name if len(name) <= 26 else name[:25] + "…"
     label_y = y + LANE_H / 2 + (0 if st["reused"] else 4)
     parts = [

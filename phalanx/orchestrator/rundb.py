@@ -49,6 +49,7 @@ _ADDED = [
     ("stages", "fingerprint", "TEXT"),
     ("runs", "pid_started", "INTEGER"),  # the driver's start time and boot: with pid, one process for good
     ("runs", "boot_id", "TEXT"),
+    ("stages", "site", "TEXT"),  # the site a stage runs on (a workflow on several sites)
 ]
 _TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
@@ -166,6 +167,13 @@ class RunDB:
             con.executemany(
                 "INSERT OR IGNORE INTO stages (run_id, stage, state, ranks) VALUES (?,?,?,?)",
                 [(run_id, s, "pending", r) for s, r in stages.items()],
+            )
+
+    def set_stage_sites(self, run_id: str, sites: dict[str, str]) -> None:
+        """The site each stage runs on (stage → site name)."""
+        with self._con() as con:
+            con.executemany(
+                "UPDATE stages SET site=? WHERE run_id=? AND stage=?", [(v, run_id, k) for k, v in sites.items()]
             )
 
     def set_run(self, run_id: str, state: str) -> None:

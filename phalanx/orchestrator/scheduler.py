@@ -137,6 +137,7 @@ class Scheduler:
         }
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
+        self.db.set_stage_sites(self.run_id, self.where)
         self._pending = pending
         if len(self.sites) > 1:
             plan = ", ".join(f"{name} on {self.where[name]}" for name in self.wf.stages)

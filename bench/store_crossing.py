@@ -1,126 +1,160 @@
 #!/usr/bin/env python
-"""A dataset crossing between stores (phalanx.store.crossing.cross) next to copying the same
-bytes without phalanx, in the same repetition.
+"""A dataset crossing between two sites' stores, by each path phalanx takes, next to copying the
+same bytes with the S3 server's own client — one run, the same data, interleaved repetitions.
 
-    .venv/bin/python bench/store_crossing.py --mb 256 --parts 8 --reps 3
+    .venv/bin/python bench/store_crossing.py                  # 192 MB in 8 partitions, 3 reps
+    .venv/bin/python bench/store_crossing.py --mb 48 --parts 6 --reps 5
 
-Cases: file→file (two store roots under /dev/shm) against ``shutil.copyfile`` of each partition
-file; file→S3 and S3→file against a real SeaweedFS server on loopback (tests/infra/seaweedfs.py:
-needs the built ``weed`` binary) against writing / reading each partition's bytes with
-pyarrow's S3 filesystem directly (no checksum, no read back).  A crossing reads each partition
-once, hashes it, writes it, and reads it back from the destination to hash it again.
+Data: user-shaped transactions (the ETL example's: string keys and categories, ints, floats,
+timestamps, bools; bench/store_remote.py's ``user_table``), sealed by a put in the producer
+site's store (a file tier under /dev/shm).  The consumer site's store is another root.  Paths:
+
+  direct              cross(producer, "tx", consumer): each partition read where it lives,
+                      checked, written, read back and checked (phalanx.store.crossing)
+  via object store    the same through an exchange both sites name: up to a real S3-compatible
+                      server (SeaweedFS on loopback, tests/infra/seaweedfs.py), then down
+    up / down         the two legs of it
+  weed client up      SeaweedFS's own client copying the same partition files into the same
+                      server (``weed filer.copy``, into /buckets/<bucket>/...)
+  weed client down    and reading them back out of its filer (HTTP GET, the filer's own API)
+  copyfile            shutil.copyfile of the same files between the two roots (no checks)
+
+Prints median MB/s, seconds per GB and each path's ratio to its reference (direct vs copyfile;
+object store up/down vs the weed client up/down).  Needs the built ``weed`` binary
+(tests/infra/seaweedfs-build.sh) for the object-store rows.  Results: docs/crossing.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
-import numpy as np
-import pyarrow as pa
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE.parent / "tests"), str(HERE)]
 
-import phalanx as px
-from phalanx.store.crossing import cross
-from phalanx.store.tiers import part_file
+from store_remote import user_table  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-
-def table_of_bytes(nbytes: int, seed: int) -> pa.Table:
-    rows = nbytes // 16
-    rng = np.random.default_rng(seed)
-    return pa.table({"key": rng.integers(0, rows, rows), "value": rng.random(rows)})
+import phalanx as px  # noqa: E402
+from phalanx.store.crossing import cross  # noqa: E402
+from phalanx.store.tiers import part_file  # noqa: E402
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mb", type=int, default=256, help="dataset size")
+    ap.add_argument("--mb", type=int, default=192, help="dataset size in MB")
     ap.add_argument("--parts", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--no-s3", action="store_true", help="only the direct path and copyfile")
     args = ap.parse_args()
     base = Path(tempfile.mkdtemp(prefix="px-cross-", dir="/dev/shm"))
-    rows: list[tuple[str, float, float]] = []
+    times: dict[str, list[float]] = {}
     server = None
+
+    def timed(case: str, fn) -> object:
+        t = time.perf_counter()
+        out = fn()
+        times.setdefault(case, []).append(time.perf_counter() - t)
+        return out
+
     try:
-        src = px.Store(base / "a", session="etl")
+        producer = px.Store(base / "hpc", session="etl")
         part = args.mb * 1_000_000 // args.parts
-        src.put("d", [table_of_bytes(part, i) for i in range(args.parts)])
-        info = src.info("d")
+        producer.put("tx", [user_table(part, seed=i) for i in range(args.parts)])
+        info = producer.info("tx")
+        files = [Path(info.location) / part_file(i) for i in range(info.num_partitions)]
         mb = info.nbytes / 1e6
-        print(f"dataset: {mb:.0f} MB in {info.num_partitions} partitions")
-        cloud_url = None
+        print(
+            f"# dataset: {mb:.0f} MB in {info.num_partitions} partitions of user-shaped rows ({info.num_rows:,} rows)"
+        )
+        print(f"# load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())} ({os.cpu_count()} CPUs)")
+        exchange = weed = filer = None
         if not args.no_s3:
             from infra import seaweedfs
 
             weed = seaweedfs.find_binary()
             if weed is None:
-                print(f"no SeaweedFS: {seaweedfs.why_missing()}")
+                print(f"# no SeaweedFS: {seaweedfs.why_missing()}")
             else:
-                import os
-
                 server = seaweedfs.start(weed)
                 server.create_bucket("bench")
                 os.environ.update(server.env())
-                cloud_url = f"s3://bench/{{}}?endpoint_override={server.endpoint}"
-                # the server's first writes to a bucket grow its volumes (seconds): not measured
-                warm = px.Store(cloud_url.format("warm"), metadata=f"sqlite://{base / 'warm.sqlite'}")
-                warm.tier.write_buffer(f"{warm.tier.url}/w", 0, src.tier.read_buffer(info.location, 0))
+                exchange = f"s3://bench/{{}}?endpoint_override={server.endpoint}"
+                filer = f"127.0.0.1:{server.ports['filer']}.{server.ports['filer_grpc']}"
+                # a new bucket's first writes grow its volumes (seconds): warmed, not measured
+                warm = px.Store(exchange.format("warm"), metadata=f"sqlite://{base / 'warm.sqlite'}")
+                warm.tier.write_buffer(f"{warm.tier.url}/w", 0, producer.tier.read_buffer(info.location, 0))
                 warm.tier.remove(warm.tier.url)
         for rep in range(args.reps):
-            dst = px.Store(base / f"b{rep}", session="train")
-            t = time.perf_counter()
-            c = cross(src, "d", dst)
-            rows.append(("file→file cross", mb / (time.perf_counter() - t), c.seconds))
-            out = base / f"cp{rep}"
+            consumer = px.Store(base / f"cloud{rep}", session="train")
+            timed("direct", lambda: cross(producer, "tx", consumer))
+            out = base / f"copy{rep}"
             out.mkdir()
-            t = time.perf_counter()
-            for i in range(info.num_partitions):
-                shutil.copyfile(Path(info.location) / part_file(i), out / part_file(i))
-            rows.append(("file→file copyfile", mb / (time.perf_counter() - t), 0))
-            shutil.rmtree(out)
-            if cloud_url is not None:
-                cloud = px.Store(
-                    cloud_url.format(uuid.uuid4().hex[:8]),
-                    session="train",
-                    metadata=f"sqlite://{base / f'cloud{rep}.sqlite'}",
+            timed("copyfile", lambda: [shutil.copyfile(f, out / f.name) for f in files])
+            if exchange is not None:
+                middle = px.Store(
+                    exchange.format(uuid.uuid4().hex[:8]), session="x", metadata=f"sqlite://{base / f'x{rep}.sqlite'}"
                 )
-                t = time.perf_counter()
-                cross(src, "d", cloud)
-                rows.append(("file→S3 cross", mb / (time.perf_counter() - t), 0))
-                raw = f"{cloud.tier.url}/raw"
-                t = time.perf_counter()
-                for i in range(info.num_partitions):
-                    cloud.tier.write_buffer(raw, i, src.tier.read_buffer(info.location, i))
-                rows.append(("file→S3 pyarrow write", mb / (time.perf_counter() - t), 0))
-                back = px.Store(base / f"c{rep}", session="report")
-                t = time.perf_counter()
-                cross(cloud, "d", back)
-                rows.append(("S3→file cross", mb / (time.perf_counter() - t), 0))
-                t = time.perf_counter()
-                for i in range(info.num_partitions):
-                    buf = cloud.tier.read_buffer(raw, i)
-                    (base / "one.arrow").write_bytes(memoryview(buf))
-                    del buf
-                rows.append(("S3→file pyarrow read", mb / (time.perf_counter() - t), 0))
-                cloud.tier.remove(cloud.tier.url)
-                shutil.rmtree(base / f"c{rep}")
-            shutil.rmtree(base / f"b{rep}")
-        print(f"{'case':24} {'median MB/s':>12} {'best MB/s':>10}")
-        for case in dict.fromkeys(r[0] for r in rows):
-            speeds = [r[1] for r in rows if r[0] == case]
-            print(f"{case:24} {statistics.median(speeds):12.0f} {max(speeds):10.0f}")
+                landed = px.Store(base / f"cloud-x{rep}", session="train")
+                timed("object store up", lambda: cross(producer, "tx", middle))
+                timed("object store down", lambda: cross(middle, "tx", landed))
+                times.setdefault("via object store", []).append(
+                    times["object store up"][-1] + times["object store down"][-1]
+                )
+                folder = f"/buckets/bench/weed-{rep}/"
+                timed("weed client up", lambda: _weed_copy(weed, files, f"http://{filer}{folder}"))
+                back = base / f"weed-back{rep}"
+                back.mkdir()
+                timed("weed client down", lambda: _filer_get(server, folder, files, back))
+                for f in files:  # the server's client moved the same bytes
+                    assert (back / f.name).stat().st_size == f.stat().st_size
+                middle.tier.remove(middle.tier.url)
+                shutil.rmtree(back)
+                shutil.rmtree(base / f"cloud-x{rep}")
+            shutil.rmtree(out)
+            shutil.rmtree(base / f"cloud{rep}")
+        print(f"# load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        refs = {
+            "direct": "copyfile",
+            "object store up": "weed client up",
+            "object store down": "weed client down",
+            "via object store": None,
+        }
+        print(f"{'path':20} {'median MB/s':>12} {'best MB/s':>10} {'s per GB':>9}  vs")
+        for case, spent in times.items():
+            med = statistics.median(spent)
+            ref = refs.get(case)
+            vs = f"{statistics.median(times[ref]) / med:5.2f}x {ref}" if ref and ref in times else ""
+            print(f"{case:20} {mb / med:12.0f} {mb / min(spent):10.0f} {med / mb * 1000:9.2f}  {vs}")
+        if "via object store" in times:
+            both = statistics.median(times["weed client up"]) + statistics.median(times["weed client down"])
+            print(
+                f"via object store vs weed client up + down: {both / statistics.median(times['via object store']):.2f}x"
+            )
     finally:
         if server is not None:
             server.stop()
         shutil.rmtree(base, ignore_errors=True)
     return 0
+
+
+def _weed_copy(weed: Path | None, files: list[Path], target: str) -> None:
+    subprocess.run([str(weed), "filer.copy", *map(str, files), target], check=True, capture_output=True)
+
+
+def _filer_get(server, folder: str, files: list[Path], into: Path) -> None:
+    for f in files:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.ports['filer']}{folder}{f.name}") as resp:
+            with open(into / f.name, "wb") as out:
+                shutil.copyfileobj(resp, out, 1 << 22)
 
 
 if __name__ == "__main__":

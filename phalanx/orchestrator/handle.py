@@ -117,9 +117,11 @@ class RunHandle:
         file: str = "<python>",
         resume: str | None = None,
         on_event: Callable[[str, str, str], None] | None = None,
+        sites: dict[str, Site] | None = None,
     ) -> RunHandle:
         """Start running ``wf`` (a checked model) on ``site``; returns once the run is in the run
-        DB.  Raises ``RunLockedError`` when ``resume`` names a run another driver holds."""
+        DB.  Raises ``RunLockedError`` when ``resume`` names a run another driver holds.
+        ``sites``: stage → its site (default: loaded from the stages' ``site:``)."""
         from .scheduler import prepare_run
 
         db = db or RunDB()
@@ -129,7 +131,7 @@ class RunHandle:
             if isinstance(on_event, RunProgress):  # in a notebook the live stage table replaces its lines
                 on_event = None
         cancelled = threading.Event()
-        scheduler = prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event)
+        scheduler = prepare_run(wf, site, file=file, db=db, resume=resume, on_event=on_event, sites=sites)
         return cls(scheduler, db, cancelled)
 
     def _drive(self) -> None:

@@ -366,47 +366,18 @@ class Scheduler:
         return crossed
 
     def _cross(self, dataset: str, there: SiteRun, here: SiteRun, stage: str) -> dict:
-        """One dataset from ``there``'s store into ``here``'s: streamed partition by partition,
-        each checked against its checksum, resumable, and once per run — a second reader on
-        this site (or a retry) finds it crossed (``already``) and nothing moves.  Through the
-        object store both sites name as their ``exchange`` when they do (two legs: up, then
-        down), else directly from the producer's store."""
-        from ..store.crossing import cross
+        """One dataset from ``there``'s store into ``here``'s (``crossings.cross_dataset``: through
+        the object store both sites name as their ``exchange`` when they do, else directly),
+        once per run — a second reader on this site (or a retry) finds it crossed (``already``)
+        and nothing moves."""
+        from .crossings import cross_dataset, crossing_message, shared_exchange
 
-        exchange = there.site.store.exchange
-        via = "object store" if exchange and exchange == here.site.store.exchange else "direct"
+        exchange = shared_exchange(there.site.store.exchange, here.site.store.exchange)
         with self._crossing:
-            try:
-                if via == "direct":
-                    legs = [cross(there.store, dataset, here.store, run=self.run_id)]
-                else:
-                    middle = Store(exchange, here.store.session)
-                    legs = [cross(there.store, dataset, middle, run=self.run_id)]
-                    legs.append(cross(middle, dataset, here.store, run=self.run_id))
-            except Exception as exc:
-                raise GangError(
-                    f"input {dataset!r} could not cross from site {there.name!r} to site {here.name!r} ({via}): {exc}"
-                ) from exc
-        moved, seconds = sum(c.bytes_moved for c in legs), sum(c.seconds for c in legs)
-        already = all(c.already for c in legs)
-        record = {
-            "from": there.name,
-            "to": here.name,
-            "bytes": moved,
-            "seconds": round(seconds, 3),
-            "path": via,
-            "already": already,
-        }
-        if already:
-            self._event(stage, "crossed", f"{dataset}: already crossed from {there.name} to {here.name} in this run")
-        else:
-            rate = moved / seconds / 1e6 if seconds > 0 else 0.0
-            self._event(
-                stage,
-                "crossed",
-                f"{dataset}: {there.name} → {here.name} ({via}), {moved / 1e6:,.1f} MB in "
-                f"{seconds:.2f} s ({rate:,.0f} MB/s), checksums verified",
+            record = cross_dataset(
+                dataset, there.store, here.store, exchange, src_site=there.name, dst_site=here.name, run=self.run_id
             )
+        self._event(stage, "crossed", crossing_message(dataset, record))
         return record
 
     def _recompute_lost_inputs(self, name: str, slots: list[int]) -> bool:

@@ -247,16 +247,52 @@ def _rank_order(path: Path) -> tuple[int, str]:
 
 
 # ---- what a run produced -------------------------------------------------------------------------
-def manifest(db: RunDB, run_id: str, store: Any) -> dict[str, Any]:
+def location(store: Any, exchange: str | None = None) -> dict[str, str]:
+    """Where a store is, for a manifest: its root and metadata URLs and the site's exchange, with
+    credentials masked (an S3 URL names its keys by reference, ``credentials=env:NAME``, and
+    even that reference is masked here: the consumer's site supplies its own)."""
+    from ...redact import redact
+
+    where = {"root": redact(str(store.tier.root_url)), "metadata": redact(str(getattr(store.meta, "url", "")))}
+    if exchange:
+        where["exchange"] = redact(exchange)
+    return where
+
+
+def manifest(db: RunDB, run_id: str, store: Any, sites: dict[str, Any] | None = None) -> dict[str, Any]:
     """The run's small manifest for XCom: run id, state, store session and each output dataset
-    with rows, bytes and partitioning (no data).  ``store``: a ``px.Store`` of the run's site."""
+    with rows, bytes and partitioning (no data), the site that sealed it and where that site's
+    store is (``location``: URLs with credentials masked), so that a task on another
+    site can bring it over.  ``store``: a ``px.Store`` of the run's site; ``sites``: site name →
+    site, of a run whose stages name their own."""
+    from ...store import Store
+
     run = db.run(run_id) or {}
     session = run.get("session", "")
-    sess = store.for_session(session) if session else store
+    home = run.get("site") or ""
+    stores: dict[str, Any] = {}
+
+    def store_of(site: str) -> Any:
+        if site == home or site not in (sites or {}):
+            return store
+        if site not in stores:
+            model = (sites or {})[site].store
+            stores[site] = Store(model.root, metadata=model.metadata)
+        return stores[site]
+
     outputs: dict[str, Any] = {}
     for s in db.stages(run_id):
+        site = s.get("site") or home
+        there = store_of(site)
+        sess = there.for_session(session) if session else there
+        exchange = (sites or {})[site].store.exchange if site in (sites or {}) else None
         for name in s["outputs"]:
-            entry: dict[str, Any] = {"dataset": f"{session}/{name}", "stage": s["stage"]}
+            entry: dict[str, Any] = {
+                "dataset": f"{session}/{name}",
+                "stage": s["stage"],
+                "site": site,
+                "store": location(there, exchange),
+            }
             try:
                 info = sess.info(name)
                 entry.update(

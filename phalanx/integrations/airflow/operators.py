@@ -24,7 +24,7 @@ import re
 import socket
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -119,12 +119,16 @@ class _Launch:
     wf: Any  # orchestrator.models.Workflow
     site: Any  # orchestrator.models.Site
     file: str
+    sites: dict[str, Any] = field(default_factory=dict)  # stage → its site, where a stage names its own
+    crossed: dict[str, dict[str, Any]] = field(default_factory=dict)  # input → how it crossed to this site
 
     def start(self, db: RunDB, resume: str | None, on_event: Callable[[str, str, str], None]):
         from ...orchestrator.handle import RunHandle
 
         _runs.pickle_functions_by_value(self.wf.apps.values())
-        return RunHandle.start(self.wf, self.site, db=db, file=self.file, resume=resume, on_event=on_event)
+        return RunHandle.start(
+            self.wf, self.site, db=db, file=self.file, resume=resume, on_event=on_event, sites=self.sites or None
+        )
 
     def detach(self, db: RunDB, resume: str | None) -> str:
         """A driver process of its own (as ``phalanx run --detach``'s) for the checked model."""
@@ -134,6 +138,10 @@ class _Launch:
         from ...store import Store
 
         return Store(self.site.store.root, metadata=self.site.store.metadata)
+
+    def by_name(self) -> dict[str, Any]:
+        """Site name → site, of every site the run uses (the manifest says where each output is)."""
+        return {s.name: s for s in (self.site, *self.sites.values())}
 
 
 class _PhalanxRunOperator(BaseOperator):
@@ -197,7 +205,7 @@ class _PhalanxRunOperator(BaseOperator):
             keep.set(run_id)
             if run_id != prior:
                 _runs.RunOwner(db.state_dir, run_id).claim(self._task.get("try_number"), self._task)
-            self._announce(db, run_id, resume, attach, "deferred to the triggerer: no worker slot is held")
+            self._announce(db, run_id, resume, attach, "deferred to the triggerer: no worker slot is held", launch)
             end_time, timeout = None, None
             if self.execution_timeout is not None:
                 end_time = time.time() + self.execution_timeout.total_seconds()
@@ -222,7 +230,7 @@ class _PhalanxRunOperator(BaseOperator):
             if run_id != prior:
                 _runs.RunOwner(db.state_dir, run_id).claim(self._task.get("try_number"), self._task)
             self._run_id = run_id
-            self._announce(db, run_id, resume, attach, "detached driver (cancel_on_kill=False)")
+            self._announce(db, run_id, resume, attach, "detached driver (cancel_on_kill=False)", launch)
             logs = _runs.RankLogs(db, run_id, since)
             _runs.wait_polling(db, run_id, logs_every, lambda: self._emit(logs.poll()))
             self._emit(logs.poll(final=True))
@@ -235,7 +243,7 @@ class _PhalanxRunOperator(BaseOperator):
             keep.set(handle.run_id)
             if handle.run_id != prior:
                 _runs.RunOwner(db.state_dir, handle.run_id).claim(self._task.get("try_number"), self._task)
-            self._announce(db, handle.run_id, resume, False, "driven by this task")
+            self._announce(db, handle.run_id, resume, False, "driven by this task", launch)
             logs = _runs.RankLogs(db, handle.run_id, since)
             while not handle.wait(logs_every):
                 self._emit(logs.poll())
@@ -333,8 +341,13 @@ class _PhalanxRunOperator(BaseOperator):
         except _runs.SubmitError as exc:
             raise AirflowException(str(exc)) from None
 
-    def _announce(self, db: RunDB, run_id: str, resume: str | None, attach: bool, how: str) -> None:
+    def _announce(self, db: RunDB, run_id: str, resume: str | None, attach: bool, how: str, launch: _Launch) -> None:
         self.log.info("%s", announcement(run_id, db.state_dir, resume, attach, how))
+        from ...orchestrator.crossings import crossing_message
+
+        for record in launch.crossed.values():  # the run's record says how its inputs got here
+            if not record["already"]:
+                db.event(run_id, "crossed", crossing_message(record["dataset"], record), _name(self.task_id))
 
     def _on_event(self, stage: str, kind: str, message: str) -> None:
         if stage:
@@ -377,7 +390,9 @@ class _PhalanxRunOperator(BaseOperator):
             line, full = _runs.failure_report(db, run_id)
             self.log.error("%s", full)
             raise AirflowException(f"{line}\n(phalanx status {run_id} · phalanx logs {run_id})")
-        result = _runs.manifest(db, run_id, launch.store())
+        result = _runs.manifest(db, run_id, launch.store(), launch.by_name())
+        if launch.crossed:
+            result["crossed"] = launch.crossed
         ti = context["ti"]
         for name, entry in result["outputs"].items():
             if name != "return_value":
@@ -412,7 +427,7 @@ class PhalanxWorkflowOperator(_PhalanxRunOperator):
         self.workflow, self.set = workflow, dict(set or {})
 
     def _prepare(self, context: Any) -> _Launch:
-        from ...orchestrator.loading import load_site, load_workflow
+        from ...orchestrator.loading import load_site, load_workflow, stage_sites
         from ...orchestrator.models import Workflow as WorkflowModel
         from ...orchestrator.validate import check
         from ...orchestrator.yamlio import ConfigError
@@ -421,7 +436,7 @@ class PhalanxWorkflowOperator(_PhalanxRunOperator):
             path = self._find(Path(self.workflow))
             overrides = {k: str(v) for k, v in self.set.items()}
             wf, site = load_workflow(path, site=self.site, overrides=overrides)
-            return _Launch(wf, site, str(path))
+            return _Launch(wf, site, str(path), stage_sites(wf, site, path.parent))
         built = callable(getattr(self.workflow, "model", None))  # a px.Workflow: its model() is the DAG
         if not (built or isinstance(self.workflow, WorkflowModel)):
             raise AirflowFailException(f"workflow must be a file or a px.Workflow, not {type(self.workflow).__name__}")
@@ -429,10 +444,11 @@ class PhalanxWorkflowOperator(_PhalanxRunOperator):
             raise AirflowFailException("set= changes workflow files; change the px.Workflow itself instead")
         wf = self.workflow.model() if built else self.workflow
         site = load_site(str(self.site or wf.site))
-        problems = check(wf, site, source=f"workflow {wf.name!r}", check_imports=False)
+        sites = stage_sites(wf, site)  # stages naming their own site: each checked against it
+        problems = check(wf, site, source=f"workflow {wf.name!r}", check_imports=False, sites=sites)
         if problems:
             raise ConfigError(problems)
-        return _Launch(wf, site, "<python>")
+        return _Launch(wf, site, "<python>", sites)
 
     def _find(self, path: Path) -> Path:
         """A relative path: from the working directory, else beside the DAG file (the file a
@@ -548,12 +564,43 @@ class PhalanxStageOperator(_PhalanxRunOperator):
             wf.apps[stage] = fn
         site = load_site(str(self.site or "local"))
         site = site.model_copy(update={"store": site.store.model_copy(update={"session": session})})
+        crossed = self._cross_inputs(site, session)  # upstream outputs sealed in another site's store
         existing = set(Store(site.store.root, session, metadata=site.store.metadata).list())
         problems = check(wf, site, source=f"task {self.task_id!r}", existing=existing, check_imports=fn is None)
         if problems:
             raise ConfigError(problems)
         file = str(self._write_workflow(context, data, session)) if fn is None else "<python>"
-        return _Launch(wf, site, file)
+        return _Launch(wf, site, file, crossed=crossed)
+
+    def _cross_inputs(self, site: Any, session: str) -> dict[str, dict[str, Any]]:
+        """Inputs that an upstream task sealed in another site's store (its manifest says where),
+        brought into this site's store first, in the dataset's own session
+        (``orchestrator.crossings``, as a workflow run's stages on several sites get theirs: once,
+        verified, resumable; through the object store both sites name as their exchange, else
+        directly).  Input → the crossing's record; an input of this site's store is left as is."""
+        from ...orchestrator.crossings import cross_dataset, crossing_message, shared_exchange
+        from ...store import Store
+
+        crossed: dict[str, dict[str, Any]] = {}
+        here = Store(site.store.root, session, metadata=site.store.metadata)
+        for local, value in self.inputs.items():
+            entry = output_entry(local, value)
+            if entry is None or "store" not in entry or same_location(entry["store"], _runs.location(here)):
+                continue
+            dataset = str(entry["dataset"])
+            own, _, short = dataset.rpartition("/")
+            there = source_store(entry, own or session)
+            record = cross_dataset(
+                short,
+                there,
+                here.for_session(own or session),
+                shared_exchange(entry["store"].get("exchange"), site.store.exchange),
+                src_site=str(entry.get("site", "?")),
+                dst_site=site.name,
+            )
+            self.log.info("phalanx input %s crossed: %s", local, crossing_message(dataset, record, "before"))
+            crossed[local] = {"dataset": dataset, **record}
+        return crossed
 
     def _write_workflow(self, context: Any, data: dict[str, Any], session: str) -> Path:
         """The one-stage workflow as a file under STATE/airflow/workflows/, for the record: the
@@ -626,6 +673,45 @@ def dataset_input(name: str, value: Any, session: str | None = None) -> Any:
         f'input {name!r}: expected a dataset ("SESSION/NAME", an upstream task\'s '
         f"manifest or output), got {type(value).__name__}: {value!r:.80}"
     )
+
+
+def output_entry(name: str, value: Any) -> dict[str, Any] | None:
+    """The upstream output entry (``{"dataset", "site", "store", ...}``) an input names — as
+    ``dataset_input`` reads it — or None where it is a bare ``"SESSION/NAME"``."""
+    if isinstance(value, dict) and "outputs" in value and "session" in value:
+        outputs = value["outputs"]
+        if name in outputs:
+            return outputs[name]
+        return next(iter(outputs.values())) if len(outputs) == 1 else None
+    if isinstance(value, dict) and "dataset" in value:
+        return value if isinstance(value["dataset"], str) else output_entry(name, value["dataset"])
+    return None
+
+
+def same_location(a: dict[str, str], b: dict[str, str]) -> bool:
+    """Both name one store (its root and its catalogue): nothing crosses."""
+    return (a.get("root"), a.get("metadata")) == (b.get("root"), b.get("metadata"))
+
+
+def source_store(entry: dict[str, Any], session: str) -> Any:
+    """The store an upstream output lives in, opened here: from the manifest's URLs where they
+    hold nothing masked, else from the producing site's file (found by its name, as any site)."""
+    from ...orchestrator.loading import load_site
+    from ...redact import MASK
+    from ...store import Store
+
+    where = entry["store"]
+    if MASK not in where["root"] and MASK not in where["metadata"]:
+        return Store(where["root"], session, metadata=where["metadata"] or None)
+    site_name = str(entry.get("site", ""))
+    site = load_site(site_name)
+    store = Store(site.store.root, session, metadata=site.store.metadata)
+    if not same_location(_runs.location(store), where):
+        raise AirflowException(
+            f"input {entry['dataset']!r}: its store ({where['root']}) needs credentials; the site file "
+            f"named {site_name!r} found here names another store ({_runs.location(store)['root']})"
+        )
+    return store
 
 
 def is_dataset(value: Any) -> bool:

@@ -54,20 +54,22 @@ def workflow_app(workflow: Any, site: Any = None, *, state: str | Path | None = 
     return join_app(run_workflow)
 
 
-def _model(workflow: Any, site: Any) -> tuple[Any, Any]:
-    from ...orchestrator.loading import load_site, load_workflow
+def _model(workflow: Any, site: Any) -> tuple[Any, Any, dict[str, Any]]:
+    """The workflow's model, its site, and each stage's site (a stage's ``site:``: a name, or a
+    file found beside a workflow file too)."""
+    from ...orchestrator.loading import load_site, load_workflow, stage_sites
 
     if isinstance(workflow, (str, Path)):
         # a site file's path as a str: find_site reads it as text (a Path failed in its endswith)
         wf, site_model = load_workflow(workflow, site=str(site) if isinstance(site, (str, Path)) else None)
         if site is not None and hasattr(site, "create_executor"):
             site_model = site
-        return wf, site_model
+        return wf, site_model, stage_sites(wf, site_model, Path(workflow).resolve().parent)
     # a px.Workflow (its model() is the DAG; this package builds on the layers below the Python API)
     wf = workflow.model() if callable(getattr(workflow, "model", None)) else workflow.model_copy(deep=True)
     if site is None or not hasattr(site, "create_executor"):
         site = load_site(str(site or wf.site))
-    return wf, site
+    return wf, site, stage_sites(wf, site)
 
 
 def _bind(wf: Any, site: Any, bindings: dict[str, Any]) -> None:
@@ -110,12 +112,12 @@ def _start(workflow: Any, site: Any, state: Any, resume: str | None, bindings: d
     from ...orchestrator.yamlio import ConfigError
     from ...store import Store
 
-    wf, site_model = _model(workflow, site)
+    wf, site_model, sites = _model(workflow, site)
     _bind(wf, site_model, bindings)
-    problems = check(wf, site_model, source=f"workflow {wf.name!r}", check_imports=False)
+    problems = check(wf, site_model, source=f"workflow {wf.name!r}", check_imports=False, sites=sites)
     if problems:  # as px.submit does, before anything starts
         raise ConfigError(problems)
-    handle = RunHandle.start(wf, site_model, db=RunDB(state), file="<parsl>", resume=resume)
+    handle = RunHandle.start(wf, site_model, db=RunDB(state), file="<parsl>", resume=resume, sites=sites)
     done = RunFuture(wf.name, handle.run_id)
 
     def wait() -> None:
@@ -126,8 +128,13 @@ def _start(workflow: Any, site: Any, state: Any, resume: str | None, bindings: d
                 bad = {n: s for n, s in status.stages.items() if s.state in ("failed", "cancelled")}
                 text = "; ".join(f"stage {n} {s.state}: {s.error or ''}".strip() for n, s in bad.items())
                 raise WorkflowFailed(f"{status.state}: {text or 'no stage succeeded'} (phalanx status {handle.run_id})")
-            store = Store(site_model.store.root, handle.session, metadata=site_model.store.metadata)
-            outputs = {out: DatasetRef.of(store, out) for st in wf.stages.values() for out in st.outputs}
+            stores: dict[str, Store] = {}  # an output is in the store of the site its stage ran on
+            outputs = {}
+            for name, st in wf.stages.items():
+                here = sites.get(name, site_model)
+                if here.name not in stores:
+                    stores[here.name] = Store(here.store.root, handle.session, metadata=here.store.metadata)
+                outputs.update({out: DatasetRef.of(stores[here.name], out) for out in st.outputs})
             done.set_result(WorkflowResult(handle.run_id, handle.session, outputs))
         except BaseException as exc:  # the run's own error, or the failure above
             done.set_exception(exc)

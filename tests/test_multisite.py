@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pandas as pd
+import pyarrow.fs as pafs
 import pytest
 from apps import wf_generate_reference as generated
 
@@ -246,8 +247,14 @@ def test_sites_that_share_an_object_store_cross_through_it(db, tmp_path, seaweed
     assert crossed["path"] == "object store" and crossed["bytes"] == 2 * src.nbytes  # up, then down
     records = str(db.stages(result.run_id)) + str(db.events(result.run_id))
     assert seaweedfs_endpoint.secret_key not in records
-    middle = px.Store(exchange, session=result.session)
-    assert [p.checksum for p in middle.info("tx").partitions] == [p.checksum for p in src.partitions]
+    # what crossed through the exchange was in transit: a succeeded run leaves nothing there
+    assert px.Store(exchange, session=result.session).list() == []
+    left = seaweedfs_endpoint.s3fs().get_file_info(pafs.FileSelector("phalanx-test/exchange", recursive=True))
+    assert [f.path for f in left if f.type == pafs.FileType.File] == []
+    said = [e["message"] for e in db.events(result.run_id) if e["kind"] == "exchange"]
+    assert len(said) == 1 and said[0].startswith(
+        "removed this run's 1 dataset(s) in transit from s3://phalanx-test/exchange"
+    )
     got = px.Store(cloud.store.root, session=result.session)
     assert [p.checksum for p in got.info("tx").partitions] == [p.checksum for p in src.partitions]
     expected = generated(4000, 2, seed=5).groupby("user", as_index=False)["amount"].sum()

@@ -13,7 +13,7 @@ from ..errors import GangError
 from ..redact import redact
 from ..store import Store
 
-__all__ = ["cross_dataset", "crossing_message", "shared_exchange"]
+__all__ = ["clear_exchange", "cross_dataset", "crossing_message", "shared_exchange"]
 
 
 def shared_exchange(there: str | None, here: str | None) -> str | None:
@@ -55,6 +55,12 @@ def cross_dataset(
         "path": via,
         "already": all(c.already for c in legs),
     }
+
+
+def clear_exchange(exchange: str, session: str) -> int:
+    """Remove ``session``'s datasets from the exchange ``exchange`` (they were in transit: every
+    consumer holds its own copy); how many."""
+    return Store(exchange, session).delete_session()
 
 
 def crossing_message(dataset: str, record: dict[str, Any], scope: str = "in this run") -> str:

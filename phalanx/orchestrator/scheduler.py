@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..errors import GangError, RankError
 from ..gang import Gang
+from ..redact import redact
 from ..runtime.envvars import ENV_PARAM_PREFIX
 from ..store import Store
 from ..store.repartition import rank_hosts
@@ -107,7 +108,7 @@ class Scheduler:
         self._cancelled = threading.Event()
         self._pending: list[str] = []  # stages not started yet
         self._nested: set[str] = set()  # stages run again inside another's retry (lost inputs)
-        self._crossed: dict[tuple[str, str], dict] = {}  # (dataset, site) → the crossing's record
+        self._exchanges: set[str] = set()  # object stores this run's crossings went through
         self._crossing = threading.Lock()  # one crossing at a time per run: a dataset crosses once
 
     def at(self, stage: str) -> SiteRun:
@@ -301,8 +302,25 @@ class Scheduler:
         ok = not real and not skipped
         # a cancel (Scheduler.cancel, a run handle's) ends the run "cancelled", as a Ctrl-C does
         state = "succeeded" if ok else "cancelled" if self._cancelled.is_set() else "failed"
+        if ok:
+            self._clear_exchanges()
         self.db.set_run(self.run_id, state)
         return RunResult(self.run_id, self.store.session, ok, real, skipped, state)
+
+    def _clear_exchanges(self) -> None:
+        """A succeeded run leaves nothing in the object stores it crossed through: its copies
+        there were in transit.  A failed run keeps them, so a resume does not send them again."""
+        from .crossings import clear_exchange
+
+        for exchange in sorted(self._exchanges):
+            try:
+                removed = clear_exchange(exchange, self.store.session)
+            except Exception as exc:  # the run's data is where it belongs; say what stayed behind
+                self._event(None, "exchange", f"could not remove this run's copies from {redact(exchange)}: {exc}")
+            else:
+                self._event(
+                    None, "exchange", f"removed this run's {removed} dataset(s) in transit from {redact(exchange)}"
+                )
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -373,6 +391,8 @@ class Scheduler:
         from .crossings import cross_dataset, crossing_message, shared_exchange
 
         exchange = shared_exchange(there.site.store.exchange, here.site.store.exchange)
+        if exchange:
+            self._exchanges.add(exchange)
         with self._crossing:
             record = cross_dataset(
                 dataset, there.store, here.store, exchange, src_site=there.name, dst_site=here.name, run=self.run_id

@@ -171,6 +171,7 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
         on_hpc = px.Store(host_root, handle.session, metadata=metadata)
         there = snapshot(on_hpc, ["transactions", "users", "features"])  # from the bed hosts' memory
         fetched = on_hpc.reads.as_dict()
+        on_exchange = snapshot(px.Store(exchange, handle.session))  # in transit: gone once the run succeeds
         read_s = time.monotonic() - t1
     finally:
         (gate / "go").touch()
@@ -181,7 +182,7 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
     stages = {s["stage"]: s for s in db.stages(result.run_id)}
     assert {s: stages[s]["state"] for s in STAGES} == dict.fromkeys(STAGES, "succeeded")
     on_cloud = snapshot(px.Store(tmp_path / "cloud", result.session))
-    on_exchange = snapshot(px.Store(exchange, result.session))
+    assert px.Store(exchange, result.session).list() == []  # the succeeded run removed its copies in transit
     at_home = snapshot(px.Store(tmp_path / "here", result.session))
 
     # ---- where each stage ran ------------------------------------------------------------------

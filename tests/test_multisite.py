@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
@@ -287,3 +288,24 @@ def test_a_site_that_cannot_be_reached_fails_only_its_stages_naming_it(db, tmp_p
     expected = generated(4000, 2, seed=5).groupby("user", as_index=False)["amount"].sum()
     table = px.Store(hpc.store.root, session=result.session).read("totals_again").to_pandas()
     pd.testing.assert_frame_equal(table.sort_values("user").reset_index(drop=True), expected, check_dtype=False)
+
+
+def test_a_crossing_that_fails_is_retried_then_fails_the_stage_naming_both_sites(db, tmp_path):
+    """The exchange both sites name does not answer (nothing listens on its port): each attempt
+    of the consumer fails at its crossing, the stage's retries retry it, and the stage fails
+    naming both sites; what the producer sealed stays for a resume."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hpc, cloud = two_sites(tmp_path)
+    hpc.store.exchange = cloud.store.exchange = f"s3://nowhere/x?endpoint_override=http://127.0.0.1:{port}"
+    wf = across()
+    del wf.stages["again"]
+    wf.stages["totals"].retries = 1
+    result = run_workflow(wf, hpc, db=db, sites={"generate": hpc, "totals": cloud})
+    assert not result.ok
+    error = result.failed["totals"]
+    assert error.startswith("input 'tx' could not cross from site 'hpc' to site 'cloud' (object store):"), error
+    attempts = db.attempts(result.run_id, "totals")
+    assert [a["state"] for a in attempts] == ["failed", "failed"]
+    assert px.Store(hpc.store.root, session=result.session).exists("tx")  # completed work stays

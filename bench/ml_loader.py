@@ -23,6 +23,17 @@ gang, iterate every batch of their share without training, global shuffle, ``--b
 rows/s per rank = rows a rank yielded / seconds it spent iterating, averaged over ranks; the
 ratio compares phalanx's steady epochs with torch's.  Results also go to
 bench/out/ml_loader-<timestamp>.json.
+
+Feeding a device (``--device cuda``, default cuda where there is one, else cpu; ``--device-only``
+skips the comparison above), one rank, the same rows and the same MLP on both sides:
+
+- phalanx: ``px.ml.loader(..., device=device)`` (pinned chunks, async copies on a side stream);
+- torch: ``DataLoader(TensorDataset, batch_size, sampler=DistributedSampler(shuffle=True),
+  pin_memory=<on a GPU>, num_workers=--workers)``, each batch ``.to(device, non_blocking=True)``.
+
+Two numbers each: rows/s of iterating the batches on the device (synchronised at the epoch's
+end), and the time of a training step (forward, backward, Adam) per batch, epochs after the first.
+On the CPU this exercises the code path; the GPU numbers are the ones that matter.
 """
 
 from __future__ import annotations
@@ -196,6 +207,161 @@ def bench_loader(
     return result
 
 
+def _mlp(features: int, hidden: int):
+    import torch
+
+    return torch.nn.Sequential(
+        torch.nn.Linear(features, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 1),
+    )
+
+
+def _device_epochs(env, device, make_batches, set_epoch, epochs: int, train: bool, hidden: int, features: int):
+    """Per epoch: (rows, seconds, batches); with ``train`` a step of the same MLP per batch."""
+    import torch
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = _mlp(features, hidden).to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    out = []
+    for epoch in range(epochs):
+        set_epoch(epoch)
+        sync()
+        rows = batches = 0
+        t = time.perf_counter()
+        for x, y in make_batches():
+            if train:
+                opt.zero_grad(set_to_none=True)
+                torch.nn.functional.mse_loss(model(x).squeeze(1), y).backward()
+                opt.step()
+            rows += len(x)
+            batches += 1
+        sync()
+        out.append((rows, time.perf_counter() - t, batches))
+    return out
+
+
+def app_device(env, session, name, features, batch_size, epochs, device, workers, hidden, parquet):
+    import pandas as pd
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    dev = torch.device(device)
+    ld = px.ml.loader(env, name, features, label="y", batch_size=batch_size, session=session, device=dev)
+    df = pd.read_parquet(parquet)
+    ds = TensorDataset(
+        torch.from_numpy(df[features].to_numpy(dtype=np.float32)), torch.from_numpy(df["y"].to_numpy(np.float32))
+    )
+    sampler = DistributedSampler(ds, num_replicas=env.world_size, rank=env.rank, shuffle=True, seed=0)
+    dl = DataLoader(
+        ds,
+        batch_size=batch_size,
+        sampler=sampler,
+        pin_memory=dev.type == "cuda",
+        num_workers=workers,
+        persistent_workers=workers > 0,
+    )
+
+    def torch_batches():
+        for x, y in dl:
+            yield x.to(dev, non_blocking=True), y.to(dev, non_blocking=True)
+
+    res = {}
+    for train in (False, True):
+        res[("phalanx", train)] = _device_epochs(
+            env, dev, lambda: ld, ld.set_epoch, epochs, train, hidden, len(features)
+        )
+        res[("torch", train)] = _device_epochs(
+            env, dev, torch_batches, sampler.set_epoch, epochs, train, hidden, len(features)
+        )
+    ld.close()
+    return {f"{k[0]}_{'train' if k[1] else 'iterate'}": v for k, v in res.items()}
+
+
+def bench_device(
+    rows: int = 1_000_000,
+    features: int = 16,
+    batch_size: int = 1024,
+    epochs: int = 3,
+    device: str | None = None,
+    workers: int = 2,
+    hidden: int = 256,
+) -> dict:
+    """px.ml.loader(device=) vs DataLoader(pin_memory, num_workers) feeding the same MLP, one rank."""
+    import torch
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    names = [f"f{i}" for i in range(features)]
+    table = make_table(rows, features)
+    store = px.Store(session=f"bench-ml-dev-{os.getpid()}-{int(time.time())}")
+    tmp = tempfile.mkdtemp(prefix="phalanx-bench-ml-")
+    parquet = os.path.join(tmp, "data.parquet")
+    try:
+        store.put("features", table)
+        pq.write_table(table, parquet)
+        del table
+        with px.Gang(ranks=1, echo=False, store=store.root, session=store.session) as gang:
+            [res] = gang.run(
+                app_device, store.session, "features", names, batch_size, epochs, device, workers, hidden, parquet
+            )
+    finally:
+        store.delete_session()
+        for f in Path(tmp).iterdir():
+            f.unlink()
+        os.rmdir(tmp)
+    steady = slice(1, None) if epochs > 1 else slice(0, None)
+
+    def rate(key):  # rows/s over the steady epochs
+        e = res[key][steady]
+        return sum(r for r, _, _ in e) / sum(s for _, s, _ in e)
+
+    def step_ms(key):  # ms per batch over the steady epochs
+        e = res[key][steady]
+        return 1000 * sum(s for _, s, _ in e) / sum(b for _, _, b in e)
+
+    result = {
+        "device": device,
+        "gpu": torch.cuda.get_device_name(0) if device.startswith("cuda") else None,
+        "rows": rows,
+        "features": features,
+        "batch_size": batch_size,
+        "epochs": epochs,
+        "workers": workers,
+        "hidden": hidden,
+        "phalanx_iterate_rows_per_s": rate("phalanx_iterate"),
+        "torch_iterate_rows_per_s": rate("torch_iterate"),
+        "phalanx_train_step_ms": step_ms("phalanx_train"),
+        "torch_train_step_ms": step_ms("torch_train"),
+        "raw": res,
+    }
+    result["iterate_ratio"] = result["phalanx_iterate_rows_per_s"] / result["torch_iterate_rows_per_s"]
+    result["train_step_ratio"] = result["torch_train_step_ms"] / result["phalanx_train_step_ms"]
+    gpu_name = f" ({result['gpu']})" if result["gpu"] else ""
+    pinned = device.startswith("cuda")
+    print(
+        f"\n## feeding {device}{gpu_name}: {rows:,} rows × {features} "
+        f"float32, batch {batch_size}, 1 rank, MLP {features}-{hidden}-{hidden}-1, epochs after the first"
+    )
+    print(f"{'':<58} {'rows/s':>12} {'ms/step':>9}")
+    print(
+        f"{'px.ml.loader(device=)':<58} {result['phalanx_iterate_rows_per_s']:>12,.0f} "
+        f"{result['phalanx_train_step_ms']:>9.3f}"
+    )
+    print(
+        f"{f'DataLoader(pin_memory={pinned}, num_workers={workers}) + .to(non_blocking)':<58} "
+        f"{result['torch_iterate_rows_per_s']:>12,.0f} {result['torch_train_step_ms']:>9.3f}"
+    )
+    print(
+        f"ratio px.ml.loader / DataLoader: {result['iterate_ratio']:.1f}x rows/s iterating, "
+        f"{result['train_step_ratio']:.2f}x training step time (DataLoader's / phalanx's)"
+    )
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=4_000_000)
@@ -205,10 +371,21 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--pandas-batches", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help="1M rows, 2 epochs")
+    ap.add_argument(
+        "--device", default=None, help="where the device comparison trains (default: cuda if any, else cpu)"
+    )
+    ap.add_argument("--workers", type=int, default=2, help="the DataLoader's num_workers in the device comparison")
+    ap.add_argument("--hidden", type=int, default=256, help="the MLP's hidden width in the device comparison")
+    ap.add_argument("--device-only", action="store_true", help="only the device comparison")
     args = ap.parse_args()
     if args.quick:
         args.rows, args.epochs = 1_000_000, 2
-    result = bench_loader(args.rows, args.features, args.ranks, args.batch_size, args.epochs, args.pandas_batches)
+    result: dict = {}
+    if not args.device_only:
+        result = bench_loader(args.rows, args.features, args.ranks, args.batch_size, args.epochs, args.pandas_batches)
+    result["device"] = bench_device(
+        args.rows, args.features, args.batch_size, args.epochs, args.device, args.workers, args.hidden
+    )
     out = HERE / "out"
     out.mkdir(exist_ok=True)
     path = out / f"ml_loader-{_dt.datetime.now():%Y%m%d-%H%M%S}.json"

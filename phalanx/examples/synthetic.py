@@ -211,7 +211,8 @@ def train(env):
     lr, hidden = float(p.get("lr", 3e-3)), int(p.get("hidden", 32))
     spec = env.inputs["data"]
     torch.manual_seed(int(p.get("seed", 0)))
-    model = px.ml.ddp(env, _mlp(len(FEATURES), hidden))  # DDP over the gang's Gloo group
+    # DDP on the rank's device (its GPU where it has one: NCCL if every rank has, else Gloo)
+    model = px.ml.ddp(env, _mlp(len(FEATURES), hidden))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
     history = []
@@ -223,6 +224,7 @@ def train(env):
         batch_size=batch_size,
         shuffle="global",
         seed=spec.get("seed", 0),
+        device=model.px_device,  # batches on the model's device (the CPU: as before)
     ) as loader:
         for epoch in range(epochs):
             loader.set_epoch(epoch)  # a new global permutation

@@ -8,7 +8,10 @@ partitions (the store is shared memory or a shared file system), and a backgroun
 one row-major numpy matrix per chunk of the rank's share: sort the chunk's row numbers, gather
 each feature column with ``np.take`` on the zero-copy Arrow views (nearly sequential reads),
 transpose a cache-sized block at a time and scatter whole rows into their place in the
-permutation.  Batches are ``torch.from_numpy`` views of that matrix.  See docs/ml.md.
+permutation.  Batches are ``torch.from_numpy`` views of that matrix.  With ``device=`` a CUDA
+device, the matrix is pinned (in the background thread) and each batch is copied to the device
+asynchronously on a dedicated stream while the previous one is used (:func:`prefetch`).
+See docs/ml.md.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ import queue
 import threading
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -64,6 +67,7 @@ def loader(
     session: str | None = None,
     verify: bool = True,
     chunk_bytes: int = CHUNK_BYTES,
+    device: str | torch.device | None = None,
 ) -> Loader:
     """Batches ``(x, y)`` (or ``x`` without a label) of stored dataset ``dataset`` for this rank.
 
@@ -85,6 +89,12 @@ def loader(
     other than the gang's.  verify: check every partition's checksum first (each partition by
     one rank; a corrupted one fails the loader on every rank, naming it).  ``dataset`` may be
     ``SESSION/NAME`` (another run's output), as a stage's inputs may.
+
+    device: where batches are yielded.  None or ``"cpu"``: CPU tensors, views of the chunk
+    matrix.  A CUDA device (``"cuda"``, ``"cuda:0"``, ``px.ml.rank_device()``): the chunk is
+    pinned in the background thread and each batch copied to the device with a non-blocking copy
+    on a dedicated CUDA stream, the next batch's copy issued before the current batch is yielded
+    so it overlaps the training step; the rows and their order are the same.
     """
     if session is None and "/" in dataset:
         session, _, dataset = dataset.rpartition("/")
@@ -103,6 +113,7 @@ def loader(
         session=session,
         verify=verify,
         chunk_bytes=chunk_bytes,
+        device=device,
     )
 
 
@@ -292,9 +303,11 @@ class _Source:
         ydtype: np.dtype | None,
         x_to: torch.dtype | None,
         y_to: torch.dtype | None,
+        pin: bool = False,
     ):
         self.columns, self.rows_args, self.chunk_rows = columns, rows_args, chunk_rows
         self.nfeatures, self.xdtype, self.ydtype, self.x_to, self.y_to = nfeatures, xdtype, ydtype, x_to, y_to
+        self.pin = pin  # page-locked chunks, for asynchronous copies to a CUDA device
 
     def rows(self, epoch: int) -> np.ndarray:
         num_rows, world_size, rank, shuffle, seed, drop_last, per_epoch = self.rows_args
@@ -315,6 +328,9 @@ class _Source:
             yt = torch.from_numpy(y)
             if self.y_to is not None:
                 yt = yt.to(self.y_to)
+        if self.pin:  # (only with a CUDA device: the loader checked it exists)
+            x = x.pin_memory()
+            yt = yt.pin_memory() if yt is not None else None
         return _Chunk(epoch, index, count, x, yt, time.perf_counter() - t0)
 
 
@@ -394,6 +410,7 @@ class Loader:
         session: str | None = None,
         verify: bool = True,
         chunk_bytes: int = CHUNK_BYTES,
+        device: str | torch.device | None = None,
     ):
         for attr in ("rank", "world_size", "comm", "store"):
             if not hasattr(env, attr):
@@ -413,6 +430,7 @@ class Loader:
         self.env, self.dataset, self.features, self.label = env, dataset, features, label
         self.batch_size, self.shuffle, self.seed, self.drop_last = batch_size, shuffle, int(seed), bool(drop_last)
         self.prefetch = prefetch
+        self.device = _resolve_device(device)
         self.rank, self.world_size = env.rank, env.world_size
         self.epoch = 0
 
@@ -474,6 +492,7 @@ class Loader:
             self._ydtype,
             self.dtype if self._xconvert else None,
             self.label_dtype if self._yconvert else None,
+            pin=self.device is not None,
         )
         self._pipeline: _Pipeline | None = None
         self._completed: int | None = None  # the last epoch iterated to its end
@@ -527,11 +546,16 @@ class Loader:
             return iter(())
         if self.prefetch == 0:
             self.close()
-            return self._batches(None, epoch)
-        if self._pipeline is None or self._pipeline.closed or self._pipeline.next != (epoch, 0):
-            self.close()  # a different epoch, or the last one was left half-way: start afresh
-            self._pipeline = _Pipeline(self._source, epoch, self.prefetch)
-        return self._batches(self._pipeline, epoch)
+            batches = self._batches(None, epoch)
+        else:
+            if self._pipeline is None or self._pipeline.closed or self._pipeline.next != (epoch, 0):
+                self.close()  # a different epoch, or the last one was left half-way: start afresh
+                self._pipeline = _Pipeline(self._source, epoch, self.prefetch)
+            batches = self._batches(self._pipeline, epoch)
+        if self.device is None:
+            return batches
+        copier = _CudaCopier(self.device)
+        return prefetch(batches, copier.start, copier.ready)
 
     def close(self) -> None:
         """Stop the prefetch thread (iterating again restarts it)."""
@@ -555,7 +579,7 @@ class Loader:
         return (
             f"<px.ml.Loader {self.dataset!r} rank {self.rank}/{self.world_size} rows={self.num_rows} "
             f"per_rank={self.num_samples} batch_size={self.batch_size} shuffle={self.shuffle!r} "
-            f"epoch={self.epoch}>"
+            f"epoch={self.epoch}{f' device={self.device}' if self.device is not None else ''}>"
         )
 
     def _batches(self, pipeline: _Pipeline | None, epoch: int) -> Iterator[Any]:
@@ -604,3 +628,79 @@ def _resolve_dtype(dtype: Any, what: str) -> tuple[torch.dtype, np.dtype, bool]:
     if dtype.is_floating_point:  # bfloat16, float8...: built as float32, converted per chunk
         return dtype, np.dtype(np.float32), True
     raise TypeError(f"px.ml.loader: {what} {dtype} is not supported (use a float, integer or bool dtype)")
+
+
+# ---- batches on a device ------------------------------------------------------------------------
+T = TypeVar("T")
+H = TypeVar("H")
+
+
+def prefetch(batches: Iterable[T], start: Callable[[T], H], ready: Callable[[H], Any]) -> Iterator[Any]:
+    """``ready(start(b))`` for each batch ``b``, one batch ahead: ``start`` (issue the copy of
+    the next batch) is called before the current batch is yielded, ``ready`` (make the
+    consumer's stream wait for that copy) just before it is.  Generic so that it is tested on
+    the CPU with a fake copy; :class:`_CudaCopier` is the real one."""
+    it = iter(batches)
+    try:
+        pending = start(next(it))
+    except StopIteration:
+        return
+    for batch in it:
+        following = start(batch)  # its copy overlaps the consumer's work on ``pending``
+        yield ready(pending)
+        pending = following
+    yield ready(pending)
+
+
+class _CudaCopier:
+    """Host→device copies on a dedicated stream: ``start`` issues non-blocking copies of a
+    (pinned) batch and records an event; ``ready`` makes the current stream wait for it and
+    tells the caching allocator the tensors are used there."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def start(self, batch: Any) -> tuple[Any, Any]:
+        tensors = batch if isinstance(batch, tuple) else (batch,)
+        # (no wait on the consumer's stream: the copy reads a pinned chunk the consumer never
+        # writes, and waiting would serialise it behind the step it is meant to overlap)
+        with torch.cuda.stream(self.stream):
+            moved = tuple(t.to(self.device, non_blocking=True) for t in tensors)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        return (moved if isinstance(batch, tuple) else moved[0]), done
+
+    def ready(self, handle: tuple[Any, Any]) -> Any:
+        batch, done = handle
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(done)
+        for t in batch if isinstance(batch, tuple) else (batch,):
+            t.record_stream(current)  # allocated on the copy stream, used on this one
+        return batch
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device | None:
+    """None for the CPU (today's batches, unchanged), else a CUDA device that exists."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise ValueError(
+            f"px.ml.loader: device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}"
+        ) from exc
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(f"px.ml.loader: device {dev} is not supported (the CPU or a CUDA device)")
+    if not torch.cuda.is_available():
+        raise RuntimeError(f"px.ml.loader: device {dev} asked for, but CUDA is not available on this rank")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.index >= torch.cuda.device_count():
+        raise ValueError(
+            f"px.ml.loader: device {dev} asked for, this rank sees {torch.cuda.device_count()} GPU(s) "
+            "(its CUDA_VISIBLE_DEVICES)"
+        )
+    return dev

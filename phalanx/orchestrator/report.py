@@ -302,7 +302,7 @@ def _attempt_svg(st: dict, a: dict, y: float, axis: Axis) -> str:
         rx1, rx2 = axis.x(r["started"]), axis.x(r["ended"])
         tip = (
             f"stage {st['stage']} · attempt {a['attempt']} · rank {r['rank']} · pid {r.get('pid')} · "
-            f"host {r.get('host')} · app ran {_duration(r['ended'] - r['started'])}"
+            f"host {r.get('host')} · app ran {_duration(r['ended'] - r['started'])}" + _gpu_text(r.get("gpu"))
         )
         parts.append(
             f'<rect class="rank" data-rank="{esc(r["rank"])}" x="{rx1:.1f}" y="{top + PAD + j * band:.2f}" '
@@ -310,6 +310,14 @@ def _attempt_svg(st: dict, a: dict, y: float, axis: Axis) -> str:
             f"<title>{esc(tip)}</title></rect>"
         )
     return "\n".join(parts + ["</g>"])
+
+
+def _gpu_text(gpu: dict | None) -> str:
+    """`` · cuda:0 (NVIDIA H100) peak 3.1 of 79.6 GiB`` for a rank that used CUDA, else ``""``."""
+    if not gpu:
+        return ""
+    g = float(1 << 30)
+    return f" · {gpu['device']} ({gpu.get('name', '?')}) peak GPU memory {gpu['peak'] / g:.2f} of {gpu['total'] / g:.2f} GiB"
 
 
 # ---- tables --------------------------------------------------------------------------------

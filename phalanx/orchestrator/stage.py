@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..runtime.gpu import gpu_stats
 from ..runtime.protocol import rank_host
 from ..runtime.tasks import resolve_app
 
@@ -87,4 +88,5 @@ def run_stage(env, stage: str, app: str, inputs: dict[str, dict[str, Any]], outp
         "ended": time.time(),
         "host": rank_host(),
         "pid": os.getpid(),
+        "gpu": gpu_stats(),  # device and peak GPU memory, None where the app did not use CUDA
     }

@@ -43,7 +43,11 @@ def check_app(app: Any) -> None:
 
 
 def failure_from_exception(rank: int, exc: BaseException) -> RankFailure:
-    return RankFailure(rank=rank, exc_type=type(exc).__name__, message=str(exc), traceback=format_exception(exc))
+    from .gpu import annotate_oom
+
+    note = annotate_oom(rank, exc)  # a CUDA out-of-memory names the rank, its device and memory
+    message = f"{note}: {exc}" if note else str(exc)
+    return RankFailure(rank=rank, exc_type=type(exc).__name__, message=message, traceback=format_exception(exc))
 
 
 # phalanx's own frames around an app (file, function): the rank's loop that calls it, a

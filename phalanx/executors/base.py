@@ -135,6 +135,12 @@ class Launcher(ABC):
         where each rank's own exit says what happened to it."""
         return None
 
+    def assign_gpus(self, per_rank: Sequence[Sequence[int]]) -> bool:
+        """Give rank r the GPU slots ``per_rank[r]`` (indices below the executor's
+        ``gpu_capacity``; empty: no GPU), before ``launch``.  False where the launcher cannot
+        (the resource manager gives GPUs, from the config ``Executor.with_gpus`` made)."""
+        return False
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -227,6 +233,7 @@ class Executor(ABC, Generic[ConfigT]):
         self.config: ConfigT = config if isinstance(config, ExecutorConfig) else self._validate(dict(config or {}))
         self.site = site or self.name
         self.cores = cores
+        self.gpus: int | None = None  # the site's GPU count when it gives one (Site.create_executor)
         self.rank_memory = rank_memory
         self.hook: AllocationHook | None = None  # the run's, set by open_run
 
@@ -254,6 +261,25 @@ class Executor(ABC, Generic[ConfigT]):
         """Rank slots the executor can give at once, if it knows: the site's ``cores``, else
         what its config holds.  None: the resource manager decides (gangs queue there)."""
         return self.cores or self.config.slots()
+
+    def gpu_capacity(self) -> int | None:
+        """GPU slots the site can give at once, if known: the site's ``gpus``, else what the
+        executor finds (the local executor: this machine's GPUs).  The scheduler hands them out
+        next to rank slots, all or nothing with the gang.  None: the resource manager counts
+        them (a stage's ``gpus_per_rank`` goes into its request, ``with_gpus``)."""
+        return self.gpus
+
+    def with_gpus(self, config: ConfigT, gpus_per_rank: int | None) -> ConfigT:
+        """``config`` asking the resource manager for ``gpus_per_rank`` GPUs of every rank (the
+        stage's field, else the site's; None: neither gives it, ``config`` as it is).  This
+        default: executors that count GPUs as slots (``gpu_capacity``) need nothing in their
+        config; others cannot give GPUs.  Resource managers map it to their own key
+        (``gpu_key``)."""
+        if gpus_per_rank and self.gpu_capacity() is None:
+            raise ValueError(
+                f"gpus_per_rank: executor {self.name!r} cannot give GPUs (give the site gpus: N if its ranks have them)"
+            )
+        return config
 
     @staticmethod
     def release(record: dict[str, Any]) -> str:
@@ -288,6 +314,30 @@ class Executor(ABC, Generic[ConfigT]):
     ) -> Launcher:
         """A launcher for one gang of ``ranks`` on the scheduler's ``slots`` (indices below
         ``capacity``), with ``config`` (default: the site's), telling ``self.hook``."""
+
+
+def gpu_key(config: ConfigT, key: str, gpus_per_rank: int | None, label: str) -> ConfigT:
+    """``config`` with its GPUs-per-rank key ``key`` set to ``gpus_per_rank`` (the stage
+    field wins); ValueError when the section gives the key too and the two disagree."""
+    if gpus_per_rank is None:
+        return config
+    if key in config.model_fields_set:
+        value = getattr(config, key)
+        if not same_number(value, gpus_per_rank):
+            raise ValueError(
+                f"gpus_per_rank: {gpus_per_rank}, but {label}: {value}; they disagree: give gpus_per_rank only"
+            )
+        return config
+    if not gpus_per_rank:
+        return config  # 0: the executor's default asks for none
+    return type(config).model_validate({**config.model_dump(exclude_unset=True), key: gpus_per_rank})
+
+
+def same_number(value: Any, n: int) -> bool:
+    try:
+        return not isinstance(value, bool) and float(value) == n
+    except (TypeError, ValueError):
+        return False
 
 
 def shared_env(rank_env: list[dict[str, str]], per_rank: Sequence[str], launcher: str) -> dict[str, str]:

@@ -49,6 +49,60 @@ def cpu_placement(world_size: int, pin: bool, cpus: Sequence[int] | None = None)
     return out
 
 
+ENV_GPUS = "PHALANX_GPUS"  # this machine's GPU count, over discovery (tests pretend to have GPUs)
+_discovered: list[int] = []  # discover_gpus's answer, once a process
+
+
+def discover_gpus() -> int:
+    """This machine's GPUs: ``$PHALANX_GPUS`` if set, else ``nvidia-smi -L``'s list, else
+    ``torch.cuda.device_count()`` in a child process (CUDA never initialised in the driver)
+    where a GPU device node exists (/dev/nvidia0, /dev/kfd), else 0.  Read once a process."""
+    override = os.environ.get(ENV_GPUS)
+    if override is not None:
+        if not override.strip().isdigit():
+            raise ValueError(f"${ENV_GPUS} must be a whole number of GPUs, not {override!r}")
+        return int(override)
+    if not _discovered:
+        _discovered.append(_probe_gpus())
+    return _discovered[0]
+
+
+def _probe_gpus() -> int:
+    import shutil
+
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+            if out.returncode == 0:
+                return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    if not (Path("/dev/nvidia0").exists() or Path("/dev/kfd").exists()):
+        return 0  # no GPU driver here: not worth importing torch to hear it
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return 0
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        return int(out.stdout.strip().splitlines()[-1]) if out.returncode == 0 else 0
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return 0
+
+
+def gpu_devices(slots: Sequence[int]) -> str:
+    """``CUDA_VISIBLE_DEVICES`` of a rank holding these GPU slots: slot i is the driver's i-th
+    visible device (its own ``CUDA_VISIBLE_DEVICES`` when set, else device i); "" for none."""
+    visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    return ",".join(visible[s] if s < len(visible) else str(s) for s in slots)
+
+
 def slot_cpus(capacity: int, pin: bool, slots: Sequence[int]) -> tuple[bool, list[int] | None]:
     """Whether to pin, and the CPUs of a gang's ``slots`` (a scheduler's share; None: all usable):
     slots are this machine's CPUs only when the site has no more of them than it has cores."""
@@ -81,6 +135,10 @@ class LocalExecutor(Executor[LocalConfig]):
 
     def capacity(self) -> int:
         return self.cores or len(usable_cpus())
+
+    def gpu_capacity(self) -> int:
+        """The site's ``gpus``, else this machine's (``discover_gpus``)."""
+        return self.gpus if self.gpus is not None else discover_gpus()
 
     def open_run(self, hook=None, demand=None, warm: int = 0) -> None:
         super().open_run(hook, demand, warm)
@@ -125,9 +183,18 @@ class LocalLauncher(Launcher):
         self._pumps: list[Pump] = []
         self._output: RankOutput | None = None
         self._watch: MemoryWatch | None = None
+        self.gpus: list[list[int]] | None = None  # GPU slots per rank (assign_gpus); None: env as it is
 
     def placement(self, world_size: int) -> list[dict[str, str]]:
-        return cpu_placement(world_size, self.pin, self.cpus)
+        envs = cpu_placement(world_size, self.pin, self.cpus)
+        if self.gpus is not None:  # a rank without GPUs sees none ("") rather than all of them
+            for r, env in enumerate(envs):
+                env["CUDA_VISIBLE_DEVICES"] = gpu_devices(self.gpus[r] if r < len(self.gpus) else ())
+        return envs
+
+    def assign_gpus(self, per_rank: Sequence[Sequence[int]]) -> bool:
+        self.gpus = [list(g) for g in per_rank]
+        return True
 
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         self._output = RankOutput(log_dir, self.echo)

@@ -143,6 +143,14 @@ class _StageFields(_Strict):
         description="the site this stage runs on: a name from site-configs/ or a path to a site file "
         "(default: the workflow's); its inputs sealed on another site cross into this site's store",
     )
+    gpus_per_rank: Optional[Int] = Field(
+        None,
+        ge=0,
+        le=MAX_SLOTS,
+        description="GPUs of every rank (default: the site's gpus_per_rank): the local executor gives each "
+        "rank its own (CUDA_VISIBLE_DEVICES), all or nothing with the gang; SLURM --gpus-per-task, "
+        "Kubernetes the nvidia.com/gpu limit, Ray num_gpus, RADICAL-Pilot gpus_per_rank",
+    )
 
     @field_validator("inputs", mode="before")
     @classmethod
@@ -174,6 +182,11 @@ class _StageFields(_Strict):
     def executor_section(self, executor: str) -> Any:
         """This stage's own section for ``executor`` (None: the site's applies as it is)."""
         return getattr(self, executor, None)
+
+    def gpus_on(self, site: Any) -> int | None:
+        """GPUs each rank asks for on ``site``: this stage's ``gpus_per_rank``, else the site's;
+        None where neither gives it (the executor's own section decides)."""
+        return self.gpus_per_rank if self.gpus_per_rank is not None else site.gpus_per_rank
 
 
 # A stage's executor sections override keys of the site's section of the same name for it
@@ -269,6 +282,17 @@ class _SiteFields(_Strict, Located):
         "cluster's CPUs)",
     )
     memory_gb: Optional[float] = Field(None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True)
+    gpus: Optional[Int] = Field(
+        None,
+        ge=0,
+        le=MAX_SLOTS,
+        description="GPU slots of the site, handed out all or nothing with a gang's rank slots; default: "
+        "local: this machine's GPUs ($PHALANX_GPUS, else nvidia-smi -L, else torch), other executors: "
+        "unknown (the resource manager counts them)",
+    )
+    gpus_per_rank: Optional[Int] = Field(
+        None, ge=0, le=MAX_SLOTS, description="GPUs of every rank of a stage that does not say (default 0)"
+    )
     communicator: str = Field(
         "tcp",
         description="tcp (the default: no torch in the ranks) | shm | gloo | mpi | "
@@ -347,6 +371,7 @@ class _SiteFields(_Strict, Located):
         from ..executors import create
 
         executor = create(self.executor, self.section(), site=self.name, cores=self.cores)
+        executor.gpus = self.gpus
         slots = executor.capacity()
         if self.memory_gb and slots:  # shared over the slots like the cores, so side-by-side stages fit
             executor.rank_memory = int(self.memory_gb * 2**30 / slots)

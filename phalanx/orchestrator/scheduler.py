@@ -29,7 +29,7 @@ from ..store.repartition import rank_hosts
 from .fingerprint import changes, fingerprints
 from .models import Site, Workflow
 from .rundb import RunDB
-from .validate import dependencies
+from .validate import dependencies, gpu_shortfall
 
 STAGE_APP = "phalanx.orchestrator.stage:run_stage"
 BACKOFF_S = (1.0, 4.0, 15.0)  # between attempts of a failed stage
@@ -65,6 +65,10 @@ class SiteRun:
         self.caps = self.executor.capabilities
         self.capacity = self.executor.capacity() or UNBOUNDED_SLOTS
         self.free = list(range(self.capacity))
+        # GPU slots, handed out like rank slots where the executor counts them (None: the
+        # resource manager does, from the stage's gpus_per_rank in its request)
+        self.gpu_capacity = self.executor.gpu_capacity()
+        self.free_gpus = list(range(self.gpu_capacity or 0))
         # Gangs of succeeded stages, kept for the next stage of the same size (slots → gang):
         # CylonFlow's stateful actors — no process start, no rendezvous, communicator reused.
         self.idle: dict[tuple[int, ...], Gang] = {}
@@ -74,6 +78,14 @@ class SiteRun:
     @property
     def name(self) -> str:
         return self.site.name
+
+    def gpus_of(self, stage) -> int:
+        """GPU slots a gang of ``stage`` takes here (0 where the resource manager counts them)."""
+        return stage.ranks * (stage.gpus_on(self.site) or 0) if self.gpu_capacity is not None else 0
+
+    def fits(self, stage) -> bool:
+        """Whether the free slots hold the stage's whole gang: rank slots and GPU slots."""
+        return stage.ranks <= len(self.free) and self.gpus_of(stage) <= len(self.free_gpus)
 
     def same_store(self, other: SiteRun) -> bool:
         """Both sites read and write one store (same root and metadata): nothing crosses."""
@@ -110,6 +122,7 @@ class Scheduler:
         self._nested: set[str] = set()  # stages run again inside another's retry (lost inputs)
         self._exchanges: set[str] = set()  # object stores this run's crossings went through
         self._crossing = threading.Lock()  # one crossing at a time per run: a dataset crosses once
+        self._gpu_slots: dict[str, list[int]] = {}  # stage → the GPU slots its gang holds
 
     def at(self, stage: str) -> SiteRun:
         """The site ``stage`` runs on."""
@@ -208,10 +221,12 @@ class Scheduler:
 
     def _place(self, stage: str, ranks: int, reuse: bool) -> tuple[list[int], Gang | None]:
         """Slots for a gang of ``ranks`` on the stage's site: an idle gang's when one fits in
-        the free slots."""
+        the free slots; its GPU slots too (``_gpu_slots``)."""
         here = self.at(stage)
         gang, dead = None, []
         with self._lock:
+            gpus = here.gpus_of(self.wf.stages[stage])
+            self._gpu_slots[stage], here.free_gpus = here.free_gpus[:gpus], here.free_gpus[gpus:]
             if reuse:
                 for key in list(here.idle):
                     if len(key) == ranks and set(key) <= set(here.free):
@@ -247,11 +262,14 @@ class Scheduler:
         running: dict[Future, tuple[str, list[int]]] = {}
         for name in list(pending):  # a gang the site can never place fails now, not never
             ranks, here = self.wf.stages[name].ranks, self.at(name)
-            if here.down or ranks > here.capacity:
+            gpus = here.gpus_of(self.wf.stages[name])
+            if here.down or ranks > here.capacity or gpus > len(here.free_gpus):
                 pending.remove(name)
                 failed[name] = here.down or (
                     f"{ranks} ranks, but site {here.name!r} ({here.site.executor}) can give at "
                     f"most {here.capacity} at once"
+                    if ranks > here.capacity
+                    else gpu_shortfall(ranks, gpus // ranks, here.name, len(here.free_gpus))
                 )
                 self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=failed[name])
                 self._event(name, "failed", failed[name])
@@ -267,11 +285,12 @@ class Scheduler:
                             )
                             continue
                         ranks, here = self.wf.stages[name].ranks, self.at(name)
-                        if deps[name] <= done and ranks <= len(here.free):
+                        if deps[name] <= done and here.fits(self.wf.stages[name]):
                             reuse = (
                                 here.site.reuse_gangs
                                 and here.caps.reuse_gangs
                                 and self.wf.stages[name].kind != "command"
+                                and not here.gpus_of(self.wf.stages[name])  # a kept gang's ranks have no GPU
                             )
                             slots, gang = self._place(name, ranks, reuse)
                             pending.remove(name)
@@ -285,6 +304,7 @@ class Scheduler:
                         name, slots = running.pop(fut)
                         here = self.at(name)
                         here.free = sorted(here.free + slots)
+                        here.free_gpus = sorted(here.free_gpus + self._gpu_slots.pop(name, []))
                         error = fut.result()
                         if error is None:
                             done.add(name)
@@ -336,8 +356,11 @@ class Scheduler:
         own section over the site's."""
         st, here = self.wf.stages[stage], self.at(stage)
         config = here.executor.stage_config(st.executor_section(here.site.executor))
+        config = here.executor.with_gpus(config, st.gpus_on(here.site))  # SLURM --gpus-per-task...
         here.executor.check(st.ranks, config)
         launcher = here.executor.launcher(len(slots), slots=slots, config=config)
+        gpus, per = self._gpu_slots.get(stage, []), st.gpus_on(here.site) or 0
+        launcher.assign_gpus([gpus[r * per : (r + 1) * per] for r in range(len(slots))])  # local: CUDA_VISIBLE_DEVICES
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
         # driver killed without a word leaves enough for the next status/cancel/resume to free it.
         launcher.allocation_hook = RunAllocations(self.db, self.run_id, stage)
@@ -416,16 +439,19 @@ class Scheduler:
                 if why:
                     redo.setdefault(producers[dataset], why)
         for producer, why in redo.items():
-            if self.wf.stages[producer].ranks > len(slots):
+            need = self.at(name).gpus_of(self.wf.stages[producer])
+            if self.wf.stages[producer].ranks > len(slots) or need > len(self._gpu_slots.get(name, [])):
                 self._event(name, "lost input", f"{why}; stage {producer!r} needs more slots than this stage holds")
                 return False
             self._event(name, "lost input", f"{why}: stage {producer!r} runs again first")
             self._nested.add(producer)
+            self._gpu_slots[producer] = self._gpu_slots.get(name, [])[:need]
             try:
                 if self._run_stage(producer, slots[: self.wf.stages[producer].ranks]) is not None:
                     return False
             finally:
                 self._nested.discard(producer)
+                self._gpu_slots.pop(producer, None)
         return bool(redo)
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
@@ -529,6 +555,7 @@ class Scheduler:
                 and gang.running
                 and not self._cancelled.is_set()
                 and name not in self._nested  # it ran on another stage's slots
+                and not self._gpu_slots.get(name)  # its ranks' GPUs go back to the site
             )
         finally:
             with self._lock:

@@ -133,6 +133,12 @@ def check(
                 )
         if capacity and st.ranks > capacity:
             report(("stages", name, "ranks"), f"{st.ranks} ranks, but site {here.name!r} can give at most {capacity}")
+        problem = _gpu_problem(st, here, executor)
+        if problem:  # at the stage's gpus_per_rank, else at the site's
+            if st.gpus_per_rank is not None:
+                report(("stages", name, "gpus_per_rank"), problem)
+            else:
+                problems.append(f"{here.where(('gpus_per_rank',))}: stage {name!r}: {problem}")
         if check_imports and st.app:
             problem = _import_problem(st.app)
             if problem:
@@ -175,6 +181,32 @@ def _executor_problems(wf: Workflow, stages: list[str], site: Site, executor, re
             else:
                 at_site.setdefault(str(exc), f"{site.where((site.executor,))}: {exc}")
     return list(at_site.values())
+
+
+def _gpu_problem(st: Any, site: Site, executor: Any) -> str | None:
+    """Why the stage's GPUs cannot be had on ``site``: more than it has (where its GPU count is
+    known), or the executor's own section asking for other GPUs (``Executor.with_gpus``)."""
+    per = st.gpus_on(site)
+    try:
+        config = executor.stage_config(st.executor_section(site.executor))
+    except Exception:  # a bad section: _executor_problems says so
+        return None
+    try:
+        executor.with_gpus(config, per)
+    except Exception as exc:  # the section disagrees, the executor gives no GPUs
+        return str(exc).removeprefix("gpus_per_rank: ")
+    have = executor.gpu_capacity()
+    if per and have is not None and st.ranks * per > have:
+        return gpu_shortfall(st.ranks, per, site.name, have)
+    return None
+
+
+def gpu_shortfall(ranks: int, per: int, site: str, have: int) -> str:
+    """ "2 ranks × 1 GPU = 2 GPUs, but site 'local' has 0 (...)"."""
+    return (
+        f"{ranks} rank{'s' if ranks != 1 else ''} × {per} GPU{'s' if per != 1 else ''} = "
+        f"{ranks * per} GPUs, but site {site!r} has {have} (PHALANX_GPUS or site gpus:)"
+    )
 
 
 def _listen_problem(host: str) -> str | None:

@@ -13,7 +13,7 @@ from urllib.parse import urlparse
 from ...errors import GangError
 from ...runtime import protocol as P
 from ...runtime.envvars import ENV_SPILL, ENV_STORE, ENV_STORE_METADATA
-from ..base import Capabilities, Echo, Executor
+from ..base import Capabilities, Echo, Executor, gpu_key
 from . import manifests as M
 from .client import Kube, connect
 from .config import KubernetesConfig
@@ -40,6 +40,10 @@ class KubernetesExecutor(Executor[KubernetesConfig]):
         return (
             f"kubernetes: deleted {', '.join(done)} of job {where}" if done else f"kubernetes: job {where} already gone"
         )
+
+    def with_gpus(self, config: KubernetesConfig, gpus_per_rank: int | None) -> KubernetesConfig:
+        """Every rank pod's limit of ``gpu_resource`` (nvidia.com/gpu)."""
+        return gpu_key(config, "gpus", gpus_per_rank, "kubernetes.gpus")
 
     def check(self, ranks: int, config: KubernetesConfig | None = None) -> None:
         cfg = self.effective_config(config)

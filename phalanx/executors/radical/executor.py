@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...errors import GangError
-from ..base import AllocationHook, Capabilities, Echo, Executor
+from ..base import AllocationHook, Capabilities, Echo, Executor, gpu_key
 from .config import PILOT_KEYS, RadicalConfig
 from .launcher import RadicalLauncher
 from .pilot import RadicalPilot, release
@@ -77,6 +77,10 @@ class RadicalExecutor(Executor[RadicalConfig]):
     def capacity(self) -> int | None:
         """The site's cores, else the pilot's cores over ``cores_per_rank``."""
         return self.cores or self.config.slots()
+
+    def with_gpus(self, config: RadicalConfig, gpus_per_rank: int | None) -> RadicalConfig:
+        """``gpus_per_rank`` of the gang's task description."""
+        return gpu_key(config, "gpus_per_rank", gpus_per_rank, "radical.gpus_per_rank")
 
     def check(self, ranks: int, config: RadicalConfig | None = None) -> None:
         cfg = self.effective_config(config)

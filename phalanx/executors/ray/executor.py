@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...errors import PhalanxError
-from ..base import Capabilities, Echo, Executor
+from ..base import Capabilities, Echo, Executor, same_number
 from .config import RayConfig, ray_config
 from .connection import connect, connected
 from .launcher import RayLauncher
@@ -71,6 +71,23 @@ class RayExecutor(Executor[RayConfig]):
         except Exception:
             return None
         return int(cpus // self.config.cpus_per_rank) or None
+
+    def with_gpus(self, config: RayConfig, gpus_per_rank: int | None) -> RayConfig:
+        """``GPU`` in every rank's bundle: its actor's ``num_gpus``."""
+        if gpus_per_rank is None:
+            return config
+        bundles = config.resources if isinstance(config.resources, list) else [config.resources]
+        for bundle in bundles:
+            if "GPU" in bundle and not same_number(bundle["GPU"], gpus_per_rank):
+                raise ValueError(
+                    f"gpus_per_rank: {gpus_per_rank}, but ray.resources gives GPU: {bundle['GPU']}; "
+                    "they disagree: give gpus_per_rank only"
+                )
+        if not gpus_per_rank or all("GPU" in b for b in bundles):
+            return config
+        with_gpu = [{**b, "GPU": gpus_per_rank} for b in bundles]
+        resources = with_gpu if isinstance(config.resources, list) else with_gpu[0]
+        return self._validate({**config.model_dump(exclude_unset=True), "resources": resources})
 
     def check(self, ranks: int, config: RayConfig | Mapping[str, Any] | None = None) -> None:
         """A resources list that does not give one bundle per rank (nothing is asked of Ray)."""

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...errors import GangError
-from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig
+from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig, gpu_key
 from .commands import SlurmCommands, _does_not_fit, _site, release
 from .config import Option, SlurmConfig, SlurmPilotConfig
 from .launcher import SlurmJobLauncher, SlurmLauncher, SlurmStepLauncher
@@ -107,6 +107,10 @@ class SlurmExecutor(Executor[SlurmConfig]):
         if override and not isinstance(override, ExecutorConfig):
             override = self.config_model.model_validate(dict(override))
         return super().stage_config(override)
+
+    def with_gpus(self, config: SlurmConfig, gpus_per_rank: int | None) -> SlurmConfig:
+        """``--gpus-per-task`` of the gang's job, or of its pilot step."""
+        return gpu_key(config, "gpus_per_task", gpus_per_rank, "slurm.gpus_per_task")
 
     def check(self, ranks: int, config: SlurmConfig | None = None) -> None:
         cfg = self.effective_config(config)

@@ -264,9 +264,12 @@ class Handshakes(Generic[T]):
             expired = self._pending.pop(sock, None) is None
         if expired and not failed:
             outcome = self.refused(addr, f"no handshake within {HANDSHAKE_S:g} s")
+        # queued before the refused socket closes: the dialler sees the close only after its
+        # refusal is in line, so a peer that connects next is never handled (and the wait
+        # ended) before the intruder was refused and said so
+        self._done.put(outcome)
         if expired or failed:
             sock.close()
-        self._done.put(outcome)
         try:
             self._wake_w.send(b"x")
         except OSError:

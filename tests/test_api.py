@@ -135,6 +135,7 @@ def test_stage_timeout_stops_the_gang_and_fails_the_stage(tmp_path):
     assert wait_dead([r["pid"] for r in att[0]["rank_info"]]) == []
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_a_later_run_reads_an_earlier_runs_output_by_session(tmp_path):
     import apps
 

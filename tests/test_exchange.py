@@ -232,6 +232,7 @@ def test_a_rank_killed_mid_exchange_leaves_no_shared_memory():
         g.close()
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_full_shared_memory_falls_back_to_the_wire_or_fails_clearly():
     # a 1 MiB allowance per rank: the first exchange fits, a 16 MB one does not
     with start_gang("shm", 2, {"PHALANX_SHM_LIMIT": str(1 << 20)}) as g:

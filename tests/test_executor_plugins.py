@@ -51,6 +51,7 @@ def _python(code: str, tmp_path: Path, *args: str) -> subprocess.CompletedProces
     )
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_the_shell_plugin_passes_the_executor_contract(tmp_path):
     """What the plug-in's own project runs: phalanx.testing's executor contract, subclassed in
     its test module (tests/plugins/shell_contract.py, known failures in shell_conftest.py), in a

@@ -199,6 +199,7 @@ def app_sleep_pid(env, seconds):
     return os.getpid()
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_heartbeats_keep_ranks_alive_past_the_driver_timeout(monkeypatch):
     """Ranks leave a silent driver after PHALANX_DRIVER_TIMEOUT; the driver's heartbeats keep
     them while an app runs longer than that."""
@@ -208,6 +209,7 @@ def test_heartbeats_keep_ranks_alive_past_the_driver_timeout(monkeypatch):
         assert g.run(app_sleep_pid, 0.0) == g.pids
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_ranks_leave_a_driver_that_stops_answering(tmp_path):
     """A driver that hangs (here: SIGSTOP) keeps its connections open: no end of file, no
     parent death; the ranks notice the missing heartbeats and exit (their last words go to

@@ -249,6 +249,7 @@ def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how, driver)
     store.delete_session()
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_a_driver_killed_hard_leaves_no_rank_and_the_run_is_lost_then_resumable(tmp_path, driver):
     import signal
 
@@ -441,6 +442,7 @@ def test_stages_of_the_same_size_reuse_the_gang_with_their_own_logs(db):
     assert wait_dead(pids["generate"]) == []  # the kept gang is stopped when the run ends
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_reuse_can_be_turned_off_and_a_retry_never_reuses(db, tmp_path):
     wf, st = chain(reuse_gangs=False)
     result = run_workflow(wf, st, db=db)
@@ -476,6 +478,7 @@ def test_cli_run_failure_names_stage_rank_and_the_traceback(tmp_path):
     assert "--resume" in out.stderr
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_a_site_names_where_the_store_catalogue_lives(db, tmp_path):
     from phalanx.orchestrator.models import StoreConfig
 

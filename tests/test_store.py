@@ -381,6 +381,7 @@ def test_store_changes_from_a_gang_are_made_once(gang):
     assert results == [(True, False, "DatasetNotFoundError")] * gang.world_size
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_cli_store_sessions_ls_rm_and_rm_all(tmp_path):
     import subprocess
     import sys

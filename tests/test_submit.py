@@ -243,6 +243,7 @@ def detach(tmp_path: Path, procs: list[int]) -> tuple[str, int]:
     return run_id, run["pid"]
 
 
+@pytest.mark.slow  # the core lane stays under 5 minutes; CI's slow lane runs it
 def test_a_detached_run_outlives_its_terminal_and_wait_reports_it(tmp_path, procs, phalanx):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nstages:\n  a:\n    app: apps:wf_mark\n    ranks: 0\n")

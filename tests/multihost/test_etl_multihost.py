@@ -48,6 +48,7 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -93,6 +94,23 @@ print("done")
 """
 
 
+def run_all_local(tmp_path: Path, name: str) -> tuple[Any, float, px.Store]:
+    """The ETL example at SMALL on this machine alone (3 local slots, store and state under
+    ``tmp_path``, named ``name``): the run's result, its seconds, and its store, which holds
+    every dataset of the example — the reference a run across hosts or sites must equal."""
+    site = tmp_path / f"{name}.yaml"
+    site.write_text(
+        yaml.safe_dump({"name": name, "executor": "local", "cores": 3, "store": {"root": str(tmp_path / name)}})
+    )
+    t0 = time.monotonic()
+    result = px.run(ETL, site, set=SMALL, state=tmp_path / f"{name}-state", progress=False)
+    seconds = time.monotonic() - t0
+    assert result.ok, (result.failed, result.skipped)
+    store = px.Store(tmp_path / name, result.session)
+    assert sorted(store.list()) == DATASETS
+    return result, seconds, store
+
+
 def snapshot(store: px.Store) -> dict:
     """Every dataset of the store's session: its info, the whole table, each partition's table."""
     out = {}
@@ -124,19 +142,9 @@ def test_the_etl_example_on_the_pilot_across_hosts_seals_the_same_bytes_as_on_on
     monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))
 
     # ---- 1. on this machine ------------------------------------------------------------------
-    local_site = tmp_path / "local.yaml"
-    local_site.write_text(
-        yaml.safe_dump(
-            {"name": "test-local", "executor": "local", "cores": 3, "store": {"root": str(tmp_path / "store")}}
-        )
-    )
-    t0 = time.monotonic()
-    local = px.run(ETL, local_site, set=SMALL, state=tmp_path / "state", progress=False)
-    local_s = time.monotonic() - t0
-    assert local.ok, (local.failed, local.skipped)
-    local_db = RunDB(tmp_path / "state")
-    here = snapshot(px.Store(tmp_path / "store", local.session))
-    assert sorted(here) == DATASETS
+    local, local_s, store = run_all_local(tmp_path, "test-local")
+    local_db = RunDB(tmp_path / "test-local-state")
+    here = snapshot(store)
 
     # ---- 2. on the pilot across px-h1..px-h3, the store in each host's own memory ------------
     root = host_root  # /dev/shm/...: each host's own

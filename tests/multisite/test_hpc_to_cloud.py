@@ -116,17 +116,8 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
     monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))  # the pilot's ranks write there
 
     # ---- 1. the all-local run -------------------------------------------------------------------
-    alone = tmp_path / "all-local.yaml"
-    alone.write_text(
-        yaml.safe_dump(
-            {"name": "all-local", "executor": "local", "cores": 3, "store": {"root": str(tmp_path / "alone")}}
-        )
-    )
-    t0 = time.monotonic()
-    local = px.run(ETL, alone, set=SMALL, state=tmp_path / "alone-state", progress=False)
-    local_s = time.monotonic() - t0
-    assert local.ok, (local.failed, local.skipped)
-    reference = snapshot(px.Store(tmp_path / "alone", local.session))
+    _, local_s, alone = etl_tests.run_all_local(tmp_path, "all-local")
+    reference = snapshot(alone)
     assert sorted(reference) == DATASETS
 
     # ---- 2. the sites ---------------------------------------------------------------------------

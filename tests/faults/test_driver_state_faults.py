@@ -31,6 +31,14 @@ TESTS = Path(__file__).resolve().parents[1]
 PHALANX = [sys.executable, "-m", "phalanx.cli"]
 
 
+def first_stage_state(db: RunDB) -> str | None:
+    """The first stage's state of the first run, or None until the driver has recorded both (it
+    writes the run's row before its stages' rows)."""
+    runs = db.runs()
+    stages = db.stages(runs[0]["id"]) if runs else []
+    return stages[0]["state"] if stages else None
+
+
 def env_for(state: Path, **extra: str) -> dict[str, str]:
     return {
         **os.environ,
@@ -222,7 +230,7 @@ def test_a_second_sigterm_during_a_cancel_exits_130_with_one_message(tmp_path, f
     proc = subprocess.Popen([*PHALANX, "run", str(wf), "--plain"], env=env_for(state), stdout=out, stderr=out)
     try:
         db = RunDB(state)
-        wait_for("the stage running", lambda: db.runs() and db.stages(db.runs()[0]["id"])[0]["state"] == "running", 120)
+        wait_for("the stage running", lambda: first_stage_state(db) == "running", 120)
         time.sleep(0.5)  # its ranks started
         t0 = time.monotonic()
         for _ in range(3):
@@ -345,7 +353,7 @@ def test_a_full_state_directory_fails_the_run_naming_it_and_status_and_logs_stil
     ranks: list[int] = []
     try:
         db = RunDB(state)
-        wait_for("the stage running", lambda: db.runs() and db.stages(db.runs()[0]["id"])[0]["state"] == "running", 120)
+        wait_for("the stage running", lambda: first_stage_state(db) == "running", 120)
         run_id = db.runs()[0]["id"]
         ranks = wait_for("its ranks", lambda: len(descendants(proc.pid)) >= 2 and descendants(proc.pid), 60)
         filler = fill(small_tmpfs)

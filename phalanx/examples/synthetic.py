@@ -198,11 +198,20 @@ def train(env):
     """Binary classifier of ``label`` (churned) on FEATURES with px.ml.loader + px.ml.ddp.
 
     Input ``data``: the features dataset (read by the loader: a new global permutation per
-    epoch).  params: epochs, batch_size, lr, hidden, seed.  Seals ``train_metrics`` (one row
-    per epoch: loss, accuracy, rows_seen over all ranks) when the stage declares it.  The
-    seconds an epoch took go to the log (``epoch N: ... 1.2s``), not into the dataset: the
-    sealed metrics are a pure function of the data and the params, so two runs of the
-    workflow seal byte-identical datasets (the run database times every stage besides).
+    epoch).  params: epochs, batch_size, lr, hidden, seed, keep_checkpoints.  Seals
+    ``train_metrics`` (one row per epoch: loss, accuracy, rows_seen over all ranks) when the
+    stage declares it.  The seconds an epoch took go to the log (``epoch N: ... 1.2s``), not
+    into the dataset: the sealed metrics are a pure function of the data and the params, so two
+    runs of the workflow seal byte-identical datasets (the run database times every stage
+    besides).
+
+    Every epoch ends with a checkpoint (``px.ml.Checkpoints``: model, optimizer, the metrics so
+    far) sealed in the run's session, so a retried attempt or ``phalanx run --resume``
+    continues at the next epoch.  A resumed run seals the same metrics as one never
+    interrupted: the model's initial weights are seeded, the loader's order depends only on
+    (seed, epoch), Adam's state comes back exactly and Gloo's sum of two ranks' gradients does
+    not depend on how DDP buckets them.  Once the outputs are sealed the checkpoints are
+    removed (``keep_checkpoints: true`` keeps the last ones: ``px.ml.load_checkpoint``).
     """
     import torch
 
@@ -215,7 +224,11 @@ def train(env):
     model = px.ml.ddp(env, _mlp(len(FEATURES), hidden))
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     loss_fn = torch.nn.BCEWithLogitsLoss()
-    history = []
+    ckpt = px.ml.Checkpoints(env, every=1)  # <stage>.ckpt.<epoch> in the run's session
+    start = ckpt.restore(model, opt)  # 0, or the epochs a previous attempt finished
+    history = list(ckpt.extra.get("history", []))
+    if start:
+        env.log.info("resuming from checkpoint %s: epoch %d of %d", ckpt.restored, start, epochs)
     with px.ml.loader(
         env,
         spec["dataset"],
@@ -226,7 +239,7 @@ def train(env):
         seed=spec.get("seed", 0),
         device=model.px_device,  # batches on the model's device (the CPU: as before)
     ) as loader:
-        for epoch in range(epochs):
+        for epoch in range(start, epochs):
             loader.set_epoch(epoch)  # a new global permutation
             t0 = time.perf_counter()
             total, count, correct = 0.0, 0, 0
@@ -255,9 +268,12 @@ def train(env):
                 count,
                 time.perf_counter() - t0,
             )
+            ckpt.save(epoch + 1, model, opt, history=history)
     if "train_metrics" in env.outputs:
         schema = pa.schema(
             [("epoch", pa.int64()), ("loss", pa.float64()), ("accuracy", pa.float64()), ("rows_seen", pa.int64())]
         )
         table = pa.Table.from_pylist(history, schema) if env.rank == 0 else schema.empty_table()
         env.output("train_metrics", px.DataFrame.from_arrow(table, env))
+    if not p.get("keep_checkpoints", False):
+        ckpt.clear()  # the outputs are sealed: a resume reuses them, not the checkpoints

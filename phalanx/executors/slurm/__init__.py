@@ -6,7 +6,9 @@ Slurm a site runs.  Two ways to get the nodes, chosen by the site's ``slurm:`` s
 
 ``allocation: per-stage`` (default)
     Every gang is its own batch job: ``sbatch`` of a script whose body ``srun``\\ s the ranks.
-    Simple and fair to other users; every stage queues once.
+    Simple and fair to other users; every stage queues once.  One-rank gangs that start
+    together (a fan-out's instances) go as ONE job array, each gang a task ``A_i``
+    (``arrays.py``); one ``squeue`` polls all the run's jobs (``commands.JobWatcher``).
 ``allocation: pilot``
     One allocation (a ``SlurmPilot``: a holder job submitted with ``sbatch`` that sleeps) is
     held for the whole run, and every gang is a job step ``srun --jobid=J --exact -n N`` on
@@ -45,7 +47,10 @@ Site keys (the ``slurm:`` section of a site file, or of a stage over the site's;
     prologue: ["module load python"]    # shell lines run before srun (per-stage mode)
     sbatch_args: [...], srun_args: [...]  # anything else, verbatim
     srun_via: [CMD, ARG]                # pilot steps: the driver's srun runs under it (env passed)
-    poll_interval: 0.5                  # seconds between squeue calls
+    array: true                         # per-stage: one-rank gangs starting together = one job array
+    array_window: 0.2                   # ...gathered until this long passes with none joining
+    array_max: 1000                     # ...at most this many tasks (under MaxArraySize)
+    poll_interval: 0.5                  # seconds between squeue calls (one for all the run's jobs)
     pending_timeout: 600                # fail a gang whose job is PENDING longer (default: wait)
     job_name: phalanx                   # prefix of job and step names
     pilot:                              # allocation: pilot — the held allocation

@@ -7,8 +7,10 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,8 @@ class SlurmCommands:
 
     def __init__(self, conf: str | None = None):
         self.conf = os.path.expandvars(os.path.expanduser(conf)) if conf else None
+        self.calls: Counter[str] = Counter()  # commands run, by name (sbatch: 3, squeue: 40...)
+        self._count = threading.Lock()
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
         """The driver's environment without its own SLURM job's variables (the driver may run
@@ -120,37 +124,52 @@ class SlurmCommands:
         timeout: float = 60.0,
         stdin: str | None = None,
     ) -> subprocess.CompletedProcess:
+        with self._count:
+            self.calls[name] += 1
         return subprocess.run(
             [self.exe(name), *args], env=env or self.env(), input=stdin, capture_output=True, text=True, timeout=timeout
         )
 
     def job(self, job_id: str) -> JobInfo:
-        """The job as the controller sees it; after it aged out (MinJobAge), as sacct does."""
-        fields = "JobID:|,State:|,Reason:|,NodeList:|,exit_code:|,Partition:|"
+        """The job (or array task ``A_i``) as the controller sees it; after it aged out
+        (MinJobAge), as sacct does."""
+        return self.jobs([job_id])[job_id]
+
+    def jobs(self, job_ids: Iterable[str]) -> dict[str, JobInfo]:
+        """Several jobs and array tasks (``123``, ``124_7``) with one ``squeue`` (one ``sacct``
+        for those it no longer lists): ``JobWatcher`` asks for all of an executor's at once."""
+        ids = list(dict.fromkeys(job_ids))
+        fields = "JobArrayID:|,State:|,Reason:|,NodeList:|,exit_code:|,Partition:|"  # JobID: an array's, not its task's
         try:
-            r = self.run("squeue", "-h", "-t", "all", "-j", job_id, "-O", fields, timeout=30)
+            r = self.run("squeue", "-h", "-r", "-t", "all", "-j", ",".join(ids), "-O", fields, timeout=30)
         except subprocess.TimeoutExpired:
-            return JobInfo(job_id, "UNKNOWN", "squeue timed out")
+            return {j: JobInfo(j, "UNKNOWN", "squeue timed out") for j in ids}
+        found: dict[str, JobInfo] = {}
         if r.returncode == 0:
+            wanted = set(ids)
             for line in r.stdout.splitlines():
                 parts = line.split("|")
-                if len(parts) >= 6 and parts[0].strip() == job_id:
+                job = parts[0].strip()
+                if len(parts) >= 6 and job in wanted:
                     code = parts[4].strip()
-                    return JobInfo(
-                        job_id,
+                    found[job] = JobInfo(
+                        job,
                         parts[1].strip(),
                         parts[2].strip(),
                         parts[3].strip(),
                         int(code) if code.lstrip("-").isdigit() else None,
                         parts[5].strip(),
                     )
-            if not r.stdout.strip():
-                return self._from_sacct(job_id)
-        elif "Invalid job id" in r.stderr:
-            return self._from_sacct(job_id)
-        return JobInfo(job_id, "UNKNOWN", (r.stderr.strip().splitlines() or ["squeue failed"])[-1])
+        elif "Invalid job id" not in r.stderr:  # the controller did not answer: nothing is known
+            why = (r.stderr.strip().splitlines() or ["squeue failed"])[-1]
+            return {j: JobInfo(j, "UNKNOWN", why) for j in ids}
+        missing = [j for j in ids if j not in found]  # aged out (or, all of them, an invalid id)
+        if missing:
+            found.update(self._from_sacct(missing))
+        return {j: found[j] for j in ids}
 
-    def _from_sacct(self, job_id: str) -> JobInfo:
+    def _from_sacct(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        gone = {j: JobInfo(j, "GONE") for j in job_ids}  # neither squeue nor accounting knows them
         try:
             r = self.run(
                 "sacct",
@@ -158,26 +177,27 @@ class SlurmCommands:
                 "-n",
                 "-P",
                 "-j",
-                job_id,
+                ",".join(job_ids),
                 "-o",
                 "JobID,State,ExitCode,Reason,NodeList,Partition",
                 timeout=30,
             )
         except (subprocess.TimeoutExpired, MissingDependencyError):
-            return JobInfo(job_id, "GONE")
+            return gone
         for line in r.stdout.splitlines() if r.returncode == 0 else []:
             parts = line.split("|")
-            if len(parts) >= 6 and parts[0] == job_id:
+            if len(parts) >= 6 and parts[0] in gone:
                 code, _, sig = parts[2].partition(":")
                 status = (
                     (int(sig) & 0x7F) if sig.isdigit() and int(sig) else (int(code) << 8 if code.isdigit() else None)
                 )
-                return JobInfo(job_id, parts[1].split()[0], parts[3], parts[4], status, parts[5])
-        return JobInfo(job_id, "GONE")  # neither squeue nor accounting knows it any more
+                gone[parts[0]] = JobInfo(parts[0], parts[1].split()[0], parts[3], parts[4], status, parts[5])
+        return gone
 
     def jobs_named(self, name: str) -> list[str]:
-        """Active jobs called ``name``; an unreachable controller raises GangError."""
-        r = self.run("squeue", "-h", "-n", name, "-o", "%i", timeout=30)
+        """Active jobs called ``name`` (every task of an array: ``A_i``); an unreachable
+        controller raises GangError."""
+        r = self.run("squeue", "-h", "-r", "-n", name, "-o", "%i", timeout=30)
         if r.returncode != 0:
             raise GangError(f"slurm: squeue failed: {r.stderr.strip() or r.returncode}")
         return r.stdout.split()
@@ -225,6 +245,44 @@ class SlurmCommands:
             pass
 
 
+class JobWatcher:
+    """SLURM's view of every live job of an executor, from one ``squeue`` for all of them (be
+    kind to slurmctld): a launcher asking for its job's state gets the last answer while it is
+    fresh, else asks anew — for every job watched.  N gangs polling every ``poll_interval``
+    cost one squeue per interval, not N."""
+
+    def __init__(self, slurm: SlurmCommands):
+        self.slurm = slurm
+        self._lock = threading.Lock()
+        self._watched: dict[str, int] = {}  # job or array task → launchers watching it
+        self._info: dict[str, JobInfo] = {}
+        self._polled = 0.0  # monotonic time of the last squeue
+
+    def watch(self, job_id: str) -> None:
+        with self._lock:
+            self._watched[job_id] = self._watched.get(job_id, 0) + 1
+
+    def forget(self, job_id: str) -> None:
+        with self._lock:
+            left = self._watched.pop(job_id, 0) - 1
+            if left > 0:
+                self._watched[job_id] = left
+            else:
+                self._info.pop(job_id, None)
+
+    def info(self, job_id: str, max_age: float) -> JobInfo:
+        """``job_id``'s state no older than ``max_age`` seconds (0: ask now)."""
+        with self._lock:
+            known = self._info.get(job_id)
+            if known is None or time.monotonic() - self._polled >= max_age:
+                ids = [*self._watched, job_id] if job_id not in self._watched else list(self._watched)
+                answers = self.slurm.jobs(ids)
+                self._polled = time.monotonic()
+                self._info = {j: i for j, i in answers.items() if j in self._watched}
+                known = answers[job_id]
+            return known
+
+
 def allocation(kind: str, name: str, slurm: SlurmCommands, job: str | None = None) -> dict:
     """The record of a job, pilot or step (``base.held``): named before SLURM knows it, so
     ``release`` finds it by name even when the driver died before it learnt the job id."""
@@ -232,7 +290,9 @@ def allocation(kind: str, name: str, slurm: SlurmCommands, job: str | None = Non
 
 
 def release(record: dict) -> str:
-    """scancel an allocation recorded by ``allocation`` (from any process on a submit host)."""
+    """scancel an allocation recorded by ``allocation`` (from any process on a submit host);
+    a gang that is one task of an array job (``array``: the array's job name, ``task``: its
+    index) is found by the array's name and only its task is cancelled."""
     slurm = SlurmCommands(record.get("conf"))
     kind, name = record.get("kind", "job"), record["id"]
     if kind == "step":  # a step of a pilot: gone with it
@@ -240,6 +300,9 @@ def release(record: dict) -> str:
         if info.state == "UNKNOWN":
             raise GangError(f"slurm: cannot tell whether pilot job {record['job']} lives: {info.reason}")
         targets = slurm.step_ids(record["job"], name) if info.active else []
+    elif record.get("array"):  # one task of an array job: that task only
+        task = f"_{record['task']}"
+        targets = [j for j in slurm.jobs_named(record["array"]) if j.endswith(task)]
     else:
         targets = slurm.jobs_named(name)
     for target in targets:
@@ -273,11 +336,15 @@ def _hopeless(info: JobInfo, site: str, what: str = "") -> str:
     return f"slurm: {what}job {info.job_id} PENDING ({info.reason}): {hint}{_site(site)}"
 
 
-def _wait_inactive(slurm: SlurmCommands, job: str, within_s: float) -> JobInfo:
+def _wait_inactive(
+    slurm: SlurmCommands, job: str, within_s: float, look: Callable[[str, float], JobInfo] | None = None
+) -> JobInfo:
+    """The job once it ended, or as it is after ``within_s``; ``look(job, max_age)``: where its
+    state comes from (a ``JobWatcher``'s, shared by gangs that stop together), default squeue."""
     deadline = time.monotonic() + within_s
     wait = 0.05
     while True:
-        info = slurm.job(job)
+        info = look(job, wait) if look is not None else slurm.job(job)
         if not info.active or time.monotonic() > deadline:
             return info
         time.sleep(wait)

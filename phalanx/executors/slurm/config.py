@@ -173,8 +173,30 @@ class SlurmConfig(_Options):
         "cannot call back: srun listens for its tasks, e.g. the test bed's "
         "[tests/infra/multihost-exec, px-head]",
     )
+    array: bool = Field(
+        True,
+        description="per-stage: one-rank gangs that start together (a fan-out's instances, "
+        "independent stages; less than array_window apart) with the same sbatch options go as ONE "
+        "job array (sbatch --array), each gang one array task; false: one job each",
+    )
+    array_window: float = Field(
+        0.2,
+        ge=0,
+        allow_inf_nan=False,
+        description="the job array is submitted once this many seconds pass without another "
+        "one-rank gang joining (at most 10 windows); a gang that stays alone goes as a job of its own",
+    )
+    array_max: int = Field(
+        1000,
+        ge=1,
+        strict=True,
+        description="most tasks of one job array (keep it under the cluster's MaxArraySize, default 1001)",
+    )
     poll_interval: float = Field(
-        0.5, gt=0, allow_inf_nan=False, description="seconds between squeue calls of a gang (be kind to slurmctld)"
+        0.5,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds between squeue calls (one call for all of the run's per-stage jobs: be kind to slurmctld)",
     )
     pending_timeout: Optional[float] = Field(
         None,

@@ -11,7 +11,8 @@ from typing import Any
 
 from ...errors import GangError
 from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig, gpu_key
-from .commands import SlurmCommands, _does_not_fit, _site, release
+from .arrays import ArrayBatcher
+from .commands import JobWatcher, SlurmCommands, _does_not_fit, _site, release
 from .config import Option, SlurmConfig, SlurmPilotConfig
 from .launcher import SlurmJobLauncher, SlurmLauncher, SlurmStepLauncher
 from .pilot import SlurmPilot
@@ -51,6 +52,10 @@ class SlurmExecutor(Executor[SlurmConfig]):
         self._pilot = pilot
         self._owns_pilot = pilot is None
         self._lock = threading.Lock()
+        # per-stage jobs: SLURM's commands, one squeue for all live jobs, and the job arrays of
+        # one-rank gangs — per cluster (a stage may name another slurm.conf)
+        self._commands: dict[str | None, tuple[SlurmCommands, JobWatcher]] = {}
+        self._batchers: dict[tuple, ArrayBatcher] = {}
         held = self._held_slots()
         if cores and held and cores > held:
             raise ValueError(
@@ -126,6 +131,27 @@ class SlurmExecutor(Executor[SlurmConfig]):
                 raise GangError(_does_not_fit(ranks, slots, self.site))
         self._gang_options(ranks, cfg)
 
+    def per_stage(self, cfg: SlurmConfig) -> tuple[SlurmCommands, JobWatcher]:
+        """SLURM's commands for ``cfg``'s cluster and the watcher all per-stage jobs there share."""
+        with self._lock:
+            key = SlurmCommands(cfg.conf).conf
+            if key not in self._commands:
+                slurm = SlurmCommands(cfg.conf)
+                self._commands[key] = (slurm, JobWatcher(slurm))
+            return self._commands[key]
+
+    def batcher(self, cfg: SlurmConfig) -> ArrayBatcher:
+        """The batcher gathering this executor's one-rank gangs into job arrays (``cfg``'s
+        cluster, window and size)."""
+        slurm, _ = self.per_stage(cfg)
+        key = (slurm.conf, cfg.array_window, cfg.array_max, cfg.job_name)
+        with self._lock:
+            if key not in self._batchers:
+                self._batchers[key] = ArrayBatcher(
+                    slurm, window=cfg.array_window, max_size=cfg.array_max, job_name=cfg.job_name
+                )
+            return self._batchers[key]
+
     def _gang_options(self, ranks: int, cfg: SlurmConfig) -> tuple[dict[str, Option], int]:
         """(sbatch/srun options, CPUs per rank) of one gang: nodes from ranks_per_node, and
         the site's memory per rank as --mem-per-cpu unless the section sets mem or mem_per_cpu."""
@@ -159,8 +185,15 @@ class SlurmExecutor(Executor[SlurmConfig]):
         if cfg.allocation == "pilot":
             launcher = SlurmStepLauncher(self.pilot(), echo, srun_via=cfg.srun_via, **common)
         else:
+            slurm, watcher = self.per_stage(cfg)
             launcher = SlurmJobLauncher(
-                echo, slurm=SlurmCommands(cfg.conf), prologue=cfg.prologue, sbatch_args=cfg.sbatch_args, **common
+                echo,
+                slurm=slurm,
+                prologue=cfg.prologue,
+                sbatch_args=cfg.sbatch_args,
+                arrays=self.batcher(cfg) if cfg.array and ranks == 1 else None,
+                watcher=watcher,
+                **common,
             )
         launcher.allocation_hook = self.hook
         return launcher

@@ -25,10 +25,12 @@ from .. import exit_files
 from ..base import Echo, Launcher, held, released, shared_env
 from ..logs import FileFollower
 from ..network import is_loopback
+from .arrays import ArrayBatcher, ArrayRequest
 from .commands import (
     FAILED,
     HOPELESS,
     JobInfo,
+    JobWatcher,
     SlurmCommands,
     _does_not_fit,
     _hopeless,
@@ -49,6 +51,16 @@ _STATE_SIGNAL = {
     "NODE_FAIL": signal.SIGKILL,
     "OUT_OF_MEMORY": signal.SIGKILL,
     "BOOT_FAIL": signal.SIGKILL,
+}
+
+# Why ranks ended, by their job's final state (Launcher.end_cause: what retry policies read)
+_STATE_CAUSE = {
+    "OUT_OF_MEMORY": "oom",
+    "NODE_FAIL": "node_lost",
+    "BOOT_FAIL": "node_lost",
+    "PREEMPTED": "preempted",
+    "TIMEOUT": "timeout",
+    "DEADLINE": "timeout",
 }
 
 # Runs each rank: exports the rank for programs that read PHALANX_RANK, records the exit code
@@ -143,6 +155,7 @@ class SlurmLauncher(Launcher):
         self._last_poll = 0.0
         self._submitted = 0.0
         self._failed: str | None = None  # SLURM's reason once the job failed
+        self._failed_state = ""  # the failed job's state (NODE_FAIL, PREEMPTED...)
         self._raised = False
         self._killing = False
         self._allocation: dict | None = None  # this gang's job or step (base.held)
@@ -264,6 +277,7 @@ class SlurmLauncher(Launcher):
         if self._failed is not None or self._killing:
             return
         self._failed = f"slurm: {info.describe()}{_site(self.site)}"
+        self._failed_state = info.state
         for r, c in enumerate(self._codes):
             if c is None or c < 0:
                 try:
@@ -301,6 +315,11 @@ class SlurmLauncher(Launcher):
             failed = self._failed or ""
         return f" — out of memory ({failed})" if "OUT_OF_MEMORY" in failed else ""
 
+    def end_cause(self, rank: int) -> str | None:
+        """From the job's final state: OUT_OF_MEMORY, NODE_FAIL, PREEMPTED, TIMEOUT..."""
+        with self._lock:
+            return _STATE_CAUSE.get(self._failed_state)
+
     # ---- stopping -------------------------------------------------------------------------
     def kill(self, grace_s: float = 2.0) -> None:
         with self._lock:
@@ -325,16 +344,28 @@ class SlurmLauncher(Launcher):
 
 class SlurmJobLauncher(SlurmLauncher):
     """``allocation: per-stage``: the gang is a batch job of its own (``sbatch`` of a script whose
-    ``srun`` starts the ranks)."""
+    ``srun`` starts the ranks) — or, one rank with ``arrays``, a task of a job array shared with
+    the one-rank gangs that start with it (``arrays.ArrayBatcher``)."""
 
     def __init__(
-        self, echo: Echo = False, *, prologue: Sequence[str] = (), sbatch_args: Sequence[str] = (), **common: Any
+        self,
+        echo: Echo = False,
+        *,
+        prologue: Sequence[str] = (),
+        sbatch_args: Sequence[str] = (),
+        arrays: ArrayBatcher | None = None,
+        watcher: JobWatcher | None = None,
+        **common: Any,
     ):
-        """``prologue``: shell lines before srun in the job's script; ``common``: see
-        ``SlurmLauncher``."""
+        """``prologue``: shell lines before srun in the job's script; ``arrays``: the
+        executor's batcher of one-rank gangs (None: every gang is a job of its own);
+        ``watcher``: the executor's one squeue for all its jobs (None: this gang polls its
+        own); ``common``: see ``SlurmLauncher``."""
         super().__init__(echo, **common)
         self.prologue = list(prologue)
         self.sbatch_args = list(sbatch_args)
+        self.arrays = arrays
+        self.watcher = watcher
 
     def _start(self, argv: Sequence[str], env: dict[str, str]) -> None:
         srun = [self.slurm.exe("srun"), *self._srun_options(), *self.srun_args, *self._rank_command(argv)]
@@ -350,9 +381,7 @@ class SlurmJobLauncher(SlurmLauncher):
                 ]
             )
         )
-        args = [
-            f"--job-name={self.step_name}",
-            f"--output={_pct(self._logs)}/launcher.log",
+        shared = [  # what every gang of one array shares
             "--open-mode=append",
             "--no-requeue",  # a lost node fails the stage: phalanx retries
             "--export=ALL",
@@ -360,16 +389,50 @@ class SlurmJobLauncher(SlurmLauncher):
             f"--cpus-per-task={self.cpus_per_rank}",
             *_option_args(self.options),
             *self.sbatch_args,
-            str(script),
         ]
         record = allocation("job", self.step_name, self.slurm)
-        self._hold(record)  # before sbatch: see base.held
-        try:
-            self.job_id = self.slurm.submit(args, env, self.site)
-        except BaseException:
-            self._let_go()
-            raise
+        if self.arrays is not None and self.world_size == 1:
+            request = ArrayRequest(
+                (self.slurm.conf, *shared),
+                shared,
+                env,
+                script,
+                self._logs,
+                lambda task: self._hold({**record, **task}),  # before sbatch: see base.held
+            )
+            try:
+                self.job_id = self.arrays.join(request, self.site)
+            except BaseException:
+                self._let_go()
+                raise
+            if self.job_id is not None:
+                record = {**record, "array": request.array, "task": request.task}
+        if self.job_id is None:  # more than one rank, or the window held this gang only
+            self._hold(record)  # before sbatch: see base.held
+            try:
+                self.job_id = self.slurm.submit(
+                    [f"--job-name={self.step_name}", f"--output={_pct(self._logs)}/launcher.log", *shared, str(script)],
+                    env,
+                    self.site,
+                )
+            except BaseException:
+                self._let_go()
+                raise
         self._hold({**record, "job": self.job_id})
+        if self.watcher is not None:
+            self.watcher.watch(self.job_id)
+
+    def _poll(self, force: bool = False) -> JobInfo | None:
+        """SLURM's view of the job: the executor's watcher's (one squeue for all its jobs)."""
+        if self.job_id is None or self.watcher is None:
+            return super()._poll(force)
+        self.info = self.watcher.info(self.job_id, 0.0 if force else self.poll_interval)
+        return self.info
+
+    def _let_go(self) -> None:
+        if self.watcher is not None and self._allocation is not None and self._allocation.get("job"):
+            self.watcher.forget(self._allocation["job"])
+        super()._let_go()
 
     def _rank_killed(self) -> None:
         """Was it SLURM (scancel, time limit, node failure...)?"""
@@ -414,16 +477,24 @@ class SlurmJobLauncher(SlurmLauncher):
     def _status(self, info: JobInfo) -> str:
         return f"slurm: {info.describe()}"
 
+    def _look(self, job: str, max_age: float) -> JobInfo:
+        """``job``'s state no older than ``max_age`` s: the watcher's (gangs that stop together
+        share its squeue), else this gang's own squeue."""
+        return self.watcher.info(job, max_age) if self.watcher is not None else self.slurm.job(job)
+
     def _stop(self, job: str, grace_s: float) -> None:
-        info = self.slurm.job(job)
+        info = self._look(job, self.poll_interval)  # an ended job's state is final: a recent look will do
         if info.active and all(c is not None for c in self.exitcodes()):
-            info = _wait_inactive(self.slurm, job, grace_s)  # srun and the script are ending
+            info = _wait_inactive(self.slurm, job, grace_s, self._look)  # srun and the script are ending
+        cancelled = info.active
         if info.active:
             self.slurm.cancel(job)  # SIGTERM to every step, SIGKILL after KillWait
-            info = _wait_inactive(self.slurm, job, grace_s)
+            info = _wait_inactive(self.slurm, job, grace_s, self._look)
         if info.active:
             self.slurm.cancel(job, "KILL")
-            info = _wait_inactive(self.slurm, job, 10.0)
+            info = _wait_inactive(self.slurm, job, 10.0, self._look)
+        if cancelled and info.state == "GONE":  # an array task cancelled while pending leaves no trace
+            info = JobInfo(job, "CANCELLED")
         with self._lock:
             self.info = info
             if not info.active:

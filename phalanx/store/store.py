@@ -120,6 +120,14 @@ class Unsealed(NamedTuple):
     idle_s: float  # seconds since it was last written
 
 
+class Adopted(NamedTuple):
+    """What ``Store.adopt`` sealed, and how its bytes came: "link", "server-side copy", "copy"
+    (joined by "+" when partitions came differently)."""
+
+    info: DatasetInfo
+    how: str
+
+
 class Store:
     """A store rooted at a directory (``/dev/shm/phalanx-$USER/store`` by default) or an object
     store (``s3://bucket/prefix?endpoint_override=http://host:port``).
@@ -650,6 +658,82 @@ class Store:
         except BaseException:
             self.tier.remove(staging)
             raise
+
+    # ---- sharing a sealed dataset with another session (caching across runs) -----------------
+    def adopt(self, src: Store, name: str, *, replace: bool = False, run: str = "") -> Adopted:
+        """Make ``src``'s sealed dataset ``name`` (another session of this store: an earlier
+        run's output) a dataset of this session under the same name, sharing its bytes where
+        the tier can: each partition file hard-linked on a directory tier (no byte copied),
+        a server-side copy on an object store, else copied (a partition held by another
+        host's memory is fetched from it).  Every partition is checked against its checksum
+        as this session now holds it (``ChecksumError`` naming the source: nothing sealed).
+
+        Immutability and isolation hold: nothing of ``src`` is written (not even a verified
+        marker), only its sealed files are read (never its staging area), and the two datasets
+        have their own metadata and directory entries, so removing either session leaves the
+        other whole (a linked file's bytes go with its last link).  ``run``: the run that
+        adopts it (default: the source's)."""
+        _check_name(name)
+        info = src.info(name)
+        if not replace and self.exists(name):
+            raise self._exists(name)
+        staging_id = self.new_staging_id("adopt")
+        location = self.tier.staging(self.session, name, staging_id)
+        how: set[str] = set()
+        try:
+            parts = [self._adopt_partition(src, info, i, location, staging_id, how) for i in range(info.num_partitions)]
+        except BaseException:
+            self.discard_staging(name, staging_id)
+            raise
+        origin = {
+            "store": self.tier.url,
+            "session": src.session,
+            "name": name,
+            "version": info.version,
+            "adopted": "+".join(sorted(how)),
+        }
+        sealed = self.seal(
+            name,
+            staging_id,
+            parts,
+            info.schema,
+            info.partitioning,
+            info.producer,
+            run or info.run,
+            replace,
+            origin=origin,
+        )
+        return Adopted(sealed, "+".join(sorted(how)) or "nothing (no partitions)")
+
+    def _adopt_partition(
+        self, src: Store, info: DatasetInfo, index: int, location: str, staging_id: str, how: set[str]
+    ) -> PartitionInfo:
+        """Partition ``index`` of ``src``'s ``info`` into this session's staged ``location``,
+        checked as it is there now."""
+        part = info.partitions[index]
+        where = f"{src._where()}: dataset {info.name!r} partition {index}"
+        try:
+            if src.is_here(part):
+                how.add(self.tier.share_partition(src._tier_for(info.location), info.location, index, location))
+            else:  # in another host's memory: its exact bytes, checked on the way
+                self.tier.write_buffer(location, index, src.partition_bytes(info, index))
+                how.add("copy")
+            self._check(
+                self.tier.read_buffer(location, index), part, f"{where} (adopted into session {self.session!r})"
+            )
+        except FileNotFoundError:
+            raise StoreError(f"{where} is missing (removed or moved meanwhile)") from None
+        through = ""
+        if self.durable_tier is not None:  # its written-through copy shared too, where it has one
+            if part.copy and self.durable_tier.owns(part.copy):
+                through = self._durable_location(info.name, staging_id)
+                self.durable_tier.share_partition(self.durable_tier, part.copy, index, through)
+            else:
+                through = self._write_through(location, index, info.name, staging_id)
+        new = PartitionInfo(index, part.rows, part.bytes, part.checksum, copy=through, **self.placement())
+        self._verified.add((staging_id, index))  # checked just now: this attempt trusts it
+        self._mark(self.session, staging_id, index, new)
+        return new
 
     def _exists(self, name: str) -> DatasetExistsError:
         return DatasetExistsError(

@@ -192,6 +192,15 @@ class Tier(ABC):
         """A table over the partition's bytes without copying them."""
         return ipc.open_file(pa.BufferReader(buf)).read_all()
 
+    def share_partition(self, src: Tier, src_location: str, index: int, location: str) -> str:
+        """Make partition ``index`` of ``src_location`` (on tier ``src``) partition ``index`` of
+        ``location`` on this tier, sharing its bytes where the tiers can (a hard link, a
+        server-side copy), else copying them; returns how ("link", "server-side copy" or
+        "copy").  The source is never written, and removing either leaves the other whole
+        (``Store.adopt``: an earlier run's outputs reused)."""
+        self.write_buffer(location, index, src.read_buffer(src_location, index))
+        return "copy"
+
     @abstractmethod
     def commit(self, staging: str, final: str) -> None:
         """Make a staged location final (a rename, or nothing where staging is in place)."""
@@ -304,6 +313,27 @@ class FileTier(Tier):
             _write_all(fd, memoryview(buf))
         finally:
             os.close(fd)
+
+    def share_partition(self, src: Tier, src_location: str, index: int, location: str) -> str:
+        """A hard link where both are directories of one file system (no byte copied; the
+        inode lives until its last link goes), else a copy.  The link must be a regular file
+        of this user's (a location read from metadata another user could write names nothing
+        else)."""
+        if not isinstance(src, FileTier):
+            return super().share_partition(src, src_location, index, location)
+        target = makedirs(location) / part_file(index)
+        try:
+            os.link(Path(src_location) / part_file(index), target, follow_symlinks=False)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.EOPNOTSUPP):
+                raise  # FileNotFoundError: the source moved or went meanwhile
+            return super().share_partition(src, src_location, index, location)  # another file system
+        st = os.lstat(target)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            target.unlink()
+            check_mine(target, st)
+            raise UnsafePathError(f"{Path(src_location) / part_file(index)} is not a regular file")
+        return "link"
 
     def read_buffer(self, location: str, index: int) -> pa.Buffer:
         # The buffer keeps the mapping alive; unlinking the file later does not invalidate it.

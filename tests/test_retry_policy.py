@@ -303,3 +303,21 @@ def test_a_retry_with_more_memory_asks_slurm_for_it():
     site = SlurmExecutor({"partition": "debug"}, site="s", rank_memory=2**30)
     assert site.sized(2 * 2**30).launcher(2).options["mem-per-cpu"] == "2048M"
     assert site.launcher(2).options["mem-per-cpu"] == "1024M" and site.rank_memory == 2**30
+
+
+def test_the_python_api_takes_a_policy_and_leaves_the_default_to_the_site():
+    import phalanx as px
+
+    @px.stage(retry={"causes": {"exit:3": 1}})
+    def a(env):
+        return None
+
+    @px.stage()
+    def b(env):
+        return None
+
+    model = px.Workflow("w", [a, b]).model()
+    assert model.stages["a"].retry == RetryPolicy(causes={"exit:3": 1})
+    site = Site(name="x", retry={"causes": {"oom": 1}})
+    assert policy_of(model.stages["b"], site).causes == {"oom": 1}  # no retries given: the site's
+    assert policy_of(model.stages["a"], site).causes == {"exit:3": 1}

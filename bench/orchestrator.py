@@ -1,9 +1,12 @@
 #!/usr/bin/env python
 """Orchestration overhead per stage: a chain of trivial 2-rank stages, each reading the previous
 stage's output from the store and sealing its own (gang start + rendezvous + hand-off + seal +
-bookkeeping).
+bookkeeping); with ``--fanout N``, the overhead per instance of a fan-out of N trivial one-rank
+instances gathered by a fan-in stage, against the same work as separate runs (what a sweep
+took before ``foreach:``).
 
     .venv/bin/python bench/orchestrator.py [--stages 10] [--ranks 2]
+    .venv/bin/python bench/orchestrator.py --fanout 200 [--separate 20] [--site slurm-local]
 """
 
 from __future__ import annotations
@@ -48,9 +51,66 @@ def chain(stages: int, ranks: int, site: Site) -> tuple[float, list[float]]:
     return total, per
 
 
+def item(env):
+    env.output(env.outputs[0], pa.table({"i": [env.params["i"]] if env.rank == 0 else pa.array([], pa.int64())}))
+
+
+def gather_sum(env):
+    table = env.input("parts").to_arrow()
+    env.output("total", pa.table({"sum": [sum(table["i"].to_pylist())]}))
+
+
+def fanout(n: int, site: Site) -> tuple[float, list[float]]:
+    """Seconds of a run whose stage fans out into ``n`` one-rank instances (then a fan-in), and
+    each instance's seconds (gang start → sealed output)."""
+    stages = {
+        "items": Stage(app="orchestrator:item", foreach={"matrix": {"i": list(range(n))}}, outputs=["one"]),
+        "sum": Stage(app="orchestrator:gather_sum", inputs={"parts": "one"}, outputs=["total"]),
+    }
+    with tempfile.TemporaryDirectory() as state:
+        db = RunDB(state)
+        t0 = time.perf_counter()
+        result = run_workflow(Workflow(name="fanout", stages=stages), site, db=db)
+        total = time.perf_counter() - t0
+        assert result.ok, result.failed
+        store = px.Store(site.store.root, result.session, metadata=site.store.metadata)
+        assert store.read("total").column("sum").to_pylist() == [n * (n - 1) // 2]
+        per = [s["ended"] - s["started"] for s in db.stages(result.run_id) if s["stage"].startswith("items.")]
+        store.delete_session()
+    return total, per
+
+
+def separate_runs(k: int, site: Site) -> float:
+    """Seconds of ``k`` runs of a one-stage workflow, one after another (a sweep as a loop of runs)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as state:
+        db = RunDB(state)
+        for i in range(k):
+            wf = Workflow(name="one", stages={"item": Stage(app="orchestrator:item", params={"i": i}, outputs=["one"])})
+            result = run_workflow(wf, site, db=db)
+            assert result.ok, result.failed
+            px.Store(site.store.root, result.session, metadata=site.store.metadata).delete_session()
+    return time.perf_counter() - t0
+
+
+def fanout_report(n: int, k: int, site: Site) -> None:
+    print(f"fan-out of {n} trivial one-rank instances + a fan-in on site {site.name!r} ({site.executor})")
+    total, per = fanout(n, site)
+    print(
+        f"  foreach: {total:7.2f} s in all, {total / n:5.3f} s per instance "
+        f"(an instance's own time: median {statistics.median(per):.2f} s, max {max(per):.2f} s)"
+    )
+    if k:
+        apart = separate_runs(k, site)
+        print(
+            f"  {k} separate runs: {apart:7.2f} s, {apart / k:5.3f} s per run  "
+            f"→ foreach x{(apart / k) / (total / n):.1f} less per item"
+        )
+
+
 def example_split(path: Path) -> None:
     """The example pipeline at its default size, split into stages."""
-    from phalanx.orchestrator.validate import load_workflow
+    from phalanx.orchestrator.loading import load_workflow
 
     wf, site = load_workflow(path)
     with tempfile.TemporaryDirectory() as state:
@@ -75,11 +135,17 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--no-example", action="store_true", help="skip the example pipeline's split")
     ap.add_argument("--site", default="local", help="site name or file (slurm-local, ray-local...)")
+    ap.add_argument("--fanout", type=int, default=0, help="measure a fan-out of N instances instead of the chain")
+    ap.add_argument("--separate", type=int, default=20, help="with --fanout: this many separate runs to compare")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
-    from phalanx.orchestrator.validate import load_site
+    from phalanx.orchestrator.loading import load_site
 
     site = load_site(args.site)
+    if args.fanout:
+        fanout_report(args.fanout, args.separate, site)
+        print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())
+        return
     if site.executor == "local":
         modes = {  # how a stage gets its gang
             "cold (new processes each stage)": site.model_copy(update={"warm_ranks": 0, "reuse_gangs": False}),

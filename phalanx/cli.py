@@ -27,6 +27,7 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from .orchestrator.fanout import fanout_plan
     from .orchestrator.loading import load_workflow, site_plan, stage_sites
     from .orchestrator.yamlio import ConfigError
 
@@ -45,6 +46,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     sites = stage_sites(wf, site, Path(args.workflow).resolve().parent)
     if len({s.name for s in sites.values()}) > 1:
         print("\n".join(site_plan(wf, sites)))
+    for line in fanout_plan(wf):  # how many instances each fan-out makes
+        print(line)
     return 0
 
 
@@ -411,11 +414,15 @@ def cmd_status(args: argparse.Namespace) -> int:
     # where the resource manager placed a stage: its latest attempt's, shown while it runs
     placed = {e["stage"]: e["message"] for e in db.events(args.run) if e["kind"] == "placed"}
     released: dict[str, list[str]] = {}
+    cached: dict[str, str] = {}  # stage → whose outputs it reused (caching across runs)
     for e in db.events(args.run):
         if e["kind"] == "release":
             released.setdefault(e["stage"], []).append(e["message"])
+        elif e["kind"] == "cached":
+            cached[e["stage"]] = e["message"]
     stages = db.stages(args.run)
     several = len({s.get("site") for s in stages if s.get("site")}) > 1  # a run over several sites
+    causes = attempt_causes(db.attempts(args.run))
     for s in stages:
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
@@ -424,6 +431,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             f"  {s['stage']:20} {s['state']:10} ranks {s['ranks'] or '-':>3}  attempts {s['attempts']}"
             f"  {took:>7}  {rows}{site}{('  ' + s['error']) if s['error'] else ''}"
         )
+        if s["stage"] in cached and s["state"] == "succeeded" and not s["attempts"]:
+            print(f"      cached: {cached[s['stage']]}")
+        if s["stage"] in causes:  # why each attempt ended: "attempt 1 failed: out of memory"
+            print(f"      {causes[s['stage']]}")
         if s["stage"] in placed and s["state"] == "running":  # e.g. "slurm: job 42 RUNNING on n[1-2]"
             print(f"      on {placed[s['stage']]}")
         for freed in released.get(s["stage"], []):  # what a dead driver left, freed by status/cancel/resume
@@ -434,6 +445,23 @@ def cmd_status(args: argparse.Namespace) -> int:
             where += crossing_text(i.get("crossed"))
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']}{where})")
     return 0
+
+
+def attempt_causes(attempts: list[dict]) -> dict[str, str]:
+    """Per stage that failed an attempt: each attempt's end and cause, for ``phalanx status``
+    ("attempt 1 failed: out of memory; attempt 2 succeeded")."""
+    from .orchestrator.retry import label
+
+    per: dict[str, list[dict]] = {}
+    for a in attempts:
+        per.setdefault(a["stage"], []).append(a)
+    return {
+        stage: "; ".join(
+            f"attempt {a['attempt']} {a['state']}" + (f": {label(a['cause'])}" if a.get("cause") else "") for a in mine
+        )
+        for stage, mine in per.items()
+        if any(a.get("cause") for a in mine)
+    }
 
 
 def crossing_text(crossed: dict | None) -> str:
@@ -514,6 +542,8 @@ def cmd_store(args: argparse.Namespace) -> int:
             return cmd_store_rm(store, args)
         elif args.store_cmd == "sessions":
             cmd_store_sessions(store)
+        elif args.store_cmd == "gc":
+            cmd_store_gc(store, args)
     except (PhalanxError, ValueError) as exc:  # e.g. Redis metadata unreachable: one line, no traceback
         print(f"phalanx store: {exc}", file=sys.stderr)
         return 1
@@ -540,6 +570,29 @@ def cmd_store_rm(store, args: argparse.Namespace) -> int:
         store.delete(name)
         print(f"removed {name}")
     return 0
+
+
+def cmd_store_gc(store, args: argparse.Namespace) -> None:
+    """Remove the sessions no run references (orchestrator/cache.py ``collect``); say what goes."""
+    from .orchestrator.cache import collect
+    from .orchestrator.rundb import RunDB
+
+    db = RunDB(args.state)
+    report = collect(store, db, dry_run=args.dry_run, keep_last=args.keep_last, min_age=args.min_age)
+    verb = "would remove" if args.dry_run else "removed"
+    for c in report.removed:
+        print(f"{verb} {c.session}: {c.datasets} datasets, {c.bytes:,} bytes ({c.why})")
+    for c in report.staging:
+        print(f"{verb} the unsealed writes of {c.session}: {c.bytes:,} bytes (its runs ended)")
+    for session, why in report.kept if args.verbose else ():
+        print(f"kept {session}: {why}")
+    print(
+        f"{'would free' if args.dry_run else 'freed'} {report.freed:,} bytes ({report.freed / 1e6:.1f} MB) of "
+        f"{store.root}; kept {len(report.kept)} session{'' if len(report.kept) == 1 else 's'} (runs of {db.path}"
+        + ("" if args.verbose else "; -v says why each")
+        + ")"
+        + (" — dry run: nothing removed" if args.dry_run else "")
+    )
 
 
 def cmd_store_sessions(store) -> None:
@@ -645,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     lg.add_argument("--state")
     lg.set_defaults(fn=cmd_logs)
 
-    s = sub.add_parser("store", help="list, show or remove datasets")
+    s = sub.add_parser("store", help="list, show or remove datasets; gc: what no run references")
     s.add_argument("--root", help="store directory (default: $PHALANX_STORE or /dev/shm/phalanx-$USER/store)")
     s.add_argument("--session", default="default")
     ssub = s.add_subparsers(dest="store_cmd", required=True)
@@ -661,6 +714,27 @@ def main(argv: list[str] | None = None) -> int:
     ssub.add_parser(
         "sessions", help="every session with its datasets' count and size (a run writes to <workflow>-<run id>)"
     )
+    gc = ssub.add_parser(
+        "gc",
+        help="remove the sessions no run references: runs deleted from the run database, or beyond --keep-last; "
+        "never a running run's, another user's, one used within --min-age, or one no run made",
+    )
+    gc.add_argument("--root", default=argparse.SUPPRESS, help="store directory (as phalanx store --root)")
+    gc.add_argument("--dry-run", action="store_true", help="say what would be removed, remove nothing")
+    gc.add_argument(
+        "--keep-last", type=int, metavar="N", help="keep the sessions of only the N newest runs of each workflow"
+    )
+    gc.add_argument(
+        "--min-age",
+        type=float,
+        default=3600.0,
+        metavar="S",
+        help="keep sessions written or read in the last S seconds (default 3600: a run another state directory drives)",
+    )
+    gc.add_argument(
+        "--state", help="state directory whose runs count (default: $PHALANX_STATE or ~/.local/state/phalanx)"
+    )
+    gc.add_argument("-v", "--verbose", action="store_true", help="say why each kept session stays")
     s.set_defaults(fn=cmd_store)
 
     sc = sub.add_parser("schema", help="write the JSON Schemas of workflow and site files")

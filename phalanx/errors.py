@@ -24,6 +24,10 @@ class GangError(PhalanxError):
     """The gang could not be started, or is no longer usable."""
 
 
+class StageTimeoutError(GangError):
+    """The gang's ranks did not finish within the stage's ``timeout``."""
+
+
 class UnsafePathError(PhalanxError, PermissionError):
     """A directory phalanx would keep its data in could be changed by another user."""
 
@@ -38,6 +42,9 @@ class RankFailure:
     traceback: str = ""
     exitcode: int | None = None
     after_peer: bool = False  # it went away only after a peer had failed (mpirun ending every rank)
+    # why its process ended in the resource manager's words: oom, node_lost, preempted, timeout
+    # ("" where it does not say: Launcher.end_cause)
+    cause: str = ""
 
     def __post_init__(self) -> None:  # a rank's message travels to the terminal and the run DB
         self.message, self.traceback = redact(self.message), redact(self.traceback)

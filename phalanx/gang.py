@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import GangError, PhalanxError, RankError, RankFailure
+from .errors import GangError, PhalanxError, RankError, RankFailure, StageTimeoutError
 from .executors import DEFAULT, DEFAULT_MPI
 from .executors import create as create_executor
 from .executors.base import Executor, Launcher
@@ -539,7 +539,8 @@ class Gang:
         status = launcher.status() if launcher is not None else None  # e.g. "slurm: job 42 PENDING (Resources)"
         if status:
             text += f" ({status})"
-        return GangError(f"{text}; logs in {self.log_dir}")
+        kind = StageTimeoutError if done == "finished" else GangError  # the stage's timeout, not the start's
+        return kind(f"{text}; logs in {self.log_dir}")
 
     def _failure_of(self, rank: int, msg: P.Failed | P.Disconnected) -> RankFailure:
         if isinstance(msg, P.Failed):
@@ -559,7 +560,9 @@ class Gang:
             how = "lost its connection to the driver"
         tail = tail_of_log(self.log_dir / f"rank-{rank}.log") if self.log_dir else ""
         tail = f"last lines of its log:\n{tail}" if tail else ""
-        return RankFailure(rank, "", f"rank process {how}", traceback=tail, exitcode=code)
+        launcher = self._launcher
+        cause = (launcher.end_cause(rank) or "") if launcher is not None and code is not None else ""
+        return RankFailure(rank, "", f"rank process {how}", traceback=tail, exitcode=code, cause=cause)
 
     def _wait_exitcode(self, rank: int, within_s: float = 1.0) -> int | None:
         deadline = time.monotonic() + within_s

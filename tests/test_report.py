@@ -254,7 +254,7 @@ def test_the_failed_attempt_is_drawn_failed_and_its_error_shown_escaped(retried)
     assert html.escape(FAILURE) in page and FAILURE not in page
     assert "<b>" not in page and "<script" not in page  # the markup stayed text
     events = [tr.all("td")[3].text() for tr in root.all("tr", cls="event")]
-    assert [e for e in events if e != "start"] == ["succeeded", "failed", "succeeded"]
+    assert [e for e in events if e != "start"] == ["succeeded", "failed", "retry", "succeeded"]
 
 
 def test_names_with_markup_are_escaped(tmp_path):

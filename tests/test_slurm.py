@@ -523,8 +523,9 @@ def wait_for_node_failure_then_finish(env):
 
 
 def test_a_node_failure_under_a_stage_retries_it_on_the_nodes_left(tmp_path):
-    """A slurmd node going DOWN kills the stage's job (SLURM: NODE_FAIL); the stage's retry
-    runs on the remaining nodes and the workflow succeeds."""
+    """A slurmd node going DOWN kills the stage's job (SLURM: NODE_FAIL); the stage is retried
+    on the remaining nodes and the workflow succeeds — a stage without retries too: node loss is
+    retried by retry.infrastructure (default 3), never by the stage's own retries."""
     from phalanx.orchestrator.models import Stage, Workflow
     from phalanx.orchestrator.rundb import RunDB
     from phalanx.orchestrator.scheduler import run_workflow
@@ -535,7 +536,7 @@ def test_a_node_failure_under_a_stage_retries_it_on_the_nodes_left(tmp_path):
         name="nodefail",
         stages={
             "s": Stage(
-                app="test_slurm:wait_for_node_failure_then_finish", ranks=3, retries=1, params={"dir": str(tmp_path)}
+                app="test_slurm:wait_for_node_failure_then_finish", ranks=3, retries=0, params={"dir": str(tmp_path)}
             )
         },
     )  # spread_job: the 3 ranks over the 3 nodes
@@ -559,4 +560,8 @@ def test_a_node_failure_under_a_stage_retries_it_on_the_nodes_left(tmp_path):
     assert result.ok, result.failed
     first, second = db.attempts(result.run_id, "s")
     assert first["state"] == "failed" and "NODE_FAIL" in first["error"], first["error"]
-    assert second["state"] == "succeeded"
+    assert first["cause"] == "node_lost" and second["state"] == "succeeded"
+    said = [e["message"] for e in db.events(result.run_id) if e["kind"] == "retry"]
+    assert said == [
+        "attempt 1: node lost — retrying in 1 s (retry 1 of 3 for preemption and node loss (retry.infrastructure))"
+    ]

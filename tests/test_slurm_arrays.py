@@ -243,3 +243,45 @@ def test_a_lone_one_rank_gang_and_a_wider_one_stay_jobs_of_their_own(tmp_path):
         one.kill()
         two.kill()
     assert ex.batcher(ex.config).arrays == []
+
+
+def fan_in_sums(env):
+    """The fan-in of the foreach test: every instance's row, concatenated (gather: concat)."""
+    import phalanx as px
+
+    table = env.input("parts").collect()
+    env.output("all", px.DataFrame.from_arrow(table if env.rank == 0 else table.slice(0, 0), env))
+
+
+def test_a_foreach_of_one_rank_instances_is_one_array_job_and_its_fan_in_gathers_them(tmp_path):
+    """``foreach: {matrix: ...}`` of 8 one-rank instances on a per-stage SLURM site: one
+    ``sbatch --array=0-7``, each instance a task; the fan-in reads all 8 rows."""
+    from phalanx.orchestrator.models import Stage, Workflow
+    from phalanx.orchestrator.rundb import RunDB
+    from phalanx.orchestrator.scheduler import run_workflow
+
+    name = f"arrays{os.getpid()}f"
+    ns = [10 * k + 3 for k in range(8)]
+    wf = Workflow(
+        name="foreach",
+        stages={
+            "square": Stage(
+                app="test_slurm_arrays:square_sum",
+                foreach={"matrix": {"n": ns}},
+                params={"out": "sq"},
+                outputs=["sq"],
+            ),
+            "gather": Stage(app="test_slurm_arrays:fan_in_sums", inputs={"parts": "sq"}, outputs=["all"]),
+        },
+    )
+    db = RunDB(tmp_path / "state")
+    result = run_workflow(wf, load_site(tmp_path, name), db=db)
+    assert result.ok, result.failed
+    rows = px.Store(tmp_path / "store", result.session).read("all").to_pylist()
+    assert sorted((r["n"], r["sum"]) for r in rows) == [(n, (n - 1) * n * (2 * n - 1) // 6) for n in ns]
+    arrays = {r["array"] for r in rows}
+    assert len(arrays) == 1 and "" not in arrays  # every instance ran as a task of one array job
+    (array,) = arrays
+    assert sorted(int(r["task"]) for r in rows) == list(range(8))
+    instances = [j for j in jobs_named(name) if j.startswith(f"{array}_")]
+    assert len(instances) == 8

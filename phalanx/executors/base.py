@@ -130,6 +130,13 @@ class Launcher(ABC):
         """What memory says about a rank killed by SIGKILL (over its limit, the OOM killer)."""
         return ""
 
+    def end_cause(self, rank: int) -> str | None:
+        """Why rank ``rank``'s process ended, where the resource manager or a watch knows: "oom"
+        (over its memory limit, the OOM killer), "node_lost" (its host went away), "preempted"
+        (another job took its resources), "timeout" (a time limit); None where nothing says
+        (what retry policies read: phalanx.orchestrator.retry)."""
+        return None
+
     def first_failed(self) -> int | None:
         """The rank whose end made the launcher end the others (mpirun names it), or None
         where each rank's own exit says what happened to it."""
@@ -236,6 +243,15 @@ class Executor(ABC, Generic[ConfigT]):
         self.gpus: int | None = None  # the site's GPU count when it gives one (Site.create_executor)
         self.rank_memory = rank_memory
         self.hook: AllocationHook | None = None  # the run's, set by open_run
+
+    def sized(self, rank_memory: int) -> Executor[ConfigT]:
+        """This executor giving each rank of the next gang ``rank_memory`` bytes (a retry after
+        out of memory): a copy sharing the run's allocations, pool and hook."""
+        import copy
+
+        resized = copy.copy(self)
+        resized.rank_memory = rank_memory
+        return resized
 
     # ---- run scope --------------------------------------------------------------------------
     def open_run(

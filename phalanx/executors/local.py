@@ -224,6 +224,10 @@ class LocalLauncher(Launcher):
         """What memory says about a rank killed by SIGKILL (see ``MemoryWatch.note``)."""
         return self._watch.note(rank) if self._watch else ""
 
+    def end_cause(self, rank: int) -> str | None:
+        killed = rank < len(self.procs) and self.procs[rank].returncode == -signal.SIGKILL  # as the OOM killer does
+        return "oom" if killed and self._watch is not None and self._watch.oom(rank) else None
+
     def redirect(self, log_dir: Path) -> bool:
         """Write the ranks' output to ``log_dir`` from now on (a gang reused by the next stage)."""
         if self._output is None:
@@ -300,6 +304,16 @@ class MemoryWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
+
+    def oom(self, rank: int) -> bool:
+        """The rank went over its limit (this watch killed it) or the kernel's OOM killer ran in
+        its cgroup since launch (on the machine, where it has no cgroup of its own to say)."""
+        if rank in self.over:
+            return True
+        before, after = self.oom_before[rank], oom_kills(self.cgroups[rank])
+        counted = 0 if before[0] is not None else 1  # its cgroup's count where it has one
+        b, a = before[counted], after[counted]
+        return b is not None and a is not None and a > b
 
     def note(self, rank: int) -> str:
         """Why a rank killed by SIGKILL died, as far as memory tells: over its limit (this

@@ -57,12 +57,14 @@ def stage(
     inputs: dict[str, Any] | None = None,
     outputs: Sequence[str] = (),
     params: dict[str, Any] | None = None,
-    retries: int = 0,
+    retries: int | None = None,
     timeout: float | None = None,
     site: str | None = None,
+    **fields: Any,
 ) -> Any:
     """Mark ``fn(env)`` as a stage: ``@px.stage(ranks=2, needs=[generate], outputs=["x"])``;
-    ``site``: the site it runs on (a name or site file; default: the workflow's)."""
+    ``site``: the site it runs on (a name or site file; default: the workflow's); ``fields``:
+    any other field of a stage in a workflow file (``foreach=``, ``when=``...), checked as there."""
 
     def mark(f: Callable) -> StageFn:
         spec = {
@@ -73,9 +75,10 @@ def stage(
             "inputs": dict(inputs or {}),
             "outputs": list(outputs),
             "params": dict(params or {}),
-            "retries": retries,
+            **({"retries": retries} if retries is not None else {}),  # else retry= or the site's retry
             "timeout": timeout,
             **({"site": site} if site else {}),
+            **fields,
         }
         return StageFn(f, name or f.__name__, spec)
 
@@ -85,8 +88,9 @@ def stage(
 class Workflow:
     """A workflow built in Python; ``model()`` is what a YAML file of the same DAG gives."""
 
-    def __init__(self, name: str, stages: Iterable[StageFn] = (), site: str = "local"):
-        self.name, self.site = name, site
+    def __init__(self, name: str, stages: Iterable[StageFn] = (), site: str = "local", cache: bool | None = None):
+        """``cache``: the workflow's default for its stages' ``cache`` (caching across runs)."""
+        self.name, self.site, self.cache = name, site, cache
         self.stages: dict[str, StageFn] = {}
         for s in stages:
             self.add(s)
@@ -111,9 +115,10 @@ class Workflow:
         ranks: int = 1,
         needs: Iterable[StageFn | str] = (),
         params: dict[str, Any] | None = None,
-        retries: int = 0,
+        retries: int | None = None,
         timeout: float | None = None,
         site: str | None = None,
+        retry: dict[str, Any] | None = None,
     ) -> StageFn:
         """An external program on every rank (kind: command)."""
         spec = {
@@ -122,7 +127,8 @@ class Workflow:
             "ranks": ranks,
             "needs": [n.name if isinstance(n, StageFn) else n for n in needs],
             "params": dict(params or {}),
-            "retries": retries,
+            **({"retries": retries} if retries is not None else {}),  # else retry or the site's retry
+            **({"retry": retry} if retry is not None else {}),
             "timeout": timeout,
             **({"site": site} if site else {}),
         }
@@ -136,6 +142,7 @@ class Workflow:
         data = {
             "name": self.name,
             "site": self.site,
+            **({"cache": self.cache} if self.cache is not None else {}),
             "stages": {n: {k: v for k, v in s.spec.items() if v is not None} for n, s in self.stages.items()},
         }
         overridden: list[tuple[str, ...]] = []

@@ -22,7 +22,15 @@ from ..store import Store
 from .models import Workflow
 
 # Settings that change how a stage runs, not what it produces (executor sections: where it runs)
-_NOT_OUTPUT = {"retries", "timeout", "needs", *executors.names()}
+_NOT_OUTPUT = {
+    "retries",
+    "retry",
+    "timeout",
+    "needs",
+    "when",
+    "cache",
+    *executors.names(),
+}  # when: whether it runs, not what
 
 
 def _digest(obj: Any) -> str:

@@ -113,12 +113,132 @@ class InputSpec(_Strict):
     )
     seed: Int = Field(0, ge=0, le=2**63 - 1)
     columns: Optional[list[str]] = None
+    gather: Optional[Literal["concat", "list"]] = Field(
+        None,
+        description="an output of a fan-out stage (foreach): its instances' datasets read as one "
+        "(concat, the default) or as a list of frames, one per instance that ran",
+    )
 
     @model_validator(mode="after")
     def _by_or_shuffle(self) -> InputSpec:
         if self.by and self.shuffle:
             raise ValueError("give by or shuffle, not both")
         return self
+
+
+MAX_INSTANCES = 10_000  # instances one fan-out may make
+
+
+class ForEach(_Strict):
+    """A stage run once per item: ``items`` (each a mapping merged into the params, or a value
+    given as ``params.item``), a ``matrix`` (every combination of the listed values), or the
+    ``rows`` of a small dataset an upstream stage seals (known only at run time)."""
+
+    items: Optional[list[Any]] = Field(None, min_length=1, description="one instance per item")
+    matrix: Optional[dict[str, list[Any]]] = Field(
+        None, description="param → values: one instance per combination (a sweep)"
+    )
+    rows: Optional[Dataset] = Field(
+        None, description="a dataset (sealed by an upstream stage): one instance per row, its columns as params"
+    )
+    max: Int = Field(1000, ge=1, le=MAX_INSTANCES, description="most instances a fan-out over rows may make")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ForEach:
+        given = [k for k in ("items", "matrix", "rows") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give one of items, matrix or rows{f' (got {given})' if given else ''}")
+        for key, values in (self.matrix or {}).items():
+            if not values:
+                raise ValueError(f"matrix.{key}: a list of at least one value")
+        return self
+
+
+class Backoff(_Strict):
+    """Seconds between a failed attempt and the next: ``first``, then times ``factor`` each
+    retry, at most ``max`` (the default: 1, 4, 15, 15... s)."""
+
+    first: float = Field(1.0, ge=0, le=MAX_SECONDS, allow_inf_nan=False, strict=True)
+    factor: float = Field(4.0, ge=1, le=1000, allow_inf_nan=False, strict=True)
+    max: float = Field(15.0, ge=0, le=MAX_SECONDS, allow_inf_nan=False, strict=True)
+
+
+# Causes a retry policy names (phalanx.orchestrator.retry.classify): the resource manager's,
+# and an exception type by name (e.g. ConnectionError: its subclasses too, where Python knows it)
+RETRY_CAUSES = ("any", "oom", "timeout")
+INFRASTRUCTURE_CAUSES = ("node_lost", "preempted")
+_CAUSE = re.compile(r"exit:[0-9]{1,3}|signal:(SIG)?[A-Z0-9]{1,8}|[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+_FACTOR = re.compile(r"x([0-9]+(\.[0-9]+)?)")
+
+
+class RetryPolicy(_Strict):
+    """Which failures of a stage retry, how many times each, after how long, and with how much
+    memory (``retry:`` of a stage, or of a site: the default of its stages)."""
+
+    causes: dict[str, Int] = Field(
+        default_factory=dict,
+        description="cause → retries it may use: oom, timeout, exit:N (a rank's exit code), signal:NAME (a "
+        "rank killed by a signal), an exception type raised by a rank (ConnectionError: its subclasses too), "
+        "any (a failure no other key names)",
+    )
+    memory: Optional[str] = Field(
+        None, description="on oom: each retry's memory per rank is the last one's times this ('x2')"
+    )
+    max_memory_gb: Optional[float] = Field(
+        None, gt=0, le=MAX_MEMORY_GB, allow_inf_nan=False, strict=True, description="cap of memory: per rank"
+    )
+    backoff: Backoff = Field(default_factory=Backoff)
+    infrastructure: Int = Field(
+        3,
+        ge=0,
+        le=MAX_RETRIES,
+        description="retries after a preemption or a node lost (node_lost, preempted), which never use the "
+        "counts of causes",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _yaml_on(cls, data: Any) -> Any:
+        if isinstance(data, dict) and True in data:  # YAML 1.1 reads the key on: as true
+            raise ValueError("`on:` reads as true in YAML: name the causes under causes:")
+        return data
+
+    @field_validator("causes")
+    @classmethod
+    def _known_causes(cls, value: dict[str, int]) -> dict[str, int]:
+        for cause, count in value.items():
+            if cause in INFRASTRUCTURE_CAUSES:
+                raise ValueError(
+                    f"{cause}: preemption and node loss never use the stage's retries; "
+                    "retry.infrastructure says how often they retry"
+                )
+            if not _CAUSE.fullmatch(cause) or (cause.isidentifier() and cause.islower() and cause not in RETRY_CAUSES):
+                known = (*RETRY_CAUSES, "exit:N", "signal:NAME", "an exception type (ConnectionError)")
+                raise ValueError(f"unknown cause {_short(cause)}{suggest(cause, known)}")
+            if not 0 <= count <= MAX_RETRIES:
+                raise ValueError(f"{cause}: {count} retries; give 0 to {MAX_RETRIES}")
+        return value
+
+    @field_validator("memory")
+    @classmethod
+    def _factor(cls, value: Optional[str]) -> Optional[str]:
+        found = _FACTOR.fullmatch(value or "x2")
+        if not found or not 1 < float(found[1]) <= 1000:
+            raise ValueError(f"{_short(str(value))}: a factor above 1 such as 'x2' or 'x1.5'")
+        return value
+
+    @model_validator(mode="after")
+    def _memory_needs_oom(self) -> RetryPolicy:
+        if self.memory and not any(self.causes.get(k) for k in ("oom", "any")):
+            raise ValueError("memory: applies to retries after out of memory: add oom: N to causes")
+        if self.max_memory_gb and not self.memory:
+            raise ValueError("max_memory_gb caps memory: give memory: x2 (or another factor) too")
+        return self
+
+    def memory_factor(self) -> float:
+        """What an out-of-memory retry multiplies the memory per rank by (1: unchanged)."""
+        found = _FACTOR.fullmatch(self.memory or "")
+        return float(found[1]) if found else 1.0
 
 
 class _StageFields(_Strict):
@@ -137,7 +257,18 @@ class _StageFields(_Strict):
     retries: Int = Field(
         0, ge=0, le=MAX_RETRIES, description=f"reruns on a fresh gang after a failure (at most {MAX_RETRIES})"
     )
+    retry: Optional[RetryPolicy] = Field(
+        None,
+        description="which failures retry, how often each, backoff, memory (default: the site's retry); "
+        "give retries or retry, not both",
+    )
     timeout: Optional[Seconds] = Field(None, description="seconds before the stage is stopped")
+    cache: Optional[bool] = Field(
+        None,
+        description="reuse the sealed, verified outputs of an earlier run (any workflow) whose stage had the same "
+        "fingerprint and read the same data, instead of running (default: the workflow's cache, else the site's, "
+        "else false)",
+    )
     site: Optional[str] = Field(
         None,
         description="the site this stage runs on: a name from site-configs/ or a path to a site file "
@@ -152,6 +283,32 @@ class _StageFields(_Strict):
         "Kubernetes the nvidia.com/gpu limit, Ray num_gpus, RADICAL-Pilot gpus_per_rank",
     )
 
+    foreach: Optional[ForEach] = Field(
+        None,
+        description="run the stage once per item (instances NAME.0, NAME.1...; each its own gang, "
+        "outputs OUT.0, OUT.1..., retries and status line); a list is short for {items: [...]}",
+    )
+    when: Optional[str] = Field(
+        None,
+        description="a condition (a Python expression over params and small upstream results, e.g. "
+        "\"params.mode == 'full' and max(metrics.accuracy) > 0.9\"); false: the stage and what needs it "
+        "are skipped (the run still succeeds)",
+    )
+
+    @field_validator("foreach", mode="before")
+    @classmethod
+    def _items_list(cls, value: Any) -> Any:
+        return {"items": value} if isinstance(value, list) else value
+
+    @field_validator("when")
+    @classmethod
+    def _condition_parses(cls, value: Optional[str]) -> Optional[str]:
+        from .conditions import parse_condition
+
+        if value is not None:
+            parse_condition(value)  # ValueError naming what is not allowed
+        return value
+
     @field_validator("inputs", mode="before")
     @classmethod
     def _dataset_names(cls, value: Any) -> Any:
@@ -159,6 +316,14 @@ class _StageFields(_Strict):
         if isinstance(value, dict):
             return {k: {"dataset": v} if isinstance(v, str) else v for k, v in value.items()}
         return value
+
+    @model_validator(mode="after")
+    def _retries_or_retry(self) -> _StageFields:
+        if self.retry is not None and "retries" in self.model_fields_set:
+            raise ValueError(
+                f"give retries or retry, not both: retries: {self.retries} is retry: {{causes: {{any: {self.retries}}}}}"
+            )
+        return self
 
     @model_validator(mode="after")
     def _kind_needs_its_entry(self) -> _StageFields:
@@ -203,10 +368,20 @@ class Workflow(_Strict, Located):
 
     name: Name = Field(description=f"letters, digits, '_', '.', '-', at most {MAX_NAME} (names the store session)")
     site: str = Field("local", description="a name from site-configs/ or a path to a site file")
+    cache: Optional[bool] = Field(
+        None, description="the cache setting of every stage that does not give one (default: the site's, else false)"
+    )
     stages: dict[Name, Stage] = Field(min_length=1)
     # Python workflows (px.Workflow): stage → the function itself, sent to ranks by value, so
     # functions from a notebook or a script's __main__ work.  Not part of the file format.
     _apps: dict[str, Any] = PrivateAttr(default_factory=dict)
+    # Fan-out instances (fanout.expand): instance → its stage; instance → {output: its dataset};
+    # fan-in stage → {input: (concat|list, [the instances' part inputs])}
+    _instance_of: dict[str, str] = PrivateAttr(default_factory=dict)
+    _aliases: dict[str, dict[str, str]] = PrivateAttr(default_factory=dict)
+    _gathers: dict[str, dict[str, tuple[str, list[str]]]] = PrivateAttr(default_factory=dict)
+    _fanned: dict[str, list[str]] = PrivateAttr(default_factory=dict)  # a fan-out's output → its instances'
+    _items: dict[str, dict[str, Any]] = PrivateAttr(default_factory=dict)  # instance → its item (params)
 
     @property
     def apps(self) -> dict[str, Any]:
@@ -214,7 +389,12 @@ class Workflow(_Strict, Located):
 
     def app_of(self, stage: str) -> Any:
         """What a rank runs for ``stage``: the Python function, else its "module:function"."""
-        return self._apps.get(stage) or self.stages[stage].app
+        template = self._instance_of.get(stage, stage)
+        return self._apps.get(stage) or self._apps.get(template) or self.stages[stage].app
+
+    def template_of(self, stage: str) -> str:
+        """The fan-out stage ``stage`` is an instance of (itself when it is none)."""
+        return self._instance_of.get(stage, stage)
 
 
 class StoreConfig(_Strict):
@@ -308,10 +488,17 @@ class _SiteFields(_Strict, Located):
     start_timeout: Seconds = Field(
         300, description="seconds a gang may take to start, queue wait included (batch sites: raise it)"
     )
+    cache: bool = Field(
+        False,
+        description="the cache setting of the stages of workflows that give none (stage over workflow over site)",
+    )
     reuse_gangs: bool = Field(
         True,
         description="executors that can (local, ray): a succeeded stage's gang (processes + communicator) "
         "runs the next stage of the same size; retries always get a fresh gang",
+    )
+    retry: Optional[RetryPolicy] = Field(
+        None, description="the retry policy of every stage that gives neither retry nor retries"
     )
     warm_ranks: Optional[Int] = Field(
         None,

@@ -20,6 +20,7 @@ _STYLE = {
     "running": "bold yellow",
     "succeeded": "green",
     "reused": "cyan",
+    "cached": "cyan",
     "failed": "bold red",
     "retrying": "yellow",
     "skipped": "dim red",
@@ -77,7 +78,7 @@ class RunProgress:
             if kind == "start":
                 row.state, row.attempt, row.started, row.ended = "running", row.attempt + 1, now, None
                 row.note = ""
-            elif kind in ("succeeded", "failed", "skipped", "reused", "cancelled"):
+            elif kind in ("succeeded", "failed", "skipped", "reused", "cached", "cancelled"):
                 row.state, row.ended, row.note = kind, now, message
                 if kind == "failed" and "attempt" in message and row.attempt <= self.wf.stages[stage].retries:
                     row.state = "retrying"

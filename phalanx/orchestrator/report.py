@@ -22,6 +22,7 @@ from typing import Any
 
 from ..private import FILE_MODE, makedirs, opener
 from ..redact import redact
+from .retry import label
 from .rundb import FINAL, RunDB
 
 COLOURS = {
@@ -65,7 +66,7 @@ def summary(db: RunDB, run_id: str) -> dict:
         raise UnknownRun(f"no run {run_id!r} in {db.path}")
     now = time.time()
     events = db.events(run_id)
-    reused = {e["stage"] for e in events if e["kind"] == "reused"}
+    reused = {e["stage"] for e in events if e["kind"] in ("reused", "cached")}  # cached: an earlier run's outputs
     attempts = [_attempt(a, run, now) for a in db.attempts(run_id)]
     stages = []
     for s in db.stages(run_id):
@@ -266,7 +267,7 @@ def _lane_svg(st: dict, y: float, axis: Axis) -> str:
 
 def _lane_note(st: dict) -> str:
     if st["reused"]:
-        return "reused: outputs sealed by an earlier attempt"
+        return "reused: outputs sealed by an earlier attempt, or cached from an earlier run"
     if st["state"] == "skipped":
         return f"skipped: {st['error'] or 'an upstream stage failed'}"
     return f"{st['state']}: no attempt recorded" + (f" ({_first_line(st['error'])})" if st["error"] else "")
@@ -288,8 +289,10 @@ def _attempt_svg(st: dict, a: dict, y: float, axis: Axis) -> str:
     colour = COLOURS.get(a["state"], "#999")
     x1, x2 = axis.x(a["started"]), axis.x(a["until"])
     top, h = y + PAD, LANE_H - 2 * PAD
-    tip = f"stage {st['stage']} · attempt {a['attempt']} · {a['state']} · {_duration(a['until'] - a['started'])}" + (
-        f"\n{_first_line(a['error'])}" if a["error"] else ""
+    why = f" ({label(a['cause'])})" if a.get("cause") else ""
+    tip = (
+        f"stage {st['stage']} · attempt {a['attempt']} · {a['state']}{why} · {_duration(a['until'] - a['started'])}"
+        + (f"\n{_first_line(a['error'])}" if a["error"] else "")
     )
     parts = [
         f'<g class="attempt {esc(a["state"])}" data-attempt="{a["attempt"]}">',
@@ -388,14 +391,15 @@ def _attempts_table(st: dict, t0: float) -> str:
         return ""
     rows = "".join(
         f'<tr class="attempt" data-attempt="{a["attempt"]}"><td class="num">{a["attempt"]}</td>'
-        f'<td>{esc(a["state"])}</td><td class="num">+{a["started"] - t0:.1f}s</td>'
+        f'<td>{esc(a["state"])}</td><td class="cause">{esc(label(a.get("cause")))}</td>'
+        f'<td class="num">+{a["started"] - t0:.1f}s</td>'
         f'<td class="num">{_duration(a["until"] - a["started"])}</td>'
         f'<td class="mono">{esc(a["gang_id"] or "-")}</td>'
         f'<td class="mono">{esc(a["log_dir"] or "-")}</td></tr>'
         for a in st["attempt_list"]
     )
     return (
-        f'<table class="attempts"><caption>attempts</caption><tr><th>#</th><th>state</th><th>started</th>'
+        f'<table class="attempts"><caption>attempts</caption><tr><th>#</th><th>state</th><th>cause</th><th>started</th>'
         f"<th>took</th><th>gang</th><th>logs</th></tr>{rows}</table>"
     )
 

@@ -50,7 +50,11 @@ _ADDED = [
     ("runs", "pid_started", "INTEGER"),  # the driver's start time and boot: with pid, one process for good
     ("runs", "boot_id", "TEXT"),
     ("stages", "site", "TEXT"),  # the site a stage runs on (a workflow on several sites)
+    ("attempts", "cause", "TEXT"),  # why an attempt failed: oom, timeout, exit:3... (orchestrator/retry.py)
+    ("stages", "fp_hash", "TEXT"),  # its fingerprint's hash: what caching across runs looks up
 ]
+# Made with the columns they index (IF NOT EXISTS: every migration runs them)
+_INDEXES = ["CREATE INDEX IF NOT EXISTS stages_by_fp_hash ON stages (fp_hash, state)"]
 _TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
@@ -69,6 +73,12 @@ class RunDB:
                             con.execute(statement)
                     for table, column, kind in self._missing(con):  # tables are there now
                         con.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                    for statement in _INDEXES:
+                        con.execute(statement)
+                    con.execute(  # stages recorded before fp_hash existed can be cache hits too
+                        "UPDATE stages SET fp_hash=json_extract(fingerprint, '$.hash') "
+                        "WHERE fp_hash IS NULL AND fingerprint IS NOT NULL AND json_valid(fingerprint)"
+                    )
                     con.execute("COMMIT")
                 except BaseException:
                     if con.in_transaction:
@@ -169,6 +179,11 @@ class RunDB:
                 [(run_id, s, "pending", r) for s, r in stages.items()],
             )
 
+    def remove_stage(self, run_id: str, stage: str) -> None:
+        """A stage replaced by its instances (a fan-out expanded while the run goes on)."""
+        with self._con() as con:
+            con.execute("DELETE FROM stages WHERE run_id=? AND stage=?", (run_id, stage))
+
     def set_stage_sites(self, run_id: str, sites: dict[str, str]) -> None:
         """The site each stage runs on (stage → site name)."""
         with self._con() as con:
@@ -189,6 +204,8 @@ class RunDB:
 
     def set_stage(self, run_id: str, stage: str, state: str, **fields: Any) -> None:
         cols = {"state": state, **fields}
+        if "fingerprint" in cols:  # its hash in a column of its own, indexed (cache_candidates)
+            cols["fp_hash"] = (cols["fingerprint"] or {}).get("hash")
         for key in _JSON & set(cols):
             cols[key] = json.dumps(cols[key])
         if "error" in cols:
@@ -221,17 +238,20 @@ class RunDB:
         state: str,
         error: str | None = None,
         ranks: list[dict] | None = None,
+        cause: str | None = None,
     ) -> None:
-        """``ranks``: per rank {rank, pid, host, started, ended} (what the report draws)."""
+        """``ranks``: per rank {rank, pid, host, started, ended} (what the report draws);
+        ``cause``: why it failed (``orchestrator.retry.classify``)."""
         with self._con() as con:
             con.execute(
-                "UPDATE attempts SET state=?, ended=?, error=?, rank_info=COALESCE(?, rank_info) "
+                "UPDATE attempts SET state=?, ended=?, error=?, rank_info=COALESCE(?, rank_info), cause=? "
                 "WHERE run_id=? AND stage=? AND attempt=?",
                 (
                     state,
                     time.time(),
                     redact_opt(error),
                     json.dumps(ranks) if ranks is not None else None,
+                    cause,
                     run_id,
                     stage,
                     attempt,
@@ -353,6 +373,28 @@ class RunDB:
 
     def stages(self, run_id: str) -> list[dict]:
         return [_decoded(r) for r in self._rows("SELECT * FROM stages WHERE run_id=? ORDER BY rowid", (run_id,))]
+
+    def cache_candidates(self, fp_hash: str, exclude_run: str, limit: int = 20) -> list[dict]:
+        """Succeeded stages of other runs whose fingerprint has this hash, newest first: per
+        stage its run id, stage name, outputs and fingerprint, and its run's workflow and
+        session (what caching across runs reuses)."""
+        q = (
+            "SELECT s.run_id, s.stage, s.outputs, s.fingerprint, s.ended, r.workflow, r.session FROM stages s "
+            "JOIN runs r ON r.id = s.run_id WHERE s.fp_hash=? AND s.state='succeeded' AND s.run_id != ? "
+            "ORDER BY s.ended DESC LIMIT ?"
+        )
+        return [_decoded(r) for r in self._rows(q, (fp_hash, exclude_run, limit))]
+
+    def last_fingerprint(self, workflow: str, stage: str, exclude_run: str) -> dict | None:
+        """The newest other run of ``workflow`` whose stage ``stage`` recorded a fingerprint:
+        {run_id, fingerprint}, or None (what a cacheable stage that runs compares itself with)."""
+        q = (
+            "SELECT s.run_id, s.fingerprint FROM stages s JOIN runs r ON r.id = s.run_id "
+            "WHERE r.workflow=? AND s.stage=? AND s.run_id != ? AND s.fingerprint IS NOT NULL "
+            "ORDER BY s.ended DESC LIMIT 1"
+        )
+        rows = [_decoded(r) for r in self._rows(q, (workflow, stage, exclude_run))]
+        return rows[0] if rows else None
 
     def attempts(self, run_id: str, stage: str | None = None) -> list[dict]:
         q = "SELECT * FROM attempts WHERE run_id=?" + (" AND stage=?" if stage else "") + " ORDER BY started"

@@ -26,8 +26,10 @@ from ..redact import redact
 from ..runtime.envvars import ENV_PARAM_PREFIX
 from ..store import Store
 from ..store.repartition import rank_hosts
+from .cache import RunCache
 from .fingerprint import changes, fingerprints
 from .models import Site, Workflow
+from .retry import RetryState, classify, label, policy_of
 from .rundb import RunDB
 from .validate import dependencies, gpu_shortfall
 
@@ -36,6 +38,7 @@ BACKOFF_S = (1.0, 4.0, 15.0)  # between attempts of a failed stage
 # Slots of a site whose executor cannot say (SLURM per-stage jobs): gangs up to this many ranks
 # in all are submitted at once and the resource manager queues them
 UNBOUNDED_SLOTS = 4096
+MAX_INSTANCES = 10_000  # threads a run may add for fan-out instances (started as stages start)
 
 
 @dataclass
@@ -47,6 +50,8 @@ class RunResult:
     skipped: list[str] = field(default_factory=list)  # never ran: an upstream stage failed, or a cancel
     # the run's state in the run DB: succeeded, failed or cancelled (a cancelled run is not ok either)
     state: str = ""
+    # stages not run because their when: was false (or an upstream's): no failure
+    skipped_when: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.state:
@@ -123,6 +128,10 @@ class Scheduler:
         self._exchanges: set[str] = set()  # object stores this run's crossings went through
         self._crossing = threading.Lock()  # one crossing at a time per run: a dataset crosses once
         self._gpu_slots: dict[str, list[int]] = {}  # stage → the GPU slots its gang holds
+        self._memory: dict[str, int] = {}  # stage → bytes per rank of its next attempt (retry.memory)
+        self._skipped_when: dict[str, str] = {}  # stage → why it did not run (its when: or an upstream's)
+        self._conditions: dict[str, bool] = {}  # stage → its when: held (evaluated once, when it was ready)
+        self.cache = RunCache(self)  # caching across runs (cache.py)
 
     def at(self, stage: str) -> SiteRun:
         """The site ``stage`` runs on."""
@@ -149,6 +158,7 @@ class Scheduler:
         done = {
             s for s in self.wf.stages if prior.get(s, {}).get("state") == "succeeded" and self._reusable(s, prior[s])
         }
+        done |= self.cache.static_hits(done, deps)  # earlier runs' outputs, adopted before any site opens
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
         self.db.set_stage_sites(self.run_id, self.where)
@@ -176,8 +186,8 @@ class Scheduler:
     def _open_site(self, here: SiteRun, pending: list[str]) -> None:
         """What lives as long as the run on this site (a pilot allocation, warm processes)."""
         mine = [s for s in pending if self.where[s] == here.name]
-        if not mine and here is not self.home:
-            return  # every stage there was reused: nothing to hold
+        if not mine and (here is not self.home or not pending):
+            return  # every stage there was reused (or cached): nothing to hold
         warm = here.capacity if here.site.warm_ranks is None else here.site.warm_ranks
         if not any(self.wf.stages[s].kind != "command" for s in mine):
             warm = 0
@@ -216,7 +226,8 @@ class Scheduler:
             live = {len(k) for k in here.idle} | {
                 g.world_size for s, g in self._gangs.items() if self.where.get(s) == here.name
             }
-        stages = [self.wf.stages[s] for s in list(self._pending) if self.where[s] == here.name]
+        wf = self.wf  # a fan-out over rows may replace it meanwhile
+        stages = [wf.stages[s] for s in list(self._pending) if s in wf.stages and self.where.get(s) == here.name]
         return sum(st.ranks for st in stages if st.kind != "command" and st.ranks not in live)
 
     def _place(self, stage: str, ranks: int, reuse: bool) -> tuple[list[int], Gang | None]:
@@ -273,7 +284,8 @@ class Scheduler:
                 )
                 self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=failed[name])
                 self._event(name, "failed", failed[name])
-        with ThreadPoolExecutor(max_workers=max(1, len(pending))) as pool:
+        # Threads start as stages do (a fan-out over rows adds stages while the run goes on)
+        with ThreadPoolExecutor(max_workers=len(pending) + MAX_INSTANCES) as pool:
             try:
                 while pending or running:
                     for name in list(pending):
@@ -284,8 +296,22 @@ class Scheduler:
                                 "the run was cancelled" if self._cancelled.is_set() else "an upstream stage failed"
                             )
                             continue
+                        blocked = self._blocked_by_skips(deps[name])
+                        if blocked:  # an upstream stage did not run (its when: was false)
+                            pending.remove(name)
+                            self._skip(name, blocked)
+                            continue
+                        if not deps[name] <= done | set(self._skipped_when):
+                            continue
+                        problem = self._ready(name, pending, deps, done)
+                        if problem is not None:  # a fan-out expanded, a condition false or failing
+                            if problem:
+                                failed[name] = problem
+                                self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=problem)
+                                self._event(name, "failed", problem)
+                            continue
                         ranks, here = self.wf.stages[name].ranks, self.at(name)
-                        if deps[name] <= done and here.fits(self.wf.stages[name]):
+                        if here.fits(self.wf.stages[name]):
                             reuse = (
                                 here.site.reuse_gangs
                                 and here.caps.reuse_gangs
@@ -319,13 +345,114 @@ class Scheduler:
             self.db.set_stage(self.run_id, s, "skipped", error=why[s])
             self._event(s, "skipped", why[s])
         real = {s: e for s, e in failed.items() if e}
-        ok = not real and not skipped
+        ok = not real and not skipped  # stages whose when: was false (and theirs downstream) are no failure
         # a cancel (Scheduler.cancel, a run handle's) ends the run "cancelled", as a Ctrl-C does
         state = "succeeded" if ok else "cancelled" if self._cancelled.is_set() else "failed"
         if ok:
             self._clear_exchanges()
         self.db.set_run(self.run_id, state)
-        return RunResult(self.run_id, self.store.session, ok, real, skipped, state)
+        return RunResult(self.run_id, self.store.session, ok, real, skipped, state, dict(self._skipped_when))
+
+    def _ready(self, name: str, pending: list[str], deps: dict[str, set[str]], done: set[str]) -> str | None:
+        """A stage whose upstream is done, before it is placed: a fan-out over rows is expanded
+        into its instances (they take its place in ``pending``); a ``when:`` is evaluated once.
+        None: place it; "": it is handled (expanded, or skipped); else why it failed."""
+        from .conditions import evaluate
+
+        st = self.wf.stages[name]
+        if st.foreach is not None:
+            pending.remove(name)
+            try:
+                self._fan_out(name, pending, deps, done)
+            except Exception as exc:  # too many rows, the dataset lost...
+                return f"foreach: {type(exc).__name__}: {exc}"
+            return ""
+        if st.when and name not in self._conditions:
+            try:
+                self._conditions[name] = evaluate(st.when, st.params, lambda d: self._read_small(d, name))
+            except Exception as exc:
+                pending.remove(name)
+                return f"when: {st.when!r} could not be evaluated: {type(exc).__name__}: {exc}"
+            if not self._conditions[name]:
+                pending.remove(name)
+                self._skip(name, f"when: {st.when!r} is false")
+                return ""
+            self._event(name, "condition", f"when: {st.when!r} holds")
+        return None
+
+    def _fan_out(self, name: str, pending: list[str], deps: dict[str, set[str]], done: set[str]) -> None:
+        """Expand a fan-out over the rows of a dataset sealed upstream into its instances: they
+        join the run (run DB, pending, dependencies, fingerprints); an instance that an earlier
+        attempt of this run already ran (a resume) is reused as any stage is."""
+        from .fanout import expand, instance_name, row_items
+        from .fingerprint import fingerprints
+        from .validate import dependencies
+
+        st = self.wf.stages[name]
+        assert st.foreach is not None and st.foreach.rows
+        items = row_items(self._read_small(st.foreach.rows, name, MAX_INSTANCES), st.foreach, name)
+        self.wf = expand(self.wf, name, items)
+        made = [instance_name(name, i) for i in range(len(items))]
+        for inst in made:
+            self.where[inst] = self.where[name]
+        deps.clear()
+        deps.update(dependencies(self.wf))
+        self.fingerprints = fingerprints(self.wf, deps, self.store)
+        self.db.add_stages(self.run_id, {n: self.wf.stages[n].ranks for n in made})
+        self.db.set_stage_sites(self.run_id, {n: self.where[n] for n in made})
+        self.db.remove_stage(self.run_id, name)
+        prior = {s["stage"]: s for s in self.db.stages(self.run_id)}
+        for inst in made:
+            if prior.get(inst, {}).get("state") == "succeeded" and self._reusable(inst, prior[inst]):
+                done.add(inst)
+            else:
+                pending.append(inst)
+        self._event(
+            name, "fan-out", f"{len(made)} instance{'' if len(made) == 1 else 's'} over the rows of {st.foreach.rows!r}"
+        )
+
+    def _read_small(self, dataset: str, stage: str, limit: int | None = None):
+        """A small dataset as an Arrow table, read by the driver (a ``when:``, a fan-out over
+        rows): from the store it was sealed in; a fan-out's output: its instances' rows."""
+        import pyarrow as pa
+
+        from .conditions import MAX_ROWS
+
+        limit = limit or MAX_ROWS
+        parts = self.wf._fanned.get(dataset)
+        if parts is not None:
+            tables = [self._read_small(p, stage, limit) for p in parts if p in self._made_datasets()]
+            return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
+        producers = {out: s for s, spec in self.wf.stages.items() for out in spec.outputs}
+        session, _, short = dataset.rpartition("/")
+        store = self.at(producers.get(dataset, stage)).store
+        store = store.for_session(session) if session else store
+        rows = store.info(short).num_rows
+        if rows > limit:
+            raise ValueError(f"dataset {dataset!r} has {rows:,} rows; at most {limit:,} are read here")
+        return store.read(short)
+
+    def _made_datasets(self) -> set[str]:
+        """Outputs of the stages that ran (not those skipped by a condition)."""
+        return {out for s, spec in self.wf.stages.items() if s not in self._skipped_when for out in spec.outputs}
+
+    def _blocked_by_skips(self, upstream: set[str]) -> str:
+        """Why a stage cannot run because stages it needs were skipped ("" when it can): a
+        skipped stage blocks what needs it, but instances of a fan-out block only when every
+        instance was skipped (a fan-in reads the instances that ran)."""
+        for dep in sorted(upstream & set(self._skipped_when)):
+            template = self.wf.template_of(dep)
+            if template == dep:
+                return f"upstream stage {dep!r} was skipped"
+            siblings = [d for d in upstream if self.wf.template_of(d) == template]
+            if all(d in self._skipped_when for d in siblings):
+                return f"every instance of {template!r} was skipped"
+        return ""
+
+    def _skip(self, name: str, why: str) -> None:
+        self._skipped_when[name] = why
+        self.db.set_stage(self.run_id, name, "skipped", ended=time.time(), error=why)
+        self._event(name, "skipped", why)
 
     def _clear_exchanges(self) -> None:
         """A succeeded run leaves nothing in the object stores it crossed through: its copies
@@ -358,7 +485,8 @@ class Scheduler:
         config = here.executor.stage_config(st.executor_section(here.site.executor))
         config = here.executor.with_gpus(config, st.gpus_on(here.site))  # SLURM --gpus-per-task...
         here.executor.check(st.ranks, config)
-        launcher = here.executor.launcher(len(slots), slots=slots, config=config)
+        executor = here.executor.sized(self._memory[stage]) if stage in self._memory else here.executor
+        launcher = executor.launcher(len(slots), slots=slots, config=config)
         gpus, per = self._gpu_slots.get(stage, []), st.gpus_on(here.site) or 0
         launcher.assign_gpus([gpus[r * per : (r + 1) * per] for r in range(len(slots))])  # local: CUDA_VISIBLE_DEVICES
         # Every job, step, pilot or placement group is in the run DB the moment it exists: a
@@ -456,12 +584,18 @@ class Scheduler:
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
+        if self.cache.reuse(name, slots, reused):  # an earlier run's outputs, adopted (cache.py)
+            return None
         st = self.wf.stages[name]
         self.db.set_stage(self.run_id, name, "running", started=time.time(), ended=None, error=None)
         error = ""
         # A resumed run numbers on: earlier attempts keep their records and logs.
         first = 1 + max((a["attempt"] for a in self.db.attempts(self.run_id, name)), default=0)
-        for attempt in range(first, first + st.retries + 1):
+        here = self.at(name)
+        retry = RetryState(policy_of(st, here.site), here.executor.rank_memory, pauses=BACKOFF_S)
+        attempt = first - 1
+        while True:
+            attempt += 1
             if self._cancelled.is_set():
                 self.db.set_stage(self.run_id, name, "cancelled", ended=time.time(), error="cancelled")
                 return "cancelled"
@@ -474,26 +608,33 @@ class Scheduler:
                     reused = None  # a kept gang serves only the first attempt
                 if failure is None:
                     return None
-                error, detail, ranks = failure
+                error, detail, ranks, cause = failure
             except Exception as exc:  # a bad executor section, an unknown rendezvous...: this stage's
                 import traceback  # failure, never the run's (siblings keep running)
 
-                error, ranks = f"{type(exc).__name__}: {exc}", None
+                error, ranks, cause = f"{type(exc).__name__}: {exc}", None, classify(exc)
                 detail = f"{error}\n{traceback.format_exc()}"
             if self._cancelled.is_set():
-                self.db.end_attempt(self.run_id, name, attempt, "cancelled", detail, ranks=ranks)
+                self.db.end_attempt(self.run_id, name, attempt, "cancelled", detail, ranks=ranks, cause=cause)
                 self.db.set_stage(self.run_id, name, "cancelled", ended=time.time(), error="cancelled")
                 return "cancelled"
-            self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks)
+            self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks, cause=cause)
             self._event(name, "failed", f"attempt {attempt}: {error}")
-            if attempt < first + st.retries and not self._cancelled.is_set():
-                try:
-                    recomputed = self._recompute_lost_inputs(name, slots)
-                except Exception as exc:  # e.g. the metadata unreachable: the retry will say so
-                    self._event(name, "lost input", f"could not check the inputs before the retry: {exc}")
-                    recomputed = False
-                if not recomputed:
-                    time.sleep(BACKOFF_S[min(attempt - first, len(BACKOFF_S) - 1)])
+            decision = retry.after(cause)  # by the stage's retry policy (orchestrator/retry.py)
+            if decision.retry or retry.policy.causes:
+                self._event(name, "retry", f"attempt {attempt}: {label(cause)} — {decision.describe()}")
+            if not decision.retry or self._cancelled.is_set():
+                break
+            if decision.memory:
+                self._memory[name] = decision.memory  # _gang gives the next gang's ranks this much
+            try:
+                recomputed = self._recompute_lost_inputs(name, slots)
+            except Exception as exc:  # e.g. the metadata unreachable: the retry will say so
+                self._event(name, "lost input", f"could not check the inputs before the retry: {exc}")
+                recomputed = False
+            if not recomputed:
+                time.sleep(decision.wait_s)
+        self._memory.pop(name, None)
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"
 
@@ -519,16 +660,19 @@ class Scheduler:
 
     def _gang_attempt(
         self, name: str, attempt: int, slots: list[int], log_dir, reused: Gang | None
-    ) -> tuple[str, str, list[dict]] | None:
+    ) -> tuple[str, str, list[dict], str] | None:
         """One attempt of a bsp/torch stage on a gang (the previous stage's, when it was kept for
-        this one); None on success, else (summary, full error, per-rank records)."""
+        this one); None on success, else (summary, full error, per-rank records, cause)."""
+        from .fanout import gathered_inputs
+
         st, here = self.wf.stages[name], self.at(name)
-        inputs = {k: v.model_dump(exclude_none=True) for k, v in st.inputs.items()}
+        inputs = gathered_inputs(self.wf, name, set(self._skipped_when))
+        outputs = self.wf._aliases.get(name) or st.outputs  # a fan-out instance writes OUT as OUT.i
         self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))  # gang start included
         try:
             crossed = self._cross_inputs(name)
         except Exception as exc:  # the source site unreachable, a checksum mismatch: this attempt's failure
-            return error_summary(exc), str(exc), []
+            return error_summary(exc), str(exc), [], classify(exc)
         gang = reused if reused is not None and reused.redirect_logs(log_dir) else None
         how = f"the gang of the previous stage ({gang.gang_id})" if gang else "a new gang"
         if gang is None:
@@ -544,10 +688,10 @@ class Scheduler:
             if where:
                 self._event(name, "placed", where)
             results = gang.run(
-                STAGE_APP, name, self.wf.app_of(name), inputs, st.outputs, params=st.params, timeout=st.timeout
+                STAGE_APP, name, self.wf.app_of(name), inputs, outputs, params=st.params, timeout=st.timeout
             )
         except (RankError, GangError) as exc:
-            return error_summary(exc), str(exc), failed_ranks(gang, exc)
+            return error_summary(exc), str(exc), failed_ranks(gang, exc), classify(exc)
         else:  # a gang that just succeeded may serve the next stage of its size
             keep = (
                 here.site.reuse_gangs
@@ -570,7 +714,7 @@ class Scheduler:
 
     def _run_command(
         self, name: str, attempt: int, slots: list[int], log_dir
-    ) -> tuple[str, str, list[dict] | None] | None:
+    ) -> tuple[str, str, list[dict] | None, str] | None:
         """An external program on every rank (an existing MPI or native code as a stage), on a
         gang like any stage's (``Gang.run_command``): params as PHALANX_PARAM_*.  None on
         success, else (summary, full error, per-rank records) as for BSP stages."""
@@ -578,15 +722,15 @@ class Scheduler:
         self.db.start_attempt(self.run_id, name, attempt, "", str(log_dir))
         if not here.caps.runs_commands:
             error = f"executor {here.site.executor!r} cannot start programs: command stages cannot run on it"
-            return error, error, None
+            return error, error, None, "GangError"
         command = st.command
         if not command:  # the stage model's validator requires one for a command stage
             error = f"stage {name!r} is a command stage without a command"
-            return error, error, None
+            return error, error, None, "GangError"
         try:  # its inputs sealed on another site cross first, as a bsp stage's do
             crossed = self._cross_inputs(name)
         except Exception as exc:
-            return error_summary(exc), str(exc), None
+            return error_summary(exc), str(exc), None, classify(exc)
         gang = self._gang(name, slots, log_dir)
         env = {f"{ENV_PARAM_PREFIX}{k.upper()}": str(v) for k, v in st.params.items()}
         self._event(name, "start", f"attempt {attempt}: {counted(st.ranks, 'rank')} of {command[0]!r} on slots {slots}")
@@ -596,9 +740,9 @@ class Scheduler:
             gang.run_command(command_argv(command), env, timeout=st.timeout)
         except OSError as exc:  # the program does not exist or is not executable
             error = f"cannot start {command[0]!r}: {exc.strerror or exc}"
-            return error, error, None
+            return error, error, None, type(exc).__name__
         except (RankError, GangError) as exc:  # a rank failed; the resource manager refused (bad partition...)
-            return error_summary(exc), str(exc), failed_ranks(gang, exc)
+            return error_summary(exc), str(exc), failed_ranks(gang, exc), classify(exc)
         finally:
             self.db.set_attempt_gang(self.run_id, name, attempt, gang.gang_id)
             with self._lock:
@@ -743,6 +887,11 @@ def prepare_run(
 
         near = Path(file).resolve().parent if file and not file.startswith("<") else None
         sites = stage_sites(wf, site, near)
+    from .fanout import expand_static
+
+    wf = expand_static(wf)  # static fan-outs: their instances are stages from the start
+    if sites is not None:
+        sites = {name: sites[wf.template_of(name)] for name in wf.stages if wf.template_of(name) in sites}
     db = db or RunDB()
     if resume:
         try:

@@ -17,13 +17,19 @@ from .yamlio import locate
 
 
 def dependencies(wf: Workflow) -> dict[str, set[str]]:
-    """Stage → stages it waits for: its ``needs`` plus the producers of its inputs."""
+    """Stage → stages it waits for: its ``needs``, the producers of its inputs, and of the
+    datasets its ``when:`` and ``foreach: {rows:}`` read."""
+    from .conditions import datasets_named
+
     producer = {out: name for name, st in wf.stages.items() for out in st.outputs}
     deps = {}
     for name, st in wf.stages.items():
-        deps[name] = set(st.needs) | {
-            producer[i.dataset] for i in st.inputs.values() if i.dataset in producer and producer[i.dataset] != name
-        }
+        reads = {i.dataset for i in st.inputs.values()}
+        if st.when:
+            reads |= datasets_named(st.when)
+        if st.foreach is not None and st.foreach.rows:
+            reads.add(st.foreach.rows)
+        deps[name] = set(st.needs) | {producer[d] for d in reads if d in producer and producer[d] != name}
     return deps
 
 
@@ -131,6 +137,8 @@ def check(
                     f"dataset {spec.dataset!r} is produced by no stage and is not in the store "
                     "(another run's output: 'SESSION/NAME')",
                 )
+        for problem_at, problem in _flow_problems(wf, name, producers, existing or set()):
+            report(("stages", name, *problem_at), problem)
         if capacity and st.ranks > capacity:
             report(("stages", name, "ranks"), f"{st.ranks} ranks, but site {here.name!r} can give at most {capacity}")
         problem = _gpu_problem(st, here, executor)
@@ -163,6 +171,49 @@ def check(
     if cycle:
         report(("stages", cycle[0], "needs"), "cycle: " + " → ".join(cycle))
     return problems
+
+
+def _flow_problems(wf: Workflow, name: str, producers: dict[str, str], existing: set[str]) -> list[tuple[tuple, str]]:
+    """What is wrong with a stage's ``foreach:``, ``when:`` and ``gather:`` (field path, message)."""
+    from .conditions import datasets_named
+    from .fanout import longest_name, static_items
+
+    st, out = wf.stages[name], list[tuple[tuple, str]]()
+
+    def unknown(dataset: str) -> bool:
+        return "/" not in dataset and dataset not in producers and dataset not in existing
+
+    if st.foreach is not None:
+        items = static_items(st.foreach)
+        if items is not None:
+            too_long = longest_name(name, st.outputs, len(items))
+            if too_long:
+                out.append((("foreach",), too_long))
+        elif st.foreach.rows and unknown(st.foreach.rows):
+            out.append(
+                (("foreach", "rows"), f"dataset {st.foreach.rows!r} is produced by no stage and is not in the store")
+            )
+        elif st.foreach.rows and producers.get(st.foreach.rows) == name:
+            out.append((("foreach", "rows"), "a stage cannot fan out over its own output"))
+    if st.when:
+        for dataset in sorted(datasets_named(st.when)):
+            if unknown(dataset):
+                out.append(
+                    (
+                        ("when",),
+                        f"the condition reads {dataset!r}, which is produced by no stage and is not in the store",
+                    )
+                )
+    for local, spec in st.inputs.items():
+        made_by = producers.get(spec.dataset)
+        if spec.gather and (made_by is None or wf.stages[made_by].foreach is None):
+            out.append(
+                (
+                    ("inputs", local, "gather"),
+                    f"dataset {spec.dataset!r} is not the output of a fan-out (foreach) stage",
+                )
+            )
+    return out
 
 
 def _executor_problems(wf: Workflow, stages: list[str], site: Site, executor, report) -> list[str]:

@@ -130,11 +130,16 @@ def _start(workflow: Any, site: Any, state: Any, resume: str | None, bindings: d
                 raise WorkflowFailed(f"{status.state}: {text or 'no stage succeeded'} (phalanx status {handle.run_id})")
             stores: dict[str, Store] = {}  # an output is in the store of the site its stage ran on
             outputs = {}
-            for name, st in wf.stages.items():
+            # what the stages that ran sealed (a fan-out's instances: OUT.0, OUT.1...; a stage
+            # skipped by its when: nothing), each in the store of the site its stage ran on
+            for rec in RunDB(state).stages(handle.run_id):
+                if rec["state"] != "succeeded":
+                    continue
+                name = rec["stage"] if rec["stage"] in wf.stages else rec["stage"].rpartition(".")[0]
                 here = sites.get(name, site_model)
                 if here.name not in stores:
                     stores[here.name] = Store(here.store.root, handle.session, metadata=here.store.metadata)
-                outputs.update({out: DatasetRef.of(stores[here.name], out) for out in st.outputs})
+                outputs.update({out: DatasetRef.of(stores[here.name], out) for out in rec["outputs"] or {}})
             done.set_result(WorkflowResult(handle.run_id, handle.session, outputs))
         except BaseException as exc:  # the run's own error, or the failure above
             done.set_exception(exc)

@@ -184,10 +184,30 @@ def _env_of(app_env):
     } | {"rank": app_env.rank, "pid": os.getpid()}
 
 
-@needs_rp
-def test_ranks_come_from_rp_rank_and_every_rp_endpoint_is_on_loopback(site, sandbox):
+@pytest.fixture(scope="class")
+def run_b(site):
+    """One run's pilot with a gang of 2 ranks on it, shared by ``TestOneRun`` (a pilot takes
+    10-40 s to start here): the sockets this process held before it, the executor, the gang.
+    When the class ends, closing the run leaves nothing of its pilot."""
     earlier = _sockets(os.getpid())  # what earlier tests of this process left open is not this gang's
-    with px.Gang(2, site=site, echo=False) as gang:
+    ex = site.create_executor()
+    ex.open_run()
+    try:
+        gang = px.Gang(2, executor=ex, echo=False).start()
+        pilot = ex.pilot()
+        yield earlier, ex, gang
+        gang.close()
+    finally:
+        ex.close_run()
+    assert _under(pilot.sandbox) == set(), "the shared run's pilot is still running after its close_run"
+
+
+@needs_rp
+class TestOneRun:
+    """What one run's pilot and gang show (one pilot for the class: ``run_b``)."""
+
+    def test_ranks_come_from_rp_rank_and_every_rp_endpoint_is_on_loopback(self, run_b, sandbox):
+        earlier, _, gang = run_b
         facts = gang.run(_env_of)
         assert [f["RP_RANK"] for f in facts] == ["0", "1"] and [f["rank"] for f in facts] == [0, 1]
         assert {f["RP_TASK_ID"] for f in facts} == {f"phalanx-{gang.gang_id}"}
@@ -205,42 +225,36 @@ def test_ranks_come_from_rp_rank_and_every_rp_endpoint_is_on_loopback(site, sand
         ]
         assert [w for w in wide if w[2] not in ("mpiexec", "orterun")] == [], wide
 
+    def test_rps_id_counters_stay_in_the_sandbox_not_the_users_home(self, run_b, sandbox):
+        """radical.utils reads RADICAL_BASE when it is imported: the counters of phalanx's sessions
+        went to ~/.radical/utils, which phalanx never cleans, whatever the sandbox said."""
+        from phalanx.executors.radical.session import _sessions
 
-@needs_rp
-def test_rps_id_counters_stay_in_the_sandbox_not_the_users_home(site, sandbox):
-    """radical.utils reads RADICAL_BASE when it is imported: the counters of phalanx's sessions
-    went to ~/.radical/utils, which phalanx never cleans, whatever the sandbox said."""
-    from phalanx.executors.radical.session import _sessions
+        _, _, gang = run_b
+        assert gang.run(lambda env: env.rank) == [0, 1]
+        uids = {s.uid for s in _sessions.values()}
+        assert uids
+        home = Path(os.path.expanduser("~")) / ".radical" / "utils"
+        assert not [u for u in uids if (home / u).exists()], f"RP id counters written under {home}"
+        assert any(sandbox.rglob(f"utils/{u}") for u in uids), "RP's id counters are not under the sandbox"
 
-    with px.Gang(1, site=site, echo=False) as gang:
-        assert gang.run(lambda env: env.rank) == [0]
-    uids = {s.uid for s in _sessions.values()}
-    assert uids
-    home = Path(os.path.expanduser("~")) / ".radical" / "utils"
-    assert not [u for u in uids if (home / u).exists()], f"RP id counters written under {home}"
-    assert any(sandbox.rglob(f"utils/{u}") for u in uids), "RP's id counters are not under the sandbox"
-
-
-@needs_rp
-def test_each_run_holds_its_own_pilot_and_closing_one_leaves_the_other(site):
-    a, b = site.create_executor(), site.create_executor()
-    a.open_run()
-    b.open_run()
-    try:
-        ga = px.Gang(1, executor=a, echo=False).start()
-        gb = px.Gang(1, executor=b, echo=False).start()
-        pa, pb = a.pilot(), b.pilot()
-        assert pa.uid != pb.uid and pa.sandbox != pb.sandbox
-        assert _under(pa.sandbox) and _under(pb.sandbox)
-        ga.close()
-        a.close_run()
-        assert _under(pa.sandbox) == set(), "run A's pilot is still running after its close_run"
-        assert gb.health() is None and gb.run(lambda env: env.rank) == [0]
-        gb.close()
-    finally:
-        a.close_run()
-        b.close_run()
-    assert _under(pb.sandbox) == set()
+    def test_each_run_holds_its_own_pilot_and_closing_one_leaves_the_other(self, site, run_b):
+        """Run A (its own executor) beside run B (the class's): A's close ends A's pilot only."""
+        _, b, gb = run_b
+        a = site.create_executor()
+        a.open_run()
+        try:
+            ga = px.Gang(1, executor=a, echo=False).start()
+            pa, pb = a.pilot(), b.pilot()
+            assert pa.uid != pb.uid and pa.sandbox != pb.sandbox
+            assert _under(pa.sandbox) and _under(pb.sandbox)
+            ga.close()
+            a.close_run()
+            assert _under(pa.sandbox) == set(), "run A's pilot is still running after its close_run"
+            assert gb.health() is None and gb.run(lambda env: env.rank) == [0, 1]
+        finally:
+            a.close_run()
+        # B's own close (it leaves nothing either): run_b's teardown
 
 
 @needs_rp
@@ -396,11 +410,24 @@ def test_a_killed_drivers_pilot_ends_by_its_watcher_or_by_release(tmp_path, watc
 def test_the_etl_example_gives_the_same_data_on_radical_as_locally(tmp_path):
     """``phalanx run workflows/etl_to_training.yaml`` on the local site and on radical-local
     (as users run it: the CLI, the shipped site file): every dataset the run seals is equal."""
+    from test_examples import ETL_SMALL  # the example's sizes shrunk: the same stages, less data
+
     env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state")}
+    sets = [a for k, v in ETL_SMALL.items() for a in ("--set", f"{k}={v}")]
     sessions = {}
     for name in ("local", "radical-local"):
         r = subprocess.run(
-            [sys.executable, "-m", "phalanx.cli", "run", "workflows/etl_to_training.yaml", "--site", name, "--plain"],
+            [
+                sys.executable,
+                "-m",
+                "phalanx.cli",
+                "run",
+                "workflows/etl_to_training.yaml",
+                "--site",
+                name,
+                "--plain",
+                *sets,
+            ],
             cwd=REPO,
             env=env,
             capture_output=True,

@@ -93,6 +93,7 @@ def inode(store: px.Store, name: str, index: int = 0) -> int:
     return os.stat(Path(store.info(name).location) / part_file(index)).st_ino
 
 
+@pytest.mark.slow  # whole workflow runs (the core lane is at its 5-minute budget)
 def test_a_second_run_reuses_the_cached_outputs_without_running_a_stage(runs):
     first = runs.run(runs.pipeline())
     assert runs.ran() == ["generate", "totals"]
@@ -123,6 +124,7 @@ def test_a_changed_param_runs_again_and_the_event_names_the_change(runs):
     pd.testing.assert_frame_equal(got_totals(runs.store(second.session)), expected_totals(800), check_dtype=False)
 
 
+@pytest.mark.slow  # whole workflow runs (the core lane is at its 5-minute budget)
 def test_a_corrupted_cached_partition_is_recomputed_not_reused(runs):
     first = runs.run(runs.pipeline())
     earlier = runs.store(first.session)
@@ -165,6 +167,7 @@ def test_a_stage_whose_upstream_made_other_data_runs_although_its_fingerprint_ma
     pd.testing.assert_frame_equal(got_totals(runs.store(second.session)), expected_totals(600), check_dtype=False)
 
 
+@pytest.mark.slow  # whole workflow runs (the core lane is at its 5-minute budget)
 def test_the_python_api_caches_across_two_workflows_with_the_identical_stage(runs):
     import cache_apps
 
@@ -196,6 +199,7 @@ def test_cache_is_the_stage_s_else_the_workflow_s_else_the_site_s():
 
 
 # ---- the CLI: run twice, then store gc ------------------------------------------------------------
+@pytest.mark.slow  # whole workflow runs (the core lane is at its 5-minute budget)
 def test_cli_a_cached_rerun_then_gc_dry_run_and_gc(runs, capsys):
     (runs.tmp / "site.yaml").write_text(f"name: gc-site\ncores: 2\nstore:\n  root: {runs.root}\n")
     wf = runs.tmp / "wf.yaml"

@@ -98,6 +98,7 @@ def expected_y(scale: int, offset: int) -> int:
     return sum(x * scale + offset for x in range(ROWS))
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_validate_says_how_many_instances_a_fan_out_makes(everything):
     validated = everything[0]
     assert validated.returncode == 0, validated.stderr
@@ -105,6 +106,7 @@ def test_validate_says_how_many_instances_a_fan_out_makes(everything):
     assert "dyn: foreach over the rows of 'configs': instances known at run time (at most 1,000)" in validated.stdout
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_a_run_with_fan_outs_and_conditions_succeeds(everything):
     _, ran, db, run = everything
     assert ran.returncode == 0, ran.stdout + ran.stderr
@@ -124,6 +126,7 @@ def test_a_run_with_fan_outs_and_conditions_succeeds(everything):
     }  # the templates sweep and dyn are no stages of their own: their instances are
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_each_matrix_instance_gets_its_combination_and_the_fan_in_concatenates_them(everything):
     _, _, db, run = everything
     store = px.Store(session=run["session"])
@@ -138,6 +141,7 @@ def test_each_matrix_instance_gets_its_combination_and_the_fan_in_concatenates_t
     assert set(totals["frames"]) == {1}  # concat: one frame
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_a_fan_out_over_rows_filtered_by_its_condition_is_gathered_as_a_list(everything):
     _, _, db, run = everything
     store = px.Store(session=run["session"])
@@ -148,6 +152,7 @@ def test_a_fan_out_over_rows_filtered_by_its_condition_is_gathered_as_a_list(eve
     assert not store.exists("dscaled.1")
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_the_run_db_and_status_say_why_stages_were_skipped(everything, tmp_path):
     _, _, db, run = everything
     stages = {s["stage"]: s for s in db.stages(run["id"])}
@@ -161,6 +166,7 @@ def test_the_run_db_and_status_say_why_stages_were_skipped(everything, tmp_path)
     assert "when: 'params.scale != 2' is false" in status.stdout
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_an_instance_that_fails_fails_alone_and_its_fan_in_does_not_run(tmp_path):
     db = RunDB(tmp_path / "state")
     wf = Workflow(
@@ -186,6 +192,7 @@ def test_an_instance_that_fails_fails_alone_and_its_fan_in_does_not_run(tmp_path
     assert states["fanin"] == "skipped"
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_a_condition_that_cannot_be_evaluated_fails_its_stage_naming_the_condition(tmp_path):
     db = RunDB(tmp_path / "state")
     wf = Workflow(
@@ -205,6 +212,7 @@ def test_a_condition_that_cannot_be_evaluated_fails_its_stage_naming_the_conditi
     assert result.skipped == ["after"]
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_a_fan_out_over_more_rows_than_its_max_fails_before_starting_any_instance(tmp_path):
     db = RunDB(tmp_path / "state")
     wf = Workflow(
@@ -221,6 +229,7 @@ def test_a_fan_out_over_more_rows_than_its_max_fails_before_starting_any_instanc
     }
 
 
+@pytest.mark.slow  # workflow runs (the core lane is at its 5-minute budget)
 def test_a_python_workflow_fans_out_with_the_same_fields(tmp_path):
     import fanout_apps
 

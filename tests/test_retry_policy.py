@@ -82,6 +82,7 @@ def causes(attempts):
 
 
 # ---- exit codes ---------------------------------------------------------------------------------
+@pytest.mark.slow  # workflow runs of several attempts (the core lane is at its 5-minute budget)
 def test_an_exit_code_is_retried_only_when_the_policy_names_it(tmp_path):
     result, attempts, _ = run(tmp_path / "a", ["exit:3", "ok"], retry={"causes": {"exit:3": 1}, "backoff": NOW})
     assert result.ok, result.failed
@@ -94,6 +95,7 @@ def test_an_exit_code_is_retried_only_when_the_policy_names_it(tmp_path):
 
 
 # ---- exception types ----------------------------------------------------------------------------
+@pytest.mark.slow  # workflow runs of several attempts (the core lane is at its 5-minute budget)
 def test_an_exception_type_is_retried_by_name_its_subclasses_too_and_another_is_not(tmp_path):
     policy = {"causes": {"ConnectionError": 1}, "backoff": NOW}
     result, attempts, db = run(tmp_path / "a", ["raise:ConnectionResetError", "ok"], retry=policy)
@@ -107,6 +109,7 @@ def test_an_exception_type_is_retried_by_name_its_subclasses_too_and_another_is_
     assert causes(attempts) == [("failed", "ValueError")]
 
 
+@pytest.mark.slow  # workflow runs of several attempts (the core lane is at its 5-minute budget)
 def test_each_cause_uses_its_own_count_and_any_takes_the_rest(tmp_path):
     plan = ["exit:3", "raise:KeyError", "exit:3", "ok"]
     result, attempts, db = run(tmp_path, plan, retry={"causes": {"exit:3": 1, "any": 1}, "backoff": NOW})
@@ -255,6 +258,7 @@ def test_a_sound_policy_validates(tmp_path, capsys):
 
 
 # ---- what a run shows: the run DB, phalanx status, the report -----------------------------------
+@pytest.mark.slow  # workflow runs of several attempts (the core lane is at its 5-minute budget)
 def test_retries_n_keeps_meaning_any_failure_and_status_and_report_show_each_cause(tmp_path, monkeypatch, capsys):
     from phalanx.cli import main
     from phalanx.orchestrator import scheduler

@@ -309,6 +309,28 @@ def test_a_retry_with_more_memory_asks_slurm_for_it():
     assert site.launcher(2).options["mem-per-cpu"] == "1024M" and site.rank_memory == 2**30
 
 
+def test_a_per_stage_slurm_job_s_own_mem_per_cpu_is_what_an_oom_retry_multiplies():
+    """Per-stage SLURM jobs have no site share of memory: the stage's section's mem_per_cpu (times
+    its cpus_per_task) is the memory per rank, and the retried gang's --mem-per-cpu replaces it
+    (a per-node --mem too)."""
+    from phalanx.executors.slurm import SlurmExecutor
+
+    site = SlurmExecutor({"partition": "debug"}, site="s")
+    stage = site.stage_config({"mem_per_cpu": "1G", "cpus_per_task": 2})
+    assert site.rank_memory_for(stage) == 2 * 2**30
+    assert site.rank_memory_for(site.stage_config({"mem_per_cpu": "1536"})) == 1536 * 2**20  # MB without a unit
+    assert site.rank_memory_for(None) is None  # SLURM's default: nothing to multiply
+    state = RetryState(RetryPolicy(causes={"oom": 1}, memory="x2"), site.rank_memory_for(stage))
+    decision = state.after("oom")
+    assert decision.memory == 4 * 2**30
+    retried = site.sized(decision.memory).launcher(1, config=stage)
+    assert retried.options["mem-per-cpu"] == "2048M"  # 4 GiB over 2 CPUs per rank
+    assert "mem-per-cpu" in site.launcher(1, config=stage).options
+    assert site.launcher(1, config=stage).options["mem-per-cpu"] == "1G"  # the site's executor: as it was
+    per_node = site.stage_config({"mem": "8G"})
+    assert "mem" not in site.sized(2**30).launcher(1, config=per_node).options
+
+
 def test_the_python_api_takes_a_policy_and_leaves_the_default_to_the_site():
     import phalanx as px
 

@@ -242,6 +242,7 @@ class Executor(ABC, Generic[ConfigT]):
         self.cores = cores
         self.gpus: int | None = None  # the site's GPU count when it gives one (Site.create_executor)
         self.rank_memory = rank_memory
+        self.resized = False  # True on a copy made by sized(): a retry after out of memory
         self.hook: AllocationHook | None = None  # the run's, set by open_run
 
     def sized(self, rank_memory: int) -> Executor[ConfigT]:
@@ -251,7 +252,14 @@ class Executor(ABC, Generic[ConfigT]):
 
         resized = copy.copy(self)
         resized.rank_memory = rank_memory
+        resized.resized = True  # this memory wins over what a stage's section asks for
         return resized
+
+    def rank_memory_for(self, config: ConfigT | None = None) -> int | None:
+        """Bytes each rank of a gang with ``config`` (the stage's section over the site's) gets,
+        where known: what a retry after out of memory multiplies.  Executors whose sections
+        can set it themselves (SLURM's mem_per_cpu) say so."""
+        return self.rank_memory
 
     # ---- run scope --------------------------------------------------------------------------
     def open_run(

@@ -478,6 +478,17 @@ class Scheduler:
         for g in gangs:
             g._teardown(graceful=False)
 
+    def _rank_memory(self, stage: str) -> int | None:
+        """Bytes per rank the stage's gangs get (the site's share, or its executor section's
+        own: SLURM mem_per_cpu), what a retry after out of memory multiplies; None: unknown."""
+        here = self.at(stage)
+        try:
+            return here.executor.rank_memory_for(
+                here.executor.stage_config(self.wf.stages[stage].executor_section(here.site.executor))
+            )
+        except Exception:  # a bad section: the attempt itself will say so
+            return here.executor.rank_memory
+
     def _gang(self, stage: str, slots: list[int], log_dir) -> Gang:
         """A gang for one attempt of ``stage`` on ``slots``: the site's executor with the stage's
         own section over the site's."""
@@ -592,7 +603,7 @@ class Scheduler:
         # A resumed run numbers on: earlier attempts keep their records and logs.
         first = 1 + max((a["attempt"] for a in self.db.attempts(self.run_id, name)), default=0)
         here = self.at(name)
-        retry = RetryState(policy_of(st, here.site), here.executor.rank_memory, pauses=BACKOFF_S)
+        retry = RetryState(policy_of(st, here.site), self._rank_memory(name), pauses=BACKOFF_S)
         attempt = first - 1
         while True:
             attempt += 1

@@ -160,9 +160,18 @@ class SlurmExecutor(Executor[SlurmConfig]):
         per_node = options.get("ntasks-per-node")
         if per_node and "nodes" not in options:
             options["nodes"] = max(1, math.ceil(ranks / _whole(per_node, "ntasks_per_node")))
-        if self.rank_memory and not {"mem", "mem-per-cpu"} & set(options):  # SLURM enforces it
+        if self.rank_memory and (self.resized or not {"mem", "mem-per-cpu"} & set(options)):  # SLURM enforces it
+            options.pop("mem", None)  # a retry after out of memory: its memory per rank wins
             options["mem-per-cpu"] = f"{max(1, self.rank_memory // cpus >> 20)}M"
         return options, cpus
+
+    def rank_memory_for(self, config: SlurmConfig | None = None) -> int | None:
+        """The memory per rank a gang gets: the section's mem_per_cpu × cpus_per_task where it
+        sets one, else the site's share (``rank_memory``); None where neither says (SLURM's
+        default, or a per-node --mem)."""
+        options, cpus = self._gang_options(1, self.effective_config(config))
+        given = options.get("mem-per-cpu")
+        return _megabytes(str(given)) * cpus << 20 if given is not None else self.rank_memory
 
     def launcher(
         self, ranks: int, *, slots: Sequence[int] = (), config: SlurmConfig | None = None, echo: Echo = False
@@ -205,3 +214,15 @@ def _whole(value: Option, key: str) -> int:
     if isinstance(value, bool) or not text.isdigit() or int(text) < 1:
         raise ValueError(f"slurm.{key}: must be a whole number ≥ 1, not {value!r}")
     return int(text)
+
+
+def _megabytes(value: str) -> int:
+    """SLURM's memory size ("512", "512M", "2G", "1T"; MB without a unit) in MB."""
+    number, unit = value.strip().upper(), "M"
+    if number and number[-1] in "KMGT":
+        number, unit = number[:-1], number[-1]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"slurm mem_per_cpu {value!r} is not a memory size (512M, 2G...)") from None
+    return max(1, int(amount * {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024**2}[unit]))

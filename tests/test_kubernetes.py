@@ -373,6 +373,7 @@ def test_a_rank_over_its_memory_limit_is_reported_oomkilled(k8s):
     first_line = str(err).splitlines()[0]
     assert "OOMKilled" in first_line and "out of memory" in first_line, str(err)
     assert "memory limit 1Gi" in first_line, str(err)
+    assert err.first.cause == "oom", err.first  # what a retry policy's oom key matches
     assert took < 30, took
     k8s.wait_nothing_left(gang_id)
 

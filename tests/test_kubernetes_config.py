@@ -226,3 +226,59 @@ def test_exclusive_topology_needs_workload_jobset():
         ex.check(2)
     with pytest.raises(ConfigError, match="workload"):
         site(workload="jobsets")
+
+
+@pytest.mark.parametrize(
+    "status, cause",
+    [
+        ({"phase": "Failed", "terminated": "OOMKilled"}, "oom"),
+        ({"phase": "Failed", "reason": "Evicted"}, "preempted"),
+        ({"phase": "Failed", "reason": "DeadlineExceeded"}, "timeout"),
+        ({"phase": "Running", "disruption": "PreemptionByScheduler"}, "preempted"),
+        ({"phase": "Running", "disruption": "DeletionByTaintManager"}, "node_lost"),
+        ({"phase": "Failed", "reason": "NodeLost"}, "node_lost"),
+        ({"phase": "Failed", "terminated": "Error"}, None),  # the rank exited: its exit code says
+        ({"phase": "Succeeded"}, None),
+    ],
+)
+def test_why_kubernetes_ended_a_pod_is_the_cause_a_retry_policy_names(status, cause):
+    """``pod_end_cause`` reads the pod as the API server returns it (the client's own models):
+    OOMKilled, eviction, preemption, a lost node, a deadline."""
+    pytest.importorskip("kubernetes")
+    from kubernetes.client import (
+        V1ContainerState,
+        V1ContainerStateTerminated,
+        V1ContainerStatus,
+        V1ObjectMeta,
+        V1Pod,
+        V1PodCondition,
+        V1PodStatus,
+    )
+
+    from phalanx.executors.kubernetes.launcher import pod_end_cause
+
+    containers = []
+    if "terminated" in status:
+        ended = V1ContainerStateTerminated(exit_code=137, reason=status["terminated"])
+        containers.append(
+            V1ContainerStatus(
+                name=M.CONTAINER,
+                state=V1ContainerState(terminated=ended),
+                image="x",
+                image_id="",
+                ready=False,
+                restart_count=0,
+            )
+        )
+    conditions = (
+        [V1PodCondition(type="DisruptionTarget", status="True", reason=status["disruption"])]
+        if ("disruption" in status)
+        else []
+    )
+    pod = V1Pod(
+        metadata=V1ObjectMeta(name="r0"),
+        status=V1PodStatus(
+            phase=status["phase"], reason=status.get("reason"), container_statuses=containers, conditions=conditions
+        ),
+    )
+    assert pod_end_cause(pod) == cause

@@ -100,6 +100,7 @@ class KubernetesLauncher(Launcher):
         self._pods: dict[int, Any] = {}  # rank → its pod (V1Pod), latest seen
         self._final: dict[int, tuple[int, str]] = {}  # rank → (exit code, Kubernetes' note) once ended
         self._final_at: dict[int, float] = {}
+        self._causes: dict[int, str] = {}  # rank → why Kubernetes ended its pod (end_cause), where it says
         self._codes: list[int | None] = [None] * ranks
         self._notes: dict[int, str] = {}
         self._log_threads: dict[int, threading.Thread] = {}
@@ -394,6 +395,9 @@ class KubernetesLauncher(Launcher):
             if ended is not None:
                 self._final[rank] = ended
                 self._final_at[rank] = time.monotonic()
+                cause = pod_end_cause(pod)
+                if cause:
+                    self._causes[rank] = cause
             gated = (
                 ended is None
                 and not deleted
@@ -512,6 +516,10 @@ class KubernetesLauncher(Launcher):
             output.write(rank, pending + b"\n")
 
     # ---- Launcher --------------------------------------------------------------------------------
+    def end_cause(self, rank: int) -> str | None:
+        with self._lock:
+            return self._causes.get(rank)
+
     def exitcodes(self) -> list[int | None]:
         with self._lock:
             now = time.monotonic()
@@ -609,6 +617,33 @@ def _root_cause(exc: BaseException) -> str:
             break
         reason = inner
     return str(reason or exc)
+
+
+# Why Kubernetes took a pod away, as retry policies name it: the reason of its DisruptionTarget
+# condition (a deleted pod) or of its failed phase
+_DISRUPTION_CAUSE = {
+    "PreemptionByScheduler": "preempted",  # a higher-priority pod needed its node
+    "EvictionByEvictionAPI": "preempted",  # drained (kubectl drain, a cluster autoscaler)
+    "DeletionByTaintManager": "node_lost",  # its node became unreachable / NoExecute taint
+    "DeletionByPodGC": "node_lost",  # its node is gone
+    "TerminationByKubelet": "node_lost",  # node shutdown or pressure
+}
+_PHASE_CAUSE = {"Evicted": "preempted", "NodeLost": "node_lost", "Shutdown": "node_lost", "DeadlineExceeded": "timeout"}
+
+
+def pod_end_cause(pod: Any) -> str | None:
+    """Why Kubernetes ended a rank's pod, in the words of retry policies: "oom" (the container
+    was OOMKilled), "preempted" (preempted or evicted), "node_lost" (its node went away),
+    "timeout" (activeDeadlineSeconds); None where the rank simply exited."""
+    status = pod.status
+    for c in status.container_statuses or []:
+        if c.name == M.CONTAINER and c.state is not None and c.state.terminated is not None:
+            if c.state.terminated.reason == "OOMKilled":
+                return "oom"
+    for cond in status.conditions or []:
+        if cond.type == "DisruptionTarget" and cond.status == "True" and cond.reason in _DISRUPTION_CAUSE:
+            return _DISRUPTION_CAUSE[cond.reason]
+    return _PHASE_CAUSE.get(status.reason or "") if status.phase == "Failed" else None
 
 
 def _waiting_reason(pods: Sequence[Any]) -> str:

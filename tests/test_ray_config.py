@@ -191,3 +191,26 @@ def test_rank_runtime_env_carries_the_thread_share():
     }
     assert user["env_vars"]["POLARS_MAX_THREADS"] == "8"  # the site's config is not changed
     assert rank_runtime_env(None, {}) == {}
+
+
+@pytest.mark.ray  # imports ray (seconds): the ray lane
+def test_why_ray_ended_a_rank_s_actor_is_the_cause_a_retry_policy_names():
+    """``actor_death_cause`` reads Ray's own errors: the GCS's words for an actor whose node
+    died (its gcs_server says "The actor died because its node has died. Node Id: ..."), the
+    preempted flag Ray sets from a node drained for preemption, Ray's memory monitor."""
+    pytest.importorskip("ray")
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext, NodeDeathInfo
+    from ray.exceptions import ActorDiedError
+
+    from phalanx.executors.ray.launcher import actor_death_cause
+
+    def died(message: str, **context) -> ActorDiedError:
+        return ActorDiedError(ActorDiedErrorContext(error_message=message, actor_id=b"\0" * 16, **context))
+
+    assert actor_death_cause(died("The actor died because its node has died. Node Id: 3f2a")) == "node_lost"
+    drained = NodeDeathInfo(reason=NodeDeathInfo.AUTOSCALER_DRAIN_PREEMPTED)
+    assert actor_death_cause(died("The actor died because its node has died.", node_death_info=drained)) == "preempted"
+    oom = "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit detail: "
+    assert actor_death_cause(died(oom + "Task was killed due to the node running low on memory.")) == "oom"
+    assert actor_death_cause(died("The actor is dead because it was killed by `ray.kill`.")) is None
+    assert actor_death_cause(ActorDiedError()) is None

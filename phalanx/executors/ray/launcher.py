@@ -62,6 +62,7 @@ class RayLauncher(Launcher):
         self._done: list[Any] = []  # per rank: ObjectRef of the actor's serve()
         self._codes: list[int | None] = []
         self._notes: list[str] = []  # Ray's word on ranks that died (reason())
+        self._causes: dict[int, str] = {}  # rank → why Ray ended its actor (end_cause), where it says
         self._follower: FileFollower | None = None
         self._log_paths: list[Path] = []
         self._allocation: dict | None = None  # the gang's placement group (base.held)
@@ -344,6 +345,9 @@ class RayLauncher(Launcher):
             return int(ray.get(ref, timeout=5))
         except ray.exceptions.RayActorError as exc:
             self._note(rank, f"the rank's Ray actor died: {_first_line(exc)}")
+            cause = actor_death_cause(exc)
+            if cause:
+                self._causes[rank] = cause
             return _KILLED
         except ray.exceptions.RayTaskError as exc:
             self._note(rank, f"the rank's Ray actor failed: {_first_line(exc)}")
@@ -351,6 +355,9 @@ class RayLauncher(Launcher):
         except Exception as exc:
             self._note(rank, f"the rank's Ray actor is lost: {type(exc).__name__}: {_first_line(exc)}")
             return _KILLED
+
+    def end_cause(self, rank: int) -> str | None:
+        return self._causes.get(rank)
 
     def _note(self, rank: int, text: str) -> None:
         """Remember Ray's reason for ``reason()`` and append it to the rank's log, which the
@@ -383,3 +390,22 @@ def rank_runtime_env(user: Mapping[str, Any] | None, env: Mapping[str, str]) -> 
     if variables:
         out["env_vars"] = variables
     return out
+
+
+# How Ray words an actor's death by its node's (the raylet gone) or by its memory monitor
+_NODE_DIED = ("node has died", "node died", "node was terminated", "raylet died")
+_OUT_OF_MEMORY = ("running low on memory", "OutOfMemoryError", "memory monitor")
+
+
+def actor_death_cause(exc: BaseException) -> str | None:
+    """Why Ray ended a rank's actor, as retry policies name it: "preempted" (its node drained
+    for preemption: Ray's own flag), "node_lost" (its node died), "oom" (Ray's memory monitor
+    killed it); None otherwise."""
+    if getattr(exc, "preempted", False):
+        return "preempted"
+    text = str(exc)
+    if any(m in text for m in _NODE_DIED):
+        return "node_lost"
+    if any(m in text for m in _OUT_OF_MEMORY):
+        return "oom"
+    return None

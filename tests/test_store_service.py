@@ -298,3 +298,24 @@ def test_a_holder_that_stops_mid_file_fails_the_read_naming_it(bad_holder):
     url = bad_holder("close")
     with pytest.raises(ServiceUnreachableError, match="the service closed the connection after 10 of 1000000 bytes"):
         http_bytes.get(url, TOKEN, "/x", 2, timeout=30)
+
+
+def test_a_service_restarted_on_the_same_port_is_asked_again_for_its_bulk_path(tmp_path):
+    """A host's store service restarted on the port its predecessor had (ports are reused): the
+    bulk path this process remembered for that endpoint is dead; the fetch asks the new
+    service for its own and reads the partition (the multi-host lane met this as a refused
+    connection to a service that answered pings)."""
+    tier = FileTier(tmp_path)
+    location = tier.final("s", "ds", "v0-abc")
+    table = _table(1000)
+    tier.write_partition(location, 0, table)
+    with StoreService(tmp_path, "127.0.0.1", token=TOKEN) as first:
+        port, endpoint, old_bulk = first.port, first.endpoint, first.bytes_url
+        assert fetch(endpoint, TOKEN, location, 0).size > 0  # the bulk path is remembered now
+    with StoreService(tmp_path, "127.0.0.1", port=port, token=TOKEN) as second:
+        assert second.endpoint == endpoint and second.bytes_url != old_bulk
+        got = ipc.open_file(pa.BufferReader(fetch(endpoint, TOKEN, location, 0))).read_all()
+        assert got.equals(table)
+        assert bytes_url(endpoint, TOKEN) == second.bytes_url
+    with pytest.raises(ServiceUnreachableError, match=endpoint.split("//")[1]):  # gone for good: said as before
+        fetch(endpoint, TOKEN, location, 0, timeout=5)

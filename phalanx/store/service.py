@@ -666,9 +666,25 @@ def fetch(
     filling the buffer side by side.  Raises a ``RemoteStoreError`` naming the endpoint,
     location and index: ``ServiceUnreachableError``, ``RemotePartitionNotFoundError``,
     ``AuthRefusedError``, ``LocationRefusedError``."""
-    url = bytes_url(endpoint, token, timeout, f"partition {index} at {location} from the store service {endpoint}")
+    what = f"partition {index} at {location} from the store service {endpoint}"
+    known = (os.getpid(), endpoint) in _bytes_urls
+    url = bytes_url(endpoint, token, timeout, what)
     if url:
-        return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint)
+        try:
+            return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint)
+        except ServiceUnreachableError:
+            if not known:
+                raise
+            # The endpoint (address:port) may now be a newer service's — a host's service
+            # restarted on a port the last one had: the bulk path remembered was its
+            # predecessor's.  Ask again once; a service that is gone fails the asking.
+            _bytes_urls.pop((os.getpid(), endpoint), None)
+            fresh = bytes_url(endpoint, token, timeout, what)
+            if fresh == url:
+                raise
+            url = fresh
+        if url:
+            return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint)
     return fetch_flight(endpoint, token, location, index, timeout, streams)
 
 

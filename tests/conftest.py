@@ -44,13 +44,16 @@ def pytest_addoption(parser):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject's addopts): the core lane — pyproject's own selection — runs on two
-    worker processes, a file each at a time (4:39 instead of 5:46 here: a lone pytest keeps 2
-    cores 1.3 busy); any other selection runs in one process, since a lane's session fixtures
-    start one cluster each (a Slurm, a Ray cluster, a control plane)."""
+    """``-n auto`` (pyproject's addopts): the core lane — pyproject's own selection — and the
+    slow lane (core tests kept out of its 5 minutes; no cluster) run on two worker processes, a
+    file each at a time (4:39 instead of 5:46 here: a lone pytest keeps 2 cores 1.3 busy); any
+    other selection runs in one process, since a lane's session fixtures start one cluster each
+    (a Slurm, a Ray cluster, a control plane)."""
     addopts = config.getini("addopts")
     core = next((value for flag, value in zip(addopts, addopts[1:]) if flag == "-m"), None)
-    return 2 if config.option.markexpr == core and not config.option.collectonly else 0
+    lane = config.option.markexpr
+    two = lane == core or lane == "slow" or lane.startswith("slow and not (")
+    return 2 if two and not config.option.collectonly else 0
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -120,6 +120,7 @@ def test_a_function_from_a_scripts_main_runs_on_the_ranks(tmp_path):
     assert f"RESULT True {sum(x * x for x in range(20))}" in out.stdout
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: it waits on a timeout
 def test_stage_timeout_stops_the_gang_and_fails_the_stage(tmp_path):
     import apps
 

@@ -151,6 +151,7 @@ def app_modules_after_a_shuffle(env):
     return keys, sorted(m for m in ("torch", "torch.distributed") if m in sys.modules)
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: fresh interpreters per rank
 def test_tcp_ranks_never_import_torch():
     with px.Gang(ranks=2, communicator="tcp", echo=False) as g:
         results = g.run(app_modules_after_a_shuffle)

@@ -228,6 +228,7 @@ def tables(tpch):
     return con
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: the TPC-H example at SF 0.01 (dbgen + the workflow)
 def test_dbgen_tables_follow_the_tpch_rules(tpch, tables):
     q = lambda sql: tables.execute(sql).fetchall()  # noqa: E731
     ((orders, customers),) = q("SELECT (SELECT count(*) FROM orders), (SELECT count(*) FROM customer)")
@@ -253,6 +254,7 @@ def test_dbgen_tables_follow_the_tpch_rules(tpch, tables):
     assert status == [(0,)]
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: the TPC-H example at SF 0.01 (dbgen + the workflow)
 def test_q1_matches_duckdb(tpch, tables):
     _, _, store = tpch
     want = query(
@@ -272,6 +274,7 @@ def test_q1_matches_duckdb(tpch, tables):
     pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: the TPC-H example at SF 0.01 (dbgen + the workflow)
 def test_q3_matches_duckdb(tpch, tables):
     _, _, store = tpch
     want = query(
@@ -289,6 +292,7 @@ def test_q3_matches_duckdb(tpch, tables):
     pd.testing.assert_frame_equal(got, want, check_dtype=False, rtol=1e-9)
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: the TPC-H example at SF 0.01 (dbgen + the workflow)
 def test_q10_matches_duckdb(tpch, tables):
     _, _, store = tpch
     want = query(

@@ -116,6 +116,7 @@ def test_scheduler_and_gang_name_no_executor():
         assert imports == [], f"{path.name} imports executor modules: {imports}"
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_an_entry_point_executor_runs_a_workflow_with_its_typed_section(tmp_path):
     """A plug-in installed as a distribution: its site section is validated by its own model,
     its stages (BSP and command) run, and the results are right."""
@@ -182,6 +183,7 @@ def test_unknown_executor_lists_the_registered_ones(tmp_path):
     assert "executor: unknown executor 'shel' (did you mean 'shell'?)" in _load_site_error(site, tmp_path)
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_what_an_executor_refuses_fails_that_stage_only(tmp_path):
     """A gang the executor refuses at launch (its check) fails that stage; an independent
     stage still runs and succeeds, and the run says failed (not cancelled)."""

@@ -303,6 +303,7 @@ def listening_addresses(env):
     return found
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_tcp_ranks_listen_on_nothing_once_wired():
     """tcp's listeners (rank 0's rendezvous port, every rank's mesh port) close once the mesh
     is up: a running gang offers no port to anyone."""
@@ -333,6 +334,7 @@ def test_ranks_listen_on_loopback_only():
         assert all(a in loopback for a, _ in addrs), f"rank {rank} listens on {addrs}"
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_a_gang_on_one_launcher_instance_restarts_with_new_ranks_after_a_failure():
     from phalanx.executors.local import LocalLauncher
 

@@ -43,6 +43,7 @@ def test_a_gang_runs_on_warm_workers_and_a_second_gang_on_their_replacements():
     assert pool._idle == []
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_failures_on_warm_workers_name_the_rank():
     pool = WarmPool(2, demand=lambda: 2)
     try:

@@ -373,6 +373,7 @@ def test_command_stage_with_a_missing_program(db):
     assert starts == ["attempt 1: 1 rank of '/no/such/program' on slots [0]"]
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_cli_logs_shows_each_ranks_output(tmp_path):
     code = "import os; print('hello from', os.environ['PHALANX_RANK'])"
     wf = tmp_path / "wf.yaml"
@@ -460,6 +461,7 @@ def test_reuse_can_be_turned_off_and_a_retry_never_reuses(db, tmp_path):
     assert not {r["pid"] for r in second["rank_info"]} & gen  # the retry got a fresh one
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_cli_run_failure_names_stage_rank_and_the_traceback(tmp_path):
     wf = tmp_path / "wf.yaml"
     wf.write_text("name: boom\nstages:\n  bad:\n    app: apps:wf_divide_by_zero\n    ranks: 2\n")

@@ -269,6 +269,7 @@ def test_a_detached_run_outlives_its_terminal_and_wait_reports_it(tmp_path, proc
     assert code == 0 and f"run {run_id} succeeded" in out and "totals: 50 rows" in out
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes: two detached drivers killed or cancelled mid-run
 @pytest.mark.parametrize("how", ["kill -9", "phalanx cancel"])
 def test_wait_on_a_detached_run_whose_driver_is_killed_or_cancelled(tmp_path, procs, phalanx, how):
     run_id, driver = detach(tmp_path, procs)

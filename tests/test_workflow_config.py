@@ -180,6 +180,7 @@ def test_published_json_schemas_match_the_models():
     assert "stages" in json.loads((ROOT / "docs" / "workflow.schema.json").read_text())["properties"]
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_cli_validate_exit_codes(tmp_path):
     good = write(tmp_path, GOOD)
     env_path = str(Path(__file__).parent)

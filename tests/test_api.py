@@ -87,6 +87,7 @@ def test_decorator_form_and_errors_before_anything_starts(tmp_path):
         px.run(too_big, site=Site(name="t2", cores=2), state=tmp_path / "state", progress=False)
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_a_function_from_a_scripts_main_runs_on_the_ranks(tmp_path):
     """Notebook and script functions are not importable by ranks: they travel by value."""
     script = tmp_path / "pipeline.py"

@@ -25,6 +25,7 @@ def fail_on_rank_1(env):
     env.comm.barrier()
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_a_gang_runs_on_warm_workers_and_a_second_gang_on_their_replacements():
     pool = WarmPool(2)
     try:

@@ -58,6 +58,7 @@ def test_pipeline_results_match_pandas(db):
     assert [s["state"] for s in stages.values()] == ["succeeded", "succeeded"]
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_independent_stages_run_at_the_same_time_and_a_big_one_waits(db, tmp_path):
     params = lambda peer: {"dir": str(tmp_path), "peer": peer}  # noqa: E731
     wf = Workflow(

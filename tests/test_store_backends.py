@@ -280,6 +280,7 @@ def app_put_get(env, name):
     )
 
 
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_gang_put_and_get_with_the_store_on_s3(s3_endpoint, tmp_path):
     root = s3_root(s3_endpoint)
     store = px.Store(root, session="s3gang", metadata=str(tmp_path / "meta.sqlite"))

@@ -83,6 +83,7 @@ def children() -> set[int]:
 
 
 # ---- px.submit ---------------------------------------------------------------------------------
+@pytest.mark.slow  # kept out of the core lane's 5 minutes
 def test_submit_returns_at_once_and_the_handle_follows_the_run(tmp_path):
     h = px.submit(gated(tmp_path), site=SITE, state=tmp_path / "state")
     assert isinstance(h, px.RunHandle)

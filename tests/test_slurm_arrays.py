@@ -285,3 +285,41 @@ def test_a_foreach_of_one_rank_instances_is_one_array_job_and_its_fan_in_gathers
     assert sorted(int(r["task"]) for r in rows) == list(range(8))
     instances = [j for j in jobs_named(name) if j.startswith(f"{array}_")]
     assert len(instances) == 8
+
+
+def test_conditions_and_the_cache_work_on_slurm_as_on_this_machine(tmp_path):
+    """``when:`` (true and false) and ``cache: true`` on a per-stage SLURM site: the second run
+    reuses the cached stage's output (no job for it), evaluates the conditions again, and every
+    result is the closed form."""
+    from phalanx.orchestrator.models import Stage, Workflow
+    from phalanx.orchestrator.rundb import RunDB
+    from phalanx.orchestrator.scheduler import run_workflow
+
+    site = load_site(tmp_path, f"arrays{os.getpid()}w")
+    wf = Workflow(
+        name="when-cache",
+        stages={
+            "gen": Stage(app="test_slurm_arrays:square_sum", params={"n": 10, "out": "sq"}, outputs=["sq"], cache=True),
+            "then": Stage(
+                app="test_slurm_arrays:square_sum",
+                params={"n": 3, "out": "then"},
+                outputs=["then"],
+                when="sq.sum[0] == 285",  # sum(i² for i < 10)
+            ),
+            "never": Stage(
+                app="test_slurm_arrays:square_sum", params={"n": 4, "out": "x"}, outputs=["x"], when="params.n > 100"
+            ),
+        },
+    )
+    db = RunDB(tmp_path / "state")
+    runs = [run_workflow(wf, site, db=db) for _ in range(2)]
+    for result in runs:
+        assert result.ok, result.failed
+        assert result.skipped_when == {"never": "when: 'params.n > 100' is false"}
+        store = px.Store(tmp_path / "store", result.session)
+        assert [r["sum"] for r in store.read("sq").to_pylist()] == [285]
+        assert [r["sum"] for r in store.read("then").to_pylist()] == [5]
+    second = {s["stage"]: s for s in db.stages(runs[1].run_id)}
+    assert second["gen"]["attempts"] == 0 and db.attempts(runs[1].run_id, "gen") == []  # cached: no job
+    kinds = {(e["stage"], e["kind"]) for e in db.events(runs[1].run_id)}
+    assert ("gen", "cached") in kinds and ("then", "condition") in kinds

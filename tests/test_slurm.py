@@ -63,6 +63,26 @@ def active_jobs(job: str | None = None) -> list[str]:
     return [l for l in slurm(*args).splitlines() if job is None or l.split()[0] == job]
 
 
+def run_beside(run, act, within: float = 240):
+    """Run a prepared workflow (``scheduler.prepare_run``) in a thread while ``act()`` does
+    something to it from outside (cancel a job, preempt it); its RunResult.  A run still
+    going after ``within`` seconds is cancelled and fails the test."""
+    import threading
+
+    outcome: dict = {}
+    runner = threading.Thread(target=lambda: outcome.update(result=run.run()))
+    runner.start()
+    try:
+        act()
+        runner.join(timeout=within)
+        assert not runner.is_alive(), "the workflow did not finish"
+    finally:
+        if runner.is_alive():
+            run.cancel()
+            runner.join(timeout=60)
+    return outcome["result"]
+
+
 def wait_until(pred, within: float, what: str):
     deadline = time.monotonic() + within
     while True:

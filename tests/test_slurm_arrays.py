@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.usefixtures("slurm_cluster")]
 
 REPO = Path(__file__).resolve().parent.parent
 from conftest import SLURM_CONF as CONF  # noqa: E402
-from test_slurm import slurm, wait_until  # noqa: E402
+from test_slurm import run_beside, slurm, wait_until  # noqa: E402
 
 WINDOW = 3.0  # s without a gang joining closes an array: wide enough for a loaded 2-core machine
 
@@ -109,19 +109,14 @@ def test_twelve_one_rank_stages_are_one_array_job_and_a_failure_stays_its_own(tm
     )
     db = RunDB(tmp_path / "state")
     run = prepare_run(Workflow(name="fanout", stages=stages), site, db=db)
-    outcome = {}
-    runner = threading.Thread(target=lambda: outcome.update(r=run.run()))
-    runner.start()
-    try:
-        victim = wait_until(lambda: held.exists() and held.read_text(), 240, "the victim's rank to start")
-        slurm("scancel", victim)  # its array task only
-        runner.join(timeout=240)
-        assert not runner.is_alive(), "the workflow did not finish"
-    finally:
-        if runner.is_alive():
-            run.cancel()
-            runner.join(timeout=60)
-    result = outcome["r"]
+    seen: list[str] = []
+
+    def cancel_the_victim() -> None:
+        seen.append(wait_until(lambda: held.exists() and held.read_text(), 240, "the victim's rank to start"))
+        slurm("scancel", seen[0])  # its array task only
+
+    result = run_beside(run, cancel_the_victim)
+    victim = seen[0]
 
     # only the failing instance and the cancelled one failed, each with its own reason
     assert sorted(result.failed) == ["bad", "victim"], result.failed

@@ -12,12 +12,12 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import yaml
+from test_slurm import run_beside, wait_until
 
 import phalanx as px
 
@@ -34,15 +34,6 @@ def slurm(*argv: str) -> str:
     out = subprocess.run(argv, env={**os.environ, "SLURM_CONF": CONF}, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{argv}: {out.stderr}"
     return out.stdout.strip()
-
-
-def wait_until(pred, within: float, what: str):
-    deadline = time.monotonic() + within
-    while not (value := pred()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what}")
-        time.sleep(0.1)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -87,19 +78,14 @@ def test_a_preempted_stage_runs_again_without_using_its_retries(preemptible, tmp
     )
     db = RunDB(tmp_path / "state")
     run = prepare_run(wf, Site.model_validate(site), db=db)
-    outcome: dict = {}
-    runner = threading.Thread(target=lambda: outcome.update(result=run.run()))
-    runner.start()
-    try:
-        first = wait_until(lambda: marker.exists() and marker.read_text(), 180, "the first attempt's rank")
-        urgent = slurm("sbatch", "--parsable", "-p", "urgent", "-n", "2", "-o", "/dev/null", "--wrap", "sleep 3")
-        runner.join(timeout=240)
-        assert not runner.is_alive(), "the workflow did not finish"
-    finally:
-        if runner.is_alive():
-            run.cancel()
-            runner.join(timeout=60)
-    result = outcome["result"]
+    jobs: list[str] = []
+
+    def preempt() -> None:
+        jobs.append(wait_until(lambda: marker.exists() and marker.read_text(), 180, "the first attempt's rank"))
+        jobs.append(slurm("sbatch", "--parsable", "-p", "urgent", "-n", "2", "-o", "/dev/null", "--wrap", "sleep 3"))
+
+    result = run_beside(run, preempt)
+    first, urgent = jobs
     assert result.ok, result.failed
     assert slurm("squeue", "-h", "-t", "all", "-j", first, "-o", "%T") == "PREEMPTED"  # SLURM's own word
     assert slurm("squeue", "-h", "-t", "all", "-j", urgent, "-o", "%T") == "COMPLETED"

@@ -421,7 +421,8 @@ class Scheduler:
         limit = limit or MAX_ROWS
         parts = self.wf._fanned.get(dataset)
         if parts is not None:
-            tables = [self._read_small(p, stage, limit) for p in parts if p in self._made_datasets()]
+            made = self._made_datasets()  # once, not per part: a fan-out may have thousands
+            tables = [self._read_small(p, stage, limit) for p in parts if p in made]
             return pa.concat_tables(tables, promote_options="default") if tables else pa.table({})
         producers = {out: s for s, spec in self.wf.stages.items() for out in spec.outputs}
         session, _, short = dataset.rpartition("/")

@@ -9,7 +9,7 @@ if _threads.is_rank():  # before polars is imported below: it sizes its pool at 
 
 from .errors import GangError, MissingDependencyError, PhalanxError, RankError, RankFailure
 from .gang import Gang, set_notebook, set_site_loader
-from .operators import DataFrame, GroupBy, read_csv, read_parquet
+from .operators import DataFrame, GroupBy, concat, read_csv, read_parquet
 from .runtime.env import BSPEnv
 from .store import DatasetInfo, Store
 
@@ -71,6 +71,7 @@ __all__ = [
     "Store",
     "Gang",
     "GroupBy",
+    "concat",
     "read_csv",
     "read_parquet",
     "GangError",

@@ -293,6 +293,66 @@ class DataFrame:
         colocated = self.partitioned_by == tuple(cols)
         return self._new(drop_duplicates(self.env.comm, self._table, cols, keep, colocated), cols)
 
+    # ---- windows, time-series joins, reshaping (each in its own module) -----------------
+    def window(
+        self,
+        order_by: str | Sequence[str] | None = None,
+        partition_by: str | Sequence[str] | None = None,
+        ascending: bool | Sequence[bool] = True,
+        **outputs: Any,
+    ) -> DataFrame:
+        """Window functions over ``partition_by`` + ``order_by`` (collective); see
+        ``phalanx.operators.window``: ``df.window(order_by="t", partition_by="k",
+        n=("row_number",), total=("v", "cumsum"), prev=("v", "lag", 1))``."""
+        from .window import window
+
+        return window(self, order_by=order_by, partition_by=partition_by, ascending=ascending, outputs=outputs)
+
+    def merge_asof(
+        self,
+        right: DataFrame,
+        on: str,
+        by: str | Sequence[str] | None = None,
+        tolerance: Any = None,
+        direction: str = "backward",
+        suffixes: tuple[str, str] = ("_x", "_y"),
+    ) -> DataFrame:
+        """pandas' ``merge_asof`` (collective): each left row joined with the right row of the
+        same ``by`` keys whose ``on`` is the nearest earlier (or equal); see ``phalanx.operators.asof``."""
+        from .asof import merge_asof
+
+        return merge_asof(self, right, on=on, by=by, tolerance=tolerance, direction=direction, suffixes=suffixes)
+
+    def value_counts(
+        self,
+        subset: str | Sequence[str] | None = None,
+        normalize: bool = False,
+        sort: bool = True,
+        ascending: bool = False,
+        dropna: bool = True,
+    ) -> DataFrame:
+        """Rows per distinct value of ``subset`` (collective), pandas' ``value_counts`` as a frame
+        with a ``count`` (or ``proportion``) column; see ``phalanx.operators.reshape``."""
+        from .reshape import value_counts
+
+        return value_counts(self, subset, normalize=normalize, sort=sort, ascending=ascending, dropna=dropna)
+
+    def pivot(
+        self, index: str | Sequence[str], columns: str, values: str | Sequence[str], aggfunc: str = "sum"
+    ) -> DataFrame:
+        """A pivot table (collective): one row per ``index``, one column per distinct value of
+        ``columns`` (a small number of them); see ``phalanx.operators.reshape``."""
+        from .reshape import pivot
+
+        return pivot(self, index, columns, values, aggfunc=aggfunc)
+
+    def concat(self, *others: DataFrame) -> DataFrame:
+        """The union of this frame's rows and ``others``' (collective: columns matched by name);
+        ``px.concat([a, b, c])`` is the same; see ``phalanx.operators.reshape``."""
+        from .reshape import concat_frames
+
+        return concat_frames([self, *others])
+
     # ---- output -------------------------------------------------------------------------
     def write_parquet(self, directory: str, **options: Any) -> str:
         """One file per rank, ``directory/part-00000.parquet``... (collective)."""

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import plan as P
 from .common import agree_schema, as_list, balanced_bounds, check_columns
 from .exchange import allgather_tables, concat, exchange_tables, gather_tables
 
@@ -27,14 +28,73 @@ TableFn = Callable[[pa.Table], Any]
 
 
 class DataFrame:
-    """A distributed table: ``to_arrow()`` is this rank's partition, ``collect()`` the whole."""
+    """A distributed table: ``to_arrow()`` is this rank's partition, ``collect()`` the whole.
 
-    def __init__(self, table: pa.Table, env: BSPEnv, partitioned_by: Sequence[str] | None = None):
-        self._table = table
+    Local operators are lazy (``phalanx.operators.plan``): they add a step to this rank's
+    pipeline, which runs as one pass, with its projections and filters pushed into the scan,
+    when the rows are needed.  Distributed operators run when called."""
+
+    def __init__(
+        self,
+        table: pa.Table,
+        env: BSPEnv,
+        partitioned_by: Sequence[str] | None = None,
+        origin: P.Origin | None = None,
+    ):
+        self._pipe = P.Pipeline(table)
         self.env = env
         # Set when rows are hash-partitioned by these columns (after a shuffle, a shuffled
         # merge or a groupby): a later operator on the same keys skips its shuffle.
         self.partitioned_by: tuple[str, ...] | None = tuple(partitioned_by) if partitioned_by else None
+        self._origin = origin  # the distributed operator that made the table (for explain)
+
+    @classmethod
+    def lazy(cls, source: P.Source, env: BSPEnv, partitioned_by: Sequence[str] | None = None) -> DataFrame:
+        """A frame whose rows a ``source`` (a file scan) yields when they are needed."""
+        df = cls(source.schema.empty_table(), env, partitioned_by)
+        df._pipe = P.Pipeline(source)
+        return df
+
+    @property
+    def _table(self) -> pa.Table:
+        """This rank's rows: the pending pipeline runs once (and is replaced by its result)."""
+        if self._pipe.pending:
+            origin = self._node()
+            self._pipe = P.Pipeline(self._pipe.run())
+            self._origin = origin
+        return self._pipe.source
+
+    def compute(self) -> DataFrame:
+        """Run the pending local work now (it otherwise runs when rows are needed); the same
+        frame, its rows materialized.  ``persist()`` is the same."""
+        self._table  # noqa: B018 - materializes
+        return self
+
+    persist = compute
+
+    def _then(
+        self, step: P.Step, schema: pa.Schema, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
+    ) -> DataFrame:
+        """A frame with one more pending local step (rows stay on their ranks)."""
+        df = DataFrame(pa.table({}), self.env, self._kept_keys(schema.names, changed, renames), self._origin)
+        df._pipe = self._pipe.then(step, schema)
+        return df
+
+    def _node(self) -> P.Origin:
+        """How this frame's rows are (or will be) made, for ``explain``."""
+        if self._origin is not None and not self._pipe.pending:
+            return self._origin
+        lines = self._pipe.describe()
+        if self._origin is None:
+            return P.Origin(lines, [])
+        return P.Origin(lines[:-1], [self._origin])  # the table is what the origin made
+
+    def explain(self, file: Any = None) -> str:
+        """This frame's plan: the distributed operators that made it (exchanges marked) and
+        the pending local pipeline, output first; printed (to ``file``) and returned."""
+        text = "\n".join(self._node().render())
+        print(text, file=file)
+        return text
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
@@ -50,27 +110,45 @@ class DataFrame:
     def from_pandas(cls, frame: pd.DataFrame, env: BSPEnv, preserve_index: bool = False) -> DataFrame:
         return cls.from_arrow(pa.Table.from_pandas(frame, preserve_index=preserve_index), env)
 
-    def _new(self, table: pa.Table, partitioned_by: Sequence[str] | None = None) -> DataFrame:
-        return DataFrame(table, self.env, partitioned_by)
+    def _new(
+        self, table: pa.Table, partitioned_by: Sequence[str] | None = None, op: str | None = None, *inputs: DataFrame
+    ) -> DataFrame:
+        """A frame of rows a distributed operator ``op`` made from this frame (and ``inputs``)."""
+        origin = P.Origin(op.split("\n"), [f._node() for f in (self, *inputs)]) if op else None
+        return DataFrame(table, self.env, partitioned_by, origin)
+
+    def _run(self, op: str, fn: Callable[[], Any], *inputs: DataFrame) -> tuple[Any, str]:
+        """Run a distributed operator's ``fn`` (its inputs' pending work first, so that their
+        plans are described as they ran), and ``op`` with the exchanges it noted."""
+        for f in (self, *inputs):
+            f.compute()
+        with P.recording() as notes:
+            result = fn()
+        return result, "\n".join([op, *notes]) if notes else op
 
     def _keeping(
         self, table: pa.Table, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
     ) -> DataFrame:
         """A frame whose rows stayed on their ranks: still partitioned unless a key changed."""
+        return DataFrame(table, self.env, self._kept_keys(table.column_names, changed, renames), self._origin)
+
+    def _kept_keys(
+        self, names: Sequence[str], changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
+    ) -> tuple[str, ...] | None:
         keys = self.partitioned_by
         if keys is None or set(keys) & set(changed):
-            return self._new(table)
+            return None
         keys = tuple((renames or {}).get(k, k) for k in keys)
-        return self._new(table, keys if set(keys) <= set(table.column_names) else None)
+        return keys if set(keys) <= set(names) else None
 
     # ---- inspection ---------------------------------------------------------------------
     @property
     def schema(self) -> pa.Schema:
-        return self._table.schema
+        return self._pipe.schema
 
     @property
     def columns(self) -> list[str]:
-        return self._table.column_names
+        return self._pipe.schema.names
 
     @property
     def local_num_rows(self) -> int:
@@ -117,7 +195,7 @@ class DataFrame:
     def select(self, columns: str | Sequence[str]) -> DataFrame:
         cols = as_list(columns)
         check_columns(self.schema, cols, "select")
-        return self._keeping(self._table.select(cols))
+        return self._then(P.passthrough(cols), pa.schema([self.schema.field(c) for c in cols]))
 
     def __getitem__(self, columns: str | Sequence[str]) -> DataFrame:
         return self.select(columns)
@@ -125,20 +203,24 @@ class DataFrame:
     def drop(self, columns: str | Sequence[str]) -> DataFrame:
         cols = as_list(columns)
         check_columns(self.schema, cols, "drop")
-        return self._keeping(self._table.drop_columns(cols))
+        keep = [c for c in self.columns if c not in cols]
+        return self._then(P.passthrough(keep), pa.schema([self.schema.field(c) for c in keep]))
 
     def rename(self, columns: Mapping[str, str]) -> DataFrame:
         check_columns(self.schema, list(columns), "rename")
-        return self._keeping(self._table.rename_columns([columns.get(c, c) for c in self.columns]), renames=columns)
+        renames = dict(columns)
+        schema = pa.schema([f.with_name(renames.get(f.name, f.name)) for f in self.schema])
+        return self._then(P.passthrough(self.columns, renames), schema, renames=renames)
 
     def filter(self, condition: pc.Expression | TableFn) -> DataFrame:
         """Keep rows where ``condition`` holds: an Arrow expression (``pc.field("x") > 3``)
         or a callable returning a boolean mask for the local table."""
         if isinstance(condition, pc.Expression):
-            try:
-                return self._keeping(self._table.filter(condition))
+            try:  # bound now, on no rows: a bad column or type fails here, not later
+                self.schema.empty_table().filter(condition)
             except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
                 raise _expression_error(exc, "filter", self.schema) from None
+            return self._then(P.Filter(condition, P.references(condition, self.schema)), self.schema)
         if callable(condition):
             return self._keeping(self._table.filter(condition(self._table)))
         raise TypeError(f"filter needs a pyarrow.compute.Expression or a callable, got {condition!r}")
@@ -146,11 +228,13 @@ class DataFrame:
     def assign(self, **columns: pc.Expression | TableFn | Any) -> DataFrame:
         """Add or replace columns: Arrow expressions, callables on the local table, arrays
         of the local length, or scalars."""
+        if all(isinstance(v, pc.Expression) or _is_scalar(v) for v in columns.values()):
+            return self._assign_lazy(columns)
         table = self._table
         for name, value in columns.items():
             if isinstance(value, pc.Expression):
                 try:
-                    value = _evaluate(table, value)
+                    value = P.evaluate(table, value)
                 except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
                     raise _expression_error(exc, f"assign({name}=...)", table.schema) from None
             elif callable(value):
@@ -160,6 +244,22 @@ class DataFrame:
             idx = table.schema.get_field_index(name)
             table = table.set_column(idx, name, value) if idx >= 0 else table.append_column(name, value)
         return self._keeping(table, changed=columns)
+
+    def _assign_lazy(self, columns: Mapping[str, Any]) -> DataFrame:
+        """``assign`` of expressions and scalars as one projection step (checked now, on no rows)."""
+        schema, empty = self.schema, self.schema.empty_table()
+        outputs = {n: P.Output(n, pc.field(n), frozenset([n]), n) for n in schema.names}
+        fields = {f.name: f for f in schema}
+        for name, value in columns.items():
+            expr = value if isinstance(value, pc.Expression) else pc.scalar(value)
+            try:
+                kind = P.evaluate(empty, expr).type
+            except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+                raise _expression_error(exc, f"assign({name}=...)", schema) from None
+            outputs[name] = P.computed(name, expr, schema)
+            fields[name] = pa.field(name, kind)
+        step = P.Project(tuple(outputs.values()))
+        return self._then(step, pa.schema(list(fields.values())), changed=columns)
 
     def head(self, n: int = 5) -> DataFrame:
         """The first ``n`` rows of the whole frame, in rank order (collective)."""
@@ -178,10 +278,7 @@ class DataFrame:
             f.name for f in self.schema if pa.types.is_integer(f.type) or pa.types.is_floating(f.type)
         ]
         check_columns(self.schema, cols, op)
-        table = self._table
-        for c in cols:
-            table = table.set_column(table.schema.get_field_index(c), c, fn(table[c], value))
-        return self._keeping(table, changed=cols)
+        return self.assign(**{c: fn(pc.field(c), value) for c in cols})
 
     def add(self, value: Any, columns: str | Sequence[str] | None = None) -> DataFrame:
         return self._arith(pc.add, value, columns, "add")
@@ -195,7 +292,7 @@ class DataFrame:
         return self._arith(pc.multiply, value, columns, "mul")
 
     def truediv(self, value: Any, columns: str | Sequence[str] | None = None) -> DataFrame:
-        return self._arith(lambda a, v: pc.divide(pc.cast(a, pa.float64()), v), value, columns, "truediv")
+        return self._arith(lambda a, v: pc.divide(a.cast(pa.float64()), v), value, columns, "truediv")
 
     __add__ = add
     __sub__ = sub
@@ -209,7 +306,8 @@ class DataFrame:
 
         keys = as_list(on)
         check_columns(self.schema, keys, "shuffle")
-        return self._new(shuffle_table(self.env.comm, self._table, keys), keys)
+        table, op = self._run(f"Shuffle by {keys}", lambda: shuffle_table(self.env.comm, self._table, keys))
+        return self._new(table, keys, op)
 
     def repartition(self) -> DataFrame:
         """Balance rows over the ranks, keeping the global row order (collective)."""
@@ -222,7 +320,8 @@ class DataFrame:
             lo = max(start, int(bounds[dest]))
             hi = min(start + self._table.num_rows, int(bounds[dest + 1]))
             parts.append(self._table.slice(lo - start, max(0, hi - lo)))
-        return self._new(concat(exchange_tables(comm, parts, self.schema), self.schema))
+        P.note(f"Exchange contiguous slices: {P.rows(self._table)}")
+        return self._new(concat(exchange_tables(comm, parts, self.schema), self.schema), None, "Repartition (balanced)")
 
     def merge(
         self,
@@ -239,10 +338,14 @@ class DataFrame:
         a subquery), the left's columns only, null keys matching each other as in every merge."""
         from .join import merge
 
-        table, partitioned_by = merge(
-            self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
+        (table, partitioned_by), op = self._run(
+            f"Merge {how} on {on if on is not None else (left_on, right_on)}",
+            lambda: merge(
+                self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
+            ),
+            right,
         )
-        return self._new(table, partitioned_by)
+        return self._new(table, partitioned_by, op, right)
 
     def groupby(self, by: str | Sequence[str], dropna: bool = True, combine: bool | None = None) -> GroupBy:
         from .groupby import GroupBy
@@ -258,7 +361,11 @@ class DataFrame:
         aggs = parse_spec(spec, named)
         check_columns(self.schema, [a.column for a in aggs if a.column], "agg")
         check_outputs(aggs, [], "agg")
-        return self._new(aggregate_all(self, aggs))
+        table, op = self._run(
+            "Aggregate " + ", ".join(f"{a.out}={a.func}({a.column or ''})" for a in aggs),
+            lambda: aggregate_all(self, aggs),
+        )
+        return self._new(table, None, op)
 
     def sort_values(
         self, by: str | Sequence[str], ascending: bool | Sequence[bool] = True, limit: int | None = None
@@ -273,8 +380,16 @@ class DataFrame:
         if limit is not None:
             if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
                 raise ValueError(f"sort_values: limit must be a count of rows (an int >= 0), got {limit!r}")
-            return self._new(top_k(self, as_list(by), ascending, limit))
-        return self._new(sort_values(self, as_list(by), ascending))
+            table, op = self._run(
+                f"TopK {limit} by {as_list(by)} (rank 0 picks from each rank's best)",
+                lambda: top_k(self, as_list(by), ascending, limit),
+            )
+            return self._new(table, None, op)
+        table, op = self._run(
+            f"Sort by {as_list(by)} (sample sort: Exchange by ranges)",
+            lambda: sort_values(self, as_list(by), ascending),
+        )
+        return self._new(table, None, op)
 
     def nlargest(self, n: int, columns: str | Sequence[str]) -> DataFrame:
         """The ``n`` rows with the largest ``columns`` (pandas' nlargest, keep='first'), on rank 0."""
@@ -291,7 +406,11 @@ class DataFrame:
         cols = as_list(subset) or self.columns
         check_columns(self.schema, cols, "drop_duplicates")
         colocated = self.partitioned_by == tuple(cols)
-        return self._new(drop_duplicates(self.env.comm, self._table, cols, keep, colocated), cols)
+        table, op = self._run(
+            f"Distinct on {cols}" + (" (no exchange: already partitioned by them)" if colocated else ""),
+            lambda: drop_duplicates(self.env.comm, self._table, cols, keep, colocated),
+        )
+        return self._new(table, cols, op)
 
     # ---- windows, time-series joins, reshaping (each in its own module) -----------------
     def window(
@@ -373,21 +492,13 @@ def _to_table(value: Any) -> pa.Table:
     raise TypeError(f"map_partitions: the function must return a table, got {type(value).__name__}")
 
 
+def _is_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str, bytes, pa.Scalar)) or np.isscalar(value)
+
+
 def _expression_error(exc: Exception, op: str, schema: pa.Schema) -> Exception:
     """Arrow's "No match for FieldRef" as a KeyError naming the operator and the columns."""
     msg = str(exc).splitlines()[0]
     if "No match for FieldRef" in msg:
         return KeyError(f"{op}: {msg}; columns are {schema.names}")
     return type(exc)(f"{op}: {msg}")
-
-
-def _evaluate(table: pa.Table, expr: pc.Expression) -> pa.ChunkedArray:
-    import pyarrow.acero as acero  # imported on first use: it pulls in pandas (~0.2 s)
-
-    decl = acero.Declaration.from_sequence(
-        [
-            acero.Declaration("table_source", acero.TableSourceNodeOptions(table)),
-            acero.Declaration("project", acero.ProjectNodeOptions([expr], ["__px_value"])),
-        ]
-    )
-    return decl.to_table(use_threads=False).column(0)

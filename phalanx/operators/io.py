@@ -87,13 +87,40 @@ def read_parquet(path, env: BSPEnv, columns: Sequence[str] | None = None) -> Dat
     by_file: dict[str, list[int]] = {}
     for f, rg in units[start:stop]:
         by_file.setdefault(f, []).append(rg)
-    tables = [_read_row_groups(f, rgs, cols) for f, rgs in by_file.items()]
-    tables = [t.select(schema.names).cast(schema) if not t.schema.equals(schema) else t for t in tables]
-    table = pa.concat_tables(tables) if tables else schema.empty_table()
-    return DataFrame(table, env)
+    # nothing is read yet: the frame's pipeline says which columns and rows it needs
+    return DataFrame.lazy(ParquetScan(path, by_file, schema), env)
 
 
-def _read_row_groups(f: str, row_groups: list[int], columns: list[str] | None) -> pa.Table:
+class ParquetScan:
+    """This rank's row groups of a Parquet read, read when the frame's rows are needed: only
+    the columns the plan uses, and with the filters pushed into it (row groups whose
+    statistics rule a filter out are skipped, the rest filtered as they are decoded)."""
+
+    def __init__(self, path: Any, row_groups: dict[str, list[int]], schema: pa.Schema):
+        self.path, self.row_groups, self.schema = path, row_groups, schema
+
+    def read(self, columns: list[str], filters: Sequence[Any]) -> pa.Table:
+        schema = pa.schema([self.schema.field(c) for c in columns])
+        tables = [_read_row_groups(f, rgs, columns, self.schema, filters) for f, rgs in self.row_groups.items()]
+        tables = [t.select(columns).cast(schema) if not t.schema.equals(schema) else t for t in tables]
+        return pa.concat_tables(tables) if tables else schema.empty_table()
+
+    def describe(self, columns: list[str], filters: Sequence[Any]) -> str:
+        groups = sum(len(v) for v in self.row_groups.values())
+        where = f", filter {' and '.join(str(f) for f in filters)}" if filters else ""
+        return (
+            f"Scan parquet {os.fspath(self.path) if isinstance(self.path, (str, os.PathLike)) else self.path!r}: "
+            f"{groups} row groups of {len(self.row_groups)} files on this rank, columns {columns}{where}"
+        )
+
+
+def _read_row_groups(
+    f: str,
+    row_groups: list[int],
+    columns: list[str] | None,
+    schema: pa.Schema | None = None,
+    filters: Sequence[Any] = (),
+) -> pa.Table:
     """``row_groups`` of the file ``f``; a damaged file's error names it, and the row group
     and column that fail to decode where one does (pyarrow's says only, e.g., "Corrupt snappy
     compressed data")."""
@@ -102,10 +129,24 @@ def _read_row_groups(f: str, row_groups: list[int], columns: list[str] | None) -
     except Exception as exc:
         raise ValueError(f"read_parquet: cannot read {f!r}: {exc}") from None
     try:
-        return pf.read_row_groups(row_groups, columns=columns)
+        if not filters:
+            return pf.read_row_groups(row_groups, columns=columns)
+        import pyarrow.dataset as ds
+        import pyarrow.fs as pafs
+
+        # the file's own types for the filter (a unified int64 column may be int32 here)
+        fragment = ds.ParquetFileFormat().make_fragment(f, pafs.LocalFileSystem(), row_groups=row_groups)
+        return fragment.to_table(schema=pf.schema_arrow, columns=columns, filter=_all_of(filters))
     except Exception as exc:
         where = _failing_column_chunk(pf, row_groups, columns) or f"row groups {row_groups}"
         raise ValueError(f"read_parquet: cannot read {f!r}, {where}: {exc}") from None
+
+
+def _all_of(filters: Sequence[Any]) -> Any:
+    expr = filters[0]
+    for f in filters[1:]:
+        expr = expr & f
+    return expr
 
 
 def _failing_column_chunk(pf: pq.ParquetFile, row_groups: list[int], columns: list[str] | None) -> str | None:

@@ -18,6 +18,7 @@ import pyarrow as pa
 from . import kernels
 from .common import as_list, check_columns
 from .exchange import allgather_tables, concat
+from .plan import note, rows
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -101,6 +102,10 @@ def merge(
     side = None
     if comm.world_size > 1 and not (l_placed and r_placed):
         side = _broadcast_side(comm, lt, rt, how, broadcast)
+    if comm.world_size > 1 and l_placed and r_placed:
+        note(f"no exchange: both sides already partitioned by {lk}")
+    if side is not None:
+        note(f"Exchange broadcast the {side} side (allgather): {rows(rt if side == 'right' else lt)}")
     if side == "right":
         rt = concat(allgather_tables(comm, rt), rt.schema)
         partitioned_by = left.partitioned_by if not overlap & set(left.partitioned_by or ()) else None
@@ -136,6 +141,7 @@ def _semi_join(
     partitioned_by = left.partitioned_by
     if comm.world_size > 1 and not (l_placed and r_placed):
         if _broadcast_side(comm, lt, rt, how, broadcast) == "right":
+            note(f"Exchange broadcast the right side's distinct keys (allgather): {rows(rt)}")
             rt = concat(allgather_tables(comm, rt), rt.schema)
         else:
             lt = lt if l_placed else shuffle_table(comm, lt, lk)

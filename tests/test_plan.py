@@ -1,0 +1,152 @@
+"""The planner of local work (phalanx.operators.plan): lazy steps, projections and filters at
+the scan, one fused pass, ``explain``; results against pandas/DuckDB, plans asserted by their
+structure."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+from reference import assert_same_rows, make_part, whole
+
+import phalanx as px
+
+
+def write_table(path, rows=20_000, group=2_000):
+    t = pa.table(
+        {
+            "k": np.arange(rows) % 97,
+            "v": np.arange(rows, dtype="float64") / 3,
+            "s": [f"name-{i % 13}" for i in range(rows)],
+            "w": np.arange(rows),  # sorted: row-group statistics can rule groups out
+            "wide": [f"padding-{i}" * 4 for i in range(rows)],
+        }
+    )
+    pq.write_table(t, path, row_group_size=group)
+    return t
+
+
+def app_pushdown(env, path):
+    df = px.read_parquet(path, env)
+    q = (
+        df.filter(pc.field("w") >= 15_000)
+        .assign(z=pc.field("v") * 2, tag="x")
+        .rename({"k": "key"})
+        .select(["key", "z", "tag"])
+        .filter(pc.field("z") > 20_000.0)
+    )
+    columns, pushed, steps = q._pipe.optimized()
+    return columns, [str(f) for f in pushed], len(steps), q.explain(file=open("/dev/null", "w")), q.collect(root=0)
+
+
+def test_projections_and_filters_go_into_the_parquet_scan_and_the_answer_is_pandas(gang, tmp_path):
+    t = write_table(tmp_path / "t.parquet")
+    results = gang.run(app_pushdown, str(tmp_path / "t.parquet"))
+    columns, pushed, nsteps, plan, _ = results[0]
+    assert columns == ["k", "v"]  # not s, not wide; w is read only by the pushed filter
+    assert pushed == ["(w >= 15000)"]  # the later filter reads z, computed: it stays
+    assert "Scan parquet" in plan and "filter (w >= 15000)" in plan and "wide" not in plan
+    p = t.to_pandas()
+    p = p[p["w"] >= 15_000].assign(z=lambda d: d["v"] * 2, tag="x").rename(columns={"k": "key"})
+    p = p[p["z"] > 20_000.0][["key", "z", "tag"]]
+    assert_same_rows(results[0][4], pa.Table.from_pandas(p, preserve_index=False))
+
+
+def app_read_columns(env, path, columns):
+    return px.read_parquet(path, env).select(columns).collect(root=0)
+
+
+def test_a_column_the_plan_does_not_use_is_never_read(gang, tmp_path):
+    """Column 'wide' is damaged on disk: a plan without it succeeds, one with it names it."""
+    path = tmp_path / "damaged.parquet"
+    t = write_table(path, rows=10_000, group=5_000)
+    chunk = pq.ParquetFile(path).metadata.row_group(1).column(4)  # 'wide' of row group 1
+    middle = (chunk.dictionary_page_offset or chunk.data_page_offset) + chunk.total_compressed_size // 2
+    data = bytearray(path.read_bytes())
+    data[middle : middle + 64] = bytes(b ^ 0x5A for b in data[middle : middle + 64])
+    path.write_bytes(bytes(data))
+    out = gang.run(app_read_columns, str(path), ["k", "w"])[0]
+    assert out.equals(t.select(["k", "w"]))
+    with pytest.raises(px.RankError, match="row group 1, column 'wide'"):
+        gang.run(app_read_columns, str(path), ["k", "wide"])
+
+
+def app_row_groups(env, path):
+    df = px.read_parquet(path, env).filter(pc.field("w") < 1000)
+    return df.collect(root=0)
+
+
+def test_a_pushed_filter_on_an_int32_file_among_int64_files(gang, tmp_path):
+    """The filter is bound to each file's own types; the result has the unified ones."""
+    for i in range(3):
+        t = pa.table({"w": pa.array(np.arange(i * 800, (i + 1) * 800), pa.int32() if i == 1 else pa.int64())})
+        pq.write_table(t, tmp_path / f"f{i}.parquet", row_group_size=200)
+    out = gang.run(app_row_groups, str(tmp_path / "f*.parquet"))[0]
+    assert out.schema.field("w").type == pa.int64()
+    assert sorted(out["w"].to_pylist()) == list(range(1000))
+
+
+def app_lazy_errors(env):
+    df = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env)
+    said = []
+    for bad in (
+        lambda: df.filter(pc.field("nope") > 1),
+        lambda: df.assign(x=pc.field("s") * 2),
+        lambda: df.select(["v", "nope"]),
+        lambda: df.rename({"nope": "x"}),
+    ):
+        try:
+            bad()
+            said.append(None)
+        except (KeyError, TypeError, pa.ArrowException) as exc:
+            said.append(f"{type(exc).__name__}: {exc}")
+    return said
+
+
+def test_a_bad_column_or_expression_fails_at_the_call_not_later(gang):
+    said = gang.run(app_lazy_errors)[0]
+    assert None not in said, said
+    assert "filter" in said[0] and "nope" in said[0]
+    assert "assign(x=...)" in said[1]
+    assert "nope" in said[2] and "nope" in said[3]
+
+
+def app_chain(env):
+    df = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env)
+    q = (df + 1).filter(pc.field("v") > 3).assign(v2=pc.field("v") * pc.field("w"), c=7).drop(["b"]).truediv(2, "w")
+    before = q._pipe.pending
+    out = q.collect(root=0)
+    return before, q._pipe.pending, out
+
+
+def test_a_chain_of_local_steps_runs_once_when_rows_are_needed_and_matches_pandas(gang):
+    before, after, out = gang.run(app_chain)[0]
+    assert before and not after  # pending until collect, materialized once after
+    p = whole(gang.world_size).to_pandas()
+    num = [c for c in p.columns if p[c].dtype.kind in "if"]
+    p[num] = p[num] + 1
+    p = p[p["v"] > 3].assign(v2=lambda d: d["v"] * d["w"], c=7).drop(columns=["b"])
+    p["w"] = p["w"] / 2
+    assert_same_rows(out, pa.Table.from_pandas(p, preserve_index=False).cast(out.schema))
+
+
+def app_explain_exchanges(env):
+    left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1), env).select(["key", "v"])
+    right = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=2), env).select(["key", "w"])
+    shuffled = left.shuffle("key").merge(right.shuffle("key"), on="key", broadcast=False)
+    plain = left.merge(right, on="key", broadcast=False)
+    return shuffled.explain(file=open("/dev/null", "w")), plain.explain(file=open("/dev/null", "w"))
+
+
+def test_explain_marks_exchanges_and_the_ones_skipped(gang):
+    co, plain = gang.run(app_explain_exchanges)[0]
+    if gang.world_size == 1:
+        assert "Exchange" not in co and "Exchange" not in plain
+        return
+    # co-partitioned inputs: the merge moves nothing (the two shuffles before it did)
+    merge_part = co.split("Merge", 1)[1].split("Shuffle", 1)[0]
+    assert "no exchange: both sides already partitioned by ['key']" in merge_part
+    assert co.count("Exchange hash by ['key']") == 2
+    assert plain.count("Exchange hash by ['key']") == 2 and "no exchange" not in plain

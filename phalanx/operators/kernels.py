@@ -132,6 +132,24 @@ def partition_ids_counts(table: pa.Table, keys: Sequence[str], nparts: int) -> t
     return ids, counts
 
 
+def estimate_distinct(table: pa.Table, keys: Sequence[str], sample_rows: int = 100_000, seed: int = 0) -> float:
+    """The number of distinct ``keys`` in ``table``, estimated from a random sample of rows with
+    Chao's estimator, d + f1²/(2·f2) (d distinct in the sample, f1 of them seen once, f2 twice),
+    capped at the row count.  The share of distinct keys *in a sample* misleads: 100k keys over
+    5M rows show 63% distinct in a 100k-row sample, though pre-aggregating shrinks the rows 50×."""
+    n = table.num_rows
+    if n <= sample_rows:
+        return float(to_polars(table.select(list(keys))).n_unique()) if n else 0.0
+    rows = np.sort(np.random.default_rng(seed).choice(n, size=sample_rows, replace=False))
+    sample = to_polars(table.select(list(keys)).take(pa.array(rows)))
+    counts = sample.group_by(sample.columns).len()["len"]
+    d = counts.len()
+    f1 = int((counts == 1).sum())
+    f2 = int((counts == 2).sum())
+    extra = f1 * f1 / (2 * f2) if f2 else f1 * (f1 - 1) / 2
+    return float(min(n, d + extra))
+
+
 def split_by_ids(table: pa.Table, ids: np.ndarray, nparts: int, counts: np.ndarray | None = None) -> list[pa.Table]:
     """Rows with id i (``ids`` as from ``partition_ids``) into table i, row order kept.
 

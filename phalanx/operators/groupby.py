@@ -1,21 +1,23 @@
 """Distributed ``groupby(...).agg(...)``: partial aggregates, shuffle by key, combine.
 
-Every aggregation is written as partial columns plus a combine step, so the same final step
-serves both plans: pre-aggregating locally (few distinct keys: the shuffle shrinks) and
-shuffling raw rows (mostly unique keys: a local pass would not shrink anything).  ``first``/
-``last`` follow the frame's row order across ranks through a global row id.
+Every decomposable aggregation is written as partial columns plus a combine step, so the same
+final step serves both plans: pre-aggregating locally (few distinct keys: the shuffle shrinks)
+and shuffling raw rows (mostly unique keys: a local pass would not shrink anything).  ``first``/
+``last`` follow the frame's row order across ranks through a global row id.  Holistic ones
+(median, quantile, nunique: ``phalanx.operators.stats``) need a group's every row on one rank:
+with any of them the raw rows are shuffled, once, for every aggregation of the call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
 
-from . import kernels
+from . import kernels, stats
 from .common import ROWID, check_columns, with_rowid
 from .exchange import gather_tables
 from .shuffle import shuffle_table
@@ -23,7 +25,7 @@ from .shuffle import shuffle_table
 if TYPE_CHECKING:
     from .dataframe import DataFrame
 
-FUNCS = ("sum", "count", "mean", "min", "max", "first", "last", "size")
+FUNCS = ("sum", "count", "mean", "min", "max", "first", "last", "size") + stats.FUNCS
 _SAMPLE_ROWS = 100_000
 _UNIQUE_RATIO_FOR_RAW = 0.5  # above this share of distinct keys, pre-aggregation is skipped
 
@@ -33,26 +35,85 @@ class Agg:
     out: str
     column: str | None  # None for size
     func: str
+    other: str | None = None  # corr / cov: the second column
+    q: float | None = None  # quantile (median: 0.5)
+
+    @property
+    def columns(self) -> list[str]:
+        return [c for c in (self.column, self.other) if c is not None]
+
+    def __str__(self) -> str:  # as the user wrote it, for error messages
+        column = (self.column, self.other) if self.other else self.column
+        return f"{self.out}=({column!r}, {self.func!r}{'' if self.func != 'quantile' else f', {self.q!r}'})"
 
 
 def parse_spec(spec: Mapping[str, Any] | None, named: Mapping[str, Any]) -> list[Agg]:
-    """{"v": "sum", "w": ["min", "max"]} and/or out=("v", "sum") → a list of Agg."""
+    """{"v": "sum", "w": ["min", "max"]} and/or out=("v", "sum") → a list of Agg.
+
+    A quantile other than the median is a named 3-tuple, ``p90=("v", "quantile", 0.9)`` (a bare
+    "quantile" is q=0.5, as in pandas); corr and cov name two columns, ``r=(("x", "y"), "corr")``."""
     aggs: list[Agg] = []
     for col, funcs in (spec or {}).items():
+        if not isinstance(col, str):
+            raise TypeError(
+                f"agg: the keys of a dict spec are column names, got {col!r}; "
+                "corr and cov of two columns are named: agg(r=(('x', 'y'), 'corr'))"
+            )
         if isinstance(funcs, str):
-            aggs.append(Agg(col, col, funcs))
+            aggs.append(_agg(col, col, funcs))
         else:
-            aggs.extend(Agg(f"{col}_{f}", col, f) for f in funcs)
-    for out, pair in named.items():
-        if not (isinstance(pair, tuple) and len(pair) == 2):
-            raise TypeError(f"agg: named aggregation {out}= needs a (column, function) tuple, got {pair!r}")
-        aggs.append(Agg(out, pair[0], pair[1]))
+            aggs.extend(_agg(f"{col}_{f}", col, f) for f in funcs)
+    for out, value in named.items():
+        if not (isinstance(value, tuple) and len(value) in (2, 3)):
+            raise TypeError(
+                f"agg: named aggregation {out}= needs a (column, function) tuple "
+                f"(or (column, 'quantile', q)), got {value!r}"
+            )
+        aggs.append(_agg(out, *value))
     if not aggs:
         raise ValueError("agg: no aggregations given")
+    return aggs
+
+
+def _agg(out: str, column: Any, func: Any, *q: Any) -> Agg:
+    shown = (column, func, *q)
+    if func not in FUNCS:
+        raise ValueError(f"agg: unknown function {func!r} for column {column!r}; supported: {', '.join(FUNCS)}")
+    if q and func != "quantile":
+        raise TypeError(f"agg: {out}={shown!r}: only 'quantile' takes a third element (its q)")
+    if func in stats.PAIRS:
+        if not (isinstance(column, tuple) and len(column) == 2 and all(isinstance(c, str) for c in column)):
+            raise TypeError(f"agg: {func} needs two columns, e.g. {out}=(('x', 'y'), {func!r}); got {column!r}")
+        return Agg(out, column[0], func, other=column[1])
+    if isinstance(column, tuple):
+        raise TypeError(f"agg: {out}={shown!r}: only corr and cov take two columns")
+    if func == "size":
+        return Agg(out, None, func)
+    if not isinstance(column, str):
+        raise TypeError(f"agg: {out}={shown!r}: {func} needs a column name")
+    if func in stats.QUANTILES:
+        return Agg(out, column, func, q=_quantile_q(out, shown, q[0] if q else 0.5))
+    return Agg(out, column, func)
+
+
+def _quantile_q(out: str, shown: tuple, q: Any) -> float:
+    if isinstance(q, bool) or not isinstance(q, (int, float, np.integer, np.floating)) or not 0 <= q <= 1:
+        raise ValueError(f"agg: {out}={shown!r}: the quantile q must be a number in [0, 1], got {q!r}")
+    return float(q)
+
+
+def check_aggs(aggs: list[Agg], schema: pa.Schema, keys: Sequence[str], op: str) -> None:
+    """Columns present, of a type the function takes, outputs distinct (the same error on
+    every rank: the schema is agreed), before any communication."""
+    check_columns(schema, [c for a in aggs for c in a.columns], op)
     for a in aggs:
-        if a.func not in FUNCS:
-            raise ValueError(f"agg: unknown function {a.func!r} for column {a.column!r}; supported: {', '.join(FUNCS)}")
-    return [Agg(a.out, None if a.func == "size" else a.column, a.func) for a in aggs]
+        for c in a.columns:
+            t = schema.field(c).type
+            if a.func in stats.NUMERIC and not stats.is_numeric(t):
+                raise TypeError(f"{op}: {a.func} needs a numeric column, but {c!r} of {a} is {t}")
+            if a.func in stats.BOOLEAN and not pa.types.is_boolean(t):
+                raise TypeError(f"{op}: {a.func} needs a boolean column, but {c!r} of {a} is {t}")
+    check_outputs(aggs, keys, op)
 
 
 class GroupBy:
@@ -63,9 +124,20 @@ class GroupBy:
         self.df, self.keys, self.dropna, self.combine = df, keys, dropna, combine
 
     def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> DataFrame:
+        """``agg({"v": ["sum", "std"]}, p90=("v", "quantile", 0.9), r=(("v", "w"), "corr"))``.
+
+        Functions: sum, count, mean, min, max, first, last, size; std and var (ddof=1, as
+        pandas), corr and cov (of the rows where both columns are set), any and all (boolean
+        columns); median, quantile (DuckDB's ``quantile_cont``, pandas' 'linear') and nunique
+        (nulls not counted) are holistic: with any of them raw rows are shuffled by key."""
         aggs = parse_spec(spec, named)
-        check_columns(self.df.schema, [a.column for a in aggs if a.column], "groupby.agg")
-        check_outputs(aggs, self.keys, "groupby.agg")
+        check_aggs(aggs, self.df.schema, self.keys, "groupby.agg")
+        holistic = [str(a) for a in aggs if a.func in stats.HOLISTIC]
+        if self.combine is True and holistic:
+            raise ValueError(
+                f"groupby.agg: combine=True cannot pre-aggregate {', '.join(holistic)}: median, "
+                "quantile and nunique need every row of a group; leave combine unset (or False)"
+            )
         return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine), self.keys)
 
     def _all(self, func: str, numeric_only: bool) -> DataFrame:
@@ -106,9 +178,25 @@ class GroupBy:
     def size(self) -> DataFrame:
         return self.agg(size=(None, "size"))
 
+    def std(self) -> DataFrame:
+        return self._all("std", True)
+
+    def var(self) -> DataFrame:
+        return self._all("var", True)
+
+    def median(self) -> DataFrame:
+        return self._all("median", True)
+
+    def nunique(self) -> DataFrame:
+        return self._all("nunique", False)
+
 
 def _p(a: Agg, part: str) -> str:
     return f"__px_{a.out}__{part}"
+
+
+def _name(a: Agg):
+    return lambda part: kernels.quote_ident(_p(a, part))
 
 
 def _row_partial_sql(a: Agg, src: pa.Schema) -> list[str]:
@@ -116,8 +204,10 @@ def _row_partial_sql(a: Agg, src: pa.Schema) -> list[str]:
     step aggregates when raw rows are shuffled (or aggregated where they are)."""
     q = kernels.quote_ident
     c = q(a.column) if a.column else ""
-    name = lambda part: q(_p(a, part))  # noqa: E731
+    name = _name(a)
     present = f"CAST({c} IS NOT NULL AS BIGINT)"
+    if a.func in stats.FUNCS:
+        return stats.row_partial_sql(a, name)
     if a.func == "size":
         return [f"CAST(1 AS BIGINT) AS {name('n')}"]
     if a.func in ("sum", "mean"):
@@ -131,11 +221,14 @@ def _row_partial_sql(a: Agg, src: pa.Schema) -> list[str]:
     return [f"{c} AS {name('v')}", f"CASE WHEN {c} IS NOT NULL THEN {q(ROWID)} END AS {name('rid')}"]
 
 
-def _final_sql(a: Agg, src: pa.Schema) -> str:
-    """The combine step of one aggregation as DuckDB SQL over the partial columns."""
+def _final_sql(a: Agg, src: pa.Schema, raw: bool) -> str:
+    """The combine step of one aggregation as DuckDB SQL over the partial columns: the per-row
+    ones (``raw``: ``_row_partial_sql``) or the per-group ones (``_partial_sql``)."""
     q = kernels.quote_ident
-    col = lambda part: q(_p(a, part))  # noqa: E731
-    if a.func in ("size", "count"):
+    col = _name(a)
+    if a.func in stats.FUNCS:
+        expr = stats.raw_sql(a, col) if raw else stats.combine_sql(a, col)
+    elif a.func in ("size", "count"):
         expr = f"CAST(COALESCE(SUM({col('n')}), 0) AS BIGINT)"
     elif a.func == "sum":
         t = src.field(a.column).type
@@ -153,10 +246,19 @@ def _final_sql(a: Agg, src: pa.Schema) -> str:
     return f"{expr} AS {q(a.out)}"
 
 
+def _combine_source(aggs: list[Agg], keys: Sequence[str], table: str) -> str:
+    """The partial rows to combine, with the group means Chan's formula centres on (var, std,
+    cov, corr: a window over each group's partials) when any aggregation needs them."""
+    over = f"(PARTITION BY {', '.join(kernels.quote_ident(k) for k in keys)})" if keys else "()"
+    means = [w for a in aggs for w in stats.window_sql(a, _name(a), over)]
+    return f"(SELECT *, {', '.join(means)} FROM {table})" if means else table
+
+
 def _output_schema(keys: list[str], aggs: list[Agg], src: pa.Schema) -> pa.Schema:
     """Keys and min/max/first/last keep their column's type (DuckDB returns its own)."""
     fields = [src.field(k) for k in keys]
     fields += [pa.field(a.out, src.field(a.column).type) for a in aggs if a.func in ("min", "max", "first", "last")]
+    fields += [pa.field(a.out, stats.output_type(a)) for a in aggs if a.func in stats.FUNCS]
     return pa.schema(fields)
 
 
@@ -175,23 +277,39 @@ def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
 
     Each rank reduces its partition to one row of partials; rank 0 receives the P rows and
     combines them with the same final step a group-by uses (so sum of nothing is 0, min of
-    nothing is null, as pandas and SQL give)."""
+    nothing is null, as pandas and SQL give).  nunique's partial is the count of the distinct
+    values hashed to the rank (``stats.distinct_counts``: one exchange of distinct values),
+    summed; median and quantile come from a radix selection (``stats.global_quantiles``)."""
     comm = df.env.comm
     table = df.to_arrow()
-    needed = list(dict.fromkeys(a.column for a in aggs if a.column)) or table.column_names[:1]
+    check_aggs(aggs, table.schema, [], "agg")
+    needed = list(dict.fromkeys(c for a in aggs for c in a.columns)) or table.column_names[:1]
     if not needed:
         raise ValueError("agg: the frame has no columns")
     table = table.select(needed)
     if any(a.func in ("first", "last") for a in aggs):
         table = with_rowid(table, comm.rank)
-    partial = kernels.run_sql(
-        f"SELECT {', '.join(e for a in aggs for e in _partial_sql(a, table.schema))} FROM __px_t", __px_t=table
-    )
+    quantiles = [a for a in aggs if a.func in stats.QUANTILES]
+    uniques = [a for a in aggs if a.func == "nunique"]
+    plain = [a for a in aggs if a.func not in stats.HOLISTIC]
+    exprs = [e for a in plain for e in _partial_sql(a, table.schema)] + ['COUNT(*) AS "__px_rows"']
+    partial = kernels.run_sql(f"SELECT {', '.join(exprs)} FROM __px_t", __px_t=table)
+    if uniques:
+        counts = stats.distinct_counts(comm, table, list(dict.fromkeys(a.column or "" for a in uniques)))
+        by_column = dict(zip(dict.fromkeys(a.column for a in uniques), counts))
+        for a in uniques:
+            partial = partial.append_column(_p(a, "n"), pa.array([by_column[a.column]], pa.int64()))
+    values = stats.global_quantiles(comm, table, quantiles) if quantiles else []
     partials = gather_tables(comm, partial, root=0)
-    query = f"SELECT {', '.join(_final_sql(a, table.schema) for a in aggs)} FROM __px_partial"
+    # nunique's partials are counts of disjoint sets of values: summed as count's are
+    combined = [replace(a, func="count") if a.func == "nunique" else a for a in aggs if a not in quantiles]
+    finals = [_final_sql(a, table.schema, raw=False) for a in combined] + ['COUNT(*) AS "__px_rows"']
+    query = f"SELECT {', '.join(finals)} FROM {_combine_source(combined, [], '__px_partial')}"
     # rank > 0: the same query over no rows, for the result's types
     final = kernels.run_sql(query, __px_partial=partial.slice(0, 0) if partials is None else partials)
-    final = kernels.restore_types(final, _output_schema([], aggs, table.schema))
+    for a, value in zip(quantiles, values):
+        final = final.append_column(a.out, pa.array([value], pa.float64()))
+    final = kernels.restore_types(final.select([a.out for a in aggs]), _output_schema([], aggs, table.schema))
     return final if comm.rank == 0 else final.slice(0, 0)
 
 
@@ -200,8 +318,7 @@ def _use_combine(comm, table: pa.Table, keys: Sequence[str]) -> bool:
     rank votes from its own sample and all follow the majority: the partials' shape must be
     the same on every rank."""
     n = table.num_rows
-    sample = table.slice(0, _SAMPLE_ROWS).select(list(keys)) if n else None
-    local = sample is None or kernels.to_polars(sample).n_unique() / sample.num_rows < _UNIQUE_RATIO_FOR_RAW
+    local = not n or kernels.estimate_distinct(table, keys, _SAMPLE_ROWS) / n < _UNIQUE_RATIO_FOR_RAW
     votes = comm.allreduce(np.array([int(local)], dtype=np.int64))
     return 2 * int(votes[0]) >= comm.world_size
 
@@ -211,7 +328,9 @@ def _partial_sql(a: Agg, src: pa.Schema) -> list[str]:
     place; polars would first convert strings: TPC-H Q1's partial 0.22 s → see docs/performance.md)."""
     q = kernels.quote_ident
     c = q(a.column) if a.column else ""
-    name = lambda part: q(_p(a, part))  # noqa: E731
+    name = _name(a)
+    if a.func in stats.FUNCS:
+        return stats.partial_sql(a, name)
     if a.func == "size":
         return [f"COUNT(*) AS {name('n')}"]
     if a.func in ("sum", "mean"):
@@ -231,7 +350,7 @@ def _partial_sql(a: Agg, src: pa.Schema) -> list[str]:
 def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, combine: bool | None) -> pa.Table:
     comm = df.env.comm
     table = df.to_arrow()
-    needed = list(dict.fromkeys(keys + [a.column for a in aggs if a.column]))
+    needed = list(dict.fromkeys(keys + [c for a in aggs for c in a.columns]))
     table = table.select(needed)
     if any(a.func in ("first", "last") for a in aggs):
         table = with_rowid(table, comm.rank)
@@ -241,19 +360,23 @@ def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, com
         f"SELECT {keys_sql}, {', '.join(e for a in aggs for e in _row_partial_sql(a, table.schema))} "
         f"FROM __px_t{where}"
     )  # pandas drops groups whose key is null unless dropna=False
-    finals = ", ".join(_final_sql(a, table.schema) for a in aggs)
+    schema = _output_schema(keys, aggs, table.schema)
+    raw_finals = ", ".join(_final_sql(a, table.schema, raw=True) for a in aggs)
     # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
     # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
     if comm.world_size == 1 or df.partitioned_by == tuple(keys):
-        final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
-        return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))
-    if combine is None:
-        combine = _use_combine(comm, table, keys)
+        final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
+        return kernels.restore_types(final, schema)
+    if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows
+        combine = not any(a.func in stats.HOLISTIC for a in aggs) and _use_combine(comm, table, keys)
     if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
         parts = ", ".join(e for a in aggs for e in _partial_sql(a, table.schema))
         partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}", __px_t=table)
-    else:  # mostly distinct keys: a local pass would not shrink anything
+        finals = ", ".join(_final_sql(a, table.schema, raw=False) for a in aggs)
+        source = _combine_source(aggs, keys, "__px_partial")
+    else:  # mostly distinct keys, or a holistic aggregation: a local pass would not help
         partial = kernels.run_sql(rows, __px_t=table)
+        finals, source = raw_finals, "__px_partial"
     partial = shuffle_table(comm, kernels.restore_types(partial, table.schema), keys)  # keys' types as given
-    final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM __px_partial GROUP BY {keys_sql}", __px_partial=partial)
-    return kernels.restore_types(final, _output_schema(keys, aggs, table.schema))
+    final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM {source} GROUP BY {keys_sql}", __px_partial=partial)
+    return kernels.restore_types(final, schema)

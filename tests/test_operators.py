@@ -699,7 +699,7 @@ def app_agg_errors(env):
     errors = []
     for call in (
         lambda: df.agg({"nope": "sum"}),
-        lambda: df.agg({"v": "median"}),
+        lambda: df.agg({"v": "mode"}),
         lambda: df.agg(),
         lambda: df.agg({"v": "sum"}, v=("w", "max")),
     ):
@@ -713,7 +713,7 @@ def app_agg_errors(env):
 def test_a_global_aggregate_names_a_bad_column_function_or_clash(gang):
     errors = gang.run(app_agg_errors)[0]
     assert len(errors) == 4, errors
-    assert "nope" in errors[0] and "median" in errors[1] and "no aggregations" in errors[2] and "clash" in errors[3]
+    assert "nope" in errors[0] and "mode" in errors[1] and "no aggregations" in errors[2] and "clash" in errors[3]
 
 
 def app_semi(env, how, on, broadcast):

@@ -171,3 +171,64 @@ def test_the_distinct_key_estimate_is_close_where_a_samples_share_misleads(group
     estimate = estimate_distinct(table, ["s", "i"])
     assert abs(estimate - true) <= 0.15 * true
     assert (estimate / rows < 0.5) == (true / rows < 0.5)
+
+
+# ---- exchanges the plan proves unnecessary ------------------------------------------------------
+def app_merge_on_more_keys_than_partitioned(env, how):
+    left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1, hot=0.02), env)
+    right = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, rows=1500, seed=2, hot=0.02), env)
+    left = left.select(["key", "s", "v"]).shuffle("key")
+    right = right.select(["key", "s", "w"]).shuffle("key")
+    out = left.merge(right, on=["key", "s"], how=how, broadcast=False)
+    return out.explain(file=open("/dev/null", "w")), out.partitioned_by, out.collect(root=0)
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "semi"])
+def test_a_merge_on_keys_both_sides_are_partitioned_by_part_of_moves_nothing(gang, how):
+    """Both sides hash-partitioned by key, joined on (key, s): matching rows share key, so a
+    rank; the merge moves no row, and the answer is DuckDB's (null keys matching)."""
+    import duckdb
+
+    plan, placed, out = gang.run(app_merge_on_more_keys_than_partitioned, how)[0]
+    n = gang.world_size
+    if n > 1:
+        merge_part = plan.split("Merge", 1)[1].split("Shuffle", 1)[0]
+        assert "no exchange" in merge_part and "Exchange" not in merge_part, plan
+        assert placed == ("key",)
+    L = whole(n, seed=1, hot=0.02).select(["key", "s", "v"])
+    R = whole(n, rows=1500, seed=2, hot=0.02).select(["key", "s", "w"])
+    on = "l.key IS NOT DISTINCT FROM r.key AND l.s IS NOT DISTINCT FROM r.s"
+    query = {
+        "inner": f"SELECT l.key, l.s, l.v, r.w FROM L l JOIN R r ON {on}",
+        "left": f"SELECT l.key, l.s, l.v, r.w FROM L l LEFT JOIN R r ON {on}",
+        "semi": f"SELECT l.key, l.s, l.v FROM L l WHERE EXISTS (SELECT 1 FROM R r WHERE {on})",
+    }[how]
+    con = duckdb.connect()
+    con.register("L", L)
+    con.register("R", R)
+    assert_same_rows(out, con.sql(query).to_arrow_table())
+
+
+def app_groupby_on_more_keys_than_partitioned(env):
+    df = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env).shuffle("key")
+    out = df.groupby(["key", "s"]).agg(v=("v", "sum"), n=("w", "count"), m=("v", "median"))
+    distinct = df.drop_duplicates(["key", "s"])
+    return out.explain(file=open("/dev/null", "w")), out.partitioned_by, out.collect(root=0), distinct.num_rows
+
+
+def test_a_groupby_on_keys_the_frame_is_partitioned_by_part_of_moves_nothing(gang):
+    import duckdb
+
+    plan, placed, out, ndistinct = gang.run(app_groupby_on_more_keys_than_partitioned)[0]
+    if gang.world_size > 1:
+        group_part = plan.split("GroupBy", 1)[1].split("Shuffle", 1)[0]
+        assert "no exchange" in group_part and "Exchange" not in group_part, plan
+        assert placed == ("key",)
+    con = duckdb.connect()
+    con.register("t", whole(gang.world_size))
+    expected = con.sql(
+        "SELECT key, s, coalesce(sum(v), 0) AS v, count(w) AS n, median(v) AS m FROM t "
+        "WHERE key IS NOT NULL AND s IS NOT NULL GROUP BY key, s"
+    ).to_arrow_table()
+    assert_same_rows(out, expected.cast(out.schema))
+    assert ndistinct == con.sql("SELECT count(*) FROM (SELECT DISTINCT key, s FROM t)").fetchall()[0][0]

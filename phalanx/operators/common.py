@@ -29,6 +29,12 @@ def check_columns(schema: pa.Schema, cols: Sequence[str], op: str) -> None:
         raise KeyError(f"{op}: unknown column(s) {', '.join(map(repr, missing))}; columns are {schema.names}")
 
 
+def colocated(partitioned_by: Sequence[str] | None, keys: Sequence[str]) -> bool:
+    """Rows with equal ``keys`` are already on one rank: the frame is hash-partitioned by the
+    keys or by some of them (equal keys → equal values of that subset → one rank)."""
+    return bool(partitioned_by) and set(partitioned_by or ()) <= set(keys)
+
+
 def agree_schema(comm: Communicator, table: pa.Table, what: str) -> pa.Table:
     """Make every rank's partition share one schema (promoting types, filling null columns).
 

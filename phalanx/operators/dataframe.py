@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from . import common as C
 from . import plan as P
 from .common import agree_schema, as_list, balanced_bounds, check_columns
 from .exchange import allgather_tables, concat, exchange_tables, gather_tables
@@ -362,7 +363,7 @@ class DataFrame:
         check_columns(self.schema, [a.column for a in aggs if a.column], "agg")
         check_outputs(aggs, [], "agg")
         table, op = self._run(
-            "Aggregate " + ", ".join(f"{a.out}={a.func}({a.column or ''})" for a in aggs),
+            "Aggregate " + ", ".join(str(a) for a in aggs),
             lambda: aggregate_all(self, aggs),
         )
         return self._new(table, None, op)
@@ -405,12 +406,12 @@ class DataFrame:
 
         cols = as_list(subset) or self.columns
         check_columns(self.schema, cols, "drop_duplicates")
-        colocated = self.partitioned_by == tuple(cols)
+        colocated = C.colocated(self.partitioned_by, cols)
         table, op = self._run(
             f"Distinct on {cols}" + (" (no exchange: already partitioned by them)" if colocated else ""),
             lambda: drop_duplicates(self.env.comm, self._table, cols, keep, colocated),
         )
-        return self._new(table, cols, op)
+        return self._new(table, self.partitioned_by if colocated else cols, op)
 
     # ---- windows, time-series joins, reshaping (each in its own module) -----------------
     def window(
@@ -435,12 +436,16 @@ class DataFrame:
         tolerance: Any = None,
         direction: str = "backward",
         suffixes: tuple[str, str] = ("_x", "_y"),
+        broadcast: bool | None = None,
     ) -> DataFrame:
         """pandas' ``merge_asof`` (collective): each left row joined with the right row of the
-        same ``by`` keys whose ``on`` is the nearest earlier (or equal); see ``phalanx.operators.asof``."""
+        same ``by`` keys whose ``on`` is the nearest earlier (or equal); see ``phalanx.operators.asof``.
+        ``broadcast``: replicate the right side (True), never (False), or when it is small (None)."""
         from .asof import merge_asof
 
-        return merge_asof(self, right, on=on, by=by, tolerance=tolerance, direction=direction, suffixes=suffixes)
+        return merge_asof(
+            self, right, on=on, by=by, tolerance=tolerance, direction=direction, suffixes=suffixes, broadcast=broadcast
+        )
 
     def value_counts(
         self,

@@ -18,8 +18,9 @@ import numpy as np
 import pyarrow as pa
 
 from . import kernels, stats
-from .common import ROWID, check_columns, with_rowid
+from .common import ROWID, check_columns, colocated, with_rowid
 from .exchange import gather_tables
+from .plan import note
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -138,7 +139,14 @@ class GroupBy:
                 f"groupby.agg: combine=True cannot pre-aggregate {', '.join(holistic)}: median, "
                 "quantile and nunique need every row of a group; leave combine unset (or False)"
             )
-        return self.df._new(aggregate(self.df, self.keys, aggs, self.dropna, self.combine), self.keys)
+        df = self.df
+        placed = colocated(df.partitioned_by, self.keys)
+        label = f"GroupBy {self.keys}: " + ", ".join(str(a) for a in aggs)
+        if placed and df.env.comm.world_size > 1:
+            label += f"\nno exchange: already partitioned by {list(df.partitioned_by or ())}"
+        table, op = df._run(label, lambda: aggregate(df, self.keys, aggs, self.dropna, self.combine))
+        # rows already placed by a subset of the keys stay placed by that subset
+        return df._new(table, df.partitioned_by if placed else self.keys, op)
 
     def _all(self, func: str, numeric_only: bool) -> DataFrame:
         cols = [
@@ -364,11 +372,12 @@ def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, com
     raw_finals = ", ".join(_final_sql(a, table.schema, raw=True) for a in aggs)
     # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
     # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
-    if comm.world_size == 1 or df.partitioned_by == tuple(keys):
+    if comm.world_size == 1 or colocated(df.partitioned_by, keys):
         final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
         return kernels.restore_types(final, schema)
     if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows
         combine = not any(a.func in stats.HOLISTIC for a in aggs) and _use_combine(comm, table, keys)
+    note("pre-aggregated before the exchange" if combine else "raw rows exchanged (no pre-aggregation)")
     if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
         parts = ", ".join(e for a in aggs for e in _partial_sql(a, table.schema))
         partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}", __px_t=table)

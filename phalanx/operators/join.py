@@ -82,9 +82,16 @@ def merge(
     types = [_key_type(left.schema.field(a).type, right.schema.field(b).type, a) for a, b in zip(lk, rk)]
     lt = _cast_keys(left.to_arrow(), lk, types)
     rt = _cast_keys(right.to_arrow(), rk, types)
-    # A side already hash-partitioned by exactly its join keys, uncast, need not move.
+    # A side already hash-partitioned by its join keys, uncast, need not move; nor two sides
+    # partitioned by the same positions of their keys (left by (a), right by (a'), joined on
+    # (a, b) = (a', b'): matching rows share a and a', so a rank).
     l_placed = left.partitioned_by == tuple(lk) and lt.schema.equals(left.schema)
     r_placed = right.partitioned_by == tuple(rk) and rt.schema.equals(right.schema)
+    sub = _common_subset(left.partitioned_by, right.partitioned_by, lk, rk)
+    if sub and not (l_placed and r_placed) and lt.schema.equals(left.schema) and rt.schema.equals(right.schema):
+        l_placed = r_placed = True
+    if left.env.comm.world_size > 1 and l_placed and r_placed:
+        note(f"no exchange: both sides already partitioned by {list(left.partitioned_by or ())}")
     if how in ("semi", "anti"):
         return _semi_join(left, lt, rt, lk, rk, how, l_placed, r_placed, broadcast)
 
@@ -102,8 +109,6 @@ def merge(
     side = None
     if comm.world_size > 1 and not (l_placed and r_placed):
         side = _broadcast_side(comm, lt, rt, how, broadcast)
-    if comm.world_size > 1 and l_placed and r_placed:
-        note(f"no exchange: both sides already partitioned by {lk}")
     if side is not None:
         note(f"Exchange broadcast the {side} side (allgather): {rows(rt if side == 'right' else lt)}")
     if side == "right":
@@ -115,10 +120,25 @@ def merge(
     else:
         lt = lt if l_placed else shuffle_table(comm, lt, lk)
         rt = rt if r_placed else shuffle_table(comm, rt, rk)
+        placed_by = [lk[i] for i in sub] if sub and l_placed and r_placed and left.partitioned_by != tuple(lk) else lk
         # Unmatched right rows have null left keys: only coalesced keys stay partitioned.
-        if how in ("inner", "left") or set(lk) <= shared:
-            partitioned_by = tuple(lk)
+        if how in ("inner", "left") or set(placed_by) <= shared:
+            partitioned_by = tuple(placed_by)
     return kernels.join(lt, rt, lk, rk, how), partitioned_by
+
+
+def _common_subset(
+    lp: Sequence[str] | None, rp: Sequence[str] | None, lk: Sequence[str], rk: Sequence[str]
+) -> list[int] | None:
+    """The positions i of the join keys such that the left is partitioned by (lk[i]...) and the
+    right by (rk[i]...) in the same order; None when there are none."""
+    if not lp or not rp or len(lp) != len(rp):
+        return None
+    try:
+        pos = [list(lk).index(c) for c in lp]
+    except ValueError:
+        return None
+    return pos if [rk[i] for i in pos] == list(rp) else None
 
 
 def _semi_join(

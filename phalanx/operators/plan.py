@@ -149,13 +149,17 @@ _notes: ContextVar[list[str] | None] = ContextVar("phalanx_plan_notes", default=
 
 @contextmanager
 def recording() -> Iterator[list[str]]:
-    """Collect the ``note``s of the operator run inside (its exchanges and choices)."""
+    """Collect the ``note``s of the operator run inside (its exchanges and choices); an
+    enclosing recording gets them too (an operator built of others did their exchanges)."""
+    outer = _notes.get()
     notes: list[str] = []
     token = _notes.set(notes)
     try:
         yield notes
     finally:
         _notes.reset(token)
+        if outer is not None:
+            outer.extend(notes)
 
 
 def note(text: str) -> None:

@@ -115,7 +115,8 @@ class DataFrame:
         self, table: pa.Table, partitioned_by: Sequence[str] | None = None, op: str | None = None, *inputs: DataFrame
     ) -> DataFrame:
         """A frame of rows a distributed operator ``op`` made from this frame (and ``inputs``)."""
-        origin = P.Origin(op.split("\n"), [f._node() for f in (self, *inputs)]) if op else None
+        label, *notes = op.split("\n") if op else [""]
+        origin = P.Origin([label], [f._node() for f in (self, *inputs)], notes) if op else None
         return DataFrame(table, self.env, partitioned_by, origin)
 
     def _run(self, op: str, fn: Callable[[], Any], *inputs: DataFrame) -> tuple[Any, str]:

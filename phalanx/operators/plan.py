@@ -77,14 +77,16 @@ Step = Filter | Project
 class Origin:
     """A node of ``explain``'s tree: what an operator did (lines, output first) over its inputs."""
 
-    lines: list[str]
+    lines: list[str]  # a chain: each line's input is the next line
     inputs: list[Origin]
+    notes: list[str] = field(default_factory=list)  # what the last line's operator did, in order
 
     def render(self, depth: int = 0) -> list[str]:
         out = []
         for line in self.lines:
             out.append("  " * depth + line)
             depth += 1
+        out += ["  " * depth + "· " + n for n in self.notes]
         for child in self.inputs:
             out += child.render(depth)
         return out

@@ -199,6 +199,6 @@ def pivot(
         out = kernels.run_sql(query, __px_t=table.append_column(_CODE, code))
         return kernels.restore_types(out.rename_columns(like.names), like)
 
-    result = by_index.map_partitions(spread)
-    result.partitioned_by = by_index.partitioned_by
-    return result
+    what = f"Pivot {columns!r} ({len(distinct)} distinct values) x {vals} into columns, by {keys} (no exchange)"
+    table, op = by_index._run(what, lambda: spread(by_index.to_arrow()))
+    return by_index._new(table, by_index.partitioned_by, op)

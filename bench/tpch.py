@@ -1,34 +1,45 @@
 #!/usr/bin/env python
-"""TPC-H Q1, Q3, Q5, Q6, Q10, Q18: phalanx's distributed DataFrame against DuckDB, Polars,
-Spark and Dask on the same generated data; every answer checked against DuckDB's.
+"""TPC-H, all 22 queries: phalanx's distributed DataFrame against DuckDB, Polars, Spark and
+Dask on the same generated data; every answer checked against DuckDB's.
 
     .venv/bin/python bench/tpch.py                       # SF 1, phalanx 1 and 2 ranks, all peers
     .venv/bin/python bench/tpch.py --quick               # SF 0.1, 1 rep, duckdb + polars
     .venv/bin/python bench/tpch.py --sf 1,3 --peers duckdb,polars,spark,dask --reps 3
+    .venv/bin/python bench/tpch.py --sf 1 --ranks 2 --reps 3 --peers duckdb   # the table + geomean
+    .venv/bin/python bench/tpch.py --check               # answers only: SF 0.05, 1 and 2 ranks
+    .venv/bin/python bench/tpch.py --queries q2,q21 --check --ranks 3
+
+The queries (SQL and phalanx plans) are in bench/tpch_queries.py; ``--check`` runs each once
+per rank count and compares with DuckDB in this process (exit 1 on a difference); the full run
+prints one table per query, a summary table with the ratio phalanx ÷ peer per query and its
+geometric mean, and writes bench/out/tpch-<stamp>.json.
 
 Data.  DuckDB's ``tpch`` extension (``CALL dbgen``) cannot be installed offline here (DuckDB
 2.0 downloads it; the duckdb pip wheel does not bundle it, and the ``duckdb-extension-tpch``
 wheels on PyPI are built for DuckDB 1.4/1.5), so ``gen_tables`` is a small vectorised
-generator that follows the TPC-H specification (clause 4.2.3) for the six tables these queries
-read: cardinalities (SF×150k customers, SF×1.5M orders with sparse keys, 1–7 lines per order,
-SF×10k suppliers, the 25 nations and 5 regions), key relations (o_custkey never ≡ 0 mod 3,
-l_suppkey from the part's four suppliers), value distributions (dates, quantity, discount, tax,
-extended price from the part's retail-price formula, return flag and line status from the
-dates, order status and total price from its lines), segments, priorities and ship modes.
-Text columns (comments, addresses) are drawn from a pool of random words; no query filters on
-them.  Decimal columns are float64.  Files: bench/out/tpch-sf<SF>/<table>.parquet (generated
-once, reused).
+generator that follows the TPC-H specification (clause 4.2.3) for the eight tables:
+cardinalities (SF×150k customers, SF×1.5M orders with sparse keys, 1–7 lines per order,
+SF×10k suppliers, SF×200k parts with 4 suppliers each, the 25 nations and 5 regions), key
+relations (o_custkey never ≡ 0 mod 3, l_suppkey from the part's four suppliers = partsupp's),
+value distributions (dates, quantity, discount, tax, extended price from the part's
+retail-price formula, return flag and line status from the dates, order status and total price
+from its lines), segments, priorities, ship modes and instructions, part names (5 of the 92
+colours), brands, types, sizes and containers, and 5 in 10,000 supplier comments with
+"Customer ... Complaints".  Other text columns (comments, addresses) are drawn from a pool of
+random words (Q13's '%special%requests%' matches some).  Decimal columns are float64.  Files:
+bench/out/tpch-sf<SF>/<table>.parquet (generated once, reused; SF 1: 10-20 s).
 
 Engines, each given R cores:
     phalanx   a gang of R ranks, one kernel thread per rank; tables read with px.read_parquet
               (row groups split over the ranks) before timing; queries use only the DataFrame
-              API (filter/assign with Arrow expressions, merge incl. multi-key and semi,
-              groupby.agg, agg, sort_values incl. limit (top-k), nlargest, collect)
-    duckdb    SET threads = R; tables loaded into DuckDB before timing; the SQL below
+              API (filter/assign with Arrow expressions, merge incl. multi-key, left, semi and
+              anti, groupby.agg, agg, drop_duplicates, sort_values incl. limit (top-k),
+              nlargest, collect); scalar subqueries are a one-row agg collected to a literal
+    duckdb    SET threads = R; tables loaded into DuckDB before timing; the SQL
     polars    POLARS_MAX_THREADS = R; DataFrames in memory; the same SQL through pl.SQLContext
     spark     local[R], 4g driver heap, shuffle partitions = R; cached temp views; the same SQL
     dask      LocalCluster of R single-threaded worker processes; persisted frames; pandas-style
-              code per query
+              code for Q1, Q3, Q5, Q6, Q10, Q18 (the others are reported as not run)
 Timing: a query from the in-memory tables to its (small) result on the driver or rank 0; min
 over repetitions.  Peak RSS: as in bench/operators.py (VmHWM reset per repetition; largest
 process or rank, and the sum over the engine's processes).
@@ -49,14 +60,15 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if str(HERE) not in sys.path:  # at the end: bench/ holds airflow.py, parsl.py... (shadowing them)
+    sys.path.append(str(HERE))
 import _peers  # noqa: E402
+from tpch_queries import QUERIES, SQL  # noqa: E402
 
-QUERIES = ("q1", "q3", "q5", "q6", "q10", "q18")
 PEERS = ("duckdb", "polars", "spark", "dask")
-TABLES = ("lineitem", "orders", "customer", "supplier", "nation", "region")
+TABLES = ("lineitem", "orders", "customer", "supplier", "nation", "region", "part", "partsupp")
 RESULT_TAG = "@@RESULT@@ "
-GEN_VERSION = "1"
+GEN_VERSION = "2"
 
 # ---- data -----------------------------------------------------------------------------------
 NATIONS = [
@@ -96,6 +108,21 @@ WORDS = (
     "bold even silent unusual idle busy ruthless packages requests accounts deposits foxes "
     "theodolites instructions pinto beans dependencies asymptotes courts dolphins"
 ).split()
+COLORS = (
+    "almond antique aquamarine azure beige bisque black blanched blue blush brown burlywood burnished "
+    "chartreuse chiffon chocolate coral cornflower cornsilk cream cyan dark deep dim dodger drab firebrick "
+    "floral forest frosted gainsboro ghost goldenrod green grey honeydew hot indian ivory khaki lace "
+    "lavender lawn lemon light lime linen magenta maroon medium metallic midnight mint misty moccasin "
+    "navajo navy olive orange orchid pale papaya peach peru pink plum powder puff purple red rose rosy "
+    "royal saddle salmon sandy seashell sienna sky slate smoke snow spring steel tan thistle tomato "
+    "turquoise violet wheat white yellow"
+).split()
+TYPE_WORDS = (
+    ["STANDARD", "SMALL", "MEDIUM", "LARGE", "ECONOMY", "PROMO"],
+    ["ANODIZED", "BURNISHED", "PLATED", "POLISHED", "BRUSHED"],
+    ["TIN", "NICKEL", "BRASS", "STEEL", "COPPER"],
+)
+CONTAINERS = (["SM", "LG", "MED", "JUMBO", "WRAP"], ["CASE", "BOX", "BAG", "JAR", "PKG", "PACK", "CAN", "DRUM"])
 START, CURRENT, END = np.datetime64("1992-01-01"), np.datetime64("1995-06-17"), np.datetime64("1998-12-31")
 
 
@@ -116,6 +143,64 @@ def _phone(rng, nationkey):
         f"{nk + 10}-{x // 10_000_000 % 900 + 100}-{x // 10_000 % 900 + 100}-{x % 10_000:04d}"
         for nk, x in zip(nationkey.tolist(), r.tolist())
     ]
+
+
+def _combos(rng, n: int, *word_lists) -> pa.Array:
+    """n strings, each one word from every list joined by spaces (p_type, p_container)."""
+    import itertools
+
+    import pyarrow as pa
+
+    combos = [" ".join(ws) for ws in itertools.product(*word_lists)]
+    return pa.array(combos).take(pa.array(rng.integers(0, len(combos), n)))
+
+
+def gen_part(rng, P: int, S: int, text) -> dict:
+    """part and partsupp (clause 4.2.3): p_name five distinct colours, brand from the
+    manufacturer, type and container from the syllable lists, four suppliers per part at the
+    keys lineitem's l_suppkey uses."""
+    import pyarrow as pa
+
+    pk = np.arange(1, P + 1, dtype=np.int64)
+    names = np.argsort(rng.random((P, len(COLORS))), axis=1)[:, :5]  # 5 distinct colours
+    colors = np.array(COLORS, dtype=object)
+    mfgr = rng.integers(1, 6, P)
+    brand = mfgr * 10 + rng.integers(1, 6, P)
+    part = pa.table(
+        {
+            "p_partkey": pk,
+            "p_name": [" ".join(row) for row in colors[names].tolist()],
+            "p_mfgr": [f"Manufacturer#{m}" for m in mfgr.tolist()],
+            "p_brand": [f"Brand#{b}" for b in brand.tolist()],
+            "p_type": _combos(rng, P, *TYPE_WORDS),
+            "p_size": rng.integers(1, 51, P),
+            "p_container": _combos(rng, P, *CONTAINERS),
+            "p_retailprice": (90000 + ((pk // 10) % 20001) + 100 * (pk % 1000)) / 100.0,
+            "p_comment": text(P),
+        }
+    )
+    ps_pk = np.repeat(pk, 4)
+    i = np.tile(np.arange(4, dtype=np.int64), P)
+    partsupp = pa.table(
+        {
+            "ps_partkey": ps_pk,
+            "ps_suppkey": (ps_pk + i * (S // 4 + (ps_pk - 1) // S)) % S + 1,
+            "ps_availqty": rng.integers(1, 10_000, 4 * P),
+            "ps_supplycost": np.round(rng.uniform(1.0, 1000.0, 4 * P), 2),
+            "ps_comment": text(4 * P),
+        }
+    )
+    return {"part": part, "partsupp": partsupp}
+
+
+def _complaints(rng, comments: pa.Array) -> pa.Array:
+    """s_comment: 5 in 10,000 suppliers (at least one) carry 'Customer ... Complaints' (Q16)."""
+    import pyarrow as pa
+
+    out = comments.to_pylist()
+    for j in rng.choice(len(out), max(1, len(out) * 5 // 10_000), replace=False).tolist():
+        out[j] = f"{out[j]} Customer slyly Complaints"
+    return pa.array(out, pa.string())
 
 
 def gen_tables(sf: float, seed: int = 14) -> dict:
@@ -146,7 +231,7 @@ def gen_tables(sf: float, seed: int = 14) -> dict:
             "s_nationkey": snk,
             "s_phone": _phone(rng, snk),
             "s_acctbal": r2(rng.uniform(-999.99, 9999.99, S)),
-            "s_comment": text(S),
+            "s_comment": _complaints(rng, text(S)),
         }
     )
     cnk = rng.integers(0, 25, C)
@@ -225,6 +310,7 @@ def gen_tables(sf: float, seed: int = 14) -> dict:
             "o_comment": text(O),
         }
     )
+    out.update(gen_part(rng, P, S, text))
     for name, t in out.items():  # dates as date32, strings as string
         fields = []
         for f in t.schema:
@@ -254,186 +340,16 @@ def ensure_data(sf: float, root: Path, log) -> Path:
     return d
 
 
-# ---- the queries as SQL (DuckDB, Polars, Spark): TPC-H validation parameters ----------------
-# Joins are written JOIN ... ON rather than the spec's comma joins: Polars' SQL planner turned
-# Q5's comma joins into a plan 40-80x slower than its JOIN ... ON plan; DuckDB and Spark plan
-# both forms alike.
-SQL = {
-    "q1": """SELECT l_returnflag, l_linestatus, sum(l_quantity) AS sum_qty, sum(l_extendedprice) AS sum_base_price,
-  sum(l_extendedprice * (1 - l_discount)) AS sum_disc_price,
-  sum(l_extendedprice * (1 - l_discount) * (1 + l_tax)) AS sum_charge,
-  avg(l_quantity) AS avg_qty, avg(l_extendedprice) AS avg_price, avg(l_discount) AS avg_disc,
-  count(*) AS count_order
-FROM lineitem WHERE l_shipdate <= DATE '1998-09-02'
-GROUP BY l_returnflag, l_linestatus ORDER BY l_returnflag, l_linestatus""",
-    "q3": """SELECT l_orderkey, sum(l_extendedprice * (1 - l_discount)) AS revenue, o_orderdate, o_shippriority
-FROM customer JOIN orders ON c_custkey = o_custkey JOIN lineitem ON l_orderkey = o_orderkey
-WHERE c_mktsegment = 'BUILDING' AND o_orderdate < DATE '1995-03-15' AND l_shipdate > DATE '1995-03-15'
-GROUP BY l_orderkey, o_orderdate, o_shippriority ORDER BY revenue DESC, o_orderdate LIMIT 10""",
-    "q5": """SELECT n_name, sum(l_extendedprice * (1 - l_discount)) AS revenue
-FROM customer JOIN orders ON c_custkey = o_custkey JOIN lineitem ON l_orderkey = o_orderkey
-  JOIN supplier ON l_suppkey = s_suppkey AND c_nationkey = s_nationkey
-  JOIN nation ON s_nationkey = n_nationkey JOIN region ON n_regionkey = r_regionkey
-WHERE r_name = 'ASIA' AND o_orderdate >= DATE '1994-01-01' AND o_orderdate < DATE '1995-01-01'
-GROUP BY n_name ORDER BY revenue DESC""",
-    "q6": """SELECT sum(l_extendedprice * l_discount) AS revenue FROM lineitem
-WHERE l_shipdate >= DATE '1994-01-01' AND l_shipdate < DATE '1995-01-01'
-  AND l_discount >= 0.05 AND l_discount <= 0.07 AND l_quantity < 24""",
-    "q10": """SELECT c_custkey, c_name, sum(l_extendedprice * (1 - l_discount)) AS revenue, c_acctbal, n_name,
-  c_address, c_phone, c_comment
-FROM customer JOIN orders ON c_custkey = o_custkey JOIN lineitem ON l_orderkey = o_orderkey
-  JOIN nation ON c_nationkey = n_nationkey
-WHERE o_orderdate >= DATE '1993-10-01' AND o_orderdate < DATE '1994-01-01' AND l_returnflag = 'R'
-GROUP BY c_custkey, c_name, c_acctbal, c_phone, n_name, c_address, c_comment
-ORDER BY revenue DESC LIMIT 20""",
-    "q18": """SELECT c_name, c_custkey, o_orderkey, o_orderdate, o_totalprice, sum(l_quantity) AS sum_qty
-FROM customer JOIN orders ON c_custkey = o_custkey JOIN lineitem ON o_orderkey = l_orderkey
-WHERE o_orderkey IN (SELECT l_orderkey FROM lineitem GROUP BY l_orderkey HAVING sum(l_quantity) > 300)
-GROUP BY c_name, c_custkey, o_orderkey, o_orderdate, o_totalprice
-ORDER BY o_totalprice DESC, o_orderdate LIMIT 100""",
-}
-
-
-# ---- phalanx: the queries with the distributed DataFrame ------------------------------------
-def px_queries():
-    import datetime as dt
-
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    f = pc.field
-
-    def D(s):
-        return pa.scalar(dt.date.fromisoformat(s), pa.date32())
-
-    def revenue(df, name="revenue"):
-        return df.assign(**{name: pc.multiply(f("l_extendedprice"), pc.subtract(pc.scalar(1.0), f("l_discount")))})
-
-    def q1(t):
-        li = t["lineitem"].select(
-            ["l_returnflag", "l_linestatus", "l_quantity", "l_extendedprice", "l_discount", "l_tax", "l_shipdate"]
-        )
-        li = revenue(li.filter(f("l_shipdate") <= D("1998-09-02")), "disc_price")
-        li = li.assign(charge=pc.multiply(f("disc_price"), pc.add(pc.scalar(1.0), f("l_tax"))))
-        g = li.groupby(["l_returnflag", "l_linestatus"]).agg(
-            sum_qty=("l_quantity", "sum"),
-            sum_base_price=("l_extendedprice", "sum"),
-            sum_disc_price=("disc_price", "sum"),
-            sum_charge=("charge", "sum"),
-            avg_qty=("l_quantity", "mean"),
-            avg_price=("l_extendedprice", "mean"),
-            avg_disc=("l_discount", "mean"),
-            count_order=(None, "size"),
-        )
-        return g.sort_values(["l_returnflag", "l_linestatus"])
-
-    def q3(t):
-        # no optimiser: project before filtering (a filter copies every column it keeps)
-        c = t["customer"].select(["c_custkey", "c_mktsegment"]).filter(f("c_mktsegment") == "BUILDING")
-        o = (
-            t["orders"]
-            .select(["o_orderkey", "o_custkey", "o_orderdate", "o_shippriority"])
-            .filter(f("o_orderdate") < D("1995-03-15"))
-        )
-        li = (
-            t["lineitem"]
-            .select(["l_orderkey", "l_extendedprice", "l_discount", "l_shipdate"])
-            .filter(f("l_shipdate") > D("1995-03-15"))
-        )
-        c = c.select(["c_custkey"])
-        x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
-        g = revenue(x).groupby(["l_orderkey", "o_orderdate", "o_shippriority"]).agg(revenue=("revenue", "sum"))
-        top = g.sort_values(["revenue", "o_orderdate"], ascending=[False, True], limit=10)
-        return top.select(["l_orderkey", "revenue", "o_orderdate", "o_shippriority"])
-
-    def q5(t):
-        n = (
-            t["nation"]
-            .merge(
-                t["region"].filter(f("r_name") == "ASIA").select(["r_regionkey"]),
-                left_on="n_regionkey",
-                right_on="r_regionkey",
-            )
-            .select(["n_nationkey", "n_name"])
-        )
-        c = t["customer"].select(["c_custkey", "c_nationkey"]).merge(n, left_on="c_nationkey", right_on="n_nationkey")
-        o = (
-            t["orders"]
-            .select(["o_orderkey", "o_custkey", "o_orderdate"])
-            .filter((f("o_orderdate") >= D("1994-01-01")) & (f("o_orderdate") < D("1995-01-01")))
-            .drop("o_orderdate")
-        )
-        li = t["lineitem"].select(["l_orderkey", "l_suppkey", "l_extendedprice", "l_discount"])
-        x = c.merge(o, left_on="c_custkey", right_on="o_custkey").merge(li, left_on="o_orderkey", right_on="l_orderkey")
-        x = x.merge(
-            t["supplier"].select(["s_suppkey", "s_nationkey"]),
-            left_on=["l_suppkey", "c_nationkey"],
-            right_on=["s_suppkey", "s_nationkey"],
-        )
-        g = revenue(x).groupby("n_name").agg(revenue=("revenue", "sum"))
-        return g.sort_values("revenue", ascending=False)
-
-    def q6(t):
-        li = t["lineitem"].select(["l_extendedprice", "l_discount", "l_quantity", "l_shipdate"])
-        li = li.filter(
-            (f("l_shipdate") >= D("1994-01-01"))
-            & (f("l_shipdate") < D("1995-01-01"))
-            & (f("l_discount") >= 0.05)
-            & (f("l_discount") <= 0.07)
-            & (f("l_quantity") < 24)
-        )
-        li = li.assign(rev=pc.multiply(f("l_extendedprice"), f("l_discount")))
-        return li.agg(revenue=("rev", "sum"))
-
-    def q10(t):
-        o = (
-            t["orders"]
-            .select(["o_orderkey", "o_custkey", "o_orderdate"])
-            .filter((f("o_orderdate") >= D("1993-10-01")) & (f("o_orderdate") < D("1994-01-01")))
-            .drop("o_orderdate")
-        )
-        li = (
-            t["lineitem"]
-            .select(["l_orderkey", "l_extendedprice", "l_discount", "l_returnflag"])
-            .filter(f("l_returnflag") == "R")
-            .drop("l_returnflag")
-        )
-        x = o.merge(li, left_on="o_orderkey", right_on="l_orderkey")
-        c = t["customer"].select(
-            ["c_custkey", "c_name", "c_acctbal", "c_phone", "c_nationkey", "c_address", "c_comment"]
-        )
-        x = x.merge(c, left_on="o_custkey", right_on="c_custkey")
-        x = x.merge(t["nation"].select(["n_nationkey", "n_name"]), left_on="c_nationkey", right_on="n_nationkey")
-        keys = ["c_custkey", "c_name", "c_acctbal", "c_phone", "n_name", "c_address", "c_comment"]
-        g = revenue(x).groupby(keys).agg(revenue=("revenue", "sum"))
-        top = g.nlargest(20, "revenue")
-        return top.select(
-            ["c_custkey", "c_name", "revenue", "c_acctbal", "n_name", "c_address", "c_phone", "c_comment"]
-        )
-
-    def q18(t):
-        li = t["lineitem"].select(["l_orderkey", "l_quantity"])
-        big = li.groupby("l_orderkey").agg(q=("l_quantity", "sum")).filter(f("q") > 300).select(["l_orderkey"])
-        o = t["orders"].select(["o_orderkey", "o_custkey", "o_orderdate", "o_totalprice"])
-        o = o.merge(big, left_on="o_orderkey", right_on="l_orderkey", how="semi")  # o_orderkey IN (...)
-        x = o.merge(t["customer"].select(["c_custkey", "c_name"]), left_on="o_custkey", right_on="c_custkey")
-        x = x.merge(li, left_on="o_orderkey", right_on="l_orderkey")
-        g = x.groupby(["c_name", "c_custkey", "o_orderkey", "o_orderdate", "o_totalprice"]).agg(
-            sum_qty=("l_quantity", "sum")
-        )
-        return g.sort_values(["o_totalprice", "o_orderdate"], ascending=[False, True], limit=100)
-
-    return {"q1": q1, "q3": q3, "q5": q5, "q6": q6, "q10": q10, "q18": q18}
-
-
 def px_tpch_app(env, data_dir, queries, reps):
     import sys
     import time
 
     import phalanx as px
 
-    sys.path.insert(0, str(HERE))
+    if str(HERE) not in sys.path:
+        sys.path.append(str(HERE))
     import _peers
+    import tpch_queries
 
     t0 = time.perf_counter()
     tables = {n: px.read_parquet(f"{data_dir}/{n}.parquet", env) for n in TABLES}
@@ -442,7 +358,7 @@ def px_tpch_app(env, data_dir, queries, reps):
         "threads": env.threads,
         "local_rows": {n: t.local_num_rows for n, t in tables.items()},
     }
-    qs = px_queries()
+    qs = tpch_queries.px_queries()
     for q in queries:
         times, peaks, result = [], [], None
         for _ in range(reps):
@@ -482,7 +398,8 @@ def table_json(t) -> dict:
 def compare(got: dict | None, ref: dict | None) -> str:
     """'ok' when ``got`` has ``ref``'s rows: numbers within 1e-6 relative, rows matched in
     order of ``ref`` (ORDER BY ... LIMIT) or, where floating sums tie-break differently, as a
-    set keyed by the non-float columns."""
+    set keyed by the non-float columns whose float columns agree at every place (rows swapped
+    only among equal floats)."""
     if got is None or ref is None:
         return "-"
     a, b = got["rows"], ref["rows"]
@@ -502,7 +419,9 @@ def compare(got: dict | None, ref: dict | None) -> str:
     if keyed:
         ka = sorted(a, key=lambda r: [str(r[i]) for i in keyed])
         kb = sorted(b, key=lambda r: [str(r[i]) for i in keyed])
-        if all(same(x, y) for ra, rb in zip(ka, kb) for x, y in zip(ra, rb)):
+        floats = [i for i in range(len(b[0])) if i not in keyed]
+        near_ties = all(same(ra[i], rb[i]) for ra, rb in zip(a, b) for i in floats)  # each place
+        if near_ties and all(same(x, y) for ra, rb in zip(ka, kb) for x, y in zip(ra, rb)):
             return "ok (order of near-ties differs)"
     bad = next(i for i, (ra, rb) in enumerate(zip(a, b)) if not all(same(x, y) for x, y in zip(ra, rb)))
     return f"DIFF at row {bad}: {a[bad]} vs {b[bad]}"
@@ -510,8 +429,69 @@ def compare(got: dict | None, ref: dict | None) -> str:
 
 # ---- peers (subprocesses: --peer ENGINE) ---------------------------------------------------------
 def _timed(fn, reps, roots=()):
-    times, rss, res = _peers.time_reps(fn, reps, roots)
+    """One query's times, peak RSS and answer; a query the engine cannot run (Polars' SQL has
+    no correlated subqueries; the Dask code covers six queries) gives {"error": ...}."""
+    try:
+        times, rss, res = _peers.time_reps(fn, reps, roots)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200]}
     return {"times": times, "rss": rss, "result": table_json(res)}
+
+
+def best(e) -> float | None:
+    """The fastest repetition of a query's entry, None where it did not run."""
+    return min(e["times"]) if e and e.get("times") else None
+
+
+def duckdb_reference(d, queries, threads: int = 1) -> dict:
+    """{query: table_json} of DuckDB running the SQL on the tables in ``d`` (in this process)."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.execute(f"SET threads = {threads}")
+    for n in TABLES:
+        con.execute(f"CREATE TABLE {n} AS SELECT * FROM read_parquet('{d}/{n}.parquet')")
+    out = {}
+    for q in queries:
+        rel = con.sql(SQL[q])
+        out[q] = table_json(rel.to_arrow_table() if hasattr(rel, "to_arrow_table") else rel.fetch_arrow_table())
+    con.close()
+    return out
+
+
+def check(sf: float, ranks, queries, data_root: Path, log, gang=None) -> list[str]:
+    """``--check``: every query once with phalanx at each rank count in ``ranks``, its answer
+    compared with DuckDB's (same rows; numbers within 1e-6 relative; order where the query
+    orders).  ``gang``: a started gang to use (its size is the one rank count), for the tests.
+    The failures, as lines."""
+    import phalanx as px
+
+    d = ensure_data(sf, data_root, log)
+    ref = duckdb_reference(d, queries)
+    failures = []
+    for R in ranks:
+        g = gang
+        if g is None:
+            from operators import one_thread_launcher
+
+            g = px.Gang(ranks=R, echo=False, executor=one_thread_launcher())
+            g.start()
+        try:
+            per_rank = g.run(px_tpch_app, str(d), list(queries), 1, timeout=600)
+        finally:
+            if gang is None:
+                g.close()
+        cells = []
+        for q in queries:
+            verdict = compare(per_rank[0][q]["result"], ref[q])
+            secs = max(p[q]["times"][0] for p in per_rank)
+            cells.append(f"{q:<4} {len(ref[q]['rows']):>5} rows {secs:7.3f}s  {verdict}")
+            if verdict.startswith("DIFF") or verdict == "-":
+                failures.append(f"SF {sf:g} {q} phalanx/{R}: {verdict}")
+        log(f"[check SF {sf:g}] phalanx {R} rank(s) vs DuckDB ({len(ref)} queries):")
+        for c in cells:
+            log(f"  {c}")
+    return failures
 
 
 def peer_duckdb(d, R, queries, reps):
@@ -696,7 +676,8 @@ def peer_dask(d, R, queries, reps):
             "threads_per_worker": 1,
             "partitions": {n: t[n].npartitions for n in ("lineitem", "orders")},
         }
-        return settings, {q: _timed(qs[q], reps) for q in queries}
+        missing = {"error": "not written for Dask"}
+        return settings, {q: _timed(qs[q], reps) if q in qs else missing for q in queries}
 
 
 PEER_FNS = {"duckdb": peer_duckdb, "polars": peer_polars, "spark": peer_spark, "dask": peer_dask}
@@ -752,8 +733,8 @@ def parse_args(argv=None):
     )
     ap.add_argument(
         "--sf",
-        default="1",
-        help="scale factors, comma-separated (an SF above 1 is skipped "
+        default=None,
+        help="scale factors, comma-separated (default 1) (an SF above 1 is skipped "
         "unless 6 GiB per SF unit of memory is available)",
     )
     ap.add_argument("--ranks", default="1,2")
@@ -761,6 +742,12 @@ def parse_args(argv=None):
     ap.add_argument("--queries", default=",".join(QUERIES))
     ap.add_argument("--peers", default=",".join(PEERS), help=f"from {','.join(PEERS)}, or 'none'")
     ap.add_argument("--quick", action="store_true", help="SF 0.1, 1 rep, duckdb and polars only")
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="correctness only: every query once at each rank count against DuckDB in this "
+        "process, at SF 0.05 unless --sf is given; exit 1 on a difference",
+    )
     ap.add_argument("--communicator", default="tcp", help="phalanx's communicator (tcp, shm, gloo, ...)")
     ap.add_argument("--peer-timeout", type=float, default=1800.0)
     ap.add_argument("--data-root", default=str(HERE / "out"))
@@ -772,7 +759,8 @@ def parse_args(argv=None):
     if args.peer:
         return args
     if args.quick:
-        args.sf, args.reps, args.peers = "0.1", 1, "duckdb,polars"
+        args.sf, args.reps, args.peers = args.sf or "0.1", 1, "duckdb,polars"
+    args.sf = args.sf or ("0.05" if args.check else "1")
     args.sf = [float(x) for x in args.sf.split(",") if x]
     args.ranks = [int(x) for x in args.ranks.split(",") if x]
     args.queries = [q for q in args.queries.split(",") if q]
@@ -791,6 +779,13 @@ def main(argv=None) -> int:
     if args.peer:
         peer_main(args)
         return 0
+    if args.check:
+        log = _peers.Tee()
+        failures = []
+        for sf in args.sf:
+            failures += check(sf, args.ranks, args.queries, Path(args.data_root), log)
+        log("\n".join("CHECK FAILED: " + f for f in failures) if failures else "checks: every answer equals DuckDB's")
+        return 1 if failures else 0
     from operators import one_thread_launcher
 
     import phalanx as px
@@ -848,7 +843,7 @@ def main(argv=None) -> int:
                 res["peers"][f"{eng}/{R}"] = r["queries"]
                 log(
                     f"[SF {sf:g}] {eng} {R} core(s) in {time.perf_counter() - t:.0f}s (loadavg {load}): "
-                    + "  ".join(f"{q} {min(r['queries'][q]['times']):.3f}s" for q in args.queries)
+                    + "  ".join(f"{q} {_fmt_s(best(r['queries'].get(q)))}" for q in args.queries)
                 )
     report = make_report(args, results, log)
     log("")
@@ -875,6 +870,40 @@ def main(argv=None) -> int:
     return 1 if report["check_failures"] else 0
 
 
+def _fmt_s(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}s"
+
+
+def summary(args, res: dict, sf: str, log) -> None:
+    """One table of every query: phalanx at each rank count, each peer at the most cores, the
+    ratio phalanx (most ranks) / peer (>1: phalanx slower), and the geometric mean of each ratio
+    over the queries both ran."""
+    Rmax = max(args.ranks)
+    cols = [(f"phalanx {R}r", res["phalanx"].get(str(R), {})) for R in args.ranks]
+    peers = [(f"{e} {Rmax}t", res["peers"].get(f"{e}/{Rmax}", {})) for e in args.peers]
+    log("")
+    log(f"## summary SF {sf}: seconds, min of {args.reps}; ratio = phalanx {Rmax}r ÷ peer (>1: phalanx slower)")
+    head = ["query"] + [n for n, _ in cols + peers] + [f"px{Rmax}r÷{n.split()[0]}" for n, _ in peers]
+    log("| " + " | ".join(head) + " |")
+    log("|" + "---|" * len(head))
+    ratios: dict[str, list[float]] = {n: [] for n, _ in peers}
+    for q in args.queries:
+        px = best(res["phalanx"].get(str(Rmax), {}).get(q))
+        cells = [q] + [_fmt_s(best(c.get(q)))[:-1] if best(c.get(q)) else "-" for _, c in cols + peers]
+        for n, c in peers:
+            p = best(c.get(q))
+            if px and p:
+                ratios[n].append(px / p)
+                cells.append(f"{px / p:.2f}")
+            else:
+                cells.append("-")
+        log("| " + " | ".join(cells) + " |")
+    for n, rs in ratios.items():
+        if rs:
+            g = float(np.exp(np.mean(np.log(rs))))
+            log(f"geometric mean of phalanx {Rmax}r ÷ {n} over {len(rs)} queries: {g:.2f}")
+
+
 def make_report(args, results, log) -> dict:
     Rmax = max(args.ranks)
     rows, failures = [], []
@@ -886,7 +915,7 @@ def make_report(args, results, log) -> dict:
         )
         ref_key = next((f"duckdb/{R}" for R in args.ranks if f"duckdb/{R}" in res["peers"]), None)
         for q in args.queries:
-            ref = res["peers"][ref_key][q]["result"] if ref_key else None
+            ref = (res["peers"][ref_key].get(q) or {}).get("result") if ref_key else None
             px_max = min(res["phalanx"].get(str(Rmax), {}).get(q, {}).get("times") or [float("nan")])
             log("")
             log(f"### {q}" + (f"  ({len(ref['rows'])} result rows)" if ref else ""))
@@ -894,8 +923,8 @@ def make_report(args, results, log) -> dict:
             entries = [("phalanx", R, res["phalanx"].get(str(R), {}).get(q)) for R in args.ranks]
             entries += [(e, R, res["peers"].get(f"{e}/{R}", {}).get(q)) for e in args.peers for R in args.ranks]
             for eng, R, e in entries:
-                if not e:
-                    log(f"{eng:<8} {R:>5} {'-':>9}")
+                if not e or not e.get("times"):
+                    log(f"{eng:<8} {R:>5} {'-':>9}" + (f"  {e['error']}" if e and e.get("error") else ""))
                     continue
                 s = min(e["times"])
                 check = compare(e.get("result"), ref)
@@ -920,6 +949,7 @@ def make_report(args, results, log) -> dict:
                         "check": check,
                     }
                 )
+        summary(args, res, sf, log)
         # targets: every query at Rmax ranks within 1.5x of DuckDB (Rmax threads) and >= 4x Spark
         log("")
         log(f"## targets (issue 14) at {Rmax} ranks/cores: within 1.5x of DuckDB (ratio >= 0.67x), >= 4x Spark")
@@ -928,8 +958,8 @@ def make_report(args, results, log) -> dict:
             cells = []
             for eng, goal in (("duckdb", 1 / 1.5), ("spark", 4.0)):
                 e = res["peers"].get(f"{eng}/{Rmax}", {}).get(q)
-                if e and px_s:
-                    r = min(e["times"]) / px_s
+                if best(e) and px_s:
+                    r = best(e) / px_s
                     cells.append(f"{eng} {r:.2f}x/{goal:.2g}x {'PASS' if r >= goal else 'MISS'}")
             log(f"{q:<4} " + "  ".join(cells))
     log("")

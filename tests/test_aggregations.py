@@ -18,6 +18,9 @@ from reference import make_part
 import phalanx as px
 from phalanx.operators import plan
 
+# 1-4 ranks against DuckDB/pandas: the slow lane (two workers), outside the core lane's 5 minutes
+pytestmark = pytest.mark.slow
+
 ROWS = 3000
 
 

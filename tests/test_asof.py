@@ -15,6 +15,9 @@ from reference import assert_same_rows, make_part
 import phalanx as px
 from phalanx.operators.asof import merge_asof
 
+# 1-4 ranks against DuckDB/pandas: the slow lane (two workers), outside the core lane's 5 minutes
+pytestmark = pytest.mark.slow
+
 ROWS = 500
 
 

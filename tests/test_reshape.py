@@ -13,6 +13,9 @@ from reference import assert_same_rows, make_part, whole
 
 import phalanx as px
 
+# 1-4 ranks against DuckDB/pandas: the slow lane (two workers), outside the core lane's 5 minutes
+pytestmark = pytest.mark.slow
+
 ROWS = 1000
 
 

@@ -16,6 +16,9 @@ from reference import assert_same_rows, gid_table, make_part
 import phalanx as px
 from phalanx.operators.window import parse_duration
 
+# 1-4 ranks against DuckDB/pandas: the slow lane (two workers), outside the core lane's 5 minutes
+pytestmark = pytest.mark.slow
+
 ALL = dict(
     n=("row_number",),
     r=("rank",),

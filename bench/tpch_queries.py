@@ -265,7 +265,12 @@ def px_queries():
         o = o.filter((f("o_orderdate") >= D("1993-07-01")) & (f("o_orderdate") < D("1993-10-01")))
         li = t["lineitem"].select(["l_orderkey", "l_commitdate", "l_receiptdate"])
         li = li.filter(f("l_commitdate") < f("l_receiptdate")).select(["l_orderkey"])
-        o = o.merge(li, left_on="o_orderkey", right_on="l_orderkey", how="semi")  # EXISTS
+        # EXISTS: a semi-join moves its right side's distinct keys (here 3.8M lines' ~1.4M
+        # orders at SF 1, 0.33 s); the quarter's orders (~57k) are the smaller side, so the
+        # lines are first reduced to them (a semi-join the other way round, which a planner
+        # would choose by size), then the orders keep those that remain
+        li = li.merge(o.select(["o_orderkey"]), left_on="l_orderkey", right_on="o_orderkey", how="semi")
+        o = o.merge(li, left_on="o_orderkey", right_on="l_orderkey", how="semi")
         g = o.groupby("o_orderpriority").agg(order_count=(None, "size"))
         return g.sort_values("o_orderpriority")
 

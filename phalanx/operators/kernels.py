@@ -133,14 +133,18 @@ def partition_ids_counts(table: pa.Table, keys: Sequence[str], nparts: int) -> t
 
 
 def estimate_distinct(table: pa.Table, keys: Sequence[str], sample_rows: int = 100_000, seed: int = 0) -> float:
-    """The number of distinct ``keys`` in ``table``, estimated from a random sample of rows with
+    """The number of distinct ``keys`` in ``table``, estimated from a sample of rows with
     Chao's estimator, d + f1²/(2·f2) (d distinct in the sample, f1 of them seen once, f2 twice),
     capped at the row count.  The share of distinct keys *in a sample* misleads: 100k keys over
     5M rows show 63% distinct in a 100k-row sample, though pre-aggregating shrinks the rows 50×."""
     n = table.num_rows
     if n <= sample_rows:
         return float(to_polars(table.select(list(keys))).n_unique()) if n else 0.0
-    rows = np.sort(np.random.default_rng(seed).choice(n, size=sample_rows, replace=False))
+    # a systematic sample from a random start: O(sample), where choice(replace=False) permutes
+    # all n rows (20 ms at 2M rows, more than the group-by of 100 groups it decides)
+    step = n / sample_rows
+    start = np.random.default_rng(seed).random() * step
+    rows = (start + step * np.arange(sample_rows)).astype(np.int64)
     sample = to_polars(table.select(list(keys)).take(pa.array(rows)))
     counts = sample.group_by(sample.columns).len()["len"]
     d = counts.len()

@@ -312,9 +312,10 @@ def quote_ident(name: str) -> str:
 
 def run_sql(query: str, **tables: pa.Table) -> pa.Table:
     """Run ``query`` in this process's DuckDB over the given Arrow tables (by name)."""
-    from .plan import note
+    from .plan import note, noting
 
-    note("per-rank query (DuckDB): " + " ".join(query.split()))
+    if noting():  # a hot path: the query's text is tidied only for explain
+        note("per-rank query (DuckDB): " + " ".join(query.split()))
     con = duckdb_connection()
     for name, table in tables.items():
         con.register(name, table)

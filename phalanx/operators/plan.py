@@ -164,6 +164,11 @@ def recording() -> Iterator[list[str]]:
             outer.extend(notes)
 
 
+def noting() -> bool:
+    """Whether an operator's notes are being recorded (callers skip building them otherwise)."""
+    return _notes.get() is not None
+
+
 def note(text: str) -> None:
     """Say what an operator chose (an exchange, one it skipped, a broadcast) for ``explain``."""
     notes = _notes.get()

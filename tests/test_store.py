@@ -343,7 +343,13 @@ def test_a_write_failing_on_one_rank_fails_the_put_on_every_rank():
                 "PhalanxError: put 'one-rank-fails': writing partitions failed on rank(s) [1]"
             )
         assert not px.Store().exists("one-rank-fails")
-        assert list(px.Store().root.glob("*/.staging/*")) == []
+        # this gang's session only: another worker's test may be staging a put right now
+        session = g.run(app_store_session)[0]
+        assert list(px.Store().root.glob(f"{session}/.staging/*")) == []
+
+
+def app_store_session(env):
+    return env.store.store.session
 
 
 def app_get_columns(env, session, name):

@@ -7,6 +7,13 @@ took before ``foreach:``).
 
     .venv/bin/python bench/orchestrator.py [--stages 10] [--ranks 2]
     .venv/bin/python bench/orchestrator.py --fanout 200 [--separate 20] [--site slurm-local]
+    .venv/bin/python bench/orchestrator.py --observe [--repeat 3]
+
+``--observe``: the chain with per-rank resource sampling off, on (every 2 s, the default, and
+every 0.1 s), and on with the dashboard (``phalanx ui``) serving viewers that follow the run
+live the whole time (each its server-sent events, a log stream, and the runs list every 0.2 s);
+the modes alternate, ``--repeat`` times each, and the median per-stage time of each is printed
+against sampling off.
 """
 
 from __future__ import annotations
@@ -35,13 +42,14 @@ def step(env):
     env.output(env.outputs[0], df)
 
 
-def chain(stages: int, ranks: int, site: Site) -> tuple[float, list[float]]:
-    """Total seconds and per-stage seconds (gang start → sealed output) of a trivial chain."""
+def chain(stages: int, ranks: int, site: Site, db: RunDB | None = None) -> tuple[float, list[float]]:
+    """Total seconds and per-stage seconds (gang start → sealed output) of a trivial chain
+    (recorded in ``db``, default: a new run DB of its own)."""
     steps = {"s0": Stage(app="orchestrator:seed", ranks=ranks, outputs=["d0"])}
     for i in range(1, stages):
         steps[f"s{i}"] = Stage(app="orchestrator:step", ranks=ranks, inputs={"prev": f"d{i - 1}"}, outputs=[f"d{i}"])
     with tempfile.TemporaryDirectory() as state:
-        db = RunDB(state)
+        db = db or RunDB(state)
         t0 = time.perf_counter()
         result = run_workflow(Workflow(name="chain", stages=steps), site, db=db)
         total = time.perf_counter() - t0
@@ -49,6 +57,85 @@ def chain(stages: int, ranks: int, site: Site) -> tuple[float, list[float]]:
         per = [s["ended"] - s["started"] for s in db.stages(result.run_id)]
         px.Store(session=result.session).delete_session()
     return total, per
+
+
+def observe_report(stages: int, ranks: int, site: Site, repeat: int, viewers: int = 2) -> None:
+    """Per-stage overhead of sampling and of the dashboard watching the run (``--observe``)."""
+    import os
+
+    modes = {
+        "sampling off": ("0", False),
+        "sampling every 2 s (default)": ("2", False),
+        "sampling every 0.1 s": ("0.1", False),
+        f"sampling 2 s + dashboard, {viewers} live viewers": ("2", True),
+    }
+    per_mode: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(repeat):
+        for label, (every, board) in modes.items():
+            os.environ["PHALANX_SAMPLE_S"] = every
+            with tempfile.TemporaryDirectory() as state:
+                db = RunDB(state)
+                watch = Watchers(db, viewers) if board else None
+                try:
+                    total, _ = chain(stages, ranks, site, db)
+                finally:
+                    if watch is not None:
+                        watch.stop()
+            per_mode[label].append(total / stages)
+    os.environ.pop("PHALANX_SAMPLE_S", None)
+    print(f"chain of {stages} trivial {ranks}-rank stages, {repeat} runs of each mode, alternating")
+    base = statistics.median(per_mode["sampling off"])
+    for label, times in per_mode.items():
+        med = statistics.median(times)
+        print(
+            f"  {label:44} median {med:5.3f} s per stage (runs {', '.join(f'{t:.3f}' for t in times)})  x{med / base:.3f}"
+        )
+
+
+class Watchers:
+    """The dashboard on loopback and ``n`` viewers following the newest run as a browser does."""
+
+    def __init__(self, db: RunDB, n: int):
+        import threading
+
+        import httpx
+
+        from phalanx.ui.server import Dashboard
+
+        self.board = Dashboard(db, port=0).start()
+        self.stopping = threading.Event()
+        self.requests = 0
+        headers = {"authorization": f"Bearer {self.board.token}"}
+
+        def view() -> None:
+            with httpx.Client(base_url=self.board.base, headers=headers, timeout=30) as c:
+                while not self.stopping.is_set():
+                    runs = c.get("/api/runs").json()
+                    self.requests += 1
+                    if not runs or runs[0]["state"] != "running":
+                        time.sleep(0.2)
+                        continue
+                    run = runs[0]["id"]
+                    with (
+                        c.stream("GET", f"/api/runs/{run}/stream") as events,
+                        c.stream("GET", f"/api/runs/{run}/logs") as logs,
+                    ):
+                        for line in events.iter_lines():
+                            self.requests += 1
+                            if self.stopping.is_set() or line.startswith("event: end"):
+                                break
+                            c.get("/api/runs")
+                        logs.close()
+
+        self.threads = [threading.Thread(target=view, daemon=True) for _ in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(10)
+        self.board.stop()
 
 
 def item(env):
@@ -137,11 +224,17 @@ def main() -> None:
     ap.add_argument("--site", default="local", help="site name or file (slurm-local, ray-local...)")
     ap.add_argument("--fanout", type=int, default=0, help="measure a fan-out of N instances instead of the chain")
     ap.add_argument("--separate", type=int, default=20, help="with --fanout: this many separate runs to compare")
+    ap.add_argument("--observe", action="store_true", help="sampling and the dashboard on vs off (the chain)")
+    ap.add_argument("--repeat", type=int, default=3, help="with --observe: runs of each mode")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from phalanx.orchestrator.loading import load_site
 
     site = load_site(args.site)
+    if args.observe:
+        observe_report(args.stages, args.ranks, site, args.repeat)
+        print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())
+        return
     if args.fanout:
         fanout_report(args.fanout, args.separate, site)
         print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())

@@ -225,3 +225,34 @@ def db_log(db, run_id, stage, rank) -> str:
         if path.exists():
             return path.read_text()
     return ""
+
+
+def test_the_command_prints_its_address_with_the_token_and_stops_on_ctrl_c(tmp_path):
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state"), "PHALANX_STORE": str(tmp_path / "store")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "phalanx.cli", "ui", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        lines = [proc.stdout.readline(), proc.stdout.readline()]
+        url = re.search(r"open (http://127\.0\.0\.1:\d+/\?token=\S+)", lines[1])
+        assert url, lines
+        assert str(tmp_path / "state") in lines[0] and str(tmp_path / "store") in lines[0]
+        client = httpx.Client(follow_redirects=True)
+        page = client.get(url.group(1))  # the printed address works as it is: token → cookie → page
+        assert page.status_code == 200 and "app.js" in page.text
+        assert client.get(url.group(1).split("?")[0] + "api/runs").json() == []
+        assert client.get(url.group(1).split("?")[0] + "api/store").json() == []
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err

@@ -31,6 +31,7 @@ def workflow(gate: Path) -> Workflow:
             "wait": Stage(app="ui_apps:gated", ranks=2, params={"gate": str(gate)}, outputs=["out"]),
             "after": Stage(app="apps:wf_say", ranks=1, inputs={"tx": {"dataset": "out"}}),
             "breaks": Stage(app="ui_apps:fails_on_rank_1", ranks=2, needs=["wait"]),
+            "uneven": Stage(app="ui_apps:uneven", ranks=2, needs=["wait"]),
         },
     )
 
@@ -81,9 +82,10 @@ def test_the_run_view_matches_the_run_db(db, tmp_path):
             "wait": "succeeded",
             "after": "succeeded",
             "breaks": "failed",
+            "uneven": "succeeded",
         }
     )
-    assert sorted(map(tuple, v["dag"]["edges"])) == [("wait", "after"), ("wait", "breaks")]
+    assert sorted(map(tuple, v["dag"]["edges"])) == [("wait", "after"), ("wait", "breaks"), ("wait", "uneven")]
     cols = {n["name"]: n["x"] for n in v["dag"]["nodes"]}
     assert cols["wait"] < cols["after"] == cols["breaks"]  # a stage is drawn right of what it waits for
     wait = next(s for s in v["stages"] if s["name"] == "wait")
@@ -91,6 +93,11 @@ def test_the_run_view_matches_the_run_db(db, tmp_path):
     assert [f["stage"] for f in v["failures"]] == ["breaks"] and v["failures"][0]["ranks"] == [1]
     assert "planned failure on rank 1" in v["failures"][0]["error"]
     assert v["run"]["final"] and v["run"]["state"] == "failed"
+    # rank 1 of "uneven" computed for a second while rank 0 waited for it at the barrier
+    uneven = next(s for s in v["stages"] if s["name"] == "uneven")
+    r0, r1 = uneven["rank_table"]
+    assert r0["comm_s"] >= 0.8 and r1["elapsed"] - r1["comm_s"] >= 0.9
+    assert uneven["straggler"] == 1
 
 
 def test_every_request_needs_the_token(db, board, tmp_path):
@@ -195,10 +202,10 @@ def test_the_page_follows_a_running_workflow_and_a_failed_ranks_log_is_one_click
         until(lambda: node_state("wait") == "running")
         until(lambda: "rank 1 waits for the gate" in db_log(db, run_id, "wait", 1))
         browser.save_screenshot(str(shots / "1-running.png"))
-        assert node_state("after") == "pending"
+        until(lambda: node_state("after") == "pending")  # (None while the view is being redrawn)
         gate.write_text("")  # the stage may go on: the page updates without a reload
         until(lambda: node_state("wait") == "succeeded" and node_state("after") == "succeeded")
-        until(lambda: node_state("breaks") == "failed")
+        until(lambda: node_state("breaks") == "failed" and node_state("uneven") == "succeeded")
         until(lambda: attr('#run-state [data-state="failed"]', "data-state"))
         browser.save_screenshot(str(shots / "2-failed.png"))
         # the failed rank's log: one click in the failures table
@@ -206,10 +213,16 @@ def test_the_page_follows_a_running_workflow_and_a_failed_ranks_log_is_one_click
         log = browser.find_element(By.ID, "loglines")  # outside the redrawn view
         until(lambda: "the disk is made of cheese" in log.text)
         browser.save_screenshot(str(shots / "3-log.png"))
+        browser.find_element(By.ID, "logclose").click()
+        until(lambda: not browser.find_element(By.ID, "logpanel").is_displayed())
         # the stage's ranks, with where they ran
         click('#dag g[data-stage="wait"] rect')
         until(lambda: attr("#stage-detail", "data-stage") == "wait")
         assert len(browser.find_elements(By.CSS_SELECTOR, "#rank-table tr[data-rank]")) == 2
+        # the straggler stands out: rank 1 of "uneven", which the other rank waited for
+        click('#dag g[data-stage="uneven"] rect')
+        until(lambda: attr("#rank-table tr.straggler", "data-rank") == "1")
+        browser.save_screenshot(str(shots / "4-straggler.png"))
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
     finally:

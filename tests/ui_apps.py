@@ -22,3 +22,12 @@ def fails_on_rank_1(env):
         print("rank 1 is about to fail: the disk is made of cheese", flush=True)
         raise RuntimeError("planned failure on rank 1")
     env.comm.barrier()
+
+
+def uneven(env):
+    """Rank 1 computes for a second before the barrier: rank 0 waits for it there (a straggler)."""
+    if env.rank == 1:
+        deadline = time.perf_counter() + 1.0
+        while time.perf_counter() < deadline:
+            pass
+    env.comm.barrier()

@@ -73,7 +73,8 @@ def run(db: RunDB, run_id: str) -> dict:
                     }
                     for k, v in (st["inputs"] or {}).items()
                 },
-                "rank_table": _rank_table(st, last, samples) if last else [],
+                "rank_table": (table := _rank_table(st, last, samples) if last else []),
+                "straggler": straggler(table),
                 "deps": st.get("deps") or [],
             }
         )
@@ -139,6 +140,19 @@ def _rank_table(st: dict, attempt: dict, samples: dict[tuple[str, int, int], dic
             }
         )
     return rows
+
+
+def straggler(ranks: list[dict]) -> int | None:
+    """The rank that computed longest while the others waited for it in exchanges — its
+    compute time (elapsed less time in collectives) over 1.25 times the median rank's and over
+    half a second — or None."""
+    compute = {r["rank"]: r["elapsed"] - (r.get("comm_s") or 0.0) for r in ranks if r.get("elapsed") is not None}
+    if len(compute) < 2:
+        return None
+    ordered = sorted(compute.values())
+    median = ordered[(len(ordered) - 1) // 2]
+    rank = max(compute, key=lambda r: compute[r])
+    return rank if compute[rank] > 0.5 and compute[rank] > 1.25 * median else None
 
 
 def _latest_samples(db: RunDB, run_id: str) -> dict[tuple[str, int, int], dict]:

@@ -190,19 +190,23 @@ function stagesTable(stages) {
     }));
 }
 
-function straggler(ranks) {
-  // the rank that computed longest while the others waited for it in collectives
-  const compute = ranks.filter((r) => r.elapsed !== null && r.elapsed !== undefined).map((r) => [r.rank, r.elapsed - (r.comm_s || 0)]);
-  if (compute.length < 2) return null;
-  const sorted = compute.map((c) => c[1]).sort((a, b) => a - b);
-  const median = sorted[Math.floor((sorted.length - 1) / 2)];
-  const [rank, most] = compute.reduce((a, b) => (b[1] > a[1] ? b : a));
-  return most > 0.5 && most > 1.25 * median ? rank : null;
+function splitBar(r, longest) {
+  // the rank's time: computing (blue) then in exchanges (orange), to the scale of the slowest rank
+  const W = 160, H = 12;
+  const pic = svg("svg", { width: W, height: H, class: "split", "data-rank": r.rank });
+  if (!r.elapsed || !longest) return pic;
+  const comm = Math.min(r.comm_s || 0, r.elapsed);
+  const all = (W * r.elapsed) / longest, c = (W * comm) / longest;
+  pic.append(svg("rect", { x: 0, y: 1, width: all - c, height: H - 2, fill: "#3b7dd8" }));
+  pic.append(svg("rect", { x: all - c, y: 1, width: c, height: H - 2, fill: "#e39b2d" }));
+  pic.append(svg("title", {}, `computing ${secs(r.elapsed - comm)}, in exchanges ${secs(comm)}`));
+  return pic;
 }
 
 function stageDetail(st) {
   const last = st.attempts[st.attempts.length - 1];
-  const slow = straggler(st.rank_table);
+  const slow = st.straggler;
+  const longest = Math.max(0, ...st.rank_table.map((r) => r.elapsed || 0));
   const rows = st.rank_table.map((r) => {
     const comm = r.elapsed ? (100 * (r.comm_s || 0)) / r.elapsed : null;
     return el("tr", { class: r.rank === slow ? "straggler" : "", "data-rank": r.rank },
@@ -213,6 +217,7 @@ function stageDetail(st) {
       el("td", { class: "num" }, size(r.sent)), el("td", { class: "num" }, size(r.received)),
       el("td", { class: "num" }, comm === null ? "" : `${comm.toFixed(0)} %`),
       el("td", { class: "num" }, secs(r.elapsed)),
+      el("td", {}, splitBar(r, longest)),
       el("td", {}, r.rank === slow ? "straggler" : ""),
       el("td", {}, el("button", { class: "link", type: "button", "data-log": `${st.name}/${r.rank}`, onclick: () => openLog(st.name, r.rank, r.attempt) }, "log")),
       el("td", { class: "error" }, r.error || ""));
@@ -223,7 +228,7 @@ function stageDetail(st) {
     inputs.length ? el("p", { class: "muted" }, inputs.join(" · ")) : null,
     st.attempts.length > 1 || (last && last.cause) ? el("p", {}, st.attempts.map((a) => `attempt ${a.attempt} ${a.state}${a.cause ? ": " + a.cause : ""}`).join("; ")) : null,
     rows.length ? el("table", { id: "rank-table" },
-      el("tr", {}, ["rank", "host", "state", "CPU", "RSS", "peak RSS", "sent", "received", "in exchanges", "elapsed", "", "", ""].map((c) => el("th", {}, c))), rows)
+      el("tr", {}, ["rank", "host", "state", "CPU", "RSS", "peak RSS", "sent", "received", "in exchanges", "elapsed", "computing | exchanging", "", "", ""].map((c) => el("th", {}, c))), rows)
       : el("p", { class: "muted" }, "no ranks yet"));
 }
 

@@ -24,6 +24,8 @@ from phalanx.orchestrator.rundb import RunDB
 from phalanx.orchestrator.scheduler import run_workflow
 
 pytest.importorskip("opentelemetry.sdk")
+# the ranks export over OTLP/HTTP (its exporter brings the protobufs the receiver decodes)
+pytest.importorskip("opentelemetry.exporter.otlp.proto.http")
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor

@@ -66,7 +66,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "phalanx.sqlite_wal",
         ),
     ),
-    ("runtime", ("phalanx.runtime",)),
+    # observe.tracing: the exchange operators call it (observe's __init__ is a docstring only)
+    ("runtime", ("phalanx.runtime", "phalanx.observe", "phalanx.observe.tracing")),
     ("operators", ("phalanx.operators",)),
     ("store", ("phalanx.store",)),
     ("ml", ("phalanx.ml",)),
@@ -83,6 +84,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "phalanx.orchestrator.api",
             "phalanx.integrations",
             "phalanx.examples",
+            "phalanx.observe.metrics",
+            "phalanx.observe.serving",
+            "phalanx.ui",
         ),
     ),
     # the contracts plug-ins run (pytest test classes): above everything they exercise

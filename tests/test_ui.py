@@ -269,3 +269,15 @@ def test_the_command_prints_its_address_with_the_token_and_stops_on_ctrl_c(tmp_p
         out, err = proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert "Traceback" not in err
+
+
+def test_the_dashboard_serves_prometheus_metrics_to_a_bearer(db, board, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    run_id = finished_run(db, tmp_path)
+    got = httpx.get(f"{board.base}/metrics", headers={"authorization": f"Bearer {board.token}"})
+    assert got.status_code == 200  # no redirect on the way
+    families = {f.name: f for f in text_string_to_metric_families(got.text)}
+    failed = [s for s in families["phalanx_stages"].samples if s.labels.get("run") == run_id]
+    assert {s.labels["state"]: s.value for s in failed if s.value} == {"succeeded": 3, "failed": 1}
+    assert httpx.get(f"{board.base}/metrics").status_code == 401

@@ -17,19 +17,17 @@ Needs ``prometheus_client`` (the ``ui`` extra), imported when a registry is made
 from __future__ import annotations
 
 import hmac
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from ..extras import require
 from ..orchestrator.rundb import RunDB
+from .serving import LOOPBACK, AsgiServer
 
 RUNS = 20  # the newest runs exported (and every running one)
 MAX_RUNNING = 200  # running runs exported at most (the newest), whatever ``runs`` is
 DEFAULT_PORT = 9465
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # Per-rank resource samples (run DB table ``samples``): column → (metric, help, type, scale)
 SAMPLE_METRICS = {
     "cpu": (
@@ -189,7 +187,7 @@ def _rank_metrics(f: _Families, labels: list[str], samples: list[dict]) -> None:
 
 
 # ---- serving /metrics on its own (``phalanx metrics``) ---------------------------------------
-class MetricsServer:
+class MetricsServer(AsgiServer):
     """``/metrics`` of ``db`` on ``host:port`` (port 0: a free one), served by uvicorn.
 
     ``token``: the bearer token a scrape must present (``Authorization: Bearer``; Prometheus'
@@ -201,54 +199,25 @@ class MetricsServer:
     def __init__(
         self, db: RunDB, host: str = "127.0.0.1", port: int = DEFAULT_PORT, token: str | None = None, runs: int = RUNS
     ):
-        uvicorn = require("uvicorn", "ui", "phalanx metrics")
+        require("uvicorn", "ui", "phalanx metrics")
         if not token and host not in LOOPBACK:
             raise ValueError(
                 f"phalanx metrics on {host} (not loopback) needs a bearer token: --token-file FILE "
                 "(Prometheus then scrapes with authorization: {credentials_file: FILE})"
             )
-        self.sock = _listen(host, port)
-        self.host, self.port = host, self.sock.getsockname()[1]
-        hosts = [*LOOPBACK, *(f"{h}:{self.port}" for h in LOOPBACK), "[::1]", f"[::1]:{self.port}"]
-        app = ScrapeGate(metrics_app(db, runs), token, hosts if host in LOOPBACK else None)
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
-        self._thread: threading.Thread | None = None
+        super().__init__(host, port, "phalanx metrics")
+        self.app = ScrapeGate(metrics_app(db, runs), token, self.host_names() if self.loopback else None)
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
+        return f"{self.base}/metrics"
 
     def serve(self) -> None:
-        self.server.run(sockets=[self.sock])
+        self.serve_app(self.app)
 
     def start(self) -> MetricsServer:
-        self._thread = threading.Thread(target=self.serve, name="phalanx-metrics", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        self.start_app(self.app, "phalanx-metrics")
         return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(10)
-        self.sock.close()
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(
-            exc.errno, f"phalanx metrics cannot listen on {host}:{port}: {exc.strerror} (try --port 0)"
-        ) from None
-    sock.listen(64)
-    return sock
 
 
 class ScrapeGate:

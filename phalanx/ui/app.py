@@ -121,9 +121,12 @@ def make_app(db: RunDB, token: str, store: Any = None, hosts: list[str] | None =
                     continue  # more may be waiting: read again at once
                 run = await in_thread(db.run, run_id)
                 if run is None or run["state"] in FINAL:
-                    rest = await in_thread(cursor.read)  # what the last writes left
-                    if rest:
-                        yield _lines_event(rest)
+                    while True:  # what the last writes left, last lines without their newline too
+                        rest = await in_thread(cursor.read, True)
+                        if rest:
+                            yield _lines_event(rest)
+                        if not cursor.behind:
+                            break
                     yield "event: end\ndata: {}\n\n"
                     return
                 idle += LOG_POLL_S
@@ -160,8 +163,8 @@ def make_app(db: RunDB, token: str, store: Any = None, hosts: list[str] | None =
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     metrics = _metrics_app(db)
-    if metrics is not None:
-        routes.append(Mount("/metrics", metrics))
+    if metrics is not None:  # (an object: Starlette serves a function as a request handler)
+        routes.append(Route("/metrics", _Asgi(metrics)))
     allowed = hosts or ["127.0.0.1", "localhost", "::1"]
     app = Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
     return TokenGate(app, token)
@@ -183,6 +186,16 @@ def _metrics_app(db: RunDB) -> Any:
         return metrics_app(db)
     except ImportError:
         return None
+
+
+class _Asgi:
+    """An ASGI application as an object."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        await self.app(scope, receive, send)
 
 
 class TokenGate:

@@ -1,7 +1,9 @@
 """The driver's end of the control plane: one authenticated connection per rank.
 
 Reader threads turn every message (and every lost connection) into an event on one queue,
-so the gang's driver loop waits in a single place and notices a dead rank at once.  A
+so the gang's driver loop waits in a single place and notices a dead rank at once; but a
+rank's resource samples (``protocol.Sample``), which no driver loop waits for, go to
+``samples`` (the latest per rank) and to the ``on_sample`` callback instead.  A
 heartbeat thread tells every rank several times a timeout that the driver still lives: a rank
 whose connection ends, or that hears nothing for ``PHALANX_DRIVER_TIMEOUT`` seconds, exits
 (``runtime.worker.DriverWatch``) — also where no parent-death signal reaches it (srun, Ray).
@@ -15,6 +17,7 @@ import secrets
 import signal
 import socket
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge
 from typing import Any
 
@@ -23,11 +26,18 @@ from ..runtime.netio import Handshakes
 
 
 class ControlServer:
-    def __init__(self, world_size: int, host: str = "127.0.0.1", driver_timeout: float | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        host: str = "127.0.0.1",
+        driver_timeout: float | None = None,
+        on_sample: Callable[[P.Sample], None] | None = None,
+    ):
         """``host``: the address ranks connect to (loopback unless ranks run on other
         machines; ``auto``: this host's address as its own name resolves).  ``driver_timeout``:
         seconds of silence after which ranks take the driver for gone (default
-        ``PHALANX_DRIVER_TIMEOUT`` of the driver's environment, else 60)."""
+        ``PHALANX_DRIVER_TIMEOUT`` of the driver's environment, else 60).  ``on_sample``:
+        called (in a reader thread) with every resource sample a rank sends."""
         if host == "auto":
             host = socket.gethostbyname(socket.getfqdn())
         self.world_size = world_size
@@ -38,6 +48,8 @@ class ControlServer:
         self._handshakes = Handshakes(self.listener, self._shake, self._refused, name="phalanx-control-handshake")
         self.events: queue.Queue[tuple[int, P.ToDriver]] = queue.Queue()
         self.conns: dict[int, Connection] = {}
+        self.samples: dict[int, P.Sample] = {}  # the latest resource sample of each rank
+        self.on_sample = on_sample
         self.driver_timeout = float(driver_timeout or os.environ.get(P.ENV_DRIVER_TIMEOUT) or P.DRIVER_TIMEOUT_S)
         # one writer at a time per connection: the gang's sends and the heartbeat thread's
         self._send_locks: dict[int, threading.Lock] = {}
@@ -107,7 +119,25 @@ class ControlServer:
                 failure = RankFailure(rank, type(exc).__name__, f"could not read the rank's message: {exc}")
                 self.events.put((rank, P.Failed(None, failure)))
                 continue
+            if isinstance(msg, P.Sample):
+                self._sampled(msg)
+                continue
+            final = getattr(msg, "sample", None)  # a task's final sample, with its Result or Failed
+            if final is not None:
+                self._sampled(final)
             self.events.put((rank, msg))
+
+    def _sampled(self, sample: P.Sample) -> None:
+        self.samples[sample.rank] = sample
+        sink = self.on_sample
+        if sink is None:
+            return
+        try:
+            sink(sample)
+        except Exception:  # a sink's failure must not end this rank's reader
+            import logging
+
+            logging.getLogger(__name__).warning("a resource sample's sink failed", exc_info=True)
 
     def send(self, rank: int, msg: P.ToRank) -> None:
         with self._send_locks[rank]:

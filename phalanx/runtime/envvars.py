@@ -37,6 +37,7 @@ ENV_HOST = "PHALANX_HOST"  # where the rank runs, as its executor names it (node
 ENV_BIND_HOST = "PHALANX_BIND_HOST"  # the address a rank listens on (default: the route to its peers)
 ENV_PRELOAD = "PHALANX_PRELOAD"  # modules a warm worker imports before it is given a gang
 ENV_PARAM_PREFIX = "PHALANX_PARAM_"  # + KEY: a command stage's params, one variable each
+ENV_SAMPLE = "PHALANX_SAMPLE_S"  # seconds between a rank's resource samples while a task runs (0: off)
 
 # ---- the shared-memory exchange (runtime.comm.shm) ----------------------------------------------
 ENV_SHM = "PHALANX_SHM"  # "0": tcp/gloo keep every byte on their wire

@@ -6,6 +6,9 @@ by value (an app defined in a script or a notebook cell) keeps its file name and
 of source (``pickling.dumps``): a rank's traceback names the user's file and line and shows it.
 
 rank → driver: ``Hello`` (first, on connecting) · ``Ready`` · ``Result`` · ``Failed``
+               · ``Sample`` (every ``PHALANX_SAMPLE_S`` while a task runs, and the final one
+               inside the task's ``Result`` or ``Failed``: ``runtime.sampler``; the driver's
+               reader hands samples to a sink, not to the event queue)
 driver → rank: ``Run`` · ``Shutdown``
                and, every ``heartbeat_s(timeout)``, an empty message (``HEARTBEAT``, never a
                pickle): a rank that hears nothing for ``PHALANX_DRIVER_TIMEOUT`` seconds, or sees
@@ -33,6 +36,7 @@ from .envvars import ENV_HOST as ENV_HOST
 from .envvars import ENV_PDEATHSIG as ENV_PDEATHSIG
 from .envvars import ENV_RANK as ENV_RANK
 from .envvars import ENV_RDZV as ENV_RDZV
+from .envvars import ENV_SAMPLE as ENV_SAMPLE
 from .envvars import ENV_THREADS as ENV_THREADS
 from .envvars import ENV_TIMEOUT as ENV_TIMEOUT
 from .envvars import ENV_WORLD_SIZE as ENV_WORLD_SIZE
@@ -95,10 +99,12 @@ class Ready:
 
 @dataclass(frozen=True)
 class Result:
-    """What a rank's app returned for task ``task``."""
+    """What a rank's app returned for task ``task``; ``sample``: the rank's final resource
+    sample of the task (sampling on), in the same message: no extra one per task."""
 
     task: int
     value: Any
+    sample: Sample | None = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,27 @@ class Failed:
 
     task: int | None
     failure: RankFailure
+    sample: Sample | None = None  # as Result's
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A rank's resources while task ``task`` runs (``runtime.sampler``): cumulative since the
+    task started, but ``cpu`` (percent of one core over the last interval, children included)
+    and the memory (bytes: ``rss`` the rank's own, ``peak_rss`` the high-water mark)."""
+
+    task: int
+    rank: int
+    ts: float  # time.time() of the reading
+    host: str
+    cpu: float
+    rss: int
+    peak_rss: int
+    sent: int  # payload bytes the rank's collectives sent to other ranks
+    received: int
+    comm_s: float  # seconds inside collectives
+    elapsed: float  # seconds since the task started (compute: elapsed - comm_s)
+    final: bool = False  # the one taken as the task ended (it comes with its Result or Failed)
 
 
 @dataclass(frozen=True)
@@ -130,7 +157,7 @@ class Shutdown:
     """Leave: close the communicator and exit."""
 
 
-ToDriver = Hello | Ready | Result | Failed | Disconnected
+ToDriver = Hello | Ready | Result | Failed | Sample | Disconnected
 ToRank = Run | Shutdown
 
 

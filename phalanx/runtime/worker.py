@@ -81,12 +81,28 @@ def _connect(address: str, authkey: bytes, within_s: float) -> Connection:
     deadline, pause = time.monotonic() + within_s, 0.05
     while True:
         try:
-            return Client((host, int(port)), authkey=authkey)
+            return _no_delay(Client((host, int(port)), authkey=authkey))
         except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, EOFError):
             if time.monotonic() + pause > deadline:
                 raise
             time.sleep(pause)
             pause = min(pause * 2, 1.0)
+
+
+def _no_delay(conn: Connection) -> Connection:
+    """Small messages sent back to back (a periodic resource sample, then a task's result)
+    leave at once, not the second after the driver's delayed acknowledgement of the first
+    (Nagle's algorithm: ~40 ms)."""
+    import socket
+
+    sock = socket.socket(fileno=os.dup(conn.fileno()))  # the same socket; closing the duplicate keeps it
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:  # not TCP
+        pass
+    finally:
+        sock.close()
+    return conn
 
 
 class DriverWatch(threading.Thread):
@@ -173,8 +189,16 @@ def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv, own: set[int]) -> 
     """Run apps until Shutdown; ``own``: processes this rank had before its first app (not the
     app's: they stay)."""
     from . import protocol as P
+    from .sampler import Sampler, interval_s
     from .tasks import failure_from_exception, resolve_app
 
+    lock = threading.Lock()  # the sampler's thread sends on the connection too
+
+    def send(msg: P.ToDriver) -> None:
+        with lock:
+            P.send(conn, msg)
+
+    sampler = Sampler(send, env.rank, env.comm, interval_s(), P.rank_host())
     while True:
         msg: P.ToRank = P.loads(watch.inbox.get())  # the driver's end ends this process (DriverWatch)
         if isinstance(msg, P.Shutdown):
@@ -183,18 +207,19 @@ def _serve(conn: Connection, watch: DriverWatch, env: BSPEnv, own: set[int]) -> 
             return 0
         env.params = dict(msg.params or {})
         failure: BaseException | None = None
-        try:
-            result = resolve_app(msg.app)(env, *msg.args, **msg.kwargs)
-        except BaseException as exc:
-            failure = exc
-        _end_of_app(own)
+        with sampler.running(msg.task):  # its final sample goes with the result
+            try:
+                result = resolve_app(msg.app)(env, *msg.args, **msg.kwargs)
+            except BaseException as exc:
+                failure = exc
+            _end_of_app(own)
         try:
             if failure is None:
-                P.send(conn, P.Result(msg.task, result))
+                send(P.Result(msg.task, result, sampler.final))
         except BaseException as exc:  # a result that cannot be pickled
             failure = exc
         if failure is not None:
-            P.send(conn, P.Failed(msg.task, failure_from_exception(env.rank, failure)))
+            send(P.Failed(msg.task, failure_from_exception(env.rank, failure), sampler.final))
 
 
 def _end_of_app(own: set[int]) -> None:

@@ -7,7 +7,9 @@ backend (UCX, a shared-memory one) is one small file plus a registry line.
 
 from __future__ import annotations
 
+import functools
 import pickle
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -24,9 +26,38 @@ NUMPY_REDUCE = {"sum": np.add.reduce, "min": np.minimum.reduce, "max": np.maximu
 
 
 class Communicator(ABC):
-    """Collectives among the ``world_size`` ranks of one gang."""
+    """Collectives among the ``world_size`` ranks of one gang.
+
+    Every public collective is accounted (``_ACCOUNTED``, wrapped once here for every backend):
+    ``comm_seconds`` spent inside collectives (the outermost call: a wait for a late peer
+    included), and the payload ``bytes_sent`` to and ``bytes_received`` from other ranks, as
+    the outermost call that measures sees it (an ``exchange`` its buffers, an
+    ``exchange_tables`` its tables' Arrow bytes; an object collective lets the bytes collective
+    inside count its pickle); a rank's own part, a backend's framing and control rounds are not
+    counted.  ``runtime.sampler`` reports them.
+    """
 
     name: str = "abstract"
+    # the accounting: class defaults, so a backend's __init__ need not call the base's
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    comm_seconds: float = 0.0
+    _depth: int = 0  # accounted calls in progress (a collective built on another)
+    _claimed: bool = False  # a call in progress measures the bytes (those inside it do not)
+    _since: float = 0.0  # perf_counter() at which the collective in progress began (0: none)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for attr, measure in _ACCOUNTED.items():
+            fn = cls.__dict__.get(attr)
+            if fn is not None and not getattr(fn, "_accounted", False):
+                setattr(cls, attr, _accounted(fn, measure))
+
+    def comm_time(self) -> float:
+        """Seconds spent in collectives so far, the one in progress included (a sampler thread
+        reads it while the rank waits for a late peer)."""
+        since = self._since
+        return self.comm_seconds + (time.perf_counter() - since if since else 0.0)
 
     @classmethod
     def from_env(cls, rank: int, world_size: int, rendezvous_url: str, timeout_s: float) -> Communicator:
@@ -178,6 +209,114 @@ class Communicator(ABC):
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} rank={self.rank} world_size={self.world_size}>"
+
+
+# ---- accounting (Communicator's docstring) --------------------------------------------------------
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+# (self, args, kwargs, result) -> (sent, received); None: the collective inside measures (an object's pickle)
+Measure = Callable[[Communicator, Args, Kwargs, Any], tuple[int, int]] | None
+
+
+def _accounted(fn: Callable[..., Any], measure: Measure) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def collective(self: Communicator, *args: Any, **kwargs: Any) -> Any:
+        outermost = self._depth == 0
+        claim = measure is not None and not self._claimed  # the outermost call that measures
+        self._depth += 1
+        if claim:
+            self._claimed = True
+        t0 = time.perf_counter()
+        if outermost:
+            self._since = t0
+        try:
+            result = fn(self, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            if claim:
+                self._claimed = False
+            if outermost:
+                self.comm_seconds += time.perf_counter() - t0
+                self._since = 0.0
+        if claim:
+            try:
+                sent, received = measure(self, args, kwargs, result)  # type: ignore[misc]  # claim: not None
+            except Exception:  # an argument of an unexpected type: uncounted, never a failure
+                sent = received = 0
+            self.bytes_sent += sent
+            self.bytes_received += received
+        return result
+
+    collective._accounted = True  # type: ignore[attr-defined]  # marks it wrapped
+    return collective
+
+
+def _others(sizes: Sequence[Any], me: int) -> int:
+    """The bytes of every rank's entry but ``me``'s."""
+    return int(sum(int(n) for n in sizes)) - (int(sizes[me]) if me < len(sizes) else 0)
+
+
+def _nbytes(buffers: Sequence[Any]) -> list[int]:
+    return [memoryview(b).nbytes for b in buffers]
+
+
+def _arg(args: Args, kwargs: Kwargs, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _alltoallv(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    return _others(_arg(args, kwargs, 1, "send_counts"), c.rank), _others(result[1], c.rank)
+
+
+def _exchange(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    return _others(_nbytes(_arg(args, kwargs, 0, "buffers")), c.rank), _others(_nbytes(result), c.rank)
+
+
+def _exchange_contiguous(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    return _others(_arg(args, kwargs, 1, "send_counts"), c.rank), _others(_nbytes(result), c.rank)
+
+
+def _exchange_tables(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    parts = _arg(args, kwargs, 0, "parts")
+    return _others([t.nbytes for t in parts], c.rank), _others([t.nbytes for t in result], c.rank)
+
+
+def _allgather(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    return _arg(args, kwargs, 0, "data").nbytes * (c.world_size - 1), _others([b.nbytes for b in result], c.rank)
+
+
+def _broadcast(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    if c.rank == _arg(args, kwargs, 1, "root", 0):
+        return result.nbytes * (c.world_size - 1), 0
+    return 0, result.nbytes
+
+
+def _allreduce(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    n = _arg(args, kwargs, 0, "array").nbytes * (c.world_size - 1)
+    return n, n
+
+
+def _nothing(c: Communicator, args: Args, kwargs: Kwargs, result: Any) -> tuple[int, int]:
+    return 0, 0
+
+
+# The public collectives and how each measures its payload.  Not on_root / on_every_rank: they
+# run local steps (timed as compute) around the object collectives that are accounted.
+_ACCOUNTED: dict[str, Measure] = {
+    "alltoallv": _alltoallv,
+    "allgather_bytes": _allgather,
+    "broadcast_bytes": _broadcast,
+    "allreduce": _allreduce,
+    "barrier": _nothing,
+    "exchange": _exchange,
+    "exchange_contiguous": _exchange_contiguous,
+    "exchange_tables": _exchange_tables,
+    "allgather_obj": None,  # its pickles' bytes: allgather_bytes counts them
+    "broadcast_obj": None,
+    "allreduce_scalar": None,
+}
+for _name, _measure in _ACCOUNTED.items():  # the base class's own (its subclasses': __init_subclass__)
+    setattr(Communicator, _name, _accounted(getattr(Communicator, _name), _measure))
 
 
 # ---- Arrow IPC streams in caller-provided memory (used by exchange_tables) --------------------

@@ -389,6 +389,7 @@ def _driver_unknown(run: dict) -> bool:
 def cmd_status(args: argparse.Namespace) -> int:
     from .orchestrator.detached import driver_log
     from .orchestrator.rundb import RunDB
+    from .orchestrator.samples import latest_attempts, rank_lines
 
     db = RunDB(args.state)
     if not args.run:
@@ -423,6 +424,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     stages = db.stages(args.run)
     several = len({s.get("site") for s in stages if s.get("site")}) > 1  # a run over several sites
     causes = attempt_causes(db.attempts(args.run))
+    sampled = latest_attempts(db.samples(args.run))  # each rank's newest resource sample (orchestrator.samples)
     for s in stages:
         rows = ", ".join(f"{k} {v[0]:,} rows" for k, v in s["outputs"].items())
         took = f"{s['ended'] - s['started']:.1f}s" if s["ended"] and s["started"] else ""
@@ -444,6 +446,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             where = f"; {fetched / 1e6:.1f} MB fetched, {i.get('read_here', 0) / 1e6:.1f} MB here" if fetched else ""
             where += crossing_text(i.get("crossed"))
             print(f"      ← {local}: {i['dataset']} {i['rows']:,} rows {i['bytes'] / 1e6:.1f} MB ({i['plan']}{where})")
+        for line in rank_lines(sampled.get(s["stage"], [])):  # CPU, memory, traffic per rank; the straggler
+            print(f"      {line}")
     return 0
 
 
@@ -490,8 +494,12 @@ def cmd_logs(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        if args.follow:
+            return _follow_logs(db, args)
         sys.stdout.write(log.read_text(errors="replace"))
         return 0
+    if args.follow:
+        return _follow_logs(db, args)
     attempts = db.attempts(args.run, args.stage)
     if not attempts:
         print(
@@ -512,6 +520,36 @@ def cmd_logs(args: argparse.Namespace) -> int:
             for line in f.read_text(errors="replace").splitlines():
                 print(f"[{stage} attempt {a['attempt']} rank {rank}] {line}")
     return 0
+
+
+def _follow_logs(db, args: argparse.Namespace) -> int:
+    """``phalanx logs RUN --follow``: the lines of every attempt (or the detached driver's log)
+    as they are written, until the run ends; then its state, and 0 if it succeeded, as ``phalanx
+    wait``.  Ctrl-C stops the following, not the run."""
+    from .orchestrator.detached import driver_log
+    from .orchestrator.logfollow import follow, follow_file
+    from .orchestrator.rundb import FINAL
+
+    def ended() -> bool:
+        run = db.run(args.run)
+        return run is None or run["state"] in FINAL
+
+    try:
+        if args.driver:
+            for text in follow_file(driver_log(db, args.run), ended, 0.25, sys.stdout.flush):
+                print(text)
+        else:
+            lines = follow(db, args.run, args.stage, args.rank, args.attempt, poll_s=0.25, on_wait=sys.stdout.flush)
+            for line in lines:  # flushed whenever it waits: a pipe (| grep) sees each line within 0.25 s
+                print(f"[{line.stage} attempt {line.attempt} rank {line.rank}] {line.text}")
+    except KeyboardInterrupt:
+        return 130
+    except KeyError:  # removed from the run DB meanwhile: reported below
+        pass
+    run = db.run(args.run)
+    state = run["state"] if run else f"removed from {db.path}"
+    print(f"phalanx logs: run {args.run} {state}", file=sys.stderr)
+    return 0 if state == "succeeded" else 1
 
 
 def _store(args: argparse.Namespace):
@@ -613,6 +651,56 @@ def cmd_store_sessions(store) -> None:
         print(line)
 
 
+def cmd_ui(args: argparse.Namespace) -> int:
+    """The live dashboard: serves until Ctrl-C; prints its address, token included."""
+    from .orchestrator.rundb import RunDB
+    from .store.service import read_token_file
+    from .ui.server import Dashboard
+
+    db = RunDB(args.state)
+    try:
+        store = _store(argparse.Namespace(root=args.root, session="default"))
+    except Exception as exc:  # the store's root refused, Redis down: the runs are still shown
+        print(f"phalanx ui: no store page ({type(exc).__name__}: {exc})", file=sys.stderr)
+        store = None
+    token = read_token_file(args.token_file) if args.token_file else None
+    try:
+        board = Dashboard(db, host=args.host, port=args.port, token=token, store=store)
+    except OSError as exc:
+        print(f"phalanx ui: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    print(f"phalanx ui: runs of {db.path}" + (f", store {store.root}" if store is not None else ""))
+    print(f"open {board.url}", flush=True)  # the token: this terminal's user only (as Jupyter's)
+    try:
+        board.serve()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    """Prometheus' /metrics for the run DB (a headless driver's host): serves until Ctrl-C."""
+    from .observe.metrics import MetricsServer
+    from .orchestrator.rundb import RunDB
+    from .store.service import read_token_file
+
+    db = RunDB(args.state)
+    token = read_token_file(args.token_file) if args.token_file else None
+    try:
+        server = MetricsServer(db, host=args.host, port=args.port, token=token, runs=args.runs)
+    except (OSError, ValueError) as exc:
+        print(f"phalanx metrics: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+        return 1
+    how = "a bearer token (--token-file)" if token else "no token: any user of this machine can scrape it"
+    print(f"phalanx metrics: runs of {db.path}; {how}")
+    print(f"scrape {server.url}", flush=True)
+    try:
+        server.serve()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     for path, text in schema_files(Path(args.out)).items():
         path.write_text(text)
@@ -695,6 +783,12 @@ def main(argv: list[str] | None = None) -> int:
     lg.add_argument("--rank", type=int)
     lg.add_argument("--attempt", type=int)
     lg.add_argument("--driver", action="store_true", help="the driver's own output (a run started with --detach)")
+    lg.add_argument(
+        "--follow",
+        "-f",
+        action="store_true",
+        help="every attempt's lines as they are written, until the run ends (exit status as `phalanx wait`)",
+    )
     lg.add_argument("--state")
     lg.set_defaults(fn=cmd_logs)
 
@@ -736,6 +830,28 @@ def main(argv: list[str] | None = None) -> int:
     )
     gc.add_argument("-v", "--verbose", action="store_true", help="say why each kept session stays")
     s.set_defaults(fn=cmd_store)
+
+    ui = sub.add_parser("ui", help="a live web dashboard of runs, their ranks, logs and the store (Ctrl-C stops it)")
+    ui.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: a free one)")
+    ui.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine's users only)"
+    )
+    ui.add_argument("--root", help="store directory whose datasets it shows (as phalanx store --root)")
+    ui.add_argument("--token-file", help="a file holding the token (default: a new one, printed in the address)")
+    ui.add_argument("--state")
+    ui.set_defaults(fn=cmd_ui)
+
+    me = sub.add_parser(
+        "metrics", help="serve Prometheus metrics of runs, stages and ranks at /metrics (Ctrl-C stops it)"
+    )
+    me.add_argument("--port", type=int, default=9465, help="port (default 9465; 0: a free one)")
+    me.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; another needs --token-file)"
+    )
+    me.add_argument("--token-file", help="a file (mode 0600) holding the bearer token every scrape must present")
+    me.add_argument("--runs", type=int, default=20, help="the newest runs exported, besides running ones (default 20)")
+    me.add_argument("--state")
+    me.set_defaults(fn=cmd_metrics)
 
     sc = sub.add_parser("schema", help="write the JSON Schemas of workflow and site files")
     sc.add_argument("--out", default="docs")

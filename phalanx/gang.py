@@ -32,6 +32,7 @@ from .paths import default_log_root
 from .procs import pid_alive
 from .runtime import protocol as P
 from .runtime.rendezvous import backend_for, new_gang_id
+from .runtime.sampler import interval_s as sample_interval_s
 from .runtime.tasks import check_app
 from .store import Store
 
@@ -141,11 +142,24 @@ class Gang:
         self.ready_seconds: float | None = None
         self.pids: list[int] = []
         self.hosts: list[str] = []  # where each rank runs (from its hello)
+        # called with each resource sample a rank sends while an app runs (runtime.sampler), in
+        # a control reader thread; the latest per rank: ``samples``
+        self.on_sample: Callable[[P.Sample], None] | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property
     def running(self) -> bool:
         return self._launcher is not None
+
+    @property
+    def samples(self) -> dict[int, P.Sample]:
+        """The latest resource sample of each rank (``runtime.sampler``); empty before the first."""
+        return dict(self._control.samples) if self._control is not None else {}
+
+    def _sampled(self, sample: P.Sample) -> None:
+        sink = self.on_sample
+        if sink is not None:
+            sink(sample)
 
     def health(self) -> str | None:
         """None when every rank is alive and connected, else what is wrong: a gang kept idle
@@ -173,11 +187,16 @@ class Gang:
         if self.running:
             return self
         t0 = time.perf_counter()
+        try:
+            sample_s = sample_interval_s()
+        except ValueError as exc:
+            raise GangError(str(exc)) from None
         launcher, log_dir = self._prepare()
-        self._control = ControlServer(self.world_size, self.control_host)
+        self._control = ControlServer(self.world_size, self.control_host, on_sample=self._sampled)
         rank_env = self._rank_env(
             {
                 **self._control.rank_env(),
+                P.ENV_SAMPLE: f"{sample_s:g}",  # the driver's setting, on every executor
                 P.ENV_COMM: self.communicator,
                 P.ENV_TIMEOUT: str(self.comm_timeout),
                 # Functions are pickled by reference to their module: ranks must import what the

@@ -39,15 +39,17 @@ def sleeper(env):
 
 
 def gated(env):
-    """Writes params.dir/pid.<rank> and waits (≤ params.wait_s) until the test creates
-    params.dir/go, then seals ``gated`` (one row per rank)."""
+    """Writes params.dir/pid.<rank>, says so, and waits (≤ params.wait_s) until the test
+    creates params.dir/go, then seals ``gated`` (one row per rank)."""
     d = Path(env.params["dir"])
     (d / f"pid.{env.rank}").write_text(str(os.getpid()))
+    print(f"gated rank {env.rank}: waiting for {d / 'go'}", flush=True)  # what a deferred task's log shows
     deadline = time.monotonic() + float(env.params.get("wait_s", 120))
     while not (d / "go").exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{d / 'go'} never appeared")
         time.sleep(0.02)
+    print(f"gated rank {env.rank}: go", flush=True)
     return {"gated": px.DataFrame.from_arrow(pa.table({"rank": [env.rank]}), env)}
 
 

@@ -40,3 +40,14 @@ def collectives(env):
 
 def nothing(env):
     return env.rank
+
+
+def hog(env):
+    """Rank 0 allocates (and touches) HELD_MB, then frees it."""
+    held = np.ones(HELD_MB << 20, dtype=np.uint8) if env.rank == 0 else None
+    del held
+
+
+def calm(env):
+    """Allocates nothing much."""
+    env.comm.barrier()

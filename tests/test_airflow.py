@@ -303,7 +303,14 @@ def test_trigger_serialises_polls_without_blocking_the_loop_and_is_idempotent(af
         return event
 
     event = asyncio.run(main())
-    assert event == {"run_id": run_id, "state": "succeeded", "polls": 3, "timed_out": False, "since": 0.0}
+    assert event == {
+        "run_id": run_id,
+        "state": "succeeded",
+        "polls": 3,
+        "timed_out": False,
+        "since": 0.0,
+        "streamed": True,
+    }
     again = asyncio.run(main())  # run twice (a triggerer restarted): the same answer
     assert again["state"] == "succeeded" and again["run_id"] == run_id
 
@@ -312,29 +319,80 @@ def test_trigger_on_kill_cancels_a_detached_run_and_leaves_no_rank(af, tmp_path)
     from phalanx.integrations.airflow import PhalanxRunTrigger
 
     db = rundb()
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "phalanx.cli",
-            "run",
-            str(TESTS / "airflow_dags" / "sleeper.yaml"),
-            "--detach",
-            f"--set=stages.sleep.params.dir={tmp_path}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(TESTS)},
-    )
-    assert r.returncode == 0, r.stderr
-    run_id = r.stdout.split()[0]
+    run_id = detach(TESTS / "airflow_dags" / "sleeper.yaml", f"--set=stages.sleep.params.dir={tmp_path}")
     pids = _wait_for_pids(tmp_path, 2, db, run_id)
     trigger = PhalanxRunTrigger(run_id, state=str(db.state_dir))
     asyncio.run(trigger.on_kill())  # Airflow >= 3.3 calls it when a deferred task is marked failed or cleared
     assert db.run(run_id)["state"] == "cancelled"
     assert not [p for p in pids if alive(p)]
     assert processes_left(af) == []
+
+
+def test_trigger_streams_the_ranks_lines_to_its_log_while_the_run_goes_on(af, tmp_path):
+    """A real detached run whose two ranks say they wait, then wait for the test: the trigger
+    (its async generator, as the triggerer drives it) logs both ranks' lines while the run is
+    still running and no event has fired; after ``go``, every line of each rank's log file,
+    once and in order, before the event (``streamed``: the task does not copy them again)."""
+    import structlog
+
+    from phalanx.integrations.airflow import PhalanxRunTrigger
+
+    db = rundb()
+    wf = tmp_path / "talk.yaml"
+    wf.write_text(
+        "name: px-talk\nsite: local\nstages:\n  talk:\n    app: airflow_apps:gated\n    ranks: 2\n"
+        f"    params: {{dir: {json.dumps(str(tmp_path))}, wait_s: 120}}\n    outputs: [gated]\n"
+    )
+    run_id = detach(wf)
+    trigger = PhalanxRunTrigger(run_id, state=str(db.state_dir), poll_interval=0.05)
+
+    def said(logs: list[dict]) -> list[str]:
+        return [e["event"] % tuple(e.get("positional_args", ())) for e in logs]
+
+    async def main():
+        with structlog.testing.capture_logs() as logs:
+            events = trigger.run()
+            fired = asyncio.ensure_future(events.__anext__())
+            deadline = time.monotonic() + 120
+            while sum("waiting for" in line for line in said(logs)) < 2:
+                assert not fired.done() and time.monotonic() < deadline, said(logs)
+                await asyncio.sleep(0.02)
+            before = said(logs)
+            state = db.run(run_id)["state"]
+            (tmp_path / "go").touch()
+            event = await asyncio.wait_for(fired, 120)
+            await events.aclose()
+        return before, state, said(logs), event.payload
+
+    try:
+        before, state, after, event = asyncio.run(main())
+    finally:
+        (tmp_path / "go").touch()
+    assert state == "running"  # the lines came while the run went on
+    for rank in (0, 1):
+        assert f"[rank {rank}] talk: gated rank {rank}: waiting for {tmp_path / 'go'}" in before
+    assert event["state"] == "succeeded" and event["streamed"] is True
+    (attempt,) = db.attempts(run_id)
+    for rank in (0, 1):  # each rank's file, every line once and in order, as the trigger logged them
+        on_disk = (Path(attempt["log_dir"]) / f"rank-{rank}.log").read_text().splitlines()
+        assert f"gated rank {rank}: go" in on_disk
+        mine = [line for line in after if line.startswith(f"[rank {rank}] talk: ")]
+        assert mine == [f"[rank {rank}] talk: {line.removeprefix(f'[rank {rank}] ')}" for line in on_disk]
+    assert after[-1].endswith("polls of the run database)")  # the ranks' lines came before the event
+    assert processes_left(af) == []
+
+
+def detach(workflow: Path, *options: str) -> str:
+    """``phalanx run WORKFLOW --detach OPTIONS`` (its ranks import tests/airflow_apps.py): the run id."""
+    r = subprocess.run(
+        [sys.executable, "-m", "phalanx.cli", "run", str(workflow), "--detach", *options],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(TESTS)},
+    )
+    assert r.returncode == 0, r.stderr
+    return r.stdout.split()[0]
 
 
 def _wait_for_pids(d: Path, n: int, db, run_id: str, timeout: float = 120) -> list[int]:
@@ -696,6 +754,29 @@ def _deployed_run(deployed, run_id: str) -> dict:
     from phalanx.orchestrator.rundb import RunDB
 
     return RunDB(deployed.state).run(run_id) or {}
+
+
+def test_deployed_a_deferred_tasks_log_shows_its_ranks_lines_while_deferred(deployed):
+    """The rank's line (it waits for the test) in the try's log as the UI reads it (REST API,
+    every source merged: the trigger's file beside the task's) while the task is deferred."""
+    from infra.airflow_deploy import wait_for
+
+    d, (dag_run, folder, run_id) = deployed.d, deployed.runs["fail"]
+    line = f"[rank 0] gated: gated rank 0: waiting for {folder / 'go'}"
+    log = wait_for(
+        "the rank's line in the deferred try's log",
+        lambda: _containing(d.log("px_deployed", dag_run, "gated", 1), line),
+        60,
+        0.3,
+        lambda: "\n" + d.log("px_deployed", dag_run, "gated", 1),
+    )
+    assert d.ti("px_deployed", dag_run, "gated")["state"] == "deferred"  # the task has not resumed
+    assert _deployed_run(deployed, run_id)["state"] == "running"
+    assert log.index("Pausing task as DEFERRED") < log.index(line) and log.count(line) == 1
+    trigger_files = list(
+        (d.logs / "dag_id=px_deployed" / f"run_id={dag_run}" / "task_id=gated").glob("attempt=1.log.trigger.*.log")
+    )
+    assert any(line in f.read_text() for f in trigger_files), trigger_files  # written by the triggerer
 
 
 def test_deployed_clearing_a_deferred_task_resumes_its_run_in_the_next_try(deployed):

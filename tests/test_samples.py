@@ -176,3 +176,23 @@ def test_every_backend_counts_the_payload_of_each_collective(communicator, env, 
         assert [s.final for s in mine][-1:] == [True] and not any(s.final for s in mine[:-1])
         assert latest[rank] == mine[-1] and (mine[-1].sent, mine[-1].received) == (sent, received)
         assert mine[-1].task == 1 and mine[-1].comm_s <= mine[-1].elapsed
+
+
+@pytest.mark.slow  # two stages on one kept gang
+def test_a_tasks_peak_is_its_own_not_its_processs(tmp_path, monkeypatch):
+    """The second stage runs on the processes the first used (a kept gang): rank 0's peak in it
+    must not carry the first stage's HELD_MB."""
+    monkeypatch.setenv(P.ENV_SAMPLE, "0.1")
+    db = RunDB(tmp_path / "state")
+    stages = {
+        "hog": Stage(app="sample_apps:hog", ranks=RANKS),
+        "calm": Stage(app="sample_apps:calm", ranks=RANKS, needs=["hog"]),
+    }
+    result = run_workflow(Workflow(name="peaks", stages=stages), Site(name="peaks", cores=RANKS), db=db)
+    assert result.ok, result.failed
+    gangs = {a["stage"]: a["gang_id"] for a in db.attempts(result.run_id)}
+    assert gangs["hog"] == gangs["calm"]  # the same processes
+    hog = {r["rank"]: r for r in db.samples(result.run_id, "hog")}
+    calm = {r["rank"]: r for r in db.samples(result.run_id, "calm")}
+    assert hog[0]["peak_rss"] - hog[1]["peak_rss"] > 0.75 * (HELD_MB << 20)
+    assert hog[0]["peak_rss"] - calm[0]["peak_rss"] > 0.75 * (HELD_MB << 20)

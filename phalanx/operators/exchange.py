@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from ..observe import tracing
 from ..runtime.comm.base import Communicator, read_ipc_stream
 
 
@@ -35,12 +36,21 @@ def exchange_tables(comm: Communicator, parts: list[pa.Table], schema: pa.Schema
     between co-located ranks of ``gloo`` and ``shm`` (``runtime/comm/shm.py``)."""
     if comm.world_size == 1:
         return [parts[0]]
+    if tracing.on():  # a span with the rows and bytes moved (observe/tracing.py; off: this check only)
+        return tracing.exchange_span("exchange", comm, parts, lambda: comm.exchange_tables(parts, schema))
     return comm.exchange_tables(parts, schema)
 
 
 def allgather_tables(comm: Communicator, table: pa.Table) -> list[pa.Table]:
     if comm.world_size == 1:
         return [table]
+    if tracing.on():
+        parts = [table] * comm.world_size
+        return tracing.exchange_span("allgather", comm, parts, lambda: _allgather(comm, table))
+    return _allgather(comm, table)
+
+
+def _allgather(comm: Communicator, table: pa.Table) -> list[pa.Table]:
     return [deserialize(b) for b in comm.allgather_bytes(serialize(table))]
 
 

@@ -5,7 +5,9 @@ It has the run's header; a timeline (one lane per stage, one bar per attempt col
 state, inside it one thin bar per rank for the app's own run, and under them a line from when
 the stage got its slots: the gap before an attempt's bar is its gang starting, the gaps around
 the rank bars are handing the app over and collecting its results); a table per stage with
-the rows and bytes of its outputs and inputs and each input's repartition path; the failed
+the rows and bytes of its outputs and inputs and each input's repartition path, and its
+ranks' resources (the newest sample of each: CPU, memory, bytes sent and received, time in
+collectives, the straggler marked; and each rank's memory over time); the failed
 attempts' errors; and the run's events.  Everything taken from the workflow or the run (names,
 errors, messages) is HTML-escaped, with any credential in it masked.
 """
@@ -24,6 +26,7 @@ from ..private import FILE_MODE, makedirs, opener
 from ..redact import redact
 from .retry import label
 from .rundb import FINAL, RunDB
+from .samples import comm_share, compute_s, latest_attempts, straggler
 
 COLOURS = {
     "succeeded": "#2f9e55",
@@ -68,10 +71,13 @@ def summary(db: RunDB, run_id: str) -> dict:
     events = db.events(run_id)
     reused = {e["stage"] for e in events if e["kind"] in ("reused", "cached")}  # cached: an earlier run's outputs
     attempts = [_attempt(a, run, now) for a in db.attempts(run_id)]
+    sampled = latest_attempts(db.samples(run_id, latest=False))  # its latest attempt's, by rank and time
     stages = []
     for s in db.stages(run_id):
         mine = sorted((a for a in attempts if a["stage"] == s["stage"]), key=lambda a: a["attempt"])
-        stages.append({**s, "attempt_list": mine, "reused": s["stage"] in reused})
+        stages.append(
+            {**s, "attempt_list": mine, "reused": s["stage"] in reused, "samples": sampled.get(s["stage"], [])}
+        )
     ends = [run["ended"] or now] + [a["until"] for a in attempts] + [s["ended"] or 0 for s in stages]
     return {"run": run, "stages": stages, "events": events, "t0": run["started"], "t1": max(ends)}
 
@@ -338,7 +344,55 @@ def _stage_section(st: dict, i: int, t0: float) -> str:
     return (
         f'<section class="stage" id="stage-{i}" data-stage="{esc(st["stage"])}">\n'
         f'<h3 class="stage-name">{esc(st["stage"])}</h3>\n<table class="kv">{kv}</table>\n'
-        f"{_outputs_table(st['outputs'])}\n{_inputs_table(st['inputs'])}\n{_attempts_table(st, t0)}\n</section>"
+        f"{_outputs_table(st['outputs'])}\n{_inputs_table(st['inputs'])}\n{_attempts_table(st, t0)}\n"
+        f"{_ranks_table(st.get('samples') or [])}\n</section>"
+    )
+
+
+def _ranks_table(series: list[dict]) -> str:
+    """Each rank's newest resource sample (``orchestrator.samples``), then its memory over time."""
+    if not series:
+        return ""
+    latest = list({r["rank"]: r for r in series}.values())  # sorted by rank, then time: the last wins
+    slow = straggler(latest)
+    rows = "".join(
+        f'<tr class="rank{" straggler" if slow and r["rank"] == slow.rank else ""}" data-rank="{r["rank"]}">'
+        f'<td class="num">{r["rank"]}</td><td>{esc(r["host"] or "")}</td><td class="num">{r["cpu"] or 0:.0f}%</td>'
+        f"{_bytes_cell(r['rss'] or 0, 'rss')}{_bytes_cell(r['peak_rss'] or 0, 'peak')}"
+        f"{_bytes_cell(r['sent'] or 0, 'sent')}{_bytes_cell(r['received'] or 0, 'received')}"
+        f'<td class="num">{comm_share(r):.0f}%</td><td class="num">{compute_s(r):.2f}s</td>'
+        f'<td class="num">{r["elapsed"] or 0:.2f}s</td></tr>'
+        for r in latest
+    )
+    note = f'<p class="straggler">{esc(str(slow))}</p>' if slow else ""
+    return (
+        '<table class="ranks"><caption>ranks (newest sample)</caption><tr><th>rank</th><th>host</th><th>cpu</th>'
+        "<th>rss</th><th>peak rss</th><th>sent</th><th>received</th><th>in collectives</th><th>compute</th>"
+        f"<th>elapsed</th></tr>{rows}</table>{note}{_rss_svg(series)}"
+    )
+
+
+def _rss_svg(series: list[dict], width: int = 480, height: int = 120) -> str:
+    """Each rank's rss over the task's elapsed seconds: one line per rank (two samples at least)."""
+    lines: dict[int, list[tuple[float, int]]] = {}
+    for r in series:
+        lines.setdefault(r["rank"], []).append((r["elapsed"] or 0.0, r["rss"] or 0))
+    if max(len(points) for points in lines.values()) < 2:
+        return ""
+    span = max(t for points in lines.values() for t, _ in points) or 1.0
+    top = max(m for points in lines.values() for _, m in points) or 1
+    palette = ("#3b7dd8", "#d64545", "#2f9e55", "#e39b2d", "#8e44ad", "#16a085", "#7f8c8d", "#c0392b")
+    polylines = "".join(
+        f'<polyline class="rss" data-rank="{rank}" fill="none" stroke="{palette[i % len(palette)]}" points="'
+        + " ".join(f"{40 + (width - 50) * t / span:.1f},{height - 20 - (height - 30) * m / top:.1f}" for t, m in points)
+        + f'"><title>rank {rank}</title></polyline>'
+        for i, (rank, points) in enumerate(sorted(lines.items()))
+    )
+    return (
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="rss" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">'
+        f'<text x="4" y="12" fill="#555">rss per rank (max {esc(_size(top))}) over {esc(_duration(span))}</text>'
+        f'<line x1="40" y1="{height - 20}" x2="{width - 10}" y2="{height - 20}" stroke="#bbb"/>{polylines}</svg>'
     )
 
 
@@ -498,4 +552,5 @@ svg.timeline { border: 1px solid #ddd; max-width: 100%; height: auto; }
 .legend i.rank { background: #555; height: 4px; vertical-align: 2px; }
 .legend i.span { background: #9a9a9a; height: 2px; vertical-align: 3px; }
 table.events td:nth-child(5) { font-family: ui-monospace, Menlo, Consolas, monospace; }
+tr.straggler td { background: #fff4e0; } p.straggler { color: #a05a00; }
 """

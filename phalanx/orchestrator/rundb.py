@@ -39,6 +39,9 @@ CREATE TABLE IF NOT EXISTS allocations (
     run_id TEXT NOT NULL, stage TEXT, executor TEXT NOT NULL, ident TEXT NOT NULL,
     record TEXT NOT NULL, created REAL NOT NULL, released REAL,
     PRIMARY KEY (run_id, executor, ident));
+CREATE TABLE IF NOT EXISTS samples (
+    run_id TEXT, stage TEXT, attempt INTEGER, rank INTEGER, ts REAL, host TEXT, cpu REAL, rss INTEGER,
+    peak_rss INTEGER, sent INTEGER, received INTEGER, comm_s REAL, elapsed REAL);
 """
 # Columns added since the first version of the schema: (table, column, type); added to older databases on open.
 _ADDED = [
@@ -52,11 +55,16 @@ _ADDED = [
     ("stages", "site", "TEXT"),  # the site a stage runs on (a workflow on several sites)
     ("attempts", "cause", "TEXT"),  # why an attempt failed: oom, timeout, exit:3... (orchestrator/retry.py)
     ("stages", "fp_hash", "TEXT"),  # its fingerprint's hash: what caching across runs looks up
+    ("stages", "deps", "TEXT"),  # the stages it waits for (JSON list): the DAG the dashboard draws
 ]
 # Made with the columns they index (IF NOT EXISTS: every migration runs them)
-_INDEXES = ["CREATE INDEX IF NOT EXISTS stages_by_fp_hash ON stages (fp_hash, state)"]
+_INDEXES = [
+    "CREATE INDEX IF NOT EXISTS stages_by_fp_hash ON stages (fp_hash, state)",
+    "CREATE INDEX IF NOT EXISTS samples_by_rank ON samples (run_id, stage, attempt, rank, ts)",
+]
+_SAMPLE_COLUMNS = ("rank", "ts", "host", "cpu", "rss", "peak_rss", "sent", "received", "comm_s", "elapsed")
 _TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
-_JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint"}
+_JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint", "deps"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 
 
@@ -191,6 +199,14 @@ class RunDB:
                 "UPDATE stages SET site=? WHERE run_id=? AND stage=?", [(v, run_id, k) for k, v in sites.items()]
             )
 
+    def set_stage_deps(self, run_id: str, deps: dict[str, set[str]]) -> None:
+        """The stages each stage waits for (``validate.dependencies``): the run's DAG."""
+        with self._con() as con:
+            con.executemany(
+                "UPDATE stages SET deps=? WHERE run_id=? AND stage=?",
+                [(json.dumps(sorted(v)), run_id, k) for k, v in deps.items()],
+            )
+
     def set_run(self, run_id: str, state: str) -> None:
         ended = time.time() if state in FINAL else None
         with self._con() as con:
@@ -289,13 +305,53 @@ class RunDB:
             )
 
     # ---- reads --------------------------------------------------------------------------
+    def add_samples(self, run_id: str, stage: str, attempt: int, rows: list[dict]) -> None:
+        """Per-rank resource samples of a running stage (``runtime.sampler``), in one transaction;
+        each row has the keys of ``_SAMPLE_COLUMNS`` (a missing one is NULL)."""
+        if not rows:
+            return
+        values = [(run_id, stage, attempt, *(row.get(k) for k in _SAMPLE_COLUMNS)) for row in rows]
+        marks = ",".join("?" * (3 + len(_SAMPLE_COLUMNS)))
+        with self._con() as con:
+            con.execute("BEGIN IMMEDIATE")
+            try:
+                con.executemany(
+                    f"INSERT INTO samples (run_id, stage, attempt, {', '.join(_SAMPLE_COLUMNS)}) VALUES ({marks})",
+                    values,
+                )
+                con.execute("COMMIT")
+            except BaseException:
+                if con.in_transaction:
+                    con.execute("ROLLBACK")
+                raise
+
+    def samples(self, run_id: str, stage: str | None = None, latest: bool = True) -> list[dict]:
+        """A run's resource samples (of one stage); ``latest``: only the newest of each (stage,
+        attempt, rank), ordered by stage, attempt and rank; else every one, ordered by time."""
+        where, params = ("run_id=?", (run_id,)) if stage is None else ("run_id=? AND stage=?", (run_id, stage))
+        if not latest:
+            return self._rows(f"SELECT * FROM samples WHERE {where} ORDER BY ts, stage, attempt, rank", params)
+        return self._rows(
+            f"SELECT run_id, stage, attempt, {', '.join(_SAMPLE_COLUMNS)} FROM (SELECT *, ROW_NUMBER() "
+            f"OVER (PARTITION BY stage, attempt, rank "
+            f"ORDER BY ts DESC, rowid DESC) AS nth FROM samples WHERE {where}) WHERE nth=1 "
+            "ORDER BY stage, attempt, rank",
+            params,
+        )
+
     def run(self, run_id: str) -> dict | None:
         rows = self._rows("SELECT * FROM runs WHERE id=?", (run_id,))
         return self._reconciled(rows[0]) if rows else None
 
-    def runs(self, limit: int = 20) -> list[dict]:
-        rows = self._rows("SELECT * FROM runs ORDER BY started DESC LIMIT ?", (limit,))
+    def runs(self, limit: int = 20, state: str | None = None) -> list[dict]:
+        """The newest runs (in ``state`` only: as recorded, before a dead driver's run is found lost)."""
+        where, params = ("WHERE state=? ", (state,)) if state else ("", ())
+        rows = self._rows(f"SELECT * FROM runs {where}ORDER BY started DESC LIMIT ?", (*params, limit))
         return [self._reconciled(r) for r in rows]
+
+    def run_counts(self) -> dict[str, int]:
+        """How many runs are in each state (as recorded: reading a dead driver's run marks it lost)."""
+        return {r["state"]: r["n"] for r in self._rows("SELECT state, COUNT(*) AS n FROM runs GROUP BY state")}
 
     def _reconciled(self, run: dict) -> dict:
         """A run whose driver died without a word (SIGKILL, a crashed node) is "lost", not
@@ -440,7 +496,7 @@ class RunLockedError(PhalanxError):
 
 def _decoded(row: dict) -> dict:
     for key in _JSON & set(row):
-        row[key] = json.loads(row[key]) if row[key] else ({} if key != "rank_info" else [])
+        row[key] = json.loads(row[key]) if row[key] else ([] if key in ("rank_info", "deps") else {})
     return row
 
 

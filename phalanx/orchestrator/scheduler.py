@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from ..errors import GangError, RankError
 from ..gang import Gang
+from ..observe import tracing
 from ..redact import redact
 from ..runtime.envvars import ENV_PARAM_PREFIX
 from ..store import Store
@@ -31,6 +32,7 @@ from .fingerprint import changes, fingerprints
 from .models import Site, Workflow
 from .retry import RetryState, classify, label, policy_of
 from .rundb import RunDB
+from .samples import SampleRecorder
 from .validate import dependencies, gpu_shortfall
 
 STAGE_APP = "phalanx.orchestrator.stage:run_stage"
@@ -132,6 +134,7 @@ class Scheduler:
         self._skipped_when: dict[str, str] = {}  # stage → why it did not run (its when: or an upstream's)
         self._conditions: dict[str, bool] = {}  # stage → its when: held (evaluated once, when it was ready)
         self.cache = RunCache(self)  # caching across runs (cache.py)
+        self.trace = tracing.for_run(run_id, wf.name, site.name)  # OpenTelemetry spans; hooks that do nothing when off
 
     def at(self, stage: str) -> SiteRun:
         """The site ``stage`` runs on."""
@@ -142,6 +145,16 @@ class Scheduler:
         self.on_event(stage or "", kind, message)
 
     def run(self) -> RunResult:
+        self.trace.start_run()
+        try:
+            result = self._drive()
+        except BaseException as exc:
+            self.trace.end_run("cancelled" if isinstance(exc, KeyboardInterrupt) else "failed", error_summary(exc))
+            raise
+        self.trace.end_run(result.state, "; ".join(f"{s}: {e}" for s, e in result.failed.items()) or None)
+        return result
+
+    def _drive(self) -> RunResult:
         self.on_event("", "run", self.run_id)
         deps = dependencies(self.wf)
         prior = {s["stage"]: s for s in self.db.stages(self.run_id)}
@@ -162,6 +175,7 @@ class Scheduler:
         pending = [s for s in self.wf.stages if s not in done]
         self.db.set_run(self.run_id, "running")
         self.db.set_stage_sites(self.run_id, self.where)
+        self.db.set_stage_deps(self.run_id, deps)
         self._pending = pending
         if len(self.sites) > 1:
             plan = ", ".join(f"{name} on {self.where[name]}" for name in self.wf.stages)
@@ -400,6 +414,7 @@ class Scheduler:
         self.fingerprints = fingerprints(self.wf, deps, self.store)
         self.db.add_stages(self.run_id, {n: self.wf.stages[n].ranks for n in made})
         self.db.set_stage_sites(self.run_id, {n: self.where[n] for n in made})
+        self.db.set_stage_deps(self.run_id, deps)  # the instances, and the fan-in now waiting for them
         self.db.remove_stage(self.run_id, name)
         prior = {s["stage"]: s for s in self.db.stages(self.run_id)}
         for inst in made:
@@ -596,6 +611,16 @@ class Scheduler:
 
     def _run_stage(self, name: str, slots: list[int], reused: Gang | None = None) -> str | None:
         """All attempts of one stage; returns None on success, else the last error summary."""
+        self.trace.start_stage(name, self.wf.stages[name].ranks, self.where.get(name))
+        error: str | None = "failed"
+        try:
+            error = self._attempts(name, slots, reused)
+        finally:
+            state = "succeeded" if error is None else "cancelled" if error == "cancelled" else "failed"
+            self.trace.end_stage(name, state, error)
+        return error
+
+    def _attempts(self, name: str, slots: list[int], reused: Gang | None) -> str | None:
         if self.cache.reuse(name, slots, reused):  # an earlier run's outputs, adopted (cache.py)
             return None
         st = self.wf.stages[name]
@@ -612,6 +637,7 @@ class Scheduler:
                 self.db.set_stage(self.run_id, name, "cancelled", ended=time.time(), error="cancelled")
                 return "cancelled"
             log_dir = self.db.log_dir(self.run_id, name, attempt)
+            self.trace.start_attempt(name, attempt)
             try:
                 if st.kind == "command":
                     failure = self._run_command(name, attempt, slots, log_dir)
@@ -619,6 +645,7 @@ class Scheduler:
                     failure = self._gang_attempt(name, attempt, slots, log_dir, reused)
                     reused = None  # a kept gang serves only the first attempt
                 if failure is None:
+                    self.trace.end_attempt(name, "succeeded")
                     return None
                 error, detail, ranks, cause = failure
             except Exception as exc:  # a bad executor section, an unknown rendezvous...: this stage's
@@ -628,9 +655,11 @@ class Scheduler:
                 detail = f"{error}\n{traceback.format_exc()}"
             if self._cancelled.is_set():
                 self.db.end_attempt(self.run_id, name, attempt, "cancelled", detail, ranks=ranks, cause=cause)
+                self.trace.end_attempt(name, "cancelled", error, cause)
                 self.db.set_stage(self.run_id, name, "cancelled", ended=time.time(), error="cancelled")
                 return "cancelled"
             self.db.end_attempt(self.run_id, name, attempt, "failed", detail, ranks=ranks, cause=cause)
+            self.trace.end_attempt(name, "failed", error, cause)
             self._event(name, "failed", f"attempt {attempt}: {error}")
             decision = retry.after(cause)  # by the stage's retry policy (orchestrator/retry.py)
             if decision.retry or retry.policy.causes:
@@ -691,6 +720,7 @@ class Scheduler:
             gang = self._gang(name, slots, log_dir)
         self._event(name, "start", f"attempt {attempt}: {counted(st.ranks, 'rank')} on slots {slots}, {how}")
         keep = False
+        samples = SampleRecorder(self.db, self.run_id, name, attempt)  # the ranks' resources, while they run
         try:
             with self._lock:
                 self._gangs[name] = gang
@@ -699,8 +729,10 @@ class Scheduler:
             where = gang.status()  # the resource manager's view
             if where:
                 self._event(name, "placed", where)
+            gang.on_sample = samples.add
+            app, first = self.trace.rank_app(name, STAGE_APP)  # traced: the attempt's context goes first
             results = gang.run(
-                STAGE_APP, name, self.wf.app_of(name), inputs, outputs, params=st.params, timeout=st.timeout
+                app, *first, name, self.wf.app_of(name), inputs, outputs, params=st.params, timeout=st.timeout
             )
         except (RankError, GangError) as exc:
             return error_summary(exc), str(exc), failed_ranks(gang, exc), classify(exc)
@@ -714,6 +746,8 @@ class Scheduler:
                 and not self._gpu_slots.get(name)  # its ranks' GPUs go back to the site
             )
         finally:
+            gang.on_sample = None
+            samples.close()  # the ranks' final samples came with their results
             with self._lock:
                 self._gangs.pop(name, None)
                 if keep:
@@ -745,6 +779,7 @@ class Scheduler:
             return error_summary(exc), str(exc), None, classify(exc)
         gang = self._gang(name, slots, log_dir)
         env = {f"{ENV_PARAM_PREFIX}{k.upper()}": str(v) for k, v in st.params.items()}
+        env.update(self.trace.carrier(name))  # TRACEPARENT: the program may continue the trace
         self._event(name, "start", f"attempt {attempt}: {counted(st.ranks, 'rank')} of {command[0]!r} on slots {slots}")
         with self._lock:
             self._gangs[name] = gang

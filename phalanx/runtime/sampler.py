@@ -8,7 +8,8 @@ task's result, so even a task shorter than the interval leaves one.  A sample ho
 - ``cpu``: percent of one core over the last interval, the rank and its waited-for children
   (``os.times``);
 - ``rss``: the rank's own resident memory (RssAnon, the number ``procinfo.memory`` gives the
-  driver's memory watch) and ``peak_rss``, the resident high-water mark (VmHWM);
+  driver's memory watch) and ``peak_rss``, the resident high-water mark (VmHWM) since the task
+  started (reset as it starts: a kept gang's or a warm pool's process has a past);
 - ``sent`` / ``received`` / ``comm_s``: the payload bytes and seconds of the communicator's
   collectives since the task started (``comm.base.Communicator``'s accounting);
 - ``elapsed``: seconds since the task started (compute time: ``elapsed - comm_s``).
@@ -53,15 +54,39 @@ def interval_s(environ: Any = None) -> float:
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _memory() -> tuple[int, int]:
-    """(rss, peak) of this process in bytes: rss as ``procinfo.memory``'s ``private`` (RssAnon:
-    resident minus file-backed and shared pages, from /proc/self/statm, cheaper to read than
-    its status file), peak the resident high-water mark (VmHWM, as ``getrusage`` gives it)."""
+def _reset_peak() -> None:
+    """Start the resident high-water mark (VmHWM) again from the current resident set, so a
+    task's ``peak_rss`` is its own and not the process's whole life (a kept gang, a warm pool's
+    process); Linux ≥ 4.0 (``clear_refs`` 5).  Where it cannot, the peak is the process's."""
+    try:
+        with open("/proc/self/clear_refs", "wb", buffering=0) as f:
+            f.write(b"5")
+    except OSError:
+        pass
+
+
+def _peak() -> int:
+    """The resident high-water mark in bytes: VmHWM (what ``_reset_peak`` resets), else
+    ``getrusage``'s maximum (no /proc: macOS)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     import resource
     import sys
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    peak = peak if sys.platform == "darwin" else peak * 1024
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _memory() -> tuple[int, int]:
+    """(rss, peak) of this process in bytes: rss as ``procinfo.memory``'s ``private`` (RssAnon:
+    resident minus file-backed and shared pages, from /proc/self/statm, cheaper to read than
+    its status file), peak the resident high-water mark since the task started (``_peak``)."""
+    peak = _peak()
     try:
         with open("/proc/self/statm", "rb") as f:
             fields = f.read().split()
@@ -111,6 +136,7 @@ class Sampler:
         if self.every_s <= 0:
             yield
             return
+        _reset_peak()
         comm, now = self.comm, time.perf_counter()
         state = _Task(
             task, (comm.bytes_sent, comm.bytes_received, comm.comm_time()), now, now + self.every_s, now, _cpu_seconds()

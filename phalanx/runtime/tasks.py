@@ -56,6 +56,7 @@ def failure_from_exception(rank: int, exc: BaseException) -> RankFailure:
 _WRAPPERS = {
     (os.path.join("phalanx", "runtime", "worker.py"), "_serve"),
     (os.path.join("phalanx", "orchestrator", "stage.py"), "run_stage"),
+    (os.path.join("phalanx", "observe", "tracing.py"), "traced_app"),  # a traced attempt's ranks
     (os.path.join("phalanx", "integrations", "parsl", "_rank.py"), "__call__"),
     (os.path.join("phalanx", "integrations", "jupyter", "ranks.py"), "__call__"),
 }

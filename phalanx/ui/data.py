@@ -13,6 +13,7 @@ from typing import Any
 from ..orchestrator.report import UnknownRun, summary, timeline_svg
 from ..orchestrator.retry import label
 from ..orchestrator.rundb import FINAL, RunDB
+from ..orchestrator.samples import straggler as find_straggler
 from ..redact import redact, redact_opt
 
 # DAG layout, in SVG units: one column per depth, one row per stage of that depth.
@@ -143,25 +144,17 @@ def _rank_table(st: dict, attempt: dict, samples: dict[tuple[str, int, int], dic
 
 
 def straggler(ranks: list[dict]) -> int | None:
-    """The rank that computed longest while the others waited for it in exchanges — its
-    compute time (elapsed less time in collectives) over 1.25 times the median rank's and over
-    half a second — or None."""
-    compute = {r["rank"]: r["elapsed"] - (r.get("comm_s") or 0.0) for r in ranks if r.get("elapsed") is not None}
-    if len(compute) < 2:
-        return None
-    ordered = sorted(compute.values())
-    median = ordered[(len(ordered) - 1) // 2]
-    rank = max(compute, key=lambda r: compute[r])
-    return rank if compute[rank] > 0.5 and compute[rank] > 1.25 * median else None
+    """The rank the others waited for (``orchestrator.samples.straggler``: the one rule that
+    ``phalanx status`` and the report use too), among the ranks with a sample; or None."""
+    sampled = [r for r in ranks if r.get("elapsed") is not None]
+    found = find_straggler(sampled)
+    return found.rank if found is not None else None
 
 
 def _latest_samples(db: RunDB, run_id: str) -> dict[tuple[str, int, int], dict]:
     """The newest resource sample of each rank of each attempt (none where the run DB has no
     samples: a run of an older phalanx, or sampling off)."""
-    read = getattr(db, "samples", None)
-    if read is None:
-        return {}
-    return {(r["stage"], r["attempt"], r["rank"]): r for r in read(run_id, latest=True)}
+    return {(r["stage"], r["attempt"], r["rank"]): r for r in db.samples(run_id, latest=True)}
 
 
 def failures(stages: list[dict]) -> list[dict]:

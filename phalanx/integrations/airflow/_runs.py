@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ...orchestrator import detached
+from ...orchestrator.logfollow import READ_BYTES, LogCursor, LogLine
 from ...orchestrator.rundb import FINAL, RunDB
 
 RUN_ID_KEY = "phalanx_run_id"  # the task-state key (Airflow >= 3.3) that keeps a task's run id
@@ -200,50 +201,35 @@ def cancel_run(run_id: str, state: str | Path | None, wait: float = 30.0) -> str
 
 
 # ---- the ranks' output ---------------------------------------------------------------------------
-class RankLogs:
-    """The lines ranks of a run write to their log files (``phalanx logs RUN``), as they come:
-    each ``poll()`` returns the complete lines written since the last, prefixed
-    ``[rank N] stage:`` (``stage#2`` from the second attempt on).  Attempts that started
-    before ``since`` (an earlier try's) are left out."""
+def rank_line(line: LogLine) -> str:
+    """A rank's line as the task log shows it: ``[rank N] stage: text`` (``stage#2`` from the
+    second attempt on; ``[launcher]``: the launcher's own)."""
+    stage = line.stage if line.attempt == 1 else f"{line.stage}#{line.attempt}"
+    prefix = f"[rank {line.rank}] " if line.rank is not None else "[launcher] "
+    return f"{prefix}{stage}: {_RANK_LINE.sub('', line.text, count=1)}"
 
-    def __init__(self, db: RunDB, run_id: str, since: float = 0.0):
-        self.db, self.run_id, self.since = db, run_id, since
-        self._offsets: dict[Path, int] = {}
+
+class RankLogs:
+    """The lines ranks of a run write to their log files (``phalanx logs RUN``), as they come,
+    as ``rank_line`` shows them: ``poll()`` returns every complete line written since the last,
+    ``read()`` at most ``max_bytes`` of them (``orchestrator.logfollow.LogCursor``).  Attempts
+    that started before ``since`` (an earlier try's) are left out."""
+
+    def __init__(self, db: RunDB, run_id: str, since: float = 0.0, max_bytes: int = READ_BYTES):
+        self._cursor = LogCursor(db, run_id, since=since, launcher=True, max_bytes=max_bytes)
+
+    def read(self, final: bool = False) -> tuple[list[str], bool]:
+        """New lines (at most ``max_bytes`` of the files), and whether more were left to read."""
+        lines = [rank_line(line) for line in self._cursor.read(final)]
+        return lines, self._cursor.behind
 
     def poll(self, final: bool = False) -> list[str]:
-        lines: list[str] = []
-        for a in self.db.attempts(self.run_id):
-            if not a["log_dir"] or (a["started"] or 0) < self.since - 1:
-                continue
-            stage = a["stage"] if a["attempt"] == 1 else f"{a['stage']}#{a['attempt']}"
-            for f in sorted(Path(a["log_dir"]).glob("*.log"), key=_rank_order):
-                lines += self._read(f, stage, final)
-        return lines
-
-    def _read(self, path: Path, stage: str, final: bool) -> list[str]:
-        start = self._offsets.get(path, 0)
-        try:
-            with open(path, "rb") as f:
-                f.seek(start)
-                data = f.read()
-        except OSError:
-            return []
-        end = len(data) if final else data.rfind(b"\n") + 1  # a line still being written waits
-        if end <= 0:
-            return []
-        self._offsets[path] = start + end
-        rank = path.stem.split("-", 1)[1] if path.stem.startswith("rank-") else None
-        prefix = f"[rank {rank}] " if rank is not None else "[launcher] "
-        out = []
-        for raw in data[:end].decode(errors="replace").splitlines():
-            text = _RANK_LINE.sub("", raw, count=1)
-            out.append(f"{prefix}{stage}: {text}")
-        return out
-
-
-def _rank_order(path: Path) -> tuple[int, str]:
-    stem = path.stem
-    return (int(stem.split("-")[1]), stem) if stem.startswith("rank-") and stem[5:].isdigit() else (1 << 30, stem)
+        out: list[str] = []
+        while True:
+            lines, more = self.read(final)
+            out += lines
+            if not more:
+                return out
 
 
 # ---- what a run produced -------------------------------------------------------------------------

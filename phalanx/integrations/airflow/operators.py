@@ -7,8 +7,8 @@ its inputs from upstream tasks' manifests.  Both:
 - run the workflow through phalanx's own scheduler, in the worker (a run handle, its ranks'
   lines streamed to the task log as ``[rank N] stage: ...``) or — ``deferrable=True``, default
   ``[operators] default_deferrable`` — with a detached driver while the task waits in the
-  triggerer (``PhalanxRunTrigger``), holding no worker slot; the ranks' lines are copied to the
-  task log when the run has ended;
+  triggerer (``PhalanxRunTrigger``), holding no worker slot; the trigger streams the ranks'
+  lines to the task log as they are written;
 - keep the task's run id across tries, so that an Airflow retry resumes the same phalanx run
   (stages whose outputs are sealed are not run again: ``phalanx run --resume``);
 - cancel the run when the task is killed or times out (``cancel_on_kill``), leaving no rank
@@ -256,7 +256,8 @@ class _PhalanxRunOperator(BaseOperator):
         return self._finish(context, launch, db, run_id)
 
     def execute_complete(self, context: Any, event: dict[str, Any] | None = None) -> Any:
-        """Back from the trigger: the ranks' lines and the run's events go to the task log."""
+        """Back from the trigger: the run's events go to the task log, and the ranks' lines
+        unless the trigger streamed them there while the task was deferred."""
         event = event or {}
         since = float(event.get("since") or 0.0)
         db = RunDB(self.state)
@@ -277,7 +278,10 @@ class _PhalanxRunOperator(BaseOperator):
                 and e["kind"] in ("start", "succeeded", "failed", "reused", "rerun", "skipped", "cancelled")
             ):
                 self.log.info("phalanx %s %s: %s", e["stage"], e["kind"], e["message"])
-        self._emit(_runs.RankLogs(db, run_id, since).poll(final=True))
+        if event.get("streamed"):  # the trigger wrote them to this log while the task was deferred
+            self.log.info("phalanx run %s: the ranks' lines were streamed to this log while deferred", run_id)
+        else:
+            self._emit(_runs.RankLogs(db, run_id, since).poll(final=True))
         if event.get("timed_out"):
             self._write_report(db, run_id)
             raise AirflowTaskTimeout(

@@ -5,8 +5,13 @@ worker slot is held while the run goes on.  ``run()`` reads the run database in 
 (``asyncio.to_thread``: never blocking the triggerer's event loop) every ``poll_interval``
 seconds and yields one event when the run has finished — succeeded, failed, cancelled, or lost
 (its driver died) — or when ``end_time`` (the task's ``execution_timeout``) passed, after
-cancelling the run.  Reading is all it does, so running it twice (a triggerer restarted, the
-trigger moved) is harmless.  ``on_kill`` (Airflow >= 3.3: the task marked failed or success,
+cancelling the run.  Meanwhile it streams the ranks' output into the task's log: each poll
+logs the lines the ranks wrote since the last (``[rank N] stage: line``, at most
+``STREAM_BYTES`` of them a poll; the rest once the run has ended), through the trigger's own
+logger, whose lines Airflow 3 writes to the try's log (``attempt=N.log.trigger.ID.log``, which
+the UI shows with it, while the task is deferred and after).  Reading is all it does, so running
+it twice (a triggerer restarted, the trigger moved) is harmless: a restarted trigger streams
+the lines again from the start.  ``on_kill`` (Airflow >= 3.3: the task marked failed or success,
 or cleared, while deferred) cancels the run — every gang stops and no rank process is left —
 unless a newer try of the task owns the run by then (a cleared task's next try re-attached to
 it: ``_runs.RunOwner``), and says what it did in the log of the try it belongs to, where the
@@ -22,7 +27,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime, timezone
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 try:  # Airflow 3.x
     from airflow.triggers.base import BaseTrigger, TriggerEvent
@@ -31,11 +36,17 @@ except ImportError as exc:  # pragma: no cover - without the extra
 
     raise MissingDependencyError("the Airflow provider needs apache-airflow 3: pip install 'phalanx[airflow]'") from exc
 
+if TYPE_CHECKING:
+    from ._runs import RankLogs
+
+STREAM_BYTES = 1 << 20  # the most of the ranks' output one poll copies to the task's log
+
 
 class PhalanxRunTrigger(BaseTrigger):
     """Fires once when phalanx run ``run_id`` (in the run database of ``state``, default
     ``$PHALANX_STATE``) has ended; the event is ``{"run_id", "state", "polls", "timed_out",
-    "since"}`` (``since``: when the deferring try submitted the run, handed back as given).
+    "since", "streamed"}`` (``since``: when the deferring try submitted the run, handed back as
+    given; ``streamed``: the ranks' lines are in the task's log already, ``stream_logs``).
     ``end_time``: a Unix time after which the run is cancelled (the task's execution_timeout).
     ``attempt``: the deferring try, ``{"dag_id", "run_id", "task_id", "map_index", "try_number"}``:
     a kill cancels the run only while no newer try owns it, and is told in that try's log."""
@@ -49,11 +60,13 @@ class PhalanxRunTrigger(BaseTrigger):
         cancel_on_kill: bool = True,
         since: float = 0.0,
         attempt: dict[str, Any] | None = None,
+        stream_logs: bool = True,
     ):
         super().__init__()
         self.run_id, self.state, self.poll_interval = run_id, state, float(poll_interval)
         self.end_time, self.cancel_on_kill, self.since = end_time, cancel_on_kill, since
         self.attempt = dict(attempt) if attempt else None
+        self.stream_logs = stream_logs
 
     def serialize(self) -> tuple[str, dict[str, Any]]:
         return (
@@ -66,6 +79,7 @@ class PhalanxRunTrigger(BaseTrigger):
                 "cancel_on_kill": self.cancel_on_kill,
                 "since": self.since,
                 "attempt": self.attempt,
+                "stream_logs": self.stream_logs,
             },
         )
 
@@ -79,14 +93,23 @@ class PhalanxRunTrigger(BaseTrigger):
 
     def _event(self, state: str, polls: int, timed_out: bool = False) -> TriggerEvent:
         return TriggerEvent(
-            {"run_id": self.run_id, "state": state, "polls": polls, "timed_out": timed_out, "since": self.since}
+            {
+                "run_id": self.run_id,
+                "state": state,
+                "polls": polls,
+                "timed_out": timed_out,
+                "since": self.since,
+                "streamed": self.stream_logs and state != "unknown",
+            }
         )
 
     async def run(self) -> AsyncIterator[TriggerEvent]:
         from ...orchestrator.handle import run_status
         from ...orchestrator.rundb import RunDB
+        from ._runs import RankLogs
 
         db = await asyncio.to_thread(RunDB, self.state)
+        logs = RankLogs(db, self.run_id, self.since, max_bytes=STREAM_BYTES) if self.stream_logs else None
         polls = 0
         while True:
             status = await asyncio.to_thread(run_status, db, self.run_id)
@@ -96,18 +119,31 @@ class PhalanxRunTrigger(BaseTrigger):
                 yield self._event("unknown", polls)
                 return
             if status.finished:
+                await self._stream(logs, final=True)
                 self.log.info("phalanx run %s %s (%d polls of the run database)", self.run_id, status.state, polls)
                 yield self._event(status.state, polls)
                 return
             if self.end_time is not None and time.time() >= self.end_time:
                 self.log.error("phalanx run %s: the task's execution_timeout passed; cancelling the run", self.run_id)
                 state, _ = await asyncio.to_thread(self._cancel)
+                await self._stream(logs, final=True)
                 yield self._event(state, polls, timed_out=True)
                 return
+            await self._stream(logs)
             wait = self.poll_interval
             if self.end_time is not None:
                 wait = max(0.0, min(wait, self.end_time - time.time()))
             await asyncio.sleep(wait)
+
+    async def _stream(self, logs: RankLogs | None, final: bool = False) -> None:
+        """The ranks' new lines to the task's log: one read of at most ``STREAM_BYTES`` (in a
+        thread), or, ``final`` (the run has ended), every line left, ``STREAM_BYTES`` at a time."""
+        while logs is not None:
+            lines, more = await asyncio.to_thread(logs.read, final)
+            for line in lines:
+                self.log.info("%s", line)
+            if not (final and more):
+                return
 
     def _cancel(self) -> tuple[str, int | None]:
         """Cancel the run unless a newer try owns it: (its state after, the newer try or None)."""

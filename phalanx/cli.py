@@ -666,8 +666,8 @@ def cmd_ui(args: argparse.Namespace) -> int:
     token = read_token_file(args.token_file) if args.token_file else None
     try:
         board = Dashboard(db, host=args.host, port=args.port, token=token, store=store)
-    except OSError as exc:
-        print(f"phalanx ui: {exc.strerror or exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:
+        print(f"phalanx ui: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
         return 1
     print(f"phalanx ui: runs of {db.path}" + (f", store {store.root}" if store is not None else ""))
     print(f"open {board.url}", flush=True)  # the token: this terminal's user only (as Jupyter's)

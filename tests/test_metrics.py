@@ -166,9 +166,12 @@ def test_only_the_newest_and_running_runs_are_exported_and_a_token_guards_them(t
     assert one(got, "phalanx_scrape_duration_seconds") < 5
 
 
-def test_a_server_off_loopback_needs_a_token(tmp_path):
+def test_a_server_off_loopback_needs_a_token_and_never_listens_on_every_interface(tmp_path):
     with pytest.raises(ValueError, match="needs a bearer token: --token-file"):
         MetricsServer(RunDB(tmp_path / "state"), host="0.0.0.0", port=0)
+    for wildcard in ("0.0.0.0", "::"):
+        with pytest.raises(ValueError, match="every interface"):
+            MetricsServer(RunDB(tmp_path / "state"), host=wildcard, port=0, token="t")
 
 
 @pytest.mark.slow  # a Python process of its own: ~2 s

@@ -12,6 +12,7 @@ from typing import Any
 from ..extras import require
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+WILDCARD = ("0.0.0.0", "::", "")  # never: a server of phalanx's listens where it is named
 
 
 class AsgiServer:
@@ -20,6 +21,12 @@ class AsgiServer:
 
     def __init__(self, host: str, port: int, what: str):
         self._uvicorn = require("uvicorn", "ui", what)
+        if host in WILDCARD:
+            raise ValueError(
+                f"{what}: --host {host or repr('')} would listen on every interface of this machine: name the "
+                "address users reach it at (this host's address on the cluster network), or keep 127.0.0.1 "
+                "and reach it through an SSH tunnel (ssh -L PORT:127.0.0.1:PORT HOST)"
+            )
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -538,3 +538,19 @@ def test_cli_names_what_failed_and_why_a_downstream_stage_did_not_run(tmp_path):
     assert " FAILED in " in out.stdout
     assert "stage 'first' failed" in out.stderr
     assert "stage 'after' did not run: an upstream stage failed" in out.stderr, out.stderr
+
+
+def test_a_leftover_that_cannot_be_freed_is_tried_again_only_after_a_while(db, monkeypatch):
+    """A reader that polls (the dashboard, `watch phalanx status`) neither hammers an unreachable
+    resource manager nor fills the run's events with the same failure."""
+    from phalanx.orchestrator import rundb
+
+    run_id, _ = db.new_run("wf", "wf.yaml", "local", None, {"s": 1})
+    db.add_allocation(run_id, "s", {"executor": "no-such-executor", "id": "42"})
+    assert db.release_leftovers(run_id) == [] and db.release_leftovers(run_id) == []
+    failures = [e for e in db.events(run_id) if e["kind"] == "release"]
+    assert len(failures) == 1 and "could not release no-such-executor 42" in failures[0]["message"]
+    monkeypatch.setattr(rundb, "RETRY_RELEASE_S", 0.0)  # the pause is over: tried (and reported) again
+    db.release_leftovers(run_id)
+    assert len([e for e in db.events(run_id) if e["kind"] == "release"]) == 2
+    assert db.allocations(run_id)  # still recorded as held: a later reader tries again

@@ -66,6 +66,8 @@ _SAMPLE_COLUMNS = ("rank", "ts", "host", "cpu", "rss", "peak_rss", "sent", "rece
 _TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint", "deps"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
+RETRY_RELEASE_S = 60.0  # a leftover allocation this process failed to free is tried again after this
+_FAILED_RELEASES: dict[tuple[str, str, str, str], float] = {}  # (db, run, executor, id) → when it failed
 
 
 class RunDB:
@@ -384,18 +386,26 @@ class RunDB:
         return run
 
     def release_leftovers(self, run_id: str) -> list[str]:
-        """Free the allocations a driver that is gone left behind; one event per allocation."""
+        """Free the allocations a driver that is gone left behind; one event per allocation.
+        One this process could not free is tried again after ``RETRY_RELEASE_S`` (a reader
+        that polls — the dashboard, a ``watch phalanx status`` — neither hammers an unreachable
+        resource manager nor fills the run's events)."""
         lines = []
         for alloc in self.allocations(run_id):
+            key = (str(self.path), run_id, alloc["executor"], alloc["ident"])
+            if time.monotonic() - _FAILED_RELEASES.get(key, -RETRY_RELEASE_S) < RETRY_RELEASE_S:
+                continue
             try:
                 from ..executors import release
 
                 line = release(alloc["record"])
-            except Exception as exc:  # the resource manager unreachable: try again next time
+            except Exception as exc:  # the resource manager unreachable: try again later
+                _FAILED_RELEASES[key] = time.monotonic()
                 self.event(
                     run_id, "release", f"could not release {alloc['executor']} {alloc['ident']}: {exc}", alloc["stage"]
                 )
                 continue
+            _FAILED_RELEASES.pop(key, None)
             self.mark_released(run_id, alloc["record"])
             self.event(run_id, "release", f"left by the driver: {line}", alloc["stage"])
             lines.append(line)

@@ -281,3 +281,91 @@ def test_the_dashboard_serves_prometheus_metrics_to_a_bearer(db, board, tmp_path
     failed = [s for s in families["phalanx_stages"].samples if s.labels.get("run") == run_id]
     assert {s.labels["state"]: s.value for s in failed if s.value} == {"succeeded": 3, "failed": 1}
     assert httpx.get(f"{board.base}/metrics").status_code == 401
+
+
+# ---- the real Prometheus scrapes them ----------------------------------------------------------
+def prometheus_binary() -> str:
+    """The pinned Prometheus server built by tests/infra/prometheus-build.sh (CI builds it first;
+    PHALANX_REQUIRE_PROMETHEUS=1 there makes its absence a failure, not a skip)."""
+    import subprocess
+
+    script = Path(__file__).parent / "infra" / "prometheus-build.sh"
+    path = subprocess.run([str(script), "--path"], capture_output=True, text=True, check=True).stdout.strip()
+    if not os.access(path, os.X_OK):
+        if os.environ.get("PHALANX_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail(f"no Prometheus at {path}: run {script}")
+        pytest.skip(f"no Prometheus at {path} (tests/infra/prometheus-build.sh builds it)")
+    return path
+
+
+def test_the_real_prometheus_scrapes_the_dashboard_and_phalanx_metrics_with_their_tokens(db, board, tmp_path):
+    import socket
+    import subprocess
+
+    from phalanx.observe.metrics import MetricsServer
+
+    prometheus = prometheus_binary()
+    run_id = finished_run(db, tmp_path)
+    board_token, headless_token = tmp_path / "board.token", tmp_path / "headless.token"
+    board_token.write_text(board.token)
+    headless_token.write_text("headless-secret")
+    for f in (board_token, headless_token):
+        f.chmod(0o600)
+    headless = MetricsServer(db, port=0, token="headless-secret").start()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    config = tmp_path / "prometheus.yml"
+    jobs = [("dashboard", board.port, board_token), ("headless", headless.port, headless_token)]
+    config.write_text(
+        "global: {scrape_interval: 1s, scrape_timeout: 1s}\nscrape_configs:\n"
+        + "".join(
+            f"  - job_name: {job}\n    authorization: {{credentials_file: {token}}}\n"
+            f"    static_configs: [{{targets: ['127.0.0.1:{p}']}}]\n"
+            for job, p, token in jobs
+        )
+    )
+    log = open(tmp_path / "prometheus.log", "w")
+    proc = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    api = f"http://127.0.0.1:{port}/api/v1"
+
+    def get(path, **params):
+        try:
+            return httpx.get(f"{api}/{path}", params=params, timeout=5).json()["data"]
+        except (httpx.HTTPError, ValueError, KeyError):
+            return None  # not up yet
+
+    try:
+        targets = until(
+            lambda: (
+                (t := get("targets"))
+                and len(t["activeTargets"]) == 2
+                and all(a["health"] == "up" for a in t["activeTargets"])
+                and t
+            ),
+            timeout=90,
+            every=0.2,
+        )
+        assert {a["labels"]["job"] for a in targets["activeTargets"]} == {"dashboard", "headless"}
+        for job in ("dashboard", "headless"):
+            found = until(
+                lambda j=job: (r := get("query", query=f'phalanx_stages{{job="{j}",run="{run_id}"}}')) and r["result"],
+                timeout=30,
+                every=0.2,
+            )
+            by_state = {s["metric"]["state"]: float(s["value"][1]) for s in found if float(s["value"][1])}
+            assert by_state == {"succeeded": 3.0, "failed": 1.0}, by_state
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        log.close()
+        headless.stop()

@@ -98,6 +98,7 @@ def test_the_run_view_matches_the_run_db(db, tmp_path):
     r0, r1 = uneven["rank_table"]
     assert r0["comm_s"] >= 0.8 and r1["elapsed"] - r1["comm_s"] >= 0.9
     assert uneven["straggler"] == 1
+    assert r1["cpu"] > r0["cpu"]  # the final sample's CPU share is the whole task's: busy vs blocked
 
 
 def test_every_request_needs_the_token(db, board, tmp_path):

@@ -6,7 +6,7 @@ While an app sent by the driver (``protocol.Run``) runs, a daemon thread reads t
 task's result, so even a task shorter than the interval leaves one.  A sample holds:
 
 - ``cpu``: percent of one core over the last interval, the rank and its waited-for children
-  (``os.times``);
+  (``os.times``); the final sample's: over the whole task;
 - ``rss``: the rank's own resident memory (RssAnon, the number ``procinfo.memory`` gives the
   driver's memory watch) and ``peak_rss``, the resident high-water mark (VmHWM) since the task
   started (reset as it starts: a kept gang's or a warm pool's process has a past);
@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from .comm.base import Communicator
 
 DEFAULT_S = 2.0
+MIN_SPAN_S = 0.25  # a sample's CPU share over less than this is taken over the whole task
 
 
 def interval_s(environ: Any = None) -> float:
@@ -110,6 +111,7 @@ class _Task:
     due: float  # when the next periodic sample is due (perf_counter)
     last_wall: float
     last_cpu: float
+    cpu0: float  # CPU seconds at its start
 
 
 class Sampler:
@@ -138,8 +140,9 @@ class Sampler:
             return
         _reset_peak()
         comm, now = self.comm, time.perf_counter()
+        cpu = _cpu_seconds()
         state = _Task(
-            task, (comm.bytes_sent, comm.bytes_received, comm.comm_time()), now, now + self.every_s, now, _cpu_seconds()
+            task, (comm.bytes_sent, comm.bytes_received, comm.comm_time()), now, now + self.every_s, now, cpu, cpu
         )
         with self._cond:
             self._task = state
@@ -178,7 +181,13 @@ class Sampler:
 
         now, cpu = time.perf_counter(), _cpu_seconds()
         span = now - state.last_wall
-        busy = 100.0 * (cpu - state.last_cpu) / span if span > 0 else 0.0
+        if final or span < MIN_SPAN_S:
+            # the final sample: over the whole task (what a finished stage shows); a span too
+            # short for the clock's ticks (10 ms) to measure would read 0 % or 400 %
+            since, used = now - state.t0, cpu - state.cpu0
+        else:
+            since, used = span, cpu - state.last_cpu
+        busy = 100.0 * used / since if since > 0 else 0.0
         state.last_wall, state.last_cpu = now, cpu
         rss, peak = _memory()
         comm = self.comm

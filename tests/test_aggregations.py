@@ -16,7 +16,7 @@ import pytest
 from reference import make_part
 
 import phalanx as px
-from phalanx.operators import plan
+from phalanx.operators import plan, stats
 
 # 1-4 ranks against DuckDB/pandas: the slow lane (two workers), outside the core lane's 5 minutes
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def sql(query: str, T: pa.Table) -> pa.Table:
 
 # A variance of values near 1e9 keeps 5-8 of its digits whichever way it is merged (each rank's
 # partial is DuckDB's var_pop of the unshifted values); a sum of squares would keep none.
-LOOSE = {"big_var": 1e-4, "big_std": 1e-4, "big": 1e-4}
+LOOSE = {"big_var": 1e-4, "big_std": 1e-4, "big": 1e-4, "big_var0": 1e-4}
 
 
 def assert_close(actual: pa.Table, expected: pa.Table, keys: list[str], rel: float = 1e-9) -> None:
@@ -95,6 +95,9 @@ DECOMPOSABLE = dict(
     v_var=(("v", "var"), "var_samp(v)"),
     big_var=(("big", "var"), "var_samp(big - 1e9)"),  # exact shift: DuckDB's var_samp(big) is off by 1e-7
     w_std=(("w", "std"), "stddev_samp(w)"),
+    v_std0=(("v", "std", 0), "stddev_pop(v)"),  # pandas' ddof
+    big_var0=(("big", "var", 0), "var_pop(big - 1e9)"),
+    z_var2=(("z", "var", 2), "CASE WHEN COUNT(z) > 2 THEN var_samp(z) * (COUNT(z) - 1) / (COUNT(z) - 2) END"),
     z_std=(("z", "std"), "stddev_samp(z)"),
     vw_cov=((("v", "w"), "cov"), "covar_samp(v, w)"),
     vw_corr=((("v", "w"), "corr"), "corr(v, w)"),
@@ -120,6 +123,8 @@ MIXED = {
     **HOLISTIC,
     "v_sum": (("v", "sum"), "COALESCE(SUM(v), 0)"),
     "big_std": (("big", "std"), "stddev_samp(big - 1e9)"),
+    "v_std0": DECOMPOSABLE["v_std0"],
+    "z_var2": DECOMPOSABLE["z_var2"],
 }
 MIXED["bn_all"] = DECOMPOSABLE["bn_all"]
 MIXED["zv_corr"] = DECOMPOSABLE["zv_corr"]
@@ -164,17 +169,24 @@ def test_holistic_aggregations_by_key_match_duckdb_after_one_shuffle(gang, keys,
 def app_skewed(env):
     df = frame(env, hot=0.9)
     g = df.groupby("key").agg(v_std=("v", "std"), v_median=("v", "median"), s_n=("s", "nunique"))
-    return g.collect(root=0), df.groupby("s").std().collect(root=0), df.groupby("s").nunique().collect(root=0)
+    return (
+        g.collect(root=0),
+        df.groupby("s").std().collect(root=0),
+        df.groupby("s").nunique().collect(root=0),
+        df.groupby("s").var(ddof=0).collect(root=0),
+    )
 
 
 def test_a_hot_key_and_the_shortcuts_match_duckdb(gang):
-    by_key, std, nunique = gang.run(app_skewed)[0]
+    by_key, std, nunique, var0 = gang.run(app_skewed)[0]
     T = stat_whole(gang.world_size, hot=0.9)
     q = "SELECT key, stddev_samp(v) AS v_std, quantile_cont(v, 0.5) AS v_median, COUNT(DISTINCT s) AS s_n"
     assert_close(by_key, sql(q + " FROM T WHERE key IS NOT NULL GROUP BY key", T), ["key"])
     numeric = ["key", "v", "w", "b", "z", "big", "bn", "t"]  # the shortcut takes every numeric column
     q = ", ".join(f"stddev_samp({c}::DOUBLE) AS {c}" for c in numeric)
     assert_close(std, sql(f"SELECT s, {q} FROM T WHERE s IS NOT NULL GROUP BY s", T), ["s"])
+    q = ", ".join(f"var_pop({c}::DOUBLE) AS {c}" for c in numeric)
+    assert_close(var0, sql(f"SELECT s, {q} FROM T WHERE s IS NOT NULL GROUP BY s", T), ["s"], rel=1e-7)
     q = ", ".join(f"COUNT(DISTINCT {c}) AS {c}" for c in T.column_names if c != "s")
     assert_close(nunique, sql(f"SELECT s, {q} FROM T WHERE s IS NOT NULL GROUP BY s", T), ["s"])
 
@@ -247,7 +259,9 @@ def app_errors(env):
         lambda: df.groupby("key").agg(x=("v", "quantile", "high")),
         lambda: df.agg(x=("w", "any")),
         lambda: df.groupby("s").agg(x=("v", "corr")),
-        lambda: df.agg(x=("v", "std", 0)),
+        lambda: df.agg(x=("v", "sum", 0)),
+        lambda: df.groupby("key").agg(x=("v", "std", -1)),
+        lambda: df.groupby("key").agg(x=("v", "var", 0.5)),
         lambda: df.groupby("key", combine=True).agg(x=("v", "median"), y=("v", "sum")),
         lambda: df.agg(x=(("v", "nope"), "cov")),
         lambda: df.agg({("v", "w"): "corr"}),
@@ -272,7 +286,81 @@ def test_bad_aggregations_name_the_column_function_and_output(gang):
     assert "[0, 1]" in e[5] and "'high'" in e[5]
     assert "any needs a boolean column" in e[6] and "'w'" in e[6] and "int64" in e[6]
     assert "corr needs two columns" in e[7] and "(('x', 'y'), 'corr')" in e[7]
-    assert "only 'quantile' takes a third element" in e[8]
-    assert "combine=True cannot pre-aggregate x=('v', 'median')" in e[9]
-    assert "KeyError" in e[10] and "'nope'" in e[10]
-    assert "keys of a dict spec are column names" in e[11]
+    assert "only 'quantile'/'quantile_approx' (its q) and 'std'/'var' (ddof) take a third element" in e[8]
+    assert "ddof must be an integer >= 0, got -1" in e[9] and "x=('v', 'std', -1)" in e[9]
+    assert "ddof must be an integer >= 0, got 0.5" in e[10]
+    assert "combine=True cannot pre-aggregate x=('v', 'median')" in e[11]
+    assert "KeyError" in e[12] and "'nope'" in e[12]
+    assert "keys of a dict spec are column names" in e[13]
+
+
+# ---- quantile_approx: merged per-rank sketches, within the documented rank bound ----------------
+APPROX = {f"{c}_q{int(q * 100)}": (c, "quantile_approx", q) for c in ("v", "z", "t") for q in (0.0, 0.5, 0.9, 0.99, 1)}
+
+
+def app_approx(env, keys, hot):
+    with plan.recording() as notes:
+        df = frame(env, hot=hot)
+        out = df.groupby(keys).agg(**APPROX) if keys else df.agg(**APPROX)
+    return out.collect(root=0), notes
+
+
+def _rank_bounds(values: np.ndarray, q: float) -> tuple[float, float]:
+    """The exact order statistics of ranks ⌈⌊p⌋ − ε⌉ and ⌈⌈p⌉ + ε⌉ (1-based, clamped), p = 1 +
+    q(N−1), ε = N/(2K): where docs/operators.md says quantile_approx lands."""
+    s = np.sort(values)  # NaN last, as DuckDB orders them
+    n, k = len(s), stats.APPROX_POINTS
+    pos, eps = 1 + q * (n - 1), n / (2 * k)
+    lo = min(max(math.ceil(math.floor(pos) - eps), 1), n)
+    hi = min(max(math.ceil(math.ceil(pos) + eps), 1), n)
+    return s[lo - 1], s[hi - 1]
+
+
+@pytest.mark.parametrize("keys,hot", [(["b"], 0.3), (["key"], 0.9), (["s"], 0.3), ([], 0.3)], ids=str)
+def test_quantile_approx_is_within_its_rank_bound_and_exact_for_small_groups(gang, keys, hot):
+    out, notes = gang.run(app_approx, keys, hot)[0]
+    n = gang.world_size
+    by = ", ".join(keys) if keys else "NULL"
+    where = " AND ".join(f"{k} IS NOT NULL" for k in keys) or "true"
+    cols = ("v", "z", "t")
+    lists = ", ".join(f"list({c}::DOUBLE) FILTER (WHERE {c} IS NOT NULL) AS {c}" for c in cols)
+    counts = ", ".join(f"COUNT({c}) AS {c}" for c in cols)
+    parts = [stat_part(r, n, hot=hot) for r in range(n)]
+    ranked = pa.concat_tables(
+        [t.append_column("rank", pa.array([r] * t.num_rows, pa.int64())) for r, t in enumerate(parts)]
+    )
+    most = sql(  # the most values of a group one rank holds, per column
+        f"SELECT {by} AS g, {', '.join(f'MAX({c}) AS {c}' for c in cols)} FROM "
+        f"(SELECT {by}, rank, {counts} FROM T WHERE {where} GROUP BY ALL) GROUP BY ALL",
+        ranked,
+    )
+    exact = ", ".join(f"quantile_cont({c}, {q}) AS {name}" for name, (c, _, q) in APPROX.items())
+    groups = sql(f"SELECT {by} AS g, {lists}, {exact} FROM T WHERE {where} GROUP BY ALL", ranked).to_pylist()
+    biggest = {tuple(r.values())[0]: r for r in most.to_pylist()}
+    got = {
+        tuple(row[k] for k in keys) if len(keys) > 1 else row[keys[0]] if keys else None: row for row in out.to_pylist()
+    }
+    assert len(got) == len(groups)
+    sketched = 0
+    for group in groups:
+        row = got[group["g"]]
+        for name, (c, _, q) in APPROX.items():
+            y, values = row[name], np.array(group[c] or [], dtype=np.float64)
+            if not len(values):
+                assert y is None, (group["g"], name)
+                continue
+            big = biggest[group["g"]][c] > stats.APPROX_POINTS and bool(keys) and n > 1
+            sketched += big
+            if not big:  # every rank sent all its values: quantile_cont's answer
+                want = group[name]
+                same = (math.isnan(y) and math.isnan(want)) or math.isclose(y, want, rel_tol=1e-12, abs_tol=1e-12)
+                assert same, (group["g"], name, y, want)
+                continue
+            low, high = _rank_bounds(values, q)
+            if math.isnan(y):
+                assert math.isnan(high), (group["g"], name, low, high)
+            else:
+                assert low <= y and (math.isnan(high) or y <= high), (group["g"], name, low, y, high)
+    if n > 1 and keys in (["b"], ["key"]):  # big groups were sketched, and partials moved
+        assert sketched, "no group was big enough on a rank to be sketched"
+        assert "pre-aggregated before the exchange" in notes, notes

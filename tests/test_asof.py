@@ -144,6 +144,7 @@ def test_merge_asof_numbers_nulls_and_an_empty_side(gang):
 def app_errors(env):
     df = px.DataFrame.from_arrow(left_part(env.rank, env.world_size), env)
     right = px.DataFrame.from_arrow(right_part(env.rank, env.world_size), env)
+    named = right.rename({"key": "rkey"})
     errors = []
     calls = [
         lambda: df.merge_asof(right, on="ts", direction="sideways"),
@@ -153,6 +154,13 @@ def app_errors(env):
         lambda: df.merge_asof(right, on="ts", tolerance=dt.timedelta(seconds=-1)),
         lambda: df.merge_asof(right.rename({"key": "k2"}).assign(key="x"), on="ts", by="key"),
         lambda: df.merge_asof(right, on="ts", by="key", suffixes=("", "")),
+        # left_by / right_by, allow_exact_matches
+        lambda: df.merge_asof(named, on="ts", by="key", left_by="key", right_by="rkey"),
+        lambda: df.merge_asof(named, on="ts", left_by="key"),
+        lambda: df.merge_asof(named, on="ts", left_by=["key", "s"], right_by="rkey"),
+        lambda: df.merge_asof(named, on="ts", left_by="key", right_by="s"),
+        lambda: df.merge_asof(named, on="ts", left_by="key", right_by="nope"),
+        lambda: df.merge_asof(named, on="ts", allow_exact_matches="no"),
     ]
     for call in calls:
         try:
@@ -164,7 +172,9 @@ def app_errors(env):
 
 
 def test_merge_asof_bad_inputs(gang):
-    errors = gang.run(app_errors)[0]
+    every = gang.run(app_errors)
+    assert all(e == every[0] for e in every)  # every rank raised the same, none hung
+    errors = every[0]
     assert "direction must be one of" in errors[0]
     assert "KeyError" in errors[1] and "'nope'" in errors[1]
     assert "numeric or temporal" in errors[2]
@@ -172,3 +182,69 @@ def test_merge_asof_bad_inputs(gang):
     assert "tolerance must be >= 0" in errors[4]
     assert "key 'key' is int64 on the left but string on the right" in errors[5]
     assert "suffixes" in errors[6]
+    both, alone, lengths, types, missing, exact = errors[7:]
+    assert "give by, or left_by and right_by, not both" in both
+    assert "left_by and right_by go together" in alone
+    assert "must name as many columns each" in lengths
+    assert "key/s" in types and "int64 on the left but string on the right" in types
+    assert "KeyError" in missing and "'nope'" in missing
+    assert "allow_exact_matches must be True or False" in exact
+
+
+# (left_by, right_by, direction, tolerance, allow_exact_matches, broadcast): keys of different
+# names (the right's kept in the output), exact matches excluded, through every plan
+NAMED_CASES = [
+    (["key", "s"], ["rkey", "s"], "backward", None, False, False),  # shuffle by key pairs
+    ("key", "rkey", "nearest", dt.timedelta(minutes=90), False, None),  # broadcast right
+    ("key", "rkey", "forward", None, True, False),
+    (None, None, "forward", None, False, False),  # ranges
+    (None, None, "nearest", None, False, False),
+    (None, None, "backward", dt.timedelta(hours=2), False, None),
+]
+
+
+def app_named(env, cases):
+    left = px.DataFrame.from_arrow(left_part(env.rank, env.world_size), env)
+    right = px.DataFrame.from_arrow(right_part(env.rank, env.world_size), env).rename({"key": "rkey"})
+    out = []
+    for lby, rby, direction, tol, exact, broadcast in cases:
+        df = left.merge_asof(
+            right,
+            on="ts",
+            left_by=lby,
+            right_by=rby,
+            tolerance=tol,
+            direction=direction,
+            allow_exact_matches=exact,
+            broadcast=broadcast,
+        )
+        out.append((df.collect(root=0), df.partitioned_by))
+    return out, left.collect(root=0)
+
+
+def test_merge_asof_left_by_right_by_and_no_exact_matches_match_pandas(gang):
+    n = gang.world_size
+    answers, left = gang.run(app_named, NAMED_CASES)[0]
+    right = whole(right_part, n).rename_columns(["ts", "rkey", "price", "s"])
+    lp = left.to_pandas().assign(__gid=np.arange(left.num_rows)).sort_values("ts", kind="stable")
+    rp = right.to_pandas().sort_values("ts", kind="stable")
+    for (lby, rby, direction, tol, exact, broadcast), (got, placed) in zip(NAMED_CASES, answers):
+        options = dict(on="ts", left_by=lby, right_by=rby, direction=direction)
+        options["tolerance"] = pd.Timedelta(tol) if tol is not None else None
+        res = pd.merge_asof(lp, rp, allow_exact_matches=exact, **options)
+        res = res.sort_values("__gid").drop(columns="__gid").reset_index(drop=True)
+        want = pa.Table.from_pandas(res, preserve_index=False)
+        if not exact:  # the data has exact matches: excluding them changes the answer
+            with_exact = pd.merge_asof(lp, rp, **options).sort_values("__gid").reset_index(drop=True)
+            assert not with_exact["price"].equals(res["price"])
+        where = f"left_by={lby} right_by={rby} {direction} tolerance={tol} exact={exact}"
+        assert got.column_names == want.column_names, (where, got.column_names)
+        want = want.cast(got.schema)
+        if lby is not None and broadcast is False and n > 1:  # shuffled by the key pairs
+            assert_same_rows(got, want), where
+            assert placed == tuple([lby] if isinstance(lby, str) else lby), where
+        else:
+            assert got.equals(want), where
+        if lby is not None:  # a matched row's right key equals its left key
+            lk = got["key"].to_pylist()
+            assert all(r is None or r == k for k, r in zip(lk, got["rkey"].to_pylist())), where

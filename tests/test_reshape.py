@@ -144,16 +144,18 @@ PIVOT_ROWS = 400  # about 100 distinct keys: a pivot on key makes 100 columns
 def app_pivot(env, specs):
     df = frame(env, rows=PIVOT_ROWS)
     out = []
-    for index, columns, values, aggfunc in specs:
-        p = df.pivot(index, columns, values, aggfunc=aggfunc)
+    for index, columns, values, aggfunc, *fill in specs:
+        p = df.pivot(index, columns, values, aggfunc=aggfunc, fill_value=fill[0] if fill else None)
         out.append((p.collect(root=0), p.partitioned_by))
     return out
 
 
-def expected_pivot(t: pa.Table, index, columns, values, aggfunc) -> pa.Table:
+def expected_pivot(t: pa.Table, index, columns, values, aggfunc, fill=None) -> pa.Table:
     index, values = ([index] if isinstance(index, str) else index), ([values] if isinstance(values, str) else values)
     p = t.to_pandas().dropna(subset=[*index, columns])
     wide = p.groupby([*index, columns])[values].agg(aggfunc).unstack(columns)
+    if fill is not None:  # pandas' pivot_table: every missing cell (no rows, NaN) filled
+        wide = wide.fillna(fill)
     whole_numbers = pa.types.is_integer(t.schema.field(columns).type)  # pandas made them floats (nulls)
     labels = [str(int(d)) if whole_numbers else str(d) for _, d in wide.columns]
     wide.columns = [lab if len(values) == 1 else f"{v}_{lab}" for (v, _), lab in zip(wide.columns, labels)]
@@ -170,18 +172,32 @@ PIVOTS = [
 ]
 
 
-@pytest.mark.parametrize("specs", [PIVOTS[:3], PIVOTS[3:]], ids=["sum-mean-count", "min-max-first"])
+FILLED = [
+    ("key", "s", "v", "mean", 0.0),  # all-null groups (NaN in pandas) and absent cells
+    (["b", "key"], "s", ["v", "w"], "sum", -1),
+    ("key", "b", "w", "count", 0),
+    ("key", "s", "v", "std", -1.5),  # one-row groups: null std, filled
+    ("key", "s", "w", "median", 0.25),
+]
+
+
+@pytest.mark.parametrize(
+    "specs", [PIVOTS[:3], PIVOTS[3:], FILLED], ids=["sum-mean-count", "min-max-first", "fill_value"]
+)
 def test_pivot_matches_pandas(gang, specs):
     results = gang.run(app_pivot, specs)[0]
     t = whole(gang.world_size, PIVOT_ROWS)
-    for (index, columns, values, aggfunc), (got, placed) in zip(specs, results):
-        want = expected_pivot(t, index, columns, values, aggfunc)
+    for (index, columns, values, aggfunc, *fill), (got, placed) in zip(specs, results):
+        want = expected_pivot(t, index, columns, values, aggfunc, *fill)
         assert got.column_names == want.column_names, (aggfunc, got.column_names, want.column_names)
         assert_same_rows(
             got, want.cast(pa.schema([pa.field(f.name, got.schema.field(f.name).type) for f in want.schema]))
         )
         keys = [index] if isinstance(index, str) else index
         assert placed is not None and set(placed) <= set(keys)
+        if fill:  # no cell left missing
+            assert sum(got[c].null_count for c in got.column_names if c not in keys) == 0
+            assert any(fill[0] in got[c].to_pylist() for c in got.column_names if c not in keys)
 
 
 def app_pivot_errors(env):
@@ -193,6 +209,7 @@ def app_pivot_errors(env):
         lambda: df.pivot("key", ["s", "b"], "v"),
         lambda: df.pivot("key", "s", "key"),
         lambda: df.pivot("key", "s", "nope"),
+        lambda: df.pivot("key", "s", "w", aggfunc="count", fill_value=0.5),
     ):
         try:
             call()
@@ -203,9 +220,12 @@ def app_pivot_errors(env):
 
 
 def test_pivot_bad_inputs(gang):
-    many, func, cols, same, missing = gang.run(app_pivot_errors)[0]
+    errors = gang.run(app_pivot_errors)
+    assert all(e == errors[0] for e in errors)  # every rank raised the same, none hung
+    many, func, cols, same, missing, fill = errors[0]
     assert "more than 1000 distinct values" in many
     assert "aggfunc must be one of" in func
     assert "one column name" in cols
     assert "must be distinct columns" in same
     assert "'nope'" in missing
+    assert "fill_value=0.5 does not fit the cells of count('w'), which are int64" in fill

@@ -21,7 +21,10 @@ of the right's other columns.  ``nearest`` is a backward and a forward join, the
 Semantics, as pandas: every left row is kept once; ``backward`` picks the right row with the
 largest ``on`` <= the left's, ``forward`` the smallest >=, ``nearest`` the closer (a tie goes
 backward); among right rows tied on ``on``, backward picks the last in frame order and forward the
-first.  ``tolerance`` (a number, or a ``datetime.timedelta`` for temporal ``on``) drops matches
+first.  ``allow_exact_matches=False`` makes those < and > (a right row with the left's very ``on``
+is never picked, in any direction).  ``left_by``/``right_by`` pair key columns of different names
+(position by position); the right's keys whose names differ from the left's stay in the output,
+as pandas keeps them.  ``tolerance`` (a number, or a ``datetime.timedelta`` for temporal ``on``) drops matches
 farther than it.  Null ``by`` keys match each other (as in ``merge``).  Unlike pandas (which
 raises), a null left ``on`` matches nothing and right rows with a null ``on`` are never picked.
 Unmatched rows get nulls.  Columns: the left's, then the right's without ``on`` and ``by``;
@@ -68,38 +71,74 @@ def merge_asof(
     direction: str = "backward",
     suffixes: tuple[str, str] = ("_x", "_y"),
     broadcast: bool | None = None,
+    left_by: str | Sequence[str] | None = None,
+    right_by: str | Sequence[str] | None = None,
+    allow_exact_matches: bool = True,
 ) -> DataFrame:
     """The as-of join of ``left`` and ``right`` (collective); see the module's docstring.
     ``broadcast``: True always replicates the right side, False never, None when it is small."""
-    keys = as_list(by)
-    _check(left, right, on, keys, tolerance, direction, suffixes)
+    lby, rby = _by_pairs(by, left_by, right_by)
+    _check(left, right, on, lby, rby, tolerance, direction, suffixes)
+    if not isinstance(allow_exact_matches, bool):
+        raise TypeError(f"merge_asof: allow_exact_matches must be True or False, got {allow_exact_matches!r}")
     if left.env is not right.env:
         raise ValueError("merge_asof: the frames belong to different gangs (envs); join frames of one gang")
-    what = f"MergeAsof {direction} on {on!r}" + (f" by {keys}" if keys else "")
+    what = f"MergeAsof {direction} on {on!r}" + (f" by {lby}" if lby == rby and lby else "")
+    what += f" by {lby} = {rby}" if lby != rby else ""
+    what += "" if allow_exact_matches else " (no exact matches)"
     (table, placed), op = left._run(
-        what, lambda: _merge_asof(left, right, on, keys, tolerance, direction, suffixes, broadcast), right
+        what,
+        lambda: _merge_asof(left, right, on, lby, rby, tolerance, direction, suffixes, broadcast, allow_exact_matches),
+        right,
     )
     return left._new(table, placed, op, right)
 
 
+def _by_pairs(by: Any, left_by: Any, right_by: Any) -> tuple[list[str], list[str]]:
+    """The left's and the right's key columns, pair by pair."""
+    if by is not None and (left_by is not None or right_by is not None):
+        raise ValueError("merge_asof: give by, or left_by and right_by, not both")
+    if (left_by is None) != (right_by is None):
+        raise ValueError("merge_asof: left_by and right_by go together (one column each side per key)")
+    if by is not None:
+        return as_list(by), as_list(by)
+    lby, rby = as_list(left_by), as_list(right_by)
+    if len(lby) != len(rby):
+        raise ValueError(f"merge_asof: left_by {lby} and right_by {rby} must name as many columns each")
+    return lby, rby
+
+
+def _right_out(right_columns: Sequence[str], on: str, lby: list[str], rby: list[str]) -> list[str]:
+    """The right's columns in the output: all but ``on`` and the keys named as on the left."""
+    shared = {on} | {r for lk, r in zip(lby, rby) if lk == r}
+    return [c for c in right_columns if c not in shared]
+
+
 def _check(
-    left: DataFrame, right: DataFrame, on: str, by: list[str], tolerance: Any, direction: str, suffixes: tuple
+    left: DataFrame,
+    right: DataFrame,
+    on: str,
+    by: list[str],
+    rby: list[str],
+    tolerance: Any,
+    direction: str,
+    suffixes: tuple,
 ) -> None:
     """The same error on every rank (schemas are agreed), before any communication."""
     if direction not in DIRECTIONS:
         raise ValueError(f"merge_asof: direction must be one of {DIRECTIONS}, got {direction!r}")
     if not isinstance(on, str):
         raise TypeError(f"merge_asof: on must be one column name, got {on!r}")
-    if on in by:
+    if on in by or on in rby:
         raise ValueError(f"merge_asof: {on!r} is both the on column and a by column")
     check_columns(left.schema, [on, *by], "merge_asof (left)")
-    check_columns(right.schema, [on, *by], "merge_asof (right)")
+    check_columns(right.schema, [on, *rby], "merge_asof (right)")
     t = _key_type(left.schema.field(on).type, right.schema.field(on).type, on)
     temporal = pa.types.is_temporal(t)
     if not (temporal or pa.types.is_integer(t) or pa.types.is_floating(t)):
         raise TypeError(f"merge_asof: on={on!r} must be numeric or temporal (timestamps, dates), it is {t}")
-    for k in by:
-        _key_type(left.schema.field(k).type, right.schema.field(k).type, k)
+    for k, r in zip(by, rby):
+        _key_type(left.schema.field(k).type, right.schema.field(r).type, k if k == r else f"{k}/{r}")
     if tolerance is not None:
         if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float, dt.timedelta, np.number)):
             raise TypeError(f"merge_asof: tolerance must be a number or a datetime.timedelta, got {tolerance!r}")
@@ -108,7 +147,7 @@ def _check(
             raise TypeError(f"merge_asof: on={on!r} is {t}, so tolerance must be {need}, got {tolerance!r}")
         if (tolerance < dt.timedelta(0)) if isinstance(tolerance, dt.timedelta) else tolerance < 0:
             raise ValueError(f"merge_asof: tolerance must be >= 0, got {tolerance!r}")
-    overlap = (set(left.columns) & set(right.columns)) - {on, *by}
+    overlap = set(left.columns) & set(_right_out(right.columns, on, by, rby))
     if overlap and not (isinstance(suffixes, (tuple, list)) and len(suffixes) == 2 and all(suffixes)):
         raise ValueError(f"merge_asof: columns {sorted(overlap)} are on both sides and suffixes={suffixes!r}")
 
@@ -118,35 +157,39 @@ def _merge_asof(
     right: DataFrame,
     on: str,
     by: list[str],
+    rby: list[str],
     tolerance: Any,
     direction: str,
     suffixes: tuple,
     broadcast: bool | None,
+    exact: bool,
 ) -> tuple[pa.Table, tuple[str, ...] | None]:
-    keys = [on, *by]
-    types = [_key_type(left.schema.field(k).type, right.schema.field(k).type, k) for k in keys]
+    keys, rkeys = [on, *by], [on, *rby]
+    types = [_key_type(left.schema.field(k).type, right.schema.field(r).type, k) for k, r in zip(keys, rkeys)]
     lt = _cast_keys(left.to_arrow(), keys, types)
-    rt = _cast_keys(right.to_arrow(), keys, types)
+    rt = _cast_keys(right.to_arrow(), rkeys, types)
     comm = left.env.comm
     placed = left.partitioned_by
     if comm.world_size > 1:
         sizes = comm.allreduce(np.array([rt.nbytes], dtype=np.int64))
         uncast = lt.schema.equals(left.schema) and rt.schema.equals(right.schema)
         keys_placed = bool(left.partitioned_by) and set(left.partitioned_by or ()) <= set(by)
-        if keys_placed and left.partitioned_by == right.partitioned_by and uncast:
+        pair = dict(zip(by, rby))  # the right's partitioning, as the left's keys would place it
+        right_placed = tuple(pair[k] for k in left.partitioned_by or ()) if keys_placed else None
+        if keys_placed and right_placed == right.partitioned_by and uncast:
             note(f"no exchange: both sides already partitioned by {list(left.partitioned_by or ())}")
         elif broadcast or (broadcast is None and int(sizes[0]) <= BROADCAST_BYTES):
             note(f"Exchange broadcast the right side (allgather): {rows(rt)}")
             rt = concat(allgather_tables(comm, rt), rt.schema)
         elif by:
-            lt, rt = shuffle_table(comm, lt, by), shuffle_table(comm, rt, by)
+            lt, rt = shuffle_table(comm, lt, by), shuffle_table(comm, rt, rby)
             placed = tuple(by)
         else:
             rt = _send_ranges(comm, lt, rt, on)
-    overlap = (set(lt.column_names) & set(rt.column_names)) - set(keys)
+    overlap = set(lt.column_names) & set(_right_out(rt.column_names, on, by, rby))
     if placed and overlap & set(placed):
         placed = None
-    return _join_local(lt, rt, on, by, tolerance, direction, overlap, suffixes), placed
+    return _join_local(lt, rt, on, by, rby, tolerance, direction, overlap, suffixes, exact), placed
 
 
 def _send_ranges(comm, lt: pa.Table, rt: pa.Table, on: str) -> pa.Table:
@@ -186,10 +229,12 @@ def _by_codes(frame: pl.DataFrame, by: list[str]) -> tuple[pl.DataFrame, list[st
     return frame.with_columns(exprs), names
 
 
-def _picks(lt: pa.Table, rt: pa.Table, on: str, by: list[str], tolerance: Any, direction: str) -> pa.Array:
+def _picks(
+    lt: pa.Table, rt: pa.Table, on: str, by: list[str], rby: list[str], tolerance: Any, direction: str, exact: bool
+) -> pa.Array:
     """For every left row (in its order), the position of its right row, or null."""
     lk, codes = _by_codes(kernels.to_polars(lt.select([on, *by])).with_row_index(_L), by)
-    rk, _ = _by_codes(kernels.to_polars(rt.select([on, *by])).with_row_index(_R), by)
+    rk, _ = _by_codes(kernels.to_polars(rt.select([on, *rby])).with_row_index(_R), rby)
     lk = lk.select([_L, on, *codes]).sort(on, maintain_order=True)
     rk = rk.select([_R, pl.col(on).alias(_RON), *codes]).drop_nulls(_RON).sort(_RON, maintain_order=True)
 
@@ -197,7 +242,7 @@ def _picks(lt: pa.Table, rt: pa.Table, on: str, by: list[str], tolerance: Any, d
         with warnings.catch_warnings():  # polars cannot check sortedness within by groups; we sorted
             warnings.simplefilter("ignore")
             out = lk.join_asof(
-                rk, left_on=on, right_on=_RON, by=codes or None, strategy=strategy, allow_exact_matches=True
+                rk, left_on=on, right_on=_RON, by=codes or None, strategy=strategy, allow_exact_matches=exact
             )
         dist = (pl.col(on) - pl.col(_RON)) if strategy == "backward" else (pl.col(_RON) - pl.col(on))
         return out.select(_L, pl.col(_R), dist.alias("d"))
@@ -219,10 +264,20 @@ def _picks(lt: pa.Table, rt: pa.Table, on: str, by: list[str], tolerance: Any, d
 
 
 def _join_local(
-    lt: pa.Table, rt: pa.Table, on: str, by: list[str], tolerance: Any, direction: str, overlap: set, suffixes
+    lt: pa.Table,
+    rt: pa.Table,
+    on: str,
+    by: list[str],
+    rby: list[str],
+    tolerance: Any,
+    direction: str,
+    overlap: set,
+    suffixes,
+    exact: bool = True,
 ) -> pa.Table:
-    picks = _picks(lt, rt, on, by, tolerance, direction)
-    payload = rt.drop_columns([on, *by]).take(picks) if rt.num_columns > len(by) + 1 else None
+    picks = _picks(lt, rt, on, by, rby, tolerance, direction, exact)
+    kept = _right_out(rt.column_names, on, by, rby)
+    payload = rt.select(kept).take(picks) if kept else None
     out = lt.rename_columns([c + suffixes[0] if c in overlap else c for c in lt.column_names])
     for name, column in zip(payload.column_names if payload else [], payload.columns if payload else []):
         out = out.append_column(pa.field(name + suffixes[1] if name in overlap else name, column.type), column)

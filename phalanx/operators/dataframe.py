@@ -438,14 +438,28 @@ class DataFrame:
         direction: str = "backward",
         suffixes: tuple[str, str] = ("_x", "_y"),
         broadcast: bool | None = None,
+        left_by: str | Sequence[str] | None = None,
+        right_by: str | Sequence[str] | None = None,
+        allow_exact_matches: bool = True,
     ) -> DataFrame:
         """pandas' ``merge_asof`` (collective): each left row joined with the right row of the
-        same ``by`` keys whose ``on`` is the nearest earlier (or equal); see ``phalanx.operators.asof``.
+        same ``by`` keys (or ``left_by`` = ``right_by``) whose ``on`` is the nearest earlier (or
+        equal, unless ``allow_exact_matches=False``); see ``phalanx.operators.asof``.
         ``broadcast``: replicate the right side (True), never (False), or when it is small (None)."""
         from .asof import merge_asof
 
         return merge_asof(
-            self, right, on=on, by=by, tolerance=tolerance, direction=direction, suffixes=suffixes, broadcast=broadcast
+            self,
+            right,
+            on=on,
+            by=by,
+            tolerance=tolerance,
+            direction=direction,
+            suffixes=suffixes,
+            broadcast=broadcast,
+            left_by=left_by,
+            right_by=right_by,
+            allow_exact_matches=allow_exact_matches,
         )
 
     def value_counts(
@@ -463,13 +477,19 @@ class DataFrame:
         return value_counts(self, subset, normalize=normalize, sort=sort, ascending=ascending, dropna=dropna)
 
     def pivot(
-        self, index: str | Sequence[str], columns: str, values: str | Sequence[str], aggfunc: str = "sum"
+        self,
+        index: str | Sequence[str],
+        columns: str,
+        values: str | Sequence[str],
+        aggfunc: str = "sum",
+        fill_value: Any = None,
     ) -> DataFrame:
         """A pivot table (collective): one row per ``index``, one column per distinct value of
-        ``columns`` (a small number of them); see ``phalanx.operators.reshape``."""
+        ``columns`` (a small number of them), missing cells ``fill_value`` (default null); see
+        ``phalanx.operators.reshape``."""
         from .reshape import pivot
 
-        return pivot(self, index, columns, values, aggfunc=aggfunc)
+        return pivot(self, index, columns, values, aggfunc=aggfunc, fill_value=fill_value)
 
     def concat(self, *others: DataFrame) -> DataFrame:
         """The union of this frame's rows and ``others``' (collective: columns matched by name);

@@ -38,6 +38,7 @@ class Agg:
     func: str
     other: str | None = None  # corr / cov: the second column
     q: float | None = None  # quantile (median: 0.5)
+    ddof: int = 1  # std / var: divide the sum of squared deviations by n - ddof (pandas)
 
     @property
     def columns(self) -> list[str]:
@@ -45,14 +46,17 @@ class Agg:
 
     def __str__(self) -> str:  # as the user wrote it, for error messages
         column = (self.column, self.other) if self.other else self.column
-        return f"{self.out}=({column!r}, {self.func!r}{'' if self.func != 'quantile' else f', {self.q!r}'})"
+        extra = f", {self.q!r}" if self.func in stats.WITH_Q else f", {self.ddof!r}" if self.ddof != 1 else ""
+        return f"{self.out}=({column!r}, {self.func!r}{extra})"
 
 
 def parse_spec(spec: Mapping[str, Any] | None, named: Mapping[str, Any]) -> list[Agg]:
     """{"v": "sum", "w": ["min", "max"]} and/or out=("v", "sum") → a list of Agg.
 
     A quantile other than the median is a named 3-tuple, ``p90=("v", "quantile", 0.9)`` (a bare
-    "quantile" is q=0.5, as in pandas); corr and cov name two columns, ``r=(("x", "y"), "corr")``."""
+    "quantile" is q=0.5, as in pandas; ``"quantile_approx"`` likewise); std and var take pandas'
+    ``ddof`` the same way, ``s0=("v", "std", 0)`` (default 1); corr and cov name two columns,
+    ``r=(("x", "y"), "corr")``."""
     aggs: list[Agg] = []
     for col, funcs in (spec or {}).items():
         if not isinstance(col, str):
@@ -68,7 +72,7 @@ def parse_spec(spec: Mapping[str, Any] | None, named: Mapping[str, Any]) -> list
         if not (isinstance(value, tuple) and len(value) in (2, 3)):
             raise TypeError(
                 f"agg: named aggregation {out}= needs a (column, function) tuple "
-                f"(or (column, 'quantile', q)), got {value!r}"
+                f"(or (column, 'quantile', q), (column, 'std', ddof)), got {value!r}"
             )
         aggs.append(_agg(out, *value))
     if not aggs:
@@ -80,8 +84,11 @@ def _agg(out: str, column: Any, func: Any, *q: Any) -> Agg:
     shown = (column, func, *q)
     if func not in FUNCS:
         raise ValueError(f"agg: unknown function {func!r} for column {column!r}; supported: {', '.join(FUNCS)}")
-    if q and func != "quantile":
-        raise TypeError(f"agg: {out}={shown!r}: only 'quantile' takes a third element (its q)")
+    if q and func not in (*stats.WITH_Q, *stats.WITH_DDOF):
+        raise TypeError(
+            f"agg: {out}={shown!r}: only 'quantile'/'quantile_approx' (its q) and 'std'/'var' (ddof) "
+            "take a third element"
+        )
     if func in stats.PAIRS:
         if not (isinstance(column, tuple) and len(column) == 2 and all(isinstance(c, str) for c in column)):
             raise TypeError(f"agg: {func} needs two columns, e.g. {out}=(('x', 'y'), {func!r}); got {column!r}")
@@ -94,7 +101,15 @@ def _agg(out: str, column: Any, func: Any, *q: Any) -> Agg:
         raise TypeError(f"agg: {out}={shown!r}: {func} needs a column name")
     if func in stats.QUANTILES:
         return Agg(out, column, func, q=_quantile_q(out, shown, q[0] if q else 0.5))
+    if func in stats.WITH_DDOF and q:
+        return Agg(out, column, func, ddof=_ddof(out, shown, q[0]))
     return Agg(out, column, func)
+
+
+def _ddof(out: str, shown: tuple, ddof: Any) -> int:
+    if isinstance(ddof, bool) or not isinstance(ddof, (int, np.integer)) or ddof < 0:
+        raise ValueError(f"agg: {out}={shown!r}: ddof must be an integer >= 0, got {ddof!r}")
+    return int(ddof)
 
 
 def _quantile_q(out: str, shown: tuple, q: Any) -> float:
@@ -127,8 +142,9 @@ class GroupBy:
     def agg(self, spec: Mapping[str, Any] | None = None, **named: Any) -> DataFrame:
         """``agg({"v": ["sum", "std"]}, p90=("v", "quantile", 0.9), r=(("v", "w"), "corr"))``.
 
-        Functions: sum, count, mean, min, max, first, last, size; std and var (ddof=1, as
-        pandas), corr and cov (of the rows where both columns are set), any and all (boolean
+        Functions: sum, count, mean, min, max, first, last, size; std and var (ddof=1 unless
+        given as a third element, as pandas), quantile_approx (merged per-rank sketches, error
+        bound in ``stats.finish_sketches``), corr and cov (of the rows where both columns are set), any and all (boolean
         columns); median, quantile (DuckDB's ``quantile_cont``, pandas' 'linear') and nunique
         (nulls not counted) are holistic: with any of them raw rows are shuffled by key."""
         aggs = parse_spec(spec, named)
@@ -148,7 +164,7 @@ class GroupBy:
         # rows already placed by a subset of the keys stay placed by that subset
         return df._new(table, df.partitioned_by if placed else self.keys, op)
 
-    def _all(self, func: str, numeric_only: bool) -> DataFrame:
+    def _all(self, func: str, numeric_only: bool, *arg: Any) -> DataFrame:
         cols = [
             f.name
             for f in self.df.schema
@@ -160,7 +176,7 @@ class GroupBy:
                 or pa.types.is_boolean(f.type)
             )
         ]
-        return self.agg({c: func for c in cols})
+        return self.agg(None, **{c: (c, func, *arg) for c in cols}) if arg else self.agg({c: func for c in cols})
 
     def sum(self) -> DataFrame:
         return self._all("sum", True)
@@ -186,11 +202,13 @@ class GroupBy:
     def size(self) -> DataFrame:
         return self.agg(size=(None, "size"))
 
-    def std(self) -> DataFrame:
-        return self._all("std", True)
+    def std(self, ddof: int = 1) -> DataFrame:
+        """Every numeric column's standard deviation, divided by n - ``ddof`` (pandas)."""
+        return self._all("std", True, *([ddof] if ddof != 1 else []))
 
-    def var(self) -> DataFrame:
-        return self._all("var", True)
+    def var(self, ddof: int = 1) -> DataFrame:
+        """Every numeric column's variance, divided by n - ``ddof`` (pandas)."""
+        return self._all("var", True, *([ddof] if ddof != 1 else []))
 
     def median(self) -> DataFrame:
         return self._all("median", True)
@@ -299,7 +317,7 @@ def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
         table = with_rowid(table, comm.rank)
     quantiles = [a for a in aggs if a.func in stats.QUANTILES]
     uniques = [a for a in aggs if a.func == "nunique"]
-    plain = [a for a in aggs if a.func not in stats.HOLISTIC]
+    plain = [a for a in aggs if a.func not in stats.HOLISTIC and a not in quantiles]
     exprs = [e for a in plain for e in _partial_sql(a, table.schema)] + ['COUNT(*) AS "__px_rows"']
     partial = kernels.run_sql(f"SELECT {', '.join(exprs)} FROM __px_t", __px_t=table)
     if uniques:
@@ -388,4 +406,4 @@ def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, com
         finals, source = raw_finals, "__px_partial"
     partial = shuffle_table(comm, kernels.restore_types(partial, table.schema), keys)  # keys' types as given
     final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM {source} GROUP BY {keys_sql}", __px_partial=partial)
-    return kernels.restore_types(final, schema)
+    return kernels.restore_types(stats.finish_sketches(final, aggs) if combine else final, schema)

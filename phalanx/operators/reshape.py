@@ -14,7 +14,8 @@
   distinct values, one allgather; more than ``PIVOT_LIMIT`` is refused before any row moves).
   Then a group-by of (index, columns) aggregates, its result is hash-shuffled by ``index``
   (skipped when already partitioned by it or a subset of it) and every rank spreads its rows into
-  one column per (value, distinct) in one DuckDB pass.
+  one column per (value, distinct) in one DuckDB pass.  ``fill_value`` then replaces every missing
+  cell as pandas' ``fillna`` does: no rows, a null aggregate, or NaN.
 """
 
 from __future__ import annotations
@@ -127,6 +128,19 @@ def value_counts(
 
 
 # ---- pivot -------------------------------------------------------------------------------------
+def _fill(fill_value: Any, t: pa.DataType, value: str, aggfunc: str) -> pa.Scalar | None:
+    """``fill_value`` as a scalar of the cells' type (the same TypeError on every rank, before
+    the pivot's shuffle, when it does not fit it exactly: 0.5 into integer counts, say)."""
+    if fill_value is None:
+        return None
+    try:
+        return pa.scalar(fill_value).cast(t)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError) as exc:
+        raise TypeError(
+            f"pivot: fill_value={fill_value!r} does not fit the cells of {aggfunc}({value!r}), which are {t}: {exc}"
+        ) from None
+
+
 def _pivot_names(values: list[str], distinct: list[Any], index: list[str]) -> list[str]:
     labels = [str(d) for d in distinct]
     names = labels if len(values) == 1 else [f"{v}_{lab}" for v in values for lab in labels]
@@ -158,11 +172,17 @@ def _distinct(df: DataFrame, column: str, index: list[str]) -> pa.Array:
 
 
 def pivot(
-    df: DataFrame, index: str | Sequence[str], columns: str, values: str | Sequence[str], aggfunc: str = "sum"
+    df: DataFrame,
+    index: str | Sequence[str],
+    columns: str,
+    values: str | Sequence[str],
+    aggfunc: str = "sum",
+    fill_value: Any = None,
 ) -> DataFrame:
     """One row per ``index``, one column per distinct ``columns`` value (and ``values`` column:
     ``{value}_{distinct}`` with several, the distinct value alone with one), holding
-    ``aggfunc`` of that value's rows; null where no row has that (index, distinct) pair.  Rows
+    ``aggfunc`` of that value's rows; null where no row has that (index, distinct) pair, or
+    ``fill_value`` there and wherever the aggregate is null or NaN (pandas' pivot_table).  Rows
     whose index or ``columns`` is null are left out (as pandas' pivot_table).  Partitioned by index."""
     keys, vals = as_list(index), as_list(values)
     if not isinstance(columns, str):
@@ -178,6 +198,7 @@ def pivot(
     names = _pivot_names(vals, distinct.to_pylist(), keys)
     parts = [f"__px_pivot_{i}" for i in range(len(vals))]
     grouped = df.groupby([*keys, columns]).agg(None, **{p: (v, aggfunc) for p, v in zip(parts, vals)})
+    fills = [_fill(fill_value, grouped.schema.field(p).type, v, aggfunc) for p, v in zip(parts, vals)]
     placed = grouped.partitioned_by is not None and set(grouped.partitioned_by) <= set(keys)
     by_index = grouped if placed else grouped.shuffle(keys)
     q = kernels.quote_ident
@@ -197,7 +218,16 @@ def pivot(
     def spread(table: pa.Table) -> pa.Table:
         code = pc.index_in(table[columns], value_set=distinct)
         out = kernels.run_sql(query, __px_t=table.append_column(_CODE, code))
-        return kernels.restore_types(out.rename_columns(like.names), like)
+        out = kernels.restore_types(out.rename_columns(like.names), like)
+        if fill_value is None:
+            return out
+        filled = out.columns[: len(keys)]
+        for i, column in enumerate(out.columns[len(keys) :]):
+            fill = fills[i // len(distinct)]
+            if pa.types.is_floating(column.type):
+                column = pc.if_else(pc.is_nan(column), fill, column)
+            filled.append(pc.fill_null(column, fill))
+        return pa.Table.from_arrays(filled, schema=out.schema)
 
     what = f"Pivot {columns!r} ({len(distinct)} distinct values) x {vals} into columns, by {keys} (no exchange)"
     table, op = by_index._run(what, lambda: spread(by_index.to_arrow()))

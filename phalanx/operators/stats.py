@@ -1,5 +1,8 @@
 """The statistical aggregations of ``groupby(...).agg`` and ``agg``: std, var, corr, cov, any,
-all, median, quantile and nunique.
+all, quantile_approx, median, quantile and nunique.
+
+quantile_approx is decomposable: each rank's partial is a sketch of at most ``APPROX_POINTS``
+values per group, merged by the combine step with a stated rank error (``finish_sketches``).
 
 Decomposable ones are partial columns plus a combine step, like sum and mean
 (``phalanx.operators.groupby``): var and std from each partial's count, mean and sum of squared
@@ -42,13 +45,16 @@ from .sort import _sort_codes
 if TYPE_CHECKING:
     from .groupby import Agg
 
-DECOMPOSABLE = ("std", "var", "corr", "cov", "any", "all")
+DECOMPOSABLE = ("std", "var", "corr", "cov", "any", "all", "quantile_approx")
 HOLISTIC = ("median", "quantile", "nunique")
 FUNCS = DECOMPOSABLE + HOLISTIC
-NUMERIC = ("std", "var", "median", "quantile", "corr", "cov")  # integers, floats, decimals, bools
+NUMERIC = ("std", "var", "median", "quantile", "quantile_approx", "corr", "cov")  # ints, floats, decimals, bools
 PAIRS = ("corr", "cov")  # of two columns: out=(("x", "y"), "corr")
 BOOLEAN = ("any", "all")
-QUANTILES = ("median", "quantile")
+QUANTILES = ("median", "quantile", "quantile_approx")
+APPROX_POINTS = 1000  # K: a quantile_approx partial keeps at most K values of its group and rank
+WITH_Q = ("quantile", "quantile_approx")  # a third spec element is q
+WITH_DDOF = ("std", "var")  # a third spec element is ddof
 
 Name = Callable[[str], str]  # a partial column's quoted name
 
@@ -83,6 +89,14 @@ def partial_sql(a: Agg, name: Name) -> list[str]:
     if a.func in ("std", "var"):
         x = _dbl(a.column)
         return [f"COUNT({x}) AS {name('n')}", f"AVG({x}) AS {name('m')}", f"var_pop({x}) * COUNT({x}) AS {name('m2')}"]
+    if a.func == "quantile_approx":  # the sketch: all n sorted values, or K at ranks ⌈(j-½)n/K⌉
+        x, k = _dbl(a.column), APPROX_POINTS
+        n, values = f"COUNT({x})", f"list_sort(list({x}) FILTER (WHERE {x} IS NOT NULL))"
+        ranks = f"list_transform(range(1, {k + 1}), lambda j: ((2 * j - 1) * {n} + {2 * k - 1}) // {2 * k})"
+        return [
+            f"{n} AS {name('n')}",
+            f"CASE WHEN {n} <= {k} THEN {values} ELSE list_select({values}, {ranks}) END AS {name('p')}",
+        ]
     # DuckDB's regr_* aggregates take the rows where both are set: the pairs' count, means,
     # co-moment Σ(x-x̄)(y-ȳ) and sums of squared deviations (x as their second argument)
     args = f"{_dbl(a.other)}, {_dbl(a.column)}"
@@ -123,8 +137,10 @@ def combine_sql(a: Agg, name: Name) -> str:
         return f"COALESCE(bool_or({name('v')}), false)"
     if a.func == "all":
         return f"COALESCE(bool_and({name('v')}), true)"
+    if a.func == "quantile_approx":  # the group's sketches, merged after the query: finish_sketches
+        return f"list(struct_pack(n := {name('n')}, p := {name('p')})) FILTER (WHERE {name('n')} > 0)"
     if a.func in ("std", "var"):
-        var = f"CASE WHEN {n} > 1 THEN {_m2(name, 'm2', 'm', 'gm')} / ({n} - 1) END"
+        var = f"CASE WHEN {n} > {a.ddof} THEN {_m2(name, 'm2', 'm', 'gm')} / ({n} - {a.ddof}) END"
         return f"sqrt({var})" if a.func == "std" else var
     co = f"(SUM({name('c')}) + SUM({name('n')} * ({name('mx')} - {name('gmx')}) * ({name('my')} - {name('gmy')})))"
     if a.func == "cov":
@@ -143,8 +159,65 @@ def raw_sql(a: Agg, name: Name) -> str:
         return f"CAST(COUNT(DISTINCT {name('v')}) AS BIGINT)"
     if a.func in QUANTILES:
         return f"quantile_cont({name('x')}, {float(a.q if a.q is not None else 0.5)!r})"
+    if a.func in WITH_DDOF and a.ddof != 1:  # pandas' ddof: M2 / (n - ddof), null unless n > ddof
+        x, n = name("x"), f"COUNT({name('x')})"
+        var = f"CASE WHEN {n} > {a.ddof} THEN var_pop({x}) * {n} / ({n} - {a.ddof}) END"
+        return f"sqrt({var})" if a.func == "std" else var
     fn = {"std": "stddev_samp", "var": "var_samp", "cov": "covar_samp", "corr": "corr"}[a.func]
     return f"{fn}({name('x')}, {name('y')})" if a.func in PAIRS else f"{fn}({name('x')})"
+
+
+def finish_sketches(table: pa.Table, aggs: Sequence[Agg]) -> pa.Table:
+    """Every quantile_approx column of the combine step's result (per group, a list of each
+    rank's sketch: its count n and its points) replaced by the quantile the merged sketch gives.
+
+    A rank with n ≤ K values sent them all (each of weight 1); one with more sent the values at
+    ranks ⌈(j − ½)n/K⌉, j = 1..K, each standing for n/K values: its count of values ≤ x is then
+    estimated within ±n/2K.  Over the group, the estimate C̃(x) is within ±E/2 of the true count
+    C(x), E = Σ n/K of the sketched ranks ≤ N/K.  For a target rank r the answer is the smallest
+    point with C̃ ≥ r, so its rank is within E/2 of r: between the exact order statistics of
+    ranks ⌈r − E/2⌉ and ⌈r + E/2⌉.  As quantile_cont, r is ⌊p⌋ and ⌈p⌉ for p = 1 + q(N−1),
+    interpolated; exact (to rounding) when no rank holds more than K values of the group.
+    Weights are scaled by K to stay integers."""
+    for a in aggs:
+        if a.func == "quantile_approx" and pa.types.is_list(table.schema.field(a.out).type):
+            col = table.column(a.out).combine_chunks()
+            value = _merged_quantile(col, float(a.q if a.q is not None else 0.5))
+            table = table.set_column(table.column_names.index(a.out), a.out, value)
+    return table
+
+
+def _merged_quantile(col: pa.Array, q: float) -> pa.Array:
+    """``finish_sketches`` for one column of G groups, vectorised over every group's points."""
+    k, g = APPROX_POINTS, len(col)
+    sketches = pc.list_flatten(col)
+    if not len(sketches):
+        return pa.nulls(g, pa.float64())
+    group = np.asarray(pc.list_parent_indices(col))
+    n = np.asarray(sketches.field("n"), dtype=np.int64)
+    points = sketches.field("p")
+    values = np.asarray(pc.list_flatten(points), dtype=np.float64)
+    owner = np.asarray(pc.list_parent_indices(points))
+    sketched = n > np.asarray(pc.list_value_length(points).fill_null(0), dtype=np.int64)
+    total = np.bincount(group, weights=n, minlength=g).astype(np.int64)  # N
+    gid = group[owner]
+    order = np.lexsort((values, gid))  # NaN after every number, as DuckDB sorts
+    values, gid = values[order], gid[order]
+    cum = np.cumsum(np.where(sketched, n, k)[owner][order])  # each point: K × n/m
+    starts = np.searchsorted(gid, np.arange(g), side="left")
+    ends = np.searchsorted(gid, np.arange(g), side="right")
+    has = ends > starts
+    base = np.where(starts > 0, cum[np.maximum(starts - 1, 0)], 0)
+    pos = 1 + q * (np.maximum(total, 1) - 1)
+    lo, hi = np.floor(pos).astype(np.int64), np.ceil(pos).astype(np.int64)
+    last = np.maximum(ends - 1, starts)
+    safe = np.minimum(last, len(values) - 1)
+    low = values[np.minimum(np.clip(np.searchsorted(cum, base + k * lo), starts, last), safe)]
+    high = values[np.minimum(np.clip(np.searchsorted(cum, base + k * hi), starts, last), safe)]
+    frac = pos - lo
+    with np.errstate(invalid="ignore"):
+        out = np.where(frac == 0, low, low * (1 - frac) + high * frac)
+    return pa.array(out, pa.float64(), mask=~has)
 
 
 # ---- without keys: nunique and quantiles of whole columns --------------------------------------

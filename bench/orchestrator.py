@@ -93,49 +93,79 @@ def observe_report(stages: int, ranks: int, site: Site, repeat: int, viewers: in
 
 
 class Watchers:
-    """The dashboard on loopback and ``n`` viewers following the newest run as a browser does."""
+    """``phalanx ui`` as a user runs it (a process of its own) and ``n`` viewers (one more
+    process) following the newest run as a browser does: its server-sent events, a log stream,
+    and the runs list at each update."""
 
     def __init__(self, db: RunDB, n: int):
-        import threading
+        import os
+        import re
+        import subprocess
 
-        import httpx
-
-        from phalanx.ui.server import Dashboard
-
-        self.board = Dashboard(db, port=0).start()
-        self.stopping = threading.Event()
-        self.requests = 0
-        headers = {"authorization": f"Bearer {self.board.token}"}
-
-        def view() -> None:
-            with httpx.Client(base_url=self.board.base, headers=headers, timeout=30) as c:
-                while not self.stopping.is_set():
-                    runs = c.get("/api/runs").json()
-                    self.requests += 1
-                    if not runs or runs[0]["state"] != "running":
-                        time.sleep(0.2)
-                        continue
-                    run = runs[0]["id"]
-                    with (
-                        c.stream("GET", f"/api/runs/{run}/stream") as events,
-                        c.stream("GET", f"/api/runs/{run}/logs") as logs,
-                    ):
-                        for line in events.iter_lines():
-                            self.requests += 1
-                            if self.stopping.is_set() or line.startswith("event: end"):
-                                break
-                            c.get("/api/runs")
-                        logs.close()
-
-        self.threads = [threading.Thread(target=view, daemon=True) for _ in range(n)]
-        for t in self.threads:
-            t.start()
+        env = {**os.environ, "PHALANX_STATE": str(db.state_dir)}
+        self.board = subprocess.Popen(
+            [sys.executable, "-m", "phalanx.cli", "ui", "--port", "0"], stdout=subprocess.PIPE, text=True, env=env
+        )
+        assert self.board.stdout is not None
+        self.board.stdout.readline()
+        url = re.search(r"open (http://\S+)/\?token=(\S+)", self.board.stdout.readline())
+        assert url, "phalanx ui printed no address"
+        self.viewers = subprocess.Popen(
+            [sys.executable, __file__, "--view", url.group(1), "--viewers", str(n)],
+            env={**env, "PHALANX_UI_TOKEN": url.group(2)},  # not in argv
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.viewers.stdout is not None
+        # measured from here: both processes started (their imports done) and every viewer served
+        for _ in range(n):
+            assert self.viewers.stdout.readline().startswith("viewing"), "a viewer did not start"
 
     def stop(self) -> None:
-        self.stopping.set()
-        for t in self.threads:
-            t.join(10)
-        self.board.stop()
+        for proc in (self.viewers, self.board):
+            proc.terminate()
+            proc.wait(30)
+
+
+def view(base: str, n: int) -> None:
+    """``n`` viewers of the dashboard at ``base`` (``--view``), until terminated."""
+    import os
+    import threading
+
+    import httpx
+
+    headers = {"authorization": f"Bearer {os.environ['PHALANX_UI_TOKEN']}"}
+
+    def one() -> None:
+        with httpx.Client(base_url=base, headers=headers, timeout=30) as c:
+            c.get("/api/runs").raise_for_status()
+            print("viewing", flush=True)
+            while True:
+                try:
+                    follow(c)
+                except Exception as exc:  # said, and the viewer goes on (as a browser retries)
+                    print(f"viewer: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                    time.sleep(0.2)
+
+    def follow(c) -> None:
+        got = c.get("/api/runs")
+        got.raise_for_status()
+        runs = got.json()
+        if not runs or runs[0]["state"] != "running":
+            time.sleep(0.2)
+            return
+        run = runs[0]["id"]
+        with c.stream("GET", f"/api/runs/{run}/stream") as events, c.stream("GET", f"/api/runs/{run}/logs"):
+            for line in events.iter_lines():
+                if line.startswith("event: end"):
+                    break
+                c.get("/api/runs").raise_for_status()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def item(env):
@@ -226,11 +256,16 @@ def main() -> None:
     ap.add_argument("--separate", type=int, default=20, help="with --fanout: this many separate runs to compare")
     ap.add_argument("--observe", action="store_true", help="sampling and the dashboard on vs off (the chain)")
     ap.add_argument("--repeat", type=int, default=3, help="with --observe: runs of each mode")
+    ap.add_argument("--view", metavar="URL", help=argparse.SUPPRESS)  # --observe's viewer process
+    ap.add_argument("--viewers", type=int, default=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from phalanx.orchestrator.loading import load_site
 
     site = load_site(args.site)
+    if args.view:
+        view(args.view, args.viewers)
+        return
     if args.observe:
         observe_report(args.stages, args.ranks, site, args.repeat)
         print("cpu pressure:", open("/proc/pressure/cpu").readline().strip())

@@ -248,6 +248,8 @@ def test_the_command_prints_its_address_with_the_token_and_stops_on_ctrl_c(tmp_p
     import sys
 
     env = {**os.environ, "PHALANX_STATE": str(tmp_path / "state"), "PHALANX_STORE": str(tmp_path / "store")}
+    db = RunDB(tmp_path / "state")
+    run_id, _ = db.new_run("wf", "wf.yaml", "local", None, {"s": 1})  # running: this process drives it
     proc = subprocess.Popen(
         [sys.executable, "-m", "phalanx.cli", "ui", "--port", "0"],
         stdout=subprocess.PIPE,
@@ -263,11 +265,18 @@ def test_the_command_prints_its_address_with_the_token_and_stops_on_ctrl_c(tmp_p
         client = httpx.Client(follow_redirects=True)
         page = client.get(url.group(1))  # the printed address works as it is: token → cookie → page
         assert page.status_code == 200 and "app.js" in page.text
-        assert client.get(url.group(1).split("?")[0] + "api/runs").json() == []
-        assert client.get(url.group(1).split("?")[0] + "api/store").json() == []
+        base = url.group(1).split("?")[0]
+        assert [r["id"] for r in client.get(base + "api/runs").json()] == [run_id]
+        assert client.get(base + "api/store").json() == []
+        # a browser following the run: its stream never ends by itself, and must not hold up Ctrl-C
+        with client.stream("GET", base + f"api/runs/{run_id}/stream") as events:
+            assert next(events.iter_lines()) == "event: run"
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=15)
     finally:
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=30)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, err
     assert "Traceback" not in err
 
@@ -370,3 +379,13 @@ def test_the_real_prometheus_scrapes_the_dashboard_and_phalanx_metrics_with_thei
         proc.wait(30)
         log.close()
         headless.stop()
+
+
+def test_an_unreadable_run_db_is_said_as_json_not_a_crash(db, board):
+    c = httpx.Client(base_url=board.base, headers={"authorization": f"Bearer {board.token}"})
+    assert c.get("/api/runs").json() == []
+    for leftover in db.path.parent.glob(db.path.name + "-*"):  # -wal, -shm
+        leftover.unlink()
+    db.path.write_bytes(b"this is not a database" * 100)
+    got = c.get("/api/runs")
+    assert got.status_code == 503 and "not a database" in got.json()["error"]

@@ -12,6 +12,7 @@ from typing import Any
 from ..extras import require
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+GRACE_S = 2  # seconds open streams get to end when the server stops
 WILDCARD = ("0.0.0.0", "::", "")  # never: a server of phalanx's listens where it is named
 
 
@@ -54,7 +55,15 @@ class AsgiServer:
         return f"http://{host}:{self.port}"
 
     def _server(self, app: Any) -> Any:
-        config = self._uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        config = self._uvicorn.Config(
+            app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            # Ctrl-C with a browser still following a run (a server-sent event stream never
+            # ends by itself): those streams are cut after this long instead of awaited forever
+            timeout_graceful_shutdown=GRACE_S,
+        )
         self.server = self._uvicorn.Server(config)
         return self.server
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sqlite3
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -166,7 +167,16 @@ def make_app(db: RunDB, token: str, store: Any = None, hosts: list[str] | None =
     if metrics is not None:  # (an object: Starlette serves a function as a request handler)
         routes.append(Route("/metrics", _Asgi(metrics)))
     allowed = hosts or ["127.0.0.1", "localhost", "::1"]
-    app = Starlette(routes=routes, middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)])
+
+    async def unreadable(request: Request, exc: Exception) -> Response:
+        # the run DB busy, on a full disk, damaged: the page says so and tries again later
+        return JSONResponse({"error": str(exc)}, status_code=503)
+
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(TrustedHostMiddleware, allowed_hosts=allowed)],
+        exception_handlers={sqlite3.Error: unreadable},  # RunDBError is one
+    )
     return TokenGate(app, token)
 
 

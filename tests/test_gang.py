@@ -185,6 +185,7 @@ def sleeping_driver(tmp_path, **env: str) -> tuple[subprocess.Popen, list[int]]:
     return proc, [int(p) for p in line.split()[1:]]
 
 
+@pytest.mark.slow  # several seconds (a CLI run, a Ctrl-C, or 1-4 rank gangs): out of the core lane's 5 minutes
 def test_ctrl_c_stops_every_rank(tmp_path):
     proc, pids = sleeping_driver(tmp_path)
     assert all(alive(p) for p in pids)

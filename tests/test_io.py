@@ -62,6 +62,7 @@ def test_read_parquet_unknown_column_fails_on_every_rank(gang, tmp_path):
     assert "unknown column(s) ['zz']" in str(info.value)
 
 
+@pytest.mark.slow  # several seconds (a CLI run, a Ctrl-C, or 1-4 rank gangs): out of the core lane's 5 minutes
 def test_a_corrupt_parquet_page_names_the_file_row_group_and_column(gang, tmp_path):
     """pyarrow says only "Corrupt snappy compressed data" (issue 22 item 21): every rank that
     reads the damaged page names the file, row group and column."""
@@ -81,6 +82,7 @@ def test_a_corrupt_parquet_page_names_the_file_row_group_and_column(gang, tmp_pa
     assert said in str(info.value)
 
 
+@pytest.mark.slow  # several seconds (a CLI run, a Ctrl-C, or 1-4 rank gangs): out of the core lane's 5 minutes
 def test_a_csv_conversion_pyarrow_cannot_do_names_the_file(gang, tmp_path):
     (tmp_path / "a.csv").write_text("k,x\n1,2\n")
     with pytest.raises(px.RankError, match=r"read_csv: '.*a\.csv' \(bytes 0-\d+\): .*not supported"):
@@ -92,6 +94,7 @@ def app_csv(env, path, column_types=None):
     return df.collect(root=0), df.local_num_rows
 
 
+@pytest.mark.slow  # several seconds (a CLI run, a Ctrl-C, or 1-4 rank gangs): out of the core lane's 5 minutes
 def test_read_csv_splits_one_file_at_line_boundaries(gang, tmp_path):
     rng = np.random.default_rng(3)
     n = 20_000

@@ -125,6 +125,7 @@ def test_downstream_of_a_failed_stage_is_skipped(db):
     assert starts[0].startswith("attempt 1: 1 rank on slots [0], ") and "1 ranks" not in starts[0], starts
 
 
+@pytest.mark.slow  # several seconds (a CLI run, a Ctrl-C, or 1-4 rank gangs): out of the core lane's 5 minutes
 def test_cli_run_and_status(tmp_path):
     wf = tmp_path / "wf.yaml"
     wf.write_text(
@@ -200,6 +201,7 @@ def driver():
             p.wait(timeout=30)
 
 
+@pytest.mark.slow  # several seconds (a CLI run, a Ctrl-C, or 1-4 rank gangs): out of the core lane's 5 minutes
 @pytest.mark.parametrize("how", ["ctrl-c", "phalanx cancel"])
 def test_cancel_stops_every_rank_and_keeps_sealed_outputs(tmp_path, how, driver):
     import signal

@@ -192,7 +192,9 @@ class Gang:
         except ValueError as exc:
             raise GangError(str(exc)) from None
         launcher, log_dir = self._prepare()
-        self._control = ControlServer(self.world_size, self.control_host, on_sample=self._sampled)
+        # weakly: the control server (its reader threads) must not keep the gang alive — a gang
+        # nobody references any more is closed by its finalizer (the notebook's "no longer referenced")
+        self._control = ControlServer(self.world_size, self.control_host, on_sample=_weak_sink(self))
         rank_env = self._rank_env(
             {
                 **self._control.rank_env(),
@@ -624,3 +626,15 @@ def _stop_all_gangs() -> None:
     for gang in list(_live_gangs):
         gang._teardown(graceful=False)
         gang._close_scope()
+
+
+def _weak_sink(gang: Gang) -> Callable[[P.Sample], None]:
+    """``gang._sampled`` through a weak reference (a sample for a gang already gone is dropped)."""
+    ref = weakref.WeakMethod(gang._sampled)
+
+    def sink(sample: P.Sample) -> None:
+        method = ref()
+        if method is not None:
+            method(sample)
+
+    return sink

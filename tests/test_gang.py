@@ -430,3 +430,20 @@ def test_a_stage_timeout_names_the_stopped_rank_not_the_one_waiting_for_it(gang2
         "process is stopped (SIGSTOP, Ctrl-Z or a debugger); rank 0 was still running, most likely waiting for "
         "it in a collective; logs in "
     ), msg
+
+
+def test_a_started_gang_nobody_references_is_freed_at_once():
+    """No reference cycle through the control plane (its sample sink): dropping the last
+    reference frees the gang, and its finalizer closes it, without waiting for the cyclic GC."""
+    import gc
+    import weakref
+
+    g = px.Gang(1)
+    g.start()
+    gone = weakref.ref(g)
+    gc.disable()
+    try:
+        del g
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -37,10 +37,11 @@ bytes, checksum) — the rank counts are the same, so partitions must be byte-id
 equal tables (``pyarrow.Table.equals``: same rows in the same order), whole and partition by
 partition; the partitions of the multi-host run on at least two of px-h1..3 (in fact all
 three for generate's and features'); the run DB's stage inputs record bytes fetched from
-other hosts (and read on the ranks' own), while the local run fetched nothing.  Only
-``features``' inputs are in the run DB: ``train`` reads its input with ``px.ml.loader``, which
-records nothing there (on any site), although it fetches the features partition of the host
-that has no train rank.
+other hosts (and read on the ranks' own), while the local run fetched nothing.  ``train``
+reads its input with ``px.ml.loader``, which records it in the run DB too (rows, bytes, read
+here vs fetched: every train rank holds every partition, so it fetches those of the hosts it
+is not on); the test asserts ``features``' records (its inputs ``tx`` and ``users``) and that
+some stage fetched bytes from another host, not the numbers of ``train``'s.
 """
 
 from __future__ import annotations

@@ -200,6 +200,7 @@ class ExecutorConfig(BaseModel):
 
 
 ConfigT = TypeVar("ConfigT", bound=ExecutorConfig)  # an executor's section model
+PROBE_S = 10.0  # the longest a probe of a site's resource manager waits for its answer
 
 
 def suggest(value: str, known: Sequence[str]) -> str:
@@ -272,6 +273,12 @@ class Executor(ABC, Generic[ConfigT]):
 
     def close_run(self) -> None:
         """The run ended: free what ``open_run`` or later gangs made for the whole run."""
+
+    def probe(self) -> None:
+        """Raise when the site's resource manager does not answer now (a SLURM controller, a
+        Kubernetes API server, a Ray head), saying which and why.  A run over several sites
+        probes each as it opens it, so a site that is down fails only its own stages, named,
+        before any work starts.  This default: nothing to reach (this machine)."""
 
     def __enter__(self) -> Executor[ConfigT]:
         self.open_run()

@@ -202,6 +202,8 @@ class Scheduler:
         mine = [s for s in pending if self.where[s] == here.name]
         if not mine and (here is not self.home or not pending):
             return  # every stage there was reused (or cached): nothing to hold
+        if len(self.sites) > 1:
+            here.executor.probe()  # a site that is down: only its stages fail, named, before any work
         warm = here.capacity if here.site.warm_ranks is None else here.site.warm_ranks
         if not any(self.wf.stages[s].kind != "command" for s in mine):
             warm = 0
@@ -350,6 +352,8 @@ class Scheduler:
                             done.add(name)
                         else:
                             failed[name] = error
+                    if finished:
+                        self._release_sites(pending, [n for n, _ in running.values()], deps)
             except BaseException:  # Ctrl-C: stop every gang, leave the store consistent
                 self.cancel()
                 self.db.set_run(self.run_id, "cancelled")
@@ -366,6 +370,30 @@ class Scheduler:
             self._clear_exchanges()
         self.db.set_run(self.run_id, state)
         return RunResult(self.run_id, self.store.session, ok, real, skipped, state, dict(self._skipped_when))
+
+    def _release_sites(self, pending: list[str], running: list[str], deps: dict[str, set[str]]) -> None:
+        """Close a site's run scope (its pilot, its kept gangs, its connection) once no stage
+        is still to run there and no stage still to start reads what was sealed there (its
+        input crosses as it starts): a SLURM pilot is not held while training runs on the
+        cloud.  The workflow's own site stays open to the end (the driver's)."""
+        if len(self.sites) == 1:
+            return
+        for here in self.sites.values():
+            if here is self.home or not here.opened:
+                continue
+            if any(self.where.get(s) == here.name for s in (*pending, *running)):
+                continue
+            if any(self.where.get(u) == here.name for s in pending for u in deps.get(s, ())):
+                continue
+            for closing in self._close_idle(here, list(here.idle)):
+                closing.join(timeout=30)
+            here.opened = False
+            try:
+                here.executor.close_run()
+            except Exception as exc:  # the run goes on; the leftover is released by its record
+                self._event(None, "site released", f"site {here.name!r}: closing its allocations failed: {exc}")
+                continue
+            self._event(None, "site released", f"site {here.name!r}: no stage there or reading from there remains")
 
     def _ready(self, name: str, pending: list[str], deps: dict[str, set[str]], done: set[str]) -> str | None:
         """A stage whose upstream is done, before it is placed: a fan-out over rows is expanded
@@ -565,7 +593,8 @@ class Scheduler:
         """One dataset from ``there``'s store into ``here``'s (``crossings.cross_dataset``: through
         the object store both sites name as their ``exchange`` when they do, else directly),
         once per run — a second reader on this site (or a retry) finds it crossed (``already``)
-        and nothing moves."""
+        and nothing moves.  A failed try is tried again (``CROSSING_TRIES``, each said as an
+        event 'crossing retry'; a cancel ends the pause) before it fails this attempt."""
         from .crossings import cross_dataset, crossing_message, shared_exchange
 
         exchange = shared_exchange(there.site.store.exchange, here.site.store.exchange)
@@ -573,7 +602,15 @@ class Scheduler:
             self._exchanges.add(exchange)
         with self._crossing:
             record = cross_dataset(
-                dataset, there.store, here.store, exchange, src_site=there.name, dst_site=here.name, run=self.run_id
+                dataset,
+                there.store,
+                here.store,
+                exchange,
+                src_site=there.name,
+                dst_site=here.name,
+                run=self.run_id,
+                wait=self._cancelled.wait,
+                on_retry=lambda message: self._event(stage, "crossing retry", message),
             )
         self._event(stage, "crossed", crossing_message(dataset, record))
         return record
@@ -589,7 +626,10 @@ class Scheduler:
             dataset = spec.dataset
             if "/" not in dataset and dataset in producers:
                 if self.where[producers[dataset]] != self.where[name]:
-                    continue  # made on another site: its own retries are there; the crossing re-checks
+                    # made on another site: not run again here; the next attempt's crossing checks
+                    # the copy on this site (Store.check: a missing partition always, its checksum once
+                    # per run) and sends it again when it fails
+                    continue
                 why = unverified(self.at(name).store, [dataset])
                 if why:
                     redo.setdefault(producers[dataset], why)
@@ -673,8 +713,8 @@ class Scheduler:
             except Exception as exc:  # e.g. the metadata unreachable: the retry will say so
                 self._event(name, "lost input", f"could not check the inputs before the retry: {exc}")
                 recomputed = False
-            if not recomputed:
-                time.sleep(decision.wait_s)
+            if not recomputed:  # the backoff; a cancel ends it at once (the loop then stops)
+                self._cancelled.wait(decision.wait_s)
         self._memory.pop(name, None)
         self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=error)
         return error or "failed"

@@ -147,6 +147,9 @@ class GangContract:
         assert len(set(actors)) == len(actors)
         assert gang.health() is None
 
+    def test_a_site_that_is_up_answers_its_probe(self, site):
+        site.model().create_executor().probe()  # raises, naming the server, when it does not answer
+
     def test_collectives(self, gang):
         got = gang.run(R.collectives)
         want_sum = [sum(r + 1 for r in range(N)), sum(10 * (r + 1) for r in range(N))]

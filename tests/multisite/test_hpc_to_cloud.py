@@ -30,10 +30,13 @@ Two crossings, each done by the driver before the consuming stage starts:
    command stage given ``inputs: {metrics: train_metrics}``; it reads the crossed copy from its
    own store (``px.Store.from_env()``).
 
-The hpc datasets live in the bed's memory only while the run (and its pilot, with the store
-services) lasts, so ``report`` also touches ``gate/sealed`` and waits for ``gate/go``, as in
-test_etl_multihost.py: the driver reads every dataset of every site meanwhile — the hpc ones
-through the hosts' services, checked against their checksums — then lets the run end.
+The hpc datasets live in the bed's memory only while the pilot (with the store services)
+lasts, and the run releases a site's allocations as soon as no stage there or reading from there
+remains — the pilot would end as ``train`` starts.  So a command stage ``hold`` on hpc, after
+``train``, touches ``gate/sealed`` and waits for ``gate/go``, as in test_etl_multihost.py: the
+driver reads every dataset of every site meanwhile — the hpc ones through the hosts' services,
+checked against their checksums — then lets the run end.  ``cloud`` is released once ``report``
+has started (its input crossed) and nothing else needs it.
 """
 
 from __future__ import annotations
@@ -59,19 +62,14 @@ driver_host = pilot_tests.driver_host  # the pilot tests' fixtures, used here to
 host_root = pilot_tests.host_root
 ETL, SMALL, DATASETS, STAGES = etl_tests.ETL, etl_tests.SMALL, etl_tests.DATASETS, etl_tests.STAGES  # its sizes
 
-WHERE = {"generate": "hpc", "features": "hpc", "train": "cloud", "report": "here"}
+WHERE = {"generate": "hpc", "features": "hpc", "train": "cloud", "report": "here", "hold": "hpc"}
 
-# report, on this machine: reads the metrics that crossed into its store, then test_etl_multihost's
-# gate: says every dataset is sealed and waits for the driver to have read them (while the pilot
-# and its store services live)
-REPORT = (
-    """
+# report, on this machine: reads the metrics that crossed into its store
+REPORT = """
 import phalanx as px
 metrics = px.Store.from_env().read("train_metrics")
 print("epochs", metrics.num_rows, "final loss", metrics.column("loss")[-1].as_py())
 """
-    + etl_tests.GATE
-)
 
 
 def snapshot(store: px.Store, names=None) -> dict:
@@ -137,7 +135,7 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
     for site in (hpc, cloud, here):
         files[site["name"]] = shared_tmp / f"{site['name']}.yaml"
         files[site["name"]].write_text(yaml.safe_dump(site))
-    gate = tmp_path / "gate"
+    gate = shared_tmp / f"gate-{secrets.token_hex(4)}"  # hold runs on a bed host: /tmp is its own
     gate.mkdir()
     sets = {
         **SMALL,
@@ -145,7 +143,15 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
         "stages.features.site": str(files["hpc"]),
         "stages.train.site": str(files["cloud"]),
         "stages.report.inputs": {"metrics": "train_metrics"},
-        "stages.report.command": ["python", "-c", REPORT, str(gate)],
+        "stages.report.command": ["python", "-c", REPORT],
+        # test_etl_multihost's gate, on hpc: says every dataset is sealed and waits for the driver
+        # to have read them (the pilot and its store services live while a stage there runs)
+        "stages.hold": {
+            "kind": "command",
+            "command": ["python", "-c", etl_tests.GATE, str(gate)],
+            "needs": ["train"],
+            "site": str(files["hpc"]),
+        },
     }
 
     # ---- 3. one run on three sites -------------------------------------------------------------
@@ -155,8 +161,8 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
         while not (gate / "sealed").exists():
             if handle.wait(timeout=0.2):  # ended before report started: it failed
                 result = handle.result()
-                pytest.fail(f"the run ended before its report stage: {result.failed} {result.skipped}")
-            assert time.monotonic() - t0 < 240, "the run did not reach its report stage in 240 s"
+                pytest.fail(f"the run ended before its hold stage: {result.failed} {result.skipped}")
+            assert time.monotonic() - t0 < 240, "the run did not reach its hold stage in 240 s"
         sealed_s = time.monotonic() - t0
         t1 = time.monotonic()
         on_hpc = px.Store(host_root, handle.session, metadata=metadata)
@@ -172,6 +178,7 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
     db = RunDB(shared_tmp / "state")
     stages = {s["stage"]: s for s in db.stages(result.run_id)}
     assert {s: stages[s]["state"] for s in STAGES} == dict.fromkeys(STAGES, "succeeded")
+    assert stages["hold"]["state"] == "succeeded"
     on_cloud = snapshot(px.Store(tmp_path / "cloud", result.session))
     assert px.Store(exchange, result.session).list() == []  # the succeeded run removed its copies in transit
     at_home = snapshot(px.Store(tmp_path / "here", result.session))
@@ -180,6 +187,12 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
     events = db.events(result.run_id)
     plan = next(e["message"] for e in events if e["kind"] == "sites")
     assert plan == "3 sites: " + ", ".join(f"{s} on {w}" for s, w in WHERE.items()), plan
+    # each other site released as soon as nothing there or reading from there remained: cloud
+    # once report had started (train_metrics crossed), hpc once hold ended; here at the run's end
+    released = {e["message"].split("'")[1]: e["ts"] for e in events if e["kind"] == "site released"}
+    assert sorted(released) == ["cloud", "hpc"], released
+    report_started = db.attempts(result.run_id, "report")[-1]["started"]
+    assert report_started <= released["cloud"] and db.attempts(result.run_id, "hold")[-1]["ended"] <= released["hpc"]
     ranks = {s: [r["host"] for r in db.attempts(result.run_id, s)[-1]["rank_info"]] for s in STAGES[:3]}
     assert sorted(ranks["generate"]) == sorted(ranks["features"]) == pilot_tests.HOSTS, ranks
     placed = [e["message"] for e in events if e["kind"] == "placed" and e["stage"] == "train"]

@@ -13,11 +13,11 @@ from urllib.parse import urlparse
 from ...errors import GangError
 from ...runtime import protocol as P
 from ...runtime.envvars import ENV_SPILL, ENV_STORE, ENV_STORE_METADATA
-from ..base import Capabilities, Echo, Executor, gpu_key
+from ..base import PROBE_S, Capabilities, Echo, Executor, gpu_key
 from . import manifests as M
-from .client import Kube, connect
+from .client import Kube, api_error, connect
 from .config import KubernetesConfig
-from .launcher import KubernetesLauncher, delete_gang
+from .launcher import KubernetesLauncher, delete_gang, root_cause
 
 
 class KubernetesExecutor(Executor[KubernetesConfig]):
@@ -56,6 +56,20 @@ class KubernetesExecutor(Executor[KubernetesConfig]):
         if len(cfg.volume_mounts) and not (cfg.volumes or cfg.host_paths):
             raise ValueError("kubernetes.volume_mounts: mounts name volumes, but kubernetes.volumes lists none")
         _host_paths(cfg.host_paths)  # raises on a bad entry
+
+    def probe(self) -> None:
+        """The API server's ``/version`` answers, else a GangError naming the server."""
+        cfg = self.config
+        kube = connect(cfg.kubeconfig, cfg.context, site=self.site)
+        from kubernetes import client
+
+        try:
+            client.VersionApi(kube.api).get_code(_request_timeout=PROBE_S)
+        except Exception as exc:
+            why = api_error(exc) if type(exc).__name__ == "ApiException" else root_cause(exc)
+            raise GangError(
+                f"site {self.site!r} (kubernetes): the API server {kube.api.configuration.host} does not answer: {why}"
+            ) from None
 
     def launcher(
         self, ranks: int, *, slots: Sequence[int] = (), config: KubernetesConfig | None = None, echo: Echo = False

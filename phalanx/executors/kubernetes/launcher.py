@@ -262,7 +262,7 @@ class KubernetesLauncher(Launcher):
             if type(exc).__name__ == "ApiException":
                 raise GangError(f"{self._site()}: the API server refused: {api_error(exc)}") from None
             raise GangError(
-                f"{self._site()}: cannot reach the API server {kube.api.configuration.host}: {_root_cause(exc)}"
+                f"{self._site()}: cannot reach the API server {kube.api.configuration.host}: {root_cause(exc)}"
             ) from None
 
     def _create(self, kube: Kube, spec: M.GangSpec) -> None:
@@ -608,7 +608,7 @@ class KubernetesLauncher(Launcher):
             released(self.allocation_hook, record)
 
 
-def _root_cause(exc: BaseException) -> str:
+def root_cause(exc: BaseException) -> str:
     """The innermost reason of a connection error (urllib3 wraps it twice)."""
     reason = getattr(exc, "reason", None)
     while isinstance(reason, BaseException):

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import logging
 import math
+import subprocess
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ...errors import GangError
-from ..base import AllocationHook, Capabilities, Echo, Executor, ExecutorConfig, gpu_key
+from ..base import PROBE_S, AllocationHook, Capabilities, Echo, Executor, ExecutorConfig, gpu_key
 from .arrays import ArrayBatcher
 from .commands import JobWatcher, SlurmCommands, _does_not_fit, _site, release
 from .config import Option, SlurmConfig, SlurmPilotConfig
@@ -70,6 +71,18 @@ class SlurmExecutor(Executor[SlurmConfig]):
         with self._lock:
             if self._pilot is not None and self._owns_pilot:
                 self._pilot.hook = hook
+
+    def probe(self) -> None:
+        """``scontrol ping``: the site's controller answers (UP), else a GangError in its words."""
+        slurm = SlurmCommands(self.config.conf)
+        try:
+            r = slurm.run("scontrol", "ping", timeout=PROBE_S)
+        except subprocess.TimeoutExpired:
+            raise GangError(f"site {self.site!r} (slurm): 'scontrol ping' gave no answer in {PROBE_S:g} s") from None
+        said = " ".join((r.stdout + r.stderr).split())
+        if r.returncode != 0 or " is UP" not in r.stdout:
+            where = f" (SLURM_CONF={slurm.conf})" if slurm.conf else ""
+            raise GangError(f"site {self.site!r} (slurm): the controller does not answer{where}: {said}")
 
     def pilot(self) -> SlurmPilot:
         """The pilot this executor's gangs share: the run's own, made (not started) on first

@@ -16,18 +16,21 @@ import textwrap
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 from apps import wf_generate_reference as generated
 
 import phalanx as px
+from phalanx.errors import GangError
 from phalanx.executors import executors
 from phalanx.executors.local import LocalExecutor
-from phalanx.orchestrator.loading import load_workflow
+from phalanx.orchestrator import crossings
+from phalanx.orchestrator.loading import load_workflow, site_plan
 from phalanx.orchestrator.models import Site, Stage, StoreConfig, Workflow
 from phalanx.orchestrator.report import write_report
 from phalanx.orchestrator.rundb import RunDB
-from phalanx.orchestrator.scheduler import run_workflow
+from phalanx.orchestrator.scheduler import RunResult, run_workflow
 from phalanx.orchestrator.yamlio import ConfigError
 from phalanx.store.tiers import part_file
 
@@ -116,13 +119,20 @@ def test_stages_on_two_sites_get_their_input_across_once_byte_identical(db, tmp_
     assert sum(1 for _, k, m in events if k == "crossed" and "hpc → cloud" in m) == 1
 
 
-def test_a_resumed_run_does_not_send_again_what_already_crossed(db, tmp_path):
+def failed_after_crossing(db, tmp_path: Path) -> tuple[Workflow, Site, Site, dict[str, Site], RunResult]:
+    """A run whose totals (on cloud) fails once, for its own reason, after tx crossed from hpc:
+    (workflow, hpc, cloud, sites, the failed run) for a resume."""
     hpc, cloud = two_sites(tmp_path)
     wf = across(fail_marker=str(tmp_path / "fail-once"), fail_times=1)
     del wf.stages["again"]
     sites = {"generate": hpc, "totals": cloud}
     first = run_workflow(wf, hpc, db=db, sites=sites)
     assert not first.ok and "planned failure" in first.failed["totals"]
+    return wf, hpc, cloud, sites, first
+
+
+def test_a_resumed_run_does_not_send_again_what_already_crossed(db, tmp_path):
+    wf, hpc, cloud, sites, first = failed_after_crossing(db, tmp_path)
     tx = px.Store(cloud.store.root, session=first.session).info("tx")  # crossed before the failure
     again = run_workflow(wf, hpc, db=db, sites=sites, resume=first.run_id)
     assert again.ok, again.failed
@@ -203,7 +213,7 @@ def test_validate_says_where_each_stage_runs_and_what_crosses_and_the_file_runs(
     lines = out.stdout.splitlines()
     assert "  generate: site 'hpc' (local), 2 ranks" in lines
     assert "  totals: site 'cloud' (local), 3 ranks" in lines
-    assert "  crosses: tx from 'hpc' to 'cloud' (read by totals)" in lines
+    assert "  crosses: tx from 'hpc' to 'cloud', direct (read by totals)" in lines
     result = px.run(str(wf), state=tmp_path / "state", progress=False)
     assert result.ok, result.failed
     got = px.Store(tmp_path / "cloud-store", session=result.session).read("totals").to_pandas()
@@ -290,10 +300,12 @@ def test_a_site_that_cannot_be_reached_fails_only_its_stages_naming_it(db, tmp_p
     pd.testing.assert_frame_equal(table.sort_values("user").reset_index(drop=True), expected, check_dtype=False)
 
 
-def test_a_crossing_that_fails_is_retried_then_fails_the_stage_naming_both_sites(db, tmp_path):
+def test_a_crossing_that_fails_is_retried_then_fails_the_stage_naming_both_sites(db, tmp_path, monkeypatch):
     """The exchange both sites name does not answer (nothing listens on its port): each attempt
-    of the consumer fails at its crossing, the stage's retries retry it, and the stage fails
-    naming both sites; what the producer sealed stays for a resume."""
+    of the consumer tries its crossing three times (the pauses made short here), the stage's
+    retries retry it, and the stage fails naming both sites and the exchange; what the producer
+    sealed stays for a resume."""
+    monkeypatch.setattr(crossings, "CROSSING_PAUSES_S", (0.01, 0.02))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -305,7 +317,202 @@ def test_a_crossing_that_fails_is_retried_then_fails_the_stage_naming_both_sites
     result = run_workflow(wf, hpc, db=db, sites={"generate": hpc, "totals": cloud})
     assert not result.ok
     error = result.failed["totals"]
-    assert error.startswith("input 'tx' could not cross from site 'hpc' to site 'cloud' (object store):"), error
+    assert error.startswith(
+        "input 'tx' could not cross from site 'hpc' to site 'cloud' (object store s3://nowhere/x, 3 tries):"
+    ), error
     attempts = db.attempts(result.run_id, "totals")
     assert [a["state"] for a in attempts] == ["failed", "failed"]
+    retries = [e["message"] for e in db.events(result.run_id) if e["kind"] == "crossing retry"]
+    assert len(retries) == 4 and retries[0].startswith("tx: try 1 of 3 from site 'hpc' to site 'cloud' (object store")
+    assert retries[1].endswith("again in 0.02 s")
     assert px.Store(hpc.store.root, session=result.session).exists("tx")  # completed work stays
+
+
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def totals_of(rows: int, seed: int) -> pd.DataFrame:
+    """The independent reference: per-user sums of what wf_generate makes on 2 ranks."""
+    return generated(rows, 2, seed=seed).groupby("user", as_index=False)["amount"].sum()
+
+
+def sorted_table(store: px.Store, name: str) -> pd.DataFrame:
+    return store.read(name).to_pandas().sort_values("user").reset_index(drop=True)
+
+
+def test_a_resume_after_the_producer_made_a_new_version_crosses_it_again(db, tmp_path):
+    """totals fails after tx crossed; the resume changes generate's seed, so tx on hpc is a new
+    version and the copy on cloud (crossed from the old one) is replaced — it used to fail the
+    stage for good ('exists and did not cross from ...; pass replace=True')."""
+    wf, hpc, cloud, sites, first = failed_after_crossing(db, tmp_path)
+    got = px.Store(cloud.store.root, session=first.session)
+    old = got.info("tx")
+    wf.stages["generate"].params["seed"] = 6
+    again = run_workflow(wf, hpc, db=db, sites=sites, resume=first.run_id)
+    assert again.ok, again.failed
+    made = px.Store(hpc.store.root, session=first.session).info("tx")
+    assert made.version != old.origin["version"]  # the producer ran again: a new version
+    new = got.info("tx")
+    assert new.origin["version"] == made.version and new.version != old.version
+    assert [p.checksum for p in new.partitions] == [p.checksum for p in made.partitions]
+    pd.testing.assert_frame_equal(sorted_table(got, "totals"), totals_of(4000, 6), check_dtype=False)
+    crossed = {s["stage"]: s for s in db.stages(first.run_id)}["totals"]["inputs"]["tx"]["crossed"]
+    assert not crossed["already"] and crossed["bytes"] == made.nbytes
+    assert crossed["replaced"] == f"it replaces version {old.version} (crossed from version {old.origin['version']})"
+
+
+def test_a_crossing_never_replaces_what_the_consumers_site_made_itself(db, tmp_path):
+    """Both sites share one session name (store.session).  The cloud site's store holds a tx a
+    user put there: the crossing refuses it, naming both sites, at once (no retry), and leaves
+    it as it was.  A tx that generate itself sealed there, when the workflow ran it on cloud,
+    is its stale output: replaced by the crossing once generate runs on hpc."""
+    hpc, cloud = two_sites(tmp_path)
+    hpc.store.session = "shared"
+    wf = across()
+    del wf.stages["again"]
+    mine = px.Store(cloud.store.root, session="shared")
+    mine.put("tx", [pa.Table.from_pandas(generated(10, 1))])
+    before = mine.info("tx")
+    refused = run_workflow(wf, hpc, db=db, sites={"generate": hpc, "totals": cloud})
+    assert not refused.ok and set(refused.failed) == {"totals"}
+    error = refused.failed["totals"]
+    assert error.startswith(
+        "input 'tx' cannot cross from site 'hpc' to site 'cloud': the store of site 'cloud' holds a dataset 'tx' "
+        f"of its own (made there by a put, version {before.version}, session 'shared')"
+    ), error
+    assert not any(e["kind"] == "crossing retry" for e in db.events(refused.run_id))
+    assert mine.info("tx").version == before.version and mine.info("tx").origin == {}
+    # generate on cloud seals tx there; moved to hpc, its crossing replaces that output
+    mine.delete("tx")
+    on_cloud = run_workflow(wf, hpc, db=db, sites={"generate": cloud, "totals": cloud})
+    assert on_cloud.ok, on_cloud.failed
+    stale = mine.info("tx")
+    assert stale.origin == {} and stale.producer == "generate"
+    wf.stages["generate"].params["seed"] = 8
+    moved = run_workflow(wf, hpc, db=db, sites={"generate": hpc, "totals": cloud})
+    assert moved.ok, moved.failed
+    made = px.Store(hpc.store.root, session="shared").info("tx")
+    assert mine.info("tx").origin["version"] == made.version
+    crossed = {s["stage"]: s for s in db.stages(moved.run_id)}["totals"]["inputs"]["tx"]["crossed"]
+    assert crossed["replaced"] == f"it replaces version {stale.version} (put there)"
+    pd.testing.assert_frame_equal(sorted_table(mine, "totals"), totals_of(4000, 8), check_dtype=False)
+
+
+def test_a_damaged_crossed_copy_is_sent_again_on_resume(db, tmp_path):
+    """After tx crossed, a bit of its copy on cloud flips (totals then fails for its own
+    reason).  The resume's crossing checks the copy before trusting it (once: a new driver is
+    a new attempt), finds the damage and sends tx again; totals equals the reference."""
+    wf, hpc, cloud, sites, first = failed_after_crossing(db, tmp_path)
+    got = px.Store(cloud.store.root, session=first.session)
+    damaged = got.info("tx")
+    flip_a_byte(Path(damaged.location) / part_file(1))
+    again = run_workflow(wf, hpc, db=db, sites=sites, resume=first.run_id)
+    assert again.ok, again.failed
+    made = px.Store(hpc.store.root, session=first.session).info("tx")
+    assert made.version == damaged.origin["version"]  # the producer was reused: the same version
+    crossed = {s["stage"]: s for s in db.stages(first.run_id)}["totals"]["inputs"]["tx"]["crossed"]
+    assert not crossed["already"] and crossed["bytes"] == made.nbytes
+    assert crossed["replaced"].startswith(f"its copy there (version {damaged.version}) failed its check: ")
+    assert "partition 1" in crossed["replaced"]
+    for i in range(made.num_partitions):
+        assert (Path(made.location) / part_file(i)).read_bytes() == (
+            Path(got.info("tx").location) / part_file(i)
+        ).read_bytes()
+    pd.testing.assert_frame_equal(sorted_table(got, "totals"), totals_of(4000, 5), check_dtype=False)
+
+
+def test_a_crossing_that_fails_once_is_tried_again_within_the_attempt(db, tmp_path, monkeypatch):
+    """A stage with no retries (the default) survives a transient crossing failure.  The fault,
+    real and deterministic: partition 0 of tx on hpc is moved away right after generate seals it
+    (what a file system that hiccups looks like to the reader: the file is not there), so the
+    first try fails reading it; the crossing says so in an event 'crossing retry' before its
+    pause, and that event — seen here synchronously, in the run's own callback — puts the file
+    back.  The second try crosses it; one attempt, no stage retry."""
+    monkeypatch.setattr(crossings, "CROSSING_PAUSES_S", (0.05, 0.2))
+    hpc, cloud = two_sites(tmp_path)
+    wf = across()
+    del wf.stages["again"]
+    aside: list[tuple[Path, Path]] = []
+
+    def on_event(stage: str, kind: str, message: str) -> None:
+        if stage == "generate" and kind == "succeeded":
+            (session,) = [p for p in Path(hpc.store.root).iterdir() if p.is_dir() and not p.name.startswith(".")]
+            part = Path(px.Store(hpc.store.root, session=session.name).info("tx").location) / part_file(0)
+            aside.append((part, part.rename(tmp_path / "away")))
+        elif kind == "crossing retry":
+            part, away = aside.pop()
+            away.rename(part)
+
+    result = run_workflow(wf, hpc, db=db, sites={"generate": hpc, "totals": cloud}, on_event=on_event)
+    assert result.ok, result.failed
+    assert [a["state"] for a in db.attempts(result.run_id, "totals")] == ["succeeded"]
+    (said,) = [e["message"] for e in db.events(result.run_id) if e["kind"] == "crossing retry"]
+    assert said.startswith("tx: try 1 of 3 from site 'hpc' to site 'cloud' (direct) failed: ") and "missing" in said
+    assert said.endswith("again in 0.05 s")
+    crossed = {s["stage"]: s for s in db.stages(result.run_id)}["totals"]["inputs"]["tx"]["crossed"]
+    assert crossed["tries"] == 2 and not crossed["already"]
+    got = px.Store(cloud.store.root, session=result.session)
+    pd.testing.assert_frame_equal(sorted_table(got, "totals"), totals_of(4000, 5), check_dtype=False)
+
+
+def test_a_crossing_pauses_1_then_4_s_and_its_last_failure_names_both_sites_and_the_path(tmp_path):
+    """cross_dataset itself: a source partition gone for good fails every try; the pauses asked
+    of ``wait`` are 1 s then 4 s (recorded, not slept); the error names both sites, the path
+    and the tries.  A ``wait`` that says cancelled stops after the first try."""
+    src = px.Store(tmp_path / "a", session="s")
+    src.put("tx", [pa.Table.from_pandas(generated(100, 1))] * 2)
+    os.unlink(Path(src.info("tx").location) / part_file(1))
+    dst = px.Store(tmp_path / "b", session="s")
+    waits: list[float] = []
+    said: list[str] = []
+    with pytest.raises(GangError) as err:
+        crossings.cross_dataset(
+            "tx", src, dst, None, src_site="a", dst_site="b", wait=waits.append, on_retry=said.append
+        )
+    assert str(err.value).startswith("input 'tx' could not cross from site 'a' to site 'b' (direct, 3 tries): ")
+    assert f"{src.info('tx').location}/{part_file(1)}" in str(err.value) and "is missing" in str(err.value)
+    assert waits == [1.0, 4.0] and len(said) == 2
+    with pytest.raises(GangError, match=r"did not cross from site 'a' to site 'b' \(direct\): cancelled after 1 tries"):
+        crossings.cross_dataset("tx", src, dst, None, src_site="a", dst_site="b", wait=lambda s: True)
+    assert not dst.exists("tx") and len(dst.unsealed()) == 1  # partition 0 staged: a later try keeps it
+
+
+def test_independent_stages_on_two_sites_run_side_by_side(db, tmp_path):
+    """Two stages with nothing between them, one per site: each waits (bounded: 60 s, then it
+    fails) until the other has started, so the run succeeds only if they run at once; their
+    attempts' intervals in the run DB overlap."""
+    hpc, cloud = two_sites(tmp_path)
+    meet = tmp_path / "meet"
+    meet.mkdir()
+
+    def stage(peer: str) -> Stage:
+        return Stage(app="apps:wf_meet", ranks=2, params={"dir": str(meet), "peer": peer})
+
+    wf = Workflow(name="side-by-side", stages={"left": stage("right"), "right": stage("left")})
+    result = run_workflow(wf, hpc, db=db, sites={"left": hpc, "right": cloud})
+    assert result.ok, result.failed
+    (left,), (right,) = db.attempts(result.run_id, "left"), db.attempts(result.run_id, "right")
+    assert left["started"] < right["ended"] and right["started"] < left["ended"]
+    assert {s["stage"]: s["site"] for s in db.stages(result.run_id)} == {"left": "hpc", "right": "cloud"}
+
+
+def test_the_plan_names_the_path_of_each_crossing(tmp_path):
+    """validate's plan: through the object store both sites name (its URL, credentials
+    masked), directly otherwise, and nothing where both sites name one store."""
+    hpc, cloud = two_sites(tmp_path)
+    wf = across()
+    local = Site(name="also-hpc", cores=1, store=StoreConfig(root=hpc.store.root))
+    sites = {"generate": hpc, "totals": cloud, "again": local}
+    lines = site_plan(wf, sites)
+    assert "  crosses: tx from 'hpc' to 'cloud', direct (read by totals)" in lines
+    assert "  shares: tx of 'hpc' with 'also-hpc': one store, nothing crosses (read by again)" in lines
+    hpc.store.exchange = cloud.store.exchange = "s3://bucket/x?endpoint_override=http://127.0.0.1:1&credentials=env:EX"
+    lines = site_plan(wf, {"generate": hpc, "totals": cloud, "again": cloud})
+    assert "  crosses: tx from 'hpc' to 'cloud', object store s3://bucket/x (read by totals, again)" in lines
+    hpc.store.exchange = "s3://AKIAEXAMPLE:hunter2@bucket/x"
+    cloud.store.exchange = "s3://AKIAEXAMPLE:hunter2@bucket/x"
+    shown = "\n".join(site_plan(wf, {"generate": hpc, "totals": cloud, "again": cloud}))
+    assert "hunter2" not in shown and "object store s3://" in shown

@@ -96,6 +96,83 @@ def test_a_second_crossing_of_the_same_version_moves_nothing(two):
     assert file_bytes(dst, "features") == file_bytes(src, "features")
 
 
+def flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_copy_is_checked_once_per_attempt_and_crossed_again(two, monkeypatch):
+    """The copy a crossing made is damaged afterwards (a bit flipped on the destination's
+    disk).  A later attempt (a resume's driver: ``Store.new_attempt``) checks it before taking
+    it for crossed, finds the damage, and crosses it again, replacing it; within one attempt
+    the check is not repeated (what the crossing read back, it trusts: O(1) per reader)."""
+    import phalanx.store.store as store_module
+
+    src, dst = two
+    first = cross(src, "features", dst)
+    hashed: list[int] = []
+    real = store_module.checksum_buffer
+
+    def counting(buf):
+        hashed.append(buf.size)
+        return real(buf)
+
+    monkeypatch.setattr(store_module, "checksum_buffer", counting)
+    assert cross(src, "features", dst).already and hashed == []  # this attempt read it back: trusted
+    flip_a_byte(Path(first.info.location) / part_file(2))
+    dst.new_attempt()  # the next run attempt trusts nothing
+    again = cross(src, "features", dst)
+    assert not again.already and again.partitions_moved == 5 and again.bytes_moved == src.info("features").nbytes
+    assert again.replaced.startswith(f"its copy there (version {first.version}) failed its check:")
+    assert "partition 2" in again.replaced and "checksum mismatch" in again.replaced
+    assert again.version != first.version == first.info.version and dst.info("features").version == again.version
+    assert file_bytes(dst, "features") == file_bytes(src, "features")
+    assert dst.read("features").to_pandas().equals(src.read("features").to_pandas())
+    # the re-crossed copy is trusted by this attempt; a new attempt hashes each partition once
+    hashed.clear()
+    assert cross(src, "features", dst).already and hashed == []
+    dst.new_attempt()
+    assert cross(src, "features", dst).already and len(hashed) == 5
+    assert cross(src, "features", dst).already and len(hashed) == 5
+    # a partition removed is seen even by the attempt that checked it (no hashing needed)
+    os.unlink(Path(dst.info("features").location) / part_file(0))
+    assert "is missing" in cross(src, "features", dst).replaced
+    assert file_bytes(dst, "features") == file_bytes(src, "features")
+
+
+def test_a_crossing_replaces_a_copy_of_another_version_and_says_so(two):
+    src, dst = two
+    first = cross(src, "features", dst)
+    src.put("features", parts_of(2, 100, seed=3), replace=True)
+    again = cross(src, "features", dst, replace=True)
+    assert again.replaced == f"it replaces version {first.version} (crossed from version {first.source_version})"
+    assert again.summary()["replaced"] == again.replaced and "replaced" not in first.summary()
+    assert file_bytes(dst, "features") == file_bytes(src, "features")
+
+
+def test_a_damaged_copy_on_an_object_store_is_crossed_again_beside_it(s3_endpoint, tmp_path):  # noqa: F811
+    """On an object store a crossing is written in place, under a name made from the source
+    version: crossing the same version again after the copy was damaged writes beside it
+    (``cross-<key>-again``), never over the copy the seal then retires."""
+    src = px.Store(tmp_path / "a", session="etl")
+    src.put("features", parts_of(3, 1000))
+    meta, root = f"sqlite://{tmp_path / 'cloud.sqlite'}", s3_root(s3_endpoint)
+    cloud = px.Store(root, session="train", metadata=meta)
+    first = cross(src, "features", cloud)
+    good = file_bytes(cloud, "features")
+    cloud.tier.write_buffer(first.info.location, 1, pa.py_buffer(good[1][:-16]))  # cut short
+    fresh = px.Store(root, session="train", metadata=meta)  # another attempt
+    again = cross(src, "features", fresh)
+    assert not again.already and again.version == f"{first.version}-again" and "partition 1" in again.replaced
+    assert file_bytes(fresh, "features") == file_bytes(src, "features")
+    assert fresh.unsealed() == []
+    with pytest.raises(FileNotFoundError):  # the damaged copy was retired
+        fresh.tier.read_buffer(first.info.location, 0)
+    third = px.Store(root, session="train", metadata=meta)
+    assert cross(src, "features", third).already
+
+
 def test_a_damaged_source_partition_fails_naming_it_and_seals_nothing(two):
     src, dst = two
     info = src.info("features")

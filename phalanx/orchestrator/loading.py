@@ -81,20 +81,32 @@ def stage_sites(wf: Workflow, default: Site, near: Path | None = None) -> dict[s
 
 def site_plan(wf: Workflow, sites: dict[str, Site]) -> list[str]:
     """Which stage runs where, and which datasets will cross between sites (by whom they are
-    read): what ``phalanx validate`` prints for a workflow on several sites."""
+    read) and by which path: through the object store both sites name as their exchange (named,
+    credentials masked), else directly from the producer's store; or not at all where both
+    sites name one store.  What ``phalanx validate`` prints for a workflow on several sites."""
+    from .crossings import crossing_path, shared_exchange
+
     producers = {out: name for name, st in wf.stages.items() for out in st.outputs}
     lines = []
     for name, st in wf.stages.items():
         here = sites[name]
         lines.append(f"  {name}: site {here.name!r} ({here.executor}), {st.ranks} rank{'' if st.ranks == 1 else 's'}")
-    crossing: dict[tuple[str, str, str], list[str]] = {}
+    crossing: dict[tuple[str, str, str], tuple[Site, Site, list[str]]] = {}
     for name, st in wf.stages.items():
         for spec in st.inputs.values():
             made = producers.get(spec.dataset)
             if made is not None and sites[made].name != sites[name].name:
-                crossing.setdefault((spec.dataset, sites[made].name, sites[name].name), []).append(name)
-    for (dataset, src, dst), readers in crossing.items():
-        lines.append(f"  crosses: {dataset} from {src!r} to {dst!r} (read by {', '.join(readers)})")
+                src, dst = sites[made], sites[name]
+                crossing.setdefault((spec.dataset, src.name, dst.name), (src, dst, []))[2].append(name)
+    for (dataset, src_name, dst_name), (src, dst, readers) in crossing.items():
+        who = ", ".join(readers)
+        if (src.store.root, src.store.metadata) == (dst.store.root, dst.store.metadata):
+            lines.append(
+                f"  shares: {dataset} of {src_name!r} with {dst_name!r}: one store, nothing crosses (read by {who})"
+            )
+        else:
+            path = crossing_path(shared_exchange(src.store.exchange, dst.store.exchange))
+            lines.append(f"  crosses: {dataset} from {src_name!r} to {dst_name!r}, {path} (read by {who})")
     return lines
 
 

@@ -15,7 +15,12 @@ came from (``DatasetInfo.origin``: the source store, session, name and version).
   memory map of the page cache, cheap.  A mismatch raises ``ChecksumError`` naming the dataset,
   the partition and both stores; nothing is sealed.
 - **Once**: a destination that already holds ``name`` crossed from the same source version
-  returns at once (``Crossing.already``), nothing moved.
+  returns at once (``Crossing.already``), nothing moved — after checking that copy's
+  partitions where they live (``Store.check``: a missing partition always, the checksum once
+  per attempt of ``dst`` — a run's driver and its gangs — so a second reader or a retry stays
+  O(1)).  A copy that fails the check is crossed again and replaces it (``Crossing.replaced``
+  says why); on an object store under another name than the damaged one, which the seal then
+  retires.
 - **Resumable**: partitions are staged in a place of ``dst`` named after the source version
   (``cross-<key>``: on a file tier ``<root>/<session>/.staging/cross-<key>``, renamed to a fresh
   staging id just before the seal; on an object store written in place under
@@ -50,7 +55,12 @@ from .metadata import DatasetInfo, PartitionInfo
 from .store import Store
 from .tiers import FileTier, Tier, checksum_buffer, part_file
 
-__all__ = ["Crossing", "CrossingProgress", "cross", "describe", "origin_of"]
+__all__ = ["Crossing", "CrossingProgress", "SourceDamagedError", "cross", "describe", "origin_of"]
+
+
+class SourceDamagedError(ChecksumError):
+    """A source partition of a crossing fails its checksum: sending again from the same copy
+    would fail the same way (a copy in transit is checked, and sent anew when damaged)."""
 
 
 @dataclass
@@ -84,6 +94,7 @@ class Crossing:
     seconds: float
     already: bool  # the destination held it, crossed from the same source version: nothing done
     info: DatasetInfo = field(repr=False)
+    replaced: str = ""  # why a dataset ``name`` the destination held was replaced ("" when none was)
 
     @property
     def mb_per_s(self) -> float:
@@ -104,6 +115,7 @@ class Crossing:
             "bytes_moved": self.bytes_moved,
             "seconds": round(self.seconds, 3),
             "already": self.already,
+            **({"replaced": self.replaced} if self.replaced else {}),
         }
 
 
@@ -144,20 +156,24 @@ def cross(
     *,
     run: str = "",
     replace: bool = False,
+    verify: bool = True,
     on_progress: Callable[[CrossingProgress], None] | None = None,
 ) -> Crossing:
     """Copy the sealed dataset ``name`` of ``src`` into ``dst`` (its session), byte for byte,
     verified, resumable, once (module docstring).  ``run``: recorded as the new dataset's run
     (default the source's).  ``replace``: a dataset ``name`` in ``dst`` that did not cross from
-    this source version is replaced (else ``DatasetExistsError``)."""
+    this source version is replaced (else ``DatasetExistsError``).  ``verify``: check a copy
+    that crossed before (``Store.check``, once per attempt of ``dst``) and cross it again when
+    it is damaged or incomplete; False trusts its metadata (a copy in transit, checked when it
+    is read on: ``Store.partition_bytes``).  A source partition that fails its checksum raises
+    ``SourceDamagedError``."""
     t0 = time.perf_counter()
     info = src.info(name)
     origin = origin_of(src, info)
     source, dest = describe(src), describe(dst)
     key = _key(origin)
-    tag = f"cross-{key}"
 
-    def result(sealed: DatasetInfo, moved: int, nbytes: int, already: bool) -> Crossing:
+    def result(sealed: DatasetInfo, moved: int, nbytes: int, already: bool, replaced: str = "") -> Crossing:
         return Crossing(
             name,
             source,
@@ -172,29 +188,32 @@ def cross(
             time.perf_counter() - t0,
             already,
             sealed,
+            replaced,
         )
 
-    def crossed() -> DatasetInfo | None:
-        existing = dst.meta.get(dst.session, name)
-        if existing is None:
-            return None
-        if _same_source(existing.origin, origin):
-            return existing
-        if not replace:
-            raise DatasetExistsError(
-                f"{dest}: dataset {name!r} exists and did not cross from {source} version {info.version} "
-                f"(its origin: {existing.origin or 'put there'}); pass replace=True to replace it"
-            )
-        return None
-
     with _lock(dst, key):
-        existing = crossed()
-        if existing is not None:
-            return result(existing, 0, 0, already=True)
+        existing = dst.meta.get(dst.session, name)
+        replaced = ""
+        if existing is not None and _same_source(existing.origin, origin):
+            damage = _damage(dst, existing) if verify else None
+            if damage is None:
+                return result(existing, 0, 0, already=True)
+            replaced = f"its copy there (version {existing.version}) failed its check: {damage}"
+        elif existing is not None:
+            if not replace:
+                raise DatasetExistsError(
+                    f"{dest}: dataset {name!r} exists and did not cross from {source} version {info.version} "
+                    f"(its origin: {existing.origin or 'put there'}); pass replace=True to replace it"
+                )
+            came = f"crossed from version {existing.origin.get('version')}" if existing.origin else "put there"
+            replaced = f"it replaces version {existing.version} ({came})"
+        tag = f"cross-{key}"
         tier = dst.tier
         if tier.atomic_rename:
             location = tier.scratch(dst.session, tag)
         else:
+            if existing is not None and existing.version == tag:  # written in place: never over the copy it replaces
+                tag = f"cross-{key}-again"
             location = tier.staging(dst.session, name, tag)
         place = dst.placement()
         parts: list[PartitionInfo] = []
@@ -206,7 +225,7 @@ def cross(
                 try:
                     buf = src.partition_bytes(info, i)
                 except ChecksumError as exc:
-                    raise ChecksumError(f"{where}: the source's bytes are damaged: {exc}") from None
+                    raise SourceDamagedError(f"{where}: the source's bytes are damaged: {exc}") from None
                 try:
                     tier.write_buffer(location, i, buf)
                 except OSError as exc:  # a full disk, an object store that failed the upload
@@ -244,16 +263,30 @@ def cross(
                 info.partitioning,
                 info.producer,
                 run or info.run,
-                replace,
+                existing is not None,  # what it replaces was decided above
                 origin=origin,
             )
         except DatasetExistsError:
             # sealed meanwhile by another process (an object store is not locked): the same?
-            existing = crossed()
-            if existing is None:
+            again = dst.meta.get(dst.session, name)
+            if again is None or not _same_source(again.origin, origin):
                 raise
-            return result(existing, moved, nbytes, already=False)
-        return result(sealed, moved, nbytes, already=False)
+            return result(again, moved, nbytes, already=False)
+        for i in range(sealed.num_partitions):  # each read back (or found staged) and checked just now
+            dst._remember_verified(sealed, i)
+        return result(sealed, moved, nbytes, already=False, replaced=replaced)
+
+
+def _damage(dst: Store, info: DatasetInfo) -> str | None:
+    """Why ``dst``'s copy ``info`` cannot be trusted (a partition missing, unreadable or failing
+    its checksum, checked where it lives), or None.  ``Store.check`` hashes each partition once
+    per attempt of ``dst``: a second crossing in the same run finds it checked."""
+    try:
+        for i in range(info.num_partitions):
+            dst.check(info, i)
+    except (StoreError, OSError) as exc:
+        return str(exc)
+    return None
 
 
 def _read_back(tier: Tier, location: str, index: int) -> Any:

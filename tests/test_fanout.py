@@ -249,6 +249,164 @@ def test_a_python_workflow_fans_out_with_the_same_fields(tmp_path):
     assert list(got["sum_y"]) == [sum(2 * x for x in range(20)), sum(3 * x for x in range(20))]
 
 
+# ---- an instance failing once: its retries, a --resume, the Python API's when= and retry= ----------
+def flaky(env):
+    """``fanout_apps.scaled`` that notes each call (``params.dir/calls-SCALE``, one line each);
+    the instance whose scale is ``params.bad`` raises RuntimeError until ``params.dir/fixed``
+    exists (its first attempt creates it where ``params.fix`` says so)."""
+    import os
+
+    import fanout_apps
+
+    d, scale = Path(env.params["dir"]), env.params.get("scale")
+    with open(d / f"calls-{scale}", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    if scale == env.params.get("bad") and not (d / "fixed").exists():
+        if env.params.get("fix"):
+            (d / "fixed").write_text("")
+        raise RuntimeError(f"instance with scale {scale} fails until fixed")
+    fanout_apps.scaled(env)
+
+
+def calls(d: Path) -> dict[int, int]:
+    """How many times each scale's instance ran (the app's own count)."""
+    return {int(p.name.split("-")[1]): len(p.read_text().splitlines()) for p in d.glob("calls-*")}
+
+
+def flaky_workflow(d: Path, foreach: dict, fix: bool, **stage) -> Workflow:
+    return Workflow(
+        name="fo-flaky",
+        stages={
+            "numbers": Stage(app="fanout_apps:numbers", params={"rows": 20}, outputs=["numbers"]),
+            "configs": Stage(app="fanout_apps:configs", params={"n": 3}, outputs=["configs"]),
+            "sweep": Stage(
+                app="test_fanout:flaky",
+                foreach=foreach,
+                params={"dir": str(d), "bad": 2, "fix": fix, "offset": 1},
+                inputs={"numbers": "numbers"},
+                outputs=["scaled"],
+                **stage,
+            ),
+            "fanin": Stage(app="fanout_apps:total", inputs={"parts": "scaled"}, outputs=["totals"]),
+        },
+    )
+
+
+def attempts_of(db: RunDB, run_id: str) -> dict[str, list[str]]:
+    return {
+        s["stage"]: [a["state"] for a in db.attempts(run_id, s["stage"])]
+        for s in db.stages(run_id)
+        if s["stage"].startswith("sweep.")
+    }
+
+
+def assert_totals(session: str, scales: list[int], rows: int = 20, offset: int = 1) -> None:
+    got = px.Store(session=session).read("totals").to_pandas().sort_values("scale")
+    assert list(got["scale"]) == scales
+    assert list(got["sum_y"]) == [sum(x * s + offset for x in range(rows)) for s in scales]  # closed form
+
+
+# The scheduler's loop ended the run when no stage was running after a pass over the pending
+# stages, though that pass had added a fan-out's instances or skipped a stage listed after one
+# that needs it: the run "succeeded" with stages never run.  The fix (scheduler.py, the lead's:
+# look again when a pass changed what is pending) lands with these tests; then drop the markers.
+SCHEDULER_FIX = pytest.mark.xfail(strict=True, reason="scheduler.py: a pass that changed pending ends the run")
+
+
+@SCHEDULER_FIX
+@pytest.mark.slow  # a workflow run (the core lane is at its 5-minute budget)
+@pytest.mark.parametrize(
+    "stages, states",
+    [
+        (  # a fan-out over rows expanded while no other stage runs: its instances run
+            {
+                "configs": Stage(app="fanout_apps:configs", params={"n": 2}, outputs=["configs"]),
+                "each": Stage(app="fanout_apps:marker", foreach={"rows": "configs"}, outputs=["ran"]),
+            },
+            {"configs": "succeeded", "each.0": "succeeded", "each.1": "succeeded"},
+        ),
+        (  # a stage listed before the skipped stage it needs: skipped too
+            {
+                "after": Stage(app="fanout_apps:marker", inputs={"r": "ran"}, outputs=["ran2"]),
+                "never": Stage(app="fanout_apps:marker", when="params.go", params={"go": False}, outputs=["ran"]),
+            },
+            {"after": "skipped", "never": "skipped"},
+        ),
+    ],
+    ids=["fan-out-alone", "skip-listed-after"],
+)
+def test_a_pass_that_changes_what_is_pending_is_followed_by_another(tmp_path, stages, states):
+    db = RunDB(tmp_path / "state")
+    result = run_workflow(Workflow(name="fo-pass", stages=stages), Site(name="fo", cores=2), db=db)
+    assert result.ok and not result.failed, result.failed
+    assert {s["stage"]: s["state"] for s in db.stages(result.run_id)} == states
+
+
+@SCHEDULER_FIX
+@pytest.mark.slow  # two workflow runs (the core lane is at its 5-minute budget)
+def test_a_resumed_fan_out_over_rows_is_expanded_again_and_runs_only_its_failed_instance(tmp_path):
+    db, site = RunDB(tmp_path / "state"), Site(name="fo", cores=2)
+    first = run_workflow(flaky_workflow(tmp_path, {"rows": "configs"}, fix=False), site, db=db)
+    assert list(first.failed) == ["sweep.1"] and first.skipped == ["fanin"]
+    assert calls(tmp_path) == {1: 1, 2: 1, 3: 1}
+    (tmp_path / "fixed").write_text("")  # what the user fixed before resuming
+    again = run_workflow(flaky_workflow(tmp_path, {"rows": "configs"}, fix=False), site, db=db, resume=first.run_id)
+    assert again.ok and again.run_id == first.run_id, again.failed
+    assert calls(tmp_path) == {1: 1, 2: 2, 3: 1}  # the instances that had succeeded did not run again
+    assert attempts_of(db, first.run_id) == {
+        "sweep.0": ["succeeded"],
+        "sweep.1": ["failed", "succeeded"],  # attempt 2: the resume's
+        "sweep.2": ["succeeded"],
+    }
+    fan_outs = [e["message"] for e in db.events(first.run_id) if e["kind"] == "fan-out"]
+    assert fan_outs == ["3 instances over the rows of 'configs'"] * 2  # expanded again by the resume
+    assert_totals(first.session, [1, 2, 3])
+
+
+@pytest.mark.slow  # a workflow run (the core lane is at its 5-minute budget)
+def test_a_failing_instance_is_retried_by_its_own_retries_and_succeeds_on_its_second_attempt(tmp_path):
+    db = RunDB(tmp_path / "state")
+    wf = flaky_workflow(tmp_path, {"items": [{"scale": 1}, {"scale": 2}, {"scale": 3}]}, fix=True, retries=1)
+    result = run_workflow(wf, Site(name="fo", cores=2), db=db)
+    assert result.ok, result.failed
+    assert calls(tmp_path) == {1: 1, 2: 2, 3: 1}
+    assert attempts_of(db, result.run_id) == {
+        "sweep.0": ["succeeded"],
+        "sweep.1": ["failed", "succeeded"],
+        "sweep.2": ["succeeded"],
+    }
+    assert "instance with scale 2 fails until fixed" in db.attempts(result.run_id, "sweep.1")[0]["error"]
+    assert_totals(result.session, [1, 2, 3])
+
+
+@pytest.mark.slow  # a workflow run (the core lane is at its 5-minute budget)
+def test_when_and_retry_through_a_python_workflow(tmp_path):
+    import fanout_apps
+
+    wf = px.Workflow("fo-python-when")
+    wf.stage(fanout_apps.numbers, params={"rows": 20}, outputs=["numbers"])
+    wf.stage(
+        flaky,
+        name="sweep",
+        foreach=[{"scale": 1}, {"scale": 2}],
+        params={"dir": str(tmp_path), "bad": 2, "fix": True, "offset": 1},
+        retry={"causes": {"RuntimeError": 1}, "backoff": {"first": 0}},
+        when="params.scale < 3 and len(numbers) == 20",
+        inputs={"numbers": "numbers"},
+        outputs=["scaled"],
+    )
+    wf.stage(fanout_apps.total, name="fanin", inputs={"parts": "scaled"}, outputs=["totals"])
+    wf.stage(fanout_apps.marker, name="never", when="params.go", params={"go": False}, outputs=["ran"])
+    result = px.run(wf, site=Site(name="fo", cores=2), state=tmp_path / "state", progress=False)
+    assert result.ok, result.failed
+    assert result.skipped_when == {"never": "when: 'params.go' is false"}
+    assert calls(tmp_path) == {1: 1, 2: 2}  # scale 2: its first attempt failed, its retry: ran it again
+    db = RunDB(tmp_path / "state")
+    assert [a["cause"] for a in db.attempts(result.run_id, "sweep.1")] == ["RuntimeError", None]
+    assert {e["stage"] for e in db.events(result.run_id) if e["kind"] == "condition"} == {"sweep.0", "sweep.1"}
+    assert_totals(result.session, [1, 2])
+
+
 @pytest.mark.parametrize(
     "stage, message",
     [

@@ -6,7 +6,11 @@ example's transactions plus a string key; phalanx/examples/synthetic.py) into a 
 its own /dev/shm; the reader host fetches each one, interleaved, several times:
 
   tcp           a plain socket: the holder sendall()s the memory-mapped file, the reader
-                recv_into()s a fresh buffer (the reference: what the network path can do)
+                recv_into()s a fresh buffer (a user-space read of every page on the holder)
+  tcp-sendfile  the same socket, the holder os.sendfile()s the file from its descriptor (the
+                syscall the service's bulk path uses: the kernel sends the page-cache pages),
+                the reader recv_into()s a fresh buffer: the tighter reference, what a
+                sendfile-and-receive path can do with no protocol around it
   fetch         phalanx.store.service.fetch, what a reader on another host runs: the file's
                 exact bytes, one buffer, over the service's HTTP/1.1 bulk path (the holder
                 sendfile()s, the reader readinto()s; store/http_bytes.py)
@@ -26,7 +30,8 @@ its own /dev/shm; the reader host fetches each one, interleaved, several times:
     .venv/bin/python bench/store_remote.py --hosts px-h1,px-h3 --sizes 64,256 --reps 7
 
 Prints MB/s (median and best of the repetitions; MB = 1e6 bytes) and each method's median
-as a share of raw TCP's, with the load average before and after (2-core machine, shared).
+paired ratio to both raw references (``vs tcp``, ``vs sendfile``), with the load average
+before and after (2-core machine, shared).
 Needs root (the bed).  Results: docs/store.md, "Across hosts".
 """
 
@@ -53,6 +58,8 @@ sys.path[:0] = [str(REPO), str(REPO / "tests")]
 
 CHUNK_KIB = 4096
 CPU_REQUEST = 0xFFFFFFFF  # on the tcp connection: "send your CPU seconds"
+SENDFILE_BIT = 0x80000000  # on the tcp connection: "send file i with os.sendfile" (i | this bit)
+REFERENCES = ("tcp", "tcp-sendfile")  # the raw references every method is compared with
 # glibc returns each large free()d block to the kernel (mmap threshold), so every gRPC receive
 # buffer is a fresh mapping: a page fault and a cleared page per 4 KiB.  Keeping them:
 TUNED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str(4 << 30)}
@@ -82,7 +89,7 @@ def serve(args: argparse.Namespace) -> int:
     import pyarrow as pa
 
     from phalanx.store.service import StoreService
-    from phalanx.store.tiers import FileTier
+    from phalanx.store.tiers import FileTier, part_file
 
     root = Path(tempfile.mkdtemp(prefix="phalanx-bench-remote-", dir="/dev/shm"))
     tier = FileTier(root)
@@ -92,27 +99,30 @@ def serve(args: argparse.Namespace) -> int:
         nbytes, checksum = tier.write_partition(location, 0, user_table(int(mb * 1e6)))
         parts.append({"mb": mb, "location": location, "nbytes": nbytes, "checksum": checksum})
     files = [tier.read_buffer(p["location"], 0) for p in parts]  # the mapped files tcp sends
+    fds = [os.open(Path(p["location"]) / part_file(0), os.O_RDONLY | os.O_CLOEXEC) for p in parts]  # tcp-sendfile's
 
     lsock = socket.create_server((args.addr, 0))
-    threading.Thread(target=_tcp_server, args=(lsock, files), daemon=True).start()
+    threading.Thread(target=_tcp_server, args=(lsock, files, fds), daemon=True).start()
     svc = StoreService(root, args.addr, chunk=args.chunk << 10)  # token: PHALANX_STORE_TOKEN_FILE
     print(
         json.dumps({"endpoint": svc.endpoint, "tcp": [args.addr, lsock.getsockname()[1]], "parts": parts}), flush=True
     )
     sys.stdin.read()  # until the driver closes our stdin
     svc.close()
+    for fd in fds:
+        os.close(fd)
     shutil.rmtree(root, ignore_errors=True)
     del pa
     return 0
 
 
-def _tcp_server(lsock: socket.socket, files: list) -> None:
+def _tcp_server(lsock: socket.socket, files: list, fds: list[int]) -> None:
     while True:
         conn, _ = lsock.accept()
-        threading.Thread(target=_tcp_conn, args=(conn, files), daemon=True).start()
+        threading.Thread(target=_tcp_conn, args=(conn, files, fds), daemon=True).start()
 
 
-def _tcp_conn(conn: socket.socket, files: list) -> None:
+def _tcp_conn(conn: socket.socket, files: list, fds: list[int]) -> None:
     with conn:
         while True:
             req = conn.recv(4)
@@ -122,6 +132,17 @@ def _tcp_conn(conn: socket.socket, files: list) -> None:
             if i == CPU_REQUEST:  # the holder process's CPU seconds so far (all its threads)
                 ru = resource.getrusage(resource.RUSAGE_SELF)
                 conn.sendall(struct.pack("!d", ru.ru_utime + ru.ru_stime))
+                continue
+            if i & SENDFILE_BIT:  # the kernel sends the file's pages: nothing in Python reads them
+                fd = fds[i & ~SENDFILE_BIT]
+                size = os.fstat(fd).st_size
+                conn.sendall(struct.pack("!Q", size))
+                sent = 0
+                while sent < size:
+                    n = os.sendfile(conn.fileno(), fd, sent, size - sent)
+                    if n == 0:
+                        raise ConnectionError("sendfile sent nothing: the file shrank?")
+                    sent += n
                 continue
             buf = files[i]
             conn.sendall(struct.pack("!Q", buf.size))
@@ -152,6 +173,12 @@ def read(args: argparse.Namespace) -> int:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def tcp(i: int) -> object:
+        return _tcp_get(i)
+
+    def tcp_sendfile(i: int) -> object:
+        return _tcp_get(i | SENDFILE_BIT)
+
+    def _tcp_get(i: int) -> object:
         sock.sendall(struct.pack("!I", i))
         head = bytearray(8)
         _recv_exact(sock, memoryview(head))
@@ -185,6 +212,7 @@ def read(args: argparse.Namespace) -> int:
 
     run = {
         "tcp": tcp,
+        "tcp-sendfile": tcp_sendfile,
         "fetch": hbytes,
         "fetch x2": hbytes2,
         "fetch+verify": hverify,
@@ -196,7 +224,7 @@ def read(args: argparse.Namespace) -> int:
         run.update(_vineyard_readers(info["vineyard"]))
     # once each, checked: the same bytes / rows everywhere
     for i, p in enumerate(info["parts"]):
-        for method in (tcp, hbytes, hbytes2, fbytes, fbytes2):
+        for method in (tcp, tcp_sendfile, hbytes, hbytes2, fbytes, fbytes2):
             assert checksum_buffer(method(i)) == p["checksum"], method.__name__
         rows = hverify(i).num_rows
         assert ftable(i).num_rows == rows
@@ -362,29 +390,30 @@ def main() -> int:
 
 
 def _report(results: dict, info: dict) -> None:
-    """Per size and method: median and best MB/s over the repetitions; "vs tcp": the median
-    over repetitions of (this method's MB/s / tcp's MB/s in the same repetition, measured next
-    to it), which a load that drifts during the run disturbs less than a ratio of medians; CPU
-    seconds per GB moved, in the reader and the holder process (vineyardd's own CPU not seen)."""
+    """Per size and method: median and best MB/s over the repetitions; "vs tcp" and "vs
+    sendfile": the median over repetitions of (this method's MB/s / that raw reference's MB/s
+    in the same repetition, measured next to it), which a load that drifts during the run
+    disturbs less than a ratio of medians; CPU seconds per GB moved, in the reader and the
+    holder process (vineyardd's own CPU not seen)."""
     sizes = [str(p["mb"]) for p in info["parts"]]
     nbytes = {str(p["mb"]): p["nbytes"] for p in info["parts"]}
     print(
         f"{'size':>7} {'file MB':>8}  {'method':<20} {'median MB/s':>11} {'best MB/s':>10} {'vs tcp':>7}"
-        f" {'reader CPU s/GB':>16} {'holder CPU s/GB':>16}"
+        f" {'vs sendfile':>11} {'reader CPU s/GB':>16} {'holder CPU s/GB':>16}"
     )
     for s in sizes:
-        tcp = [row[0] for row in results["tcp"][s]]
+        refs = [[row[0] for row in results[ref][s]] for ref in REFERENCES]
         for m, by in results.items():
             rows = by[s]
             rate = [row[0] for row in rows]
-            paired = statistics.median(r / t for r, t in zip(rate, tcp))
+            paired = [statistics.median(r / t for r, t in zip(rate, ref)) for ref in refs]
             rcpu = statistics.median(row[1] for row in rows)
             hcpu = (
                 f"{statistics.median(row[2] for row in rows):16.2f}" if not m.startswith("vineyard") else f"{'-':>16}"
             )
             print(
                 f"{s + 'MB':>7} {nbytes[s] / 1e6:8.1f}  {m:<20} {statistics.median(rate):11.0f} {max(rate):10.0f}"
-                f" {paired:7.0%} {rcpu:16.2f} {hcpu}"
+                f" {paired[0]:7.0%} {paired[1]:11.0%} {rcpu:16.2f} {hcpu}"
             )
 
 

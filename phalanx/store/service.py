@@ -25,8 +25,13 @@ why, with numbers: docs/store.md, "Across hosts".
   ``<location>/part-NNNNN.arrow`` only inside its root(s), walking from the root one directory at
   a time without following a symbolic link, each directory and the file this user's
   (``tiers.check_mine``); anything else is refused, naming it.
-- Authenticated: a per-allocation bearer token checked on every call by a server middleware
-  (``hmac.compare_digest``).  The token is never logged or put in an error message.
+- Authenticated: a bearer token checked on every call by a server middleware
+  (``hmac.compare_digest``); whoever holds it may read, hash and remove anything under the
+  service's roots.  By default one per user (``token_file``: ``store.token`` in the state
+  directory, made once); per allocation where the site sets ``PHALANX_STORE_TOKEN_FILE`` to a
+  fresh file (docs/store.md, "Who can read what").  The token is never logged or put in an
+  error message, but it travels in clear on every request (no TLS, on Flight and the bulk
+  path alike): a service belongs on the cluster's private network only.
 - Bound to the address asked for (loopback or the host's cluster address); a wildcard address
   (``0.0.0.0``, ``::``) is refused unless ``any_address=True``.
 - A whole file's bytes: the holder's kernel ``sendfile``s them over HTTP, the reader receives

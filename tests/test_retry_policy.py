@@ -276,6 +276,77 @@ def test_retries_n_keeps_meaning_any_failure_and_status_and_report_show_each_cau
     assert "attempt 1 · failed (exit code 3)" in html
 
 
+@pytest.mark.slow  # a workflow run of three attempts, through the CLI
+def test_a_retry_policy_in_a_workflow_file_through_phalanx_run(tmp_path, monkeypatch, capsys):
+    """``retry:`` in a file run by ``phalanx run``: each cause uses its own count, the plain
+    progress lines and the run DB say each attempt's cause and the policy's decision."""
+    from phalanx.cli import main
+
+    marks = tmp_path / "attempts"
+    marks.mkdir()
+    (tmp_path / "wf.yaml").write_text(
+        textwrap.dedent(
+            f"""\
+            name: retry-cli
+            stages:
+              s:
+                app: test_retry_policy:planned
+                ranks: 2
+                params: {{dir: {str(marks)!r}, plan: ["exit:3", "raise:KeyError", "ok"]}}
+                retry:
+                  causes: {{"exit:3": 1, KeyError: 1}}
+                  backoff: {{first: 0}}
+            """
+        )
+    )
+    monkeypatch.setenv("PHALANX_STATE", str(tmp_path / "state"))
+    assert main(["run", str(tmp_path / "wf.yaml"), "--plain"]) == 0
+    out = capsys.readouterr().out
+    assert "attempt 1: exit code 3 — retrying in 0 s (retry 1 of 1 for exit:3)" in out
+    assert "attempt 2: KeyError — retrying in 0 s (retry 1 of 1 for KeyError)" in out
+    db = RunDB(tmp_path / "state")
+    run_id = db.runs()[0]["id"]
+    assert db.runs()[0]["state"] == "succeeded"
+    assert causes(db.attempts(run_id, "s")) == [("failed", "exit:3"), ("failed", "KeyError"), ("succeeded", None)]
+    assert sorted(p.name for p in marks.iterdir()) == ["attempt-1", "attempt-2", "attempt-3"]  # the app's own count
+
+
+@pytest.mark.slow  # a gang start, its failure, and a cancel
+def test_a_cancel_ends_a_retry_s_backoff_at_once(tmp_path):
+    """A stage waiting out its policy's backoff (300 s) before a retry: cancelling the run ends
+    the wait at once (the scheduler waits on the run's cancel event, not in a sleep), the
+    retry never starts, and the run is cancelled."""
+    import phalanx as px
+
+    marks = tmp_path / "attempts"
+    marks.mkdir()
+    policy = {"causes": {"exit:3": 1}, "backoff": {"first": 300, "max": 300}}
+    wf = Workflow(
+        name="backoff",
+        stages={
+            "s": Stage(
+                app="test_retry_policy:planned", params={"dir": str(marks), "plan": ["exit:3", "ok"]}, retry=policy
+            )
+        },
+    )
+    handle = px.submit(wf, site=Site(name="one", cores=2), state=tmp_path / "state")
+    db = RunDB(tmp_path / "state")
+    deadline = time.monotonic() + 120
+    while not [e for e in db.events(handle.run_id) if e["kind"] == "retry"]:  # until its backoff began
+        assert time.monotonic() < deadline and not handle.done(), "the first attempt never failed into its backoff"
+        time.sleep(0.05)
+    said = [e["message"] for e in db.events(handle.run_id) if e["kind"] == "retry"]
+    assert said == ["attempt 1: exit code 3 — retrying in 300 s (retry 1 of 1 for exit:3)"]
+    t0 = time.monotonic()
+    assert handle.cancel(timeout=60) is True
+    assert time.monotonic() - t0 < 10  # not the 300 s backoff (nor cancel's own 60 s timeout)
+    result = handle.result(timeout=0)
+    assert result.state == "cancelled" and result.failed == {"s": "cancelled"}
+    assert causes(db.attempts(handle.run_id, "s")) == [("failed", "exit:3")]  # no second attempt
+    assert [p.name for p in marks.iterdir()] == ["attempt-1"]
+    assert {s["stage"]: s["state"] for s in db.stages(handle.run_id)} == {"s": "cancelled"}
+
+
 # ---- SLURM: the job's final state says why its ranks ended ----------------------------------------
 @pytest.mark.parametrize(
     "state,cause", [("PREEMPTED", "preempted"), ("NODE_FAIL", "node_lost"), ("OUT_OF_MEMORY", "oom"), ("FAILED", None)]
@@ -283,8 +354,8 @@ def test_retries_n_keeps_meaning_any_failure_and_status_and_report_show_each_cau
 def test_a_slurm_jobs_final_state_is_its_ranks_cause(tmp_path, state, cause):
     """What SlurmLauncher makes of a job that ended in ``state`` (as squeue reports it): the ranks
     without an exit file get its signal, and ``end_cause`` its cause (no cluster needed: a real
-    NODE_FAIL retried without the stage's retries is test_slurm's node failure test; a real
-    PREEMPTED needs a preemption-enabled slurm.conf, which the test cluster does not have)."""
+    NODE_FAIL retried without the stage's retries is test_slurm's node failure test, a real
+    PREEMPTED test_slurm_preemption's, on a cluster of its own with preemption enabled)."""
     from phalanx.executors.slurm.commands import JobInfo, SlurmCommands
     from phalanx.executors.slurm.launcher import SlurmJobLauncher
 

@@ -179,6 +179,41 @@ def test_a_damaged_partition_fails_every_new_attempt_and_is_not_remembered_as_ch
     assert hashed == []
 
 
+def test_a_partition_fetched_from_another_host_is_checked_on_every_arrival(tmp_path, monkeypatch):
+    """Another host on this machine: a second store root (its own root id) whose partitions a
+    store service on loopback serves, the catalogue shared.  A fetched partition is checked on
+    arrival every time (docs/reliability.md: "a partition fetched from another host (always,
+    on arrival)"), by the attempt that wrote it too, with ``verify=False`` too; a damaged one
+    fails the read naming it.  Across real hosts: tests/multihost/."""
+    from phalanx.runtime.envvars import ENV_STORE_SERVICE_KEY
+    from phalanx.store.remote import publish_endpoint
+    from phalanx.store.service import ENV_TOKEN, StoreService
+
+    monkeypatch.setenv(ENV_TOKEN, "verify-once-test-token")
+    catalogue = f"sqlite:///{tmp_path / 'catalogue.db'}"
+    holder_root = tmp_path / "holder"
+    holder_root.mkdir()
+    with StoreService(holder_root, "127.0.0.1") as svc:
+        publish_endpoint(holder_root, "vo-test", svc.endpoint)
+        monkeypatch.setenv(ENV_STORE_SERVICE_KEY, "vo-test")
+        writer = px.Store(holder_root, session="x", metadata=catalogue)
+        writer.put("d", [rank_table(0), rank_table(1)])
+        parts = writer.info("d").partitions
+        assert [p.endpoint for p in parts] == [svc.endpoint] * 2
+        # the writer's attempt, on the other host: trust does not travel with the bytes
+        reader = px.Store(tmp_path / "reader", session="x", metadata=catalogue, attempt=writer.attempt)
+        assert not reader.is_here(parts[0])
+        for verify in (True, True, False):
+            table, hashed = hashed_sizes(lambda v=verify: reader.read("d", verify=v))
+            assert sorted(hashed) == sorted(p.bytes for p in parts), verify
+            assert table.equals(expected())
+        assert reader.reads.as_dict() == {"local": 0, "fetched": 3 * sum(p.bytes for p in parts)}
+        flip_a_byte(writer, "d", 1)
+        for _ in range(2):
+            with pytest.raises(ChecksumError, match=r"dataset 'd' partition 1 .*checksum mismatch"):
+                reader.read("d")
+
+
 def spilling_store(tmp_path: Path, **kwargs: Any) -> px.Store:
     """A store whose memory budget holds one of the tables ``spill_two`` puts."""
     return px.Store(tmp_path / "root", session="spill", memory_budget=2_000_000, spill=tmp_path / "spill", **kwargs)

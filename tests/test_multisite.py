@@ -7,12 +7,15 @@ executor); the multi-site runs on SLURM + Kubernetes are in the multisite lane's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -516,3 +519,109 @@ def test_the_plan_names_the_path_of_each_crossing(tmp_path):
     cloud.store.exchange = "s3://AKIAEXAMPLE:hunter2@bucket/x"
     shown = "\n".join(site_plan(wf, {"generate": hpc, "totals": cloud, "again": cloud}))
     assert "hunter2" not in shown and "object store s3://" in shown
+
+
+def killed_run(tmp: Path) -> tuple[Workflow, Site, dict[str, Site]]:
+    """generate (4 ranks on hpc) seals tx in 4 partitions; totals on cloud reads it."""
+    hpc = Site(name="hpc", cores=4, store=StoreConfig(root=str(tmp / "hpc-store")))
+    cloud = Site(name="cloud", cores=2, store=StoreConfig(root=str(tmp / "cloud-store")))
+    wf = Workflow(
+        name="killed",
+        stages={
+            "generate": Stage(app="apps:wf_generate", ranks=4, params={"rows": 40000, "seed": 3}, outputs=["tx"]),
+            "totals": Stage(app="apps:wf_totals", ranks=2, inputs={"tx": "tx"}, outputs=["totals"]),
+        },
+    )
+    return wf, hpc, {"generate": hpc, "totals": cloud}
+
+
+DRIVER = """
+import os, sys
+from pathlib import Path
+
+import phalanx as px
+from phalanx.orchestrator.rundb import RunDB
+from phalanx.orchestrator.scheduler import run_workflow
+from phalanx.store.tiers import part_file
+from test_multisite import killed_run
+
+tmp, stop = Path(sys.argv[1]), int(sys.argv[2])
+wf, hpc, sites = killed_run(tmp)
+
+def on_event(stage, kind, message):
+    if kind == "run":
+        print("run", message, flush=True)
+    if stage == "generate" and kind == "succeeded":
+        # partition STOP of tx becomes a FIFO nobody writes: the crossing blocks opening it,
+        # with partitions 0..STOP-1 arrived on cloud; the real file waits beside it
+        (session,) = [p for p in (tmp / "hpc-store").iterdir() if p.is_dir() and not p.name.startswith(".")]
+        part = Path(px.Store(tmp / "hpc-store", session=session.name).info("tx").location) / part_file(stop)
+        part.rename(tmp / "held-back")
+        os.mkfifo(part)
+        print("fifo", part, flush=True)
+
+run_workflow(wf, hpc, db=RunDB(tmp / "state"), sites=sites, on_event=on_event)
+print("the crossing did not block", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_crossing_killed_partway_is_resumed_sending_only_the_rest(tmp_path):
+    """The driver is killed (SIGKILL, by its PID) in the middle of a crossing: partitions 0 and
+    1 of tx's 4 had arrived on cloud, the crossing was blocked reading partition 2 (a FIFO in
+    its place, the fault injected by the driver script's own event callback when generate
+    sealed tx: deterministic, no timing).  ``--resume`` (run_workflow(resume=)) keeps the two
+    that arrived and passed their checksums and sends only partitions 2 and 3; the result
+    equals the reference and the copy the producer's files byte for byte."""
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    tests = Path(__file__).parent
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path), "2"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=tests,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), os.environ.get("PYTHONPATH", "")])},
+        start_new_session=True,
+    )
+    try:
+        run_line = proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert run_line[:1] == ["run"], run_line
+        fifo_line = proc.stdout.readline().split()  # type: ignore[union-attr]
+        assert fifo_line[:1] == ["fifo"], fifo_line
+        made = px.Store(tmp_path / "hpc-store", session=Path(fifo_line[1]).parents[2].name).info("tx")
+        deadline = time.monotonic() + 60
+        while True:  # partition 1 whole on cloud: the crossing is at partition 2 (the FIFO) or about to be
+            staged = list((tmp_path / "cloud-store").glob(f"*/.staging/cross-*/{part_file(1)}"))
+            if staged and staged[0].stat().st_size == made.partitions[1].bytes:
+                break
+            assert proc.poll() is None, f"the driver ended: {proc.stdout.read()}"  # type: ignore[union-attr]
+            assert time.monotonic() < deadline, "partition 1 never arrived on cloud"
+            time.sleep(0.05)  # polling a file, bounded by the deadline
+        os.kill(proc.pid, signal.SIGKILL)  # by PID: the driver this test started
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its gangs' ranks, had any outlived it (the group it leads)
+    fifo = Path(fifo_line[1])
+    fifo.unlink()
+    (tmp_path / "held-back").rename(fifo)
+    session = fifo.parents[2].name
+    got = px.Store(tmp_path / "cloud-store", session=session)
+    assert not got.exists("tx") and len(got.unsealed()) == 1
+    wf, hpc, sites = killed_run(tmp_path)
+    db = RunDB(tmp_path / "state")
+    again = run_workflow(wf, hpc, db=db, sites=sites, resume=run_line[1])
+    assert again.ok, again.failed
+    crossed = {s["stage"]: s for s in db.stages(run_line[1])}["totals"]["inputs"]["tx"]["crossed"]
+    assert crossed["bytes"] == made.partitions[2].bytes + made.partitions[3].bytes  # only the rest
+    assert not crossed["already"] and got.unsealed() == []
+    copy = got.info("tx")
+    assert copy.origin["version"] == made.version
+    for i in range(4):
+        assert (Path(copy.location) / part_file(i)).read_bytes() == (Path(made.location) / part_file(i)).read_bytes()
+    expected = generated(40000, 4, seed=3).groupby("user", as_index=False)["amount"].sum()
+    pd.testing.assert_frame_equal(sorted_table(got, "totals"), expected, check_dtype=False)

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
 from apps import wf_generate_reference as generated
+from test_store_backends import s3_endpoint, s3_root  # noqa: F401  (the moto fixture)
 
 import phalanx as px
 from phalanx.errors import GangError
@@ -478,7 +479,7 @@ def test_a_crossing_pauses_1_then_4_s_and_its_last_failure_names_both_sites_and_
     assert str(err.value).startswith("input 'tx' could not cross from site 'a' to site 'b' (direct, 3 tries): ")
     assert f"{src.info('tx').location}/{part_file(1)}" in str(err.value) and "is missing" in str(err.value)
     assert waits == [1.0, 4.0] and len(said) == 2
-    with pytest.raises(GangError, match=r"did not cross from site 'a' to site 'b' \(direct\): cancelled after 1 tries"):
+    with pytest.raises(GangError, match=r"did not cross from site 'a' to site 'b' \(direct\): cancelled after try 1"):
         crossings.cross_dataset("tx", src, dst, None, src_site="a", dst_site="b", wait=lambda s: True)
     assert not dst.exists("tx") and len(dst.unsealed()) == 1  # partition 0 staged: a later try keeps it
 
@@ -625,3 +626,32 @@ def test_a_crossing_killed_partway_is_resumed_sending_only_the_rest(tmp_path):
         assert (Path(copy.location) / part_file(i)).read_bytes() == (Path(made.location) / part_file(i)).read_bytes()
     expected = generated(40000, 4, seed=3).groupby("user", as_index=False)["amount"].sum()
     pd.testing.assert_frame_equal(sorted_table(got, "totals"), expected, check_dtype=False)
+
+
+def test_a_damaged_copy_in_the_exchange_is_checked_and_sent_up_again(s3_endpoint, tmp_path):  # noqa: F811
+    """Through an exchange (moto on loopback here): the copy there is trusted on the way up (a
+    check would download it) but read, and so checked, on the way down.  Damaged in the
+    exchange and gone from the consumer's store, it fails that read; the crossing then checks
+    the exchange's copy, sends it up again and down — one try, the data equal to the source."""
+    exchange = s3_root(s3_endpoint)
+    src = px.Store(tmp_path / "a", session="s")
+    src.put("tx", [pa.Table.from_pandas(generated(300, 1, seed=s)) for s in range(3)])
+    dst = px.Store(tmp_path / "b", session="s")
+
+    def cross(**kw) -> dict:
+        return crossings.cross_dataset("tx", src, dst, exchange, src_site="a", dst_site="b", **kw)
+
+    first = cross()
+    assert first["path"] == "object store" and first["exchange"] == exchange.split("?")[0]
+    middle = px.Store(exchange, session="s")
+    copy = middle.info("tx")
+    good = middle.tier.read_buffer(copy.location, 1).to_pybytes()
+    middle.tier.write_buffer(copy.location, 1, pa.py_buffer(good[:-8]))  # cut short in the exchange
+    dst.delete("tx")
+    said: list[str] = []
+    again = cross(on_retry=said.append)
+    assert said == [] and again["tries"] == 1 and not again["already"]
+    nbytes = src.info("tx").nbytes
+    assert again["bytes"] == 2 * nbytes  # up again (all of it: the copy there is replaced), then down
+    assert [p.checksum for p in dst.info("tx").partitions] == [p.checksum for p in src.info("tx").partitions]
+    assert dst.read("tx").to_pandas().equals(src.read("tx").to_pandas())

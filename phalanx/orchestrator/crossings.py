@@ -46,7 +46,13 @@ def shared_exchange(there: str | None, here: str | None) -> str | None:
 def crossing_path(exchange: str | None) -> str:
     """The path a crossing takes, for a plan, a record or an error: ``object store <URL>``
     (credentials masked, the query's options left out) or ``direct``."""
-    return f"object store {redact(exchange).split('?', 1)[0]}" if exchange else "direct"
+    return f"object store {_shown(exchange)}" if exchange else "direct"
+
+
+def _shown(url: str) -> str:
+    """An object store's URL as a plan, record or error shows it: credentials masked, its query
+    (endpoint, credentials reference) left out."""
+    return redact(url).split("?", 1)[0]
 
 
 def cross_dataset(
@@ -77,11 +83,11 @@ def cross_dataset(
     arrived and passed its checksum is kept by the next try.  The last failure raises
     ``GangError`` naming both sites, the path and the number of tries."""
     via = crossing_path(exchange)
-    replace = _may_replace(dataset, src, dst, src_site, dst_site)
     tries = 0
     while True:
         tries += 1
         try:
+            replace = _may_replace(dataset, src, dst, src_site, dst_site)
             if exchange is None:
                 legs = [_cross(src, dataset, dst, run, replace)]
             else:
@@ -99,7 +105,7 @@ def cross_dataset(
                     redact(f"{dataset}: try {tries} of {CROSSING_TRIES} {said}) failed: {exc}; again in {pause:g} s")
                 )
             if wait(pause):  # cancelled meanwhile
-                raise GangError(f"input {dataset!r} did not cross {said}): cancelled after {tries} tries") from exc
+                raise GangError(f"input {dataset!r} did not cross {said}): cancelled after try {tries}") from exc
     record = {
         "from": src_site,
         "to": dst_site,
@@ -110,10 +116,9 @@ def cross_dataset(
         "tries": tries,
     }
     if exchange:
-        record["exchange"] = redact(exchange).split("?", 1)[0]
-    replaced = "; ".join(c.replaced for c in legs[-1:] if c.replaced)  # what the consumer's site held
-    if replaced:
-        record["replaced"] = replaced
+        record["exchange"] = _shown(exchange)
+    if legs[-1].replaced:  # what the consumer's site held
+        record["replaced"] = legs[-1].replaced
     return record
 
 

@@ -306,14 +306,9 @@ def assert_totals(session: str, scales: list[int], rows: int = 20, offset: int =
     assert list(got["sum_y"]) == [sum(x * s + offset for x in range(rows)) for s in scales]  # closed form
 
 
-# The scheduler's loop ended the run when no stage was running after a pass over the pending
-# stages, though that pass had added a fan-out's instances or skipped a stage listed after one
-# that needs it: the run "succeeded" with stages never run.  The fix (scheduler.py, the lead's:
-# look again when a pass changed what is pending) lands with these tests; then drop the markers.
-SCHEDULER_FIX = pytest.mark.xfail(strict=True, reason="scheduler.py: a pass that changed pending ends the run")
-
-
-@SCHEDULER_FIX
+# The scheduler's loop used to end the run when no stage was running after a pass over the
+# pending stages, though that pass had added a fan-out's instances or skipped a stage listed
+# after one that needs it: the run "succeeded" with stages never run.  It now looks again.
 @pytest.mark.slow  # a workflow run (the core lane is at its 5-minute budget)
 @pytest.mark.parametrize(
     "stages, states",
@@ -342,7 +337,6 @@ def test_a_pass_that_changes_what_is_pending_is_followed_by_another(tmp_path, st
     assert {s["stage"]: s["state"] for s in db.stages(result.run_id)} == states
 
 
-@SCHEDULER_FIX
 @pytest.mark.slow  # two workflow runs (the core lane is at its 5-minute budget)
 def test_a_resumed_fan_out_over_rows_is_expanded_again_and_runs_only_its_failed_instance(tmp_path):
     db, site = RunDB(tmp_path / "state"), Site(name="fo", cores=2)

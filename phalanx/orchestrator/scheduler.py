@@ -304,6 +304,7 @@ class Scheduler:
         with ThreadPoolExecutor(max_workers=len(pending) + MAX_INSTANCES) as pool:
             try:
                 while pending or running:
+                    before = list(pending)
                     for name in list(pending):
                         if deps[name] & set(failed):
                             pending.remove(name)
@@ -338,6 +339,8 @@ class Scheduler:
                             pending.remove(name)
                             running[pool.submit(self._run_stage, name, slots, gang)] = (name, slots)
                     if not running:
+                        if pending != before:
+                            continue  # the pass expanded a fan-out or skipped a stage: look again
                         break
                     # A timeout, so the main thread runs Python often enough to see Ctrl-C
                     # (the signal may be taken by another thread while this one sleeps).
@@ -358,6 +361,10 @@ class Scheduler:
                 self.cancel()
                 self.db.set_run(self.run_id, "cancelled")
                 raise
+        for name in pending:  # nothing runs and none of these can start: never a silent success
+            failed[name] = "it never became ready (its upstream stages did not all end)"
+            self.db.set_stage(self.run_id, name, "failed", ended=time.time(), error=failed[name])
+            self._event(name, "failed", failed[name])
         skipped = [s for s, e in failed.items() if e == ""]
         for s in skipped:  # what the run DB records is what `phalanx status`, the report, the CLI say
             self.db.set_stage(self.run_id, s, "skipped", error=why[s])

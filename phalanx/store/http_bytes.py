@@ -25,8 +25,9 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, urlsplit
 
@@ -176,12 +177,32 @@ def get(
     return out
 
 
+def stream(
+    url: str, token: str, location: str, index: int, chunk: int, timeout: float, service: str = ""
+) -> Iterator[pa.Buffer]:
+    """Partition ``index`` at ``location`` from the bytes server at ``url``, ``chunk`` bytes at
+    a time off one response (each a new buffer: a consumer may keep it while it uploads).
+    ``timeout``: seconds for each chunk, so a long stream to a slow consumer never times out
+    while data flows."""
+    what = f"partition {index} at {location} from the store service {service or url}"
+    with _Connection(url, token, what, time.monotonic() + timeout) as conn:
+        length = conn.start(location, index)
+        got = 0
+        while got < length:
+            conn.deadline = time.monotonic() + timeout
+            out = pa.allocate_buffer(min(chunk, length - got))
+            conn.fill(memoryview(out), got, length)
+            got += out.size
+            yield out
+
+
 class _Connection:
     def __init__(self, url: str, token: str, what: str, deadline: float):
         split = urlsplit(url)
         if split.scheme != "http" or not split.hostname or not split.port:
             raise RemoteStoreError(f"{what}: not an http://HOST:PORT address")
         self.what, self.deadline, self.size = what, deadline, -1
+        self.resp: http.client.HTTPResponse | None = None
         self.headers = {"Authorization": f"Bearer {token}"}
         self.conn = http.client.HTTPConnection(split.hostname, split.port, timeout=self._left(CONNECT_TIMEOUT))
 
@@ -204,33 +225,51 @@ class _Connection:
     def read(self, location: str, index: int, span: tuple[int, int] | None, into: pa.Buffer | None = None) -> pa.Buffer:
         """The file's bytes (``span``: inclusive byte range), into ``into`` at their offset or
         into a new buffer of their own."""
+        length = self.start(location, index, span)
+        at = 0 if span is None else span[0]
+        out = into if into is not None else pa.allocate_buffer(length)
+        view = memoryview(out)[at : at + length] if into is not None else memoryview(out)
+        self.fill(view, 0, length)
+        return out
+
+    def start(self, location: str, index: int, span: tuple[int, int] | None = None) -> int:
+        """Ask for the file's bytes (``span``: inclusive byte range); how many the reply has."""
         headers = dict(self.headers)
         if span is not None:
             headers["Range"] = f"bytes={span[0]}-{span[1]}"
-        try:
+        with self._errors():
             assert self.conn.sock is not None
             self.conn.sock.settimeout(self._left(STALL_TIMEOUT))
             self.conn.request("GET", f"/part?location={quote(location, safe='')}&index={index}", headers=headers)
-            resp = self.conn.getresponse()
+            self.resp = resp = self.conn.getresponse()
             if resp.status not in (200, 206):
                 raise _refusal(resp.status, resp.read(4096).decode(errors="replace"), self.what)
             length = int(resp.getheader("Content-Length") or -1)
             self.size, at = _total(resp.getheader("Content-Range"), length), 0 if span is None else span[0]
             if length < 0 or self.size < 0 or at + length > self.size:
                 raise RemoteStoreError(f"{self.what}: a reply without a usable length")
-            out = into if into is not None else pa.allocate_buffer(length)
-            view = memoryview(out)[at : at + length] if into is not None else memoryview(out)
-            got = 0
-            while got < length:
+            return length
+
+    def fill(self, view: memoryview, done: int, length: int) -> None:
+        """The reply's next ``len(view)`` bytes into ``view`` (``done`` of ``length`` read before)."""
+        got = 0
+        with self._errors():
+            assert self.conn.sock is not None and self.resp is not None
+            while got < len(view):
                 self.conn.sock.settimeout(self._left(STALL_TIMEOUT))
-                n = resp.readinto(view[got:])
+                n = self.resp.readinto(view[got:])
                 if not n:
                     # the holder closed the connection: its service (or its host) went away
                     raise ServiceUnreachableError(
-                        f"{self.what}: the service closed the connection after {got} of {length} bytes"
+                        f"{self.what}: the service closed the connection after {done + got} of {length} bytes"
                     )
                 got += n
-            return out
+
+    @contextmanager
+    def _errors(self) -> Iterator[None]:
+        """A failed call as a ``ServiceUnreachableError`` naming what was asked for."""
+        try:
+            yield
         except RemoteStoreError:
             raise
         except TimeoutError as exc:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import Iterable, Iterator
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
@@ -26,7 +27,7 @@ import pyarrow.fs as pafs
 
 from ..redact import redact
 from .credentials import resolve as resolve_credentials
-from .tiers import Staged, Tier, checksum_buffer, part_file, serialize
+from .tiers import CHUNK, Staged, Tier, checksum_buffer, part_file, serialize
 
 _OPTIONS = ("endpoint_override", "region", "scheme", "anonymous", "force_virtual_addressing", "credentials")
 
@@ -128,13 +129,26 @@ class ObjectTier(Tier):
         return buf.size, checksum_buffer(buf)
 
     def write_buffer(self, location: str, index: int, buf: pa.Buffer) -> None:
+        self.write_chunks(location, index, [buf])
+
+    def write_chunks(self, location: str, index: int, chunks: Iterable[pa.Buffer | memoryview]) -> None:
+        # The output stream uploads in parts as they fill (multipart): one chunk held here at a time
         with self.fs.open_output_stream(f"{self._path(location)}/{part_file(index)}") as out:
-            out.write(buf)
+            for chunk in chunks:
+                out.write(chunk)
 
     def read_buffer(self, location: str, index: int) -> pa.Buffer:
         # One download into memory; the IPC reader then slices it without copying.
         with self.fs.open_input_file(f"{self._path(location)}/{part_file(index)}") as f:
             return f.read_buffer()
+
+    def read_chunks(self, location: str, index: int, size: int = CHUNK) -> Iterator[pa.Buffer]:
+        with self.fs.open_input_stream(f"{self._path(location)}/{part_file(index)}") as f:
+            while True:
+                chunk = f.read_buffer(size)
+                if not chunk.size:
+                    return
+                yield chunk
 
     def share_partition(self, src: Tier, src_location: str, index: int, location: str) -> str:
         """A server-side copy (S3 CopyObject: no byte through this host) within one object

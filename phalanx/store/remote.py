@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -117,7 +117,45 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
             return tier_for(part.copy).read_buffer(part.copy, index)
         except OSError as exc:
             why += f"; its written-through copy at {part.copy} is unreadable too ({exc})"
-    raise PartitionLostError(
+    raise _lost(where, info, index, why)
+
+
+def partition_chunks(
+    where: str, info: DatasetInfo, index: int, tier_for: Callable[[str], Tier], chunk: int
+) -> Iterator[pa.Buffer]:
+    """``fetch_partition``, ``chunk`` bytes at a time (a stream).  A service that fails before
+    its first chunk gives way to the written-through copy; one that fails midway fails the
+    stream (``ServiceUnreachableError``: the caller starts the partition again).  The caller
+    checks the checksum."""
+    from .service import fetch_chunks, token_from_env
+
+    part = info.partitions[index]
+    why = NO_SERVICE
+    if part.endpoint:
+        stream = fetch_chunks(part.endpoint, token_from_env(), info.location, index, chunk)
+        try:
+            first = next(stream, None)
+        except ServiceUnreachableError as exc:
+            why = f"the host or its store service is gone ({exc})"
+        except FileNotFoundError as exc:
+            why = f"the host no longer has it ({exc})"
+        else:
+            if first is not None:
+                yield first
+            yield from stream
+            return
+    if part.copy:
+        try:
+            yield from tier_for(part.copy).read_chunks(part.copy, index, chunk)
+            return
+        except OSError as exc:
+            why += f"; its written-through copy at {part.copy} is unreadable too ({exc})"
+    raise _lost(where, info, index, why)
+
+
+def _lost(where: str, info: DatasetInfo, index: int, why: str) -> PartitionLostError:
+    part = info.partitions[index]
+    return PartitionLostError(
         f"{where}: dataset {info.name!r} partition {index} is held in the memory of host {part.host or '?'}"
         f" and cannot be read: {why}. The data is lost with that host: `phalanx run --resume RUN` "
         f"recomputes {('stage ' + repr(info.producer)) if info.producer else 'the stage that wrote it'}"

@@ -693,6 +693,20 @@ def fetch(
     return fetch_flight(endpoint, token, location, index, timeout, streams)
 
 
+def fetch_chunks(
+    endpoint: str, token: str, location: str, index: int, chunk: int, timeout: float = DEFAULT_TIMEOUT
+) -> Iterator[pa.Buffer]:
+    """``fetch``, ``chunk`` bytes at a time (a crossing streams a partition through one chunk
+    of memory): over the HTTP bulk path, ``timeout`` per chunk; a service without one sends
+    the whole file over Flight as one chunk."""
+    what = f"partition {index} at {location} from the store service {endpoint}"
+    url = bytes_url(endpoint, token, timeout, what)
+    if url:
+        yield from http_bytes.stream(url, token, location, index, chunk, timeout, service=endpoint)
+    else:
+        yield fetch_flight(endpoint, token, location, index, timeout)
+
+
 _bytes_urls: dict[tuple[int, str], str] = {}
 
 

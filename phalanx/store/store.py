@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import pyarrow as pa
+import xxhash
 
 from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError, UnsafePathError
 from ..paths import ENV_SPILL, ENV_STORE, default_spill_root, default_store_root
@@ -42,7 +43,7 @@ from ..runtime.envvars import (
 from . import remote
 from . import repartition as R
 from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, open_metadata
-from .tiers import FileTier, Staged, Tier, check_mine, checksum_buffer, open_tier, part_file
+from .tiers import CHUNK, FileTier, Staged, Tier, check_mine, checksum_buffer, open_tier, part_file
 
 log = logging.getLogger("phalanx.store")
 
@@ -335,6 +336,35 @@ class Store:
             _, buf, _, where = self._read_here(info, index)
         self._check(buf, part, f"{self._where()}: {where}")
         return buf
+
+    def partition_chunks(self, info: DatasetInfo, index: int, size: int = CHUNK) -> Iterator[pa.Buffer]:
+        """``partition_bytes``, ``size`` bytes at a time (a stream: a crossing holds one chunk of a
+        partition, however large), checked against the metadata's checksum as they pass: a
+        ``ChecksumError`` naming the partition after the last chunk, so a consumer that reached
+        the end without one has the exact bytes."""
+        part = info.partitions[index]
+        if self.is_here(part):
+            where = f"dataset {info.name!r} partition {index} ({info.location}/{part_file(index)})"
+            chunks = self._tier_for(info.location).read_chunks(info.location, index, size)
+        else:
+            where = f"dataset {info.name!r} partition {index} (fetched from {part.host or part.endpoint})"
+            chunks = remote.partition_chunks(self._where(), info, index, self._tier_for, size)
+        hasher = xxhash.xxh3_64()
+        try:
+            for chunk in chunks:
+                hasher.update(memoryview(chunk))
+                yield chunk
+        except StoreError:  # a holder's service gone midway, the partition lost with its host
+            raise
+        except FileNotFoundError:
+            raise StoreError(f"{self._where()}: {where} is missing") from None
+        except OSError as exc:
+            raise StoreError(f"{self._where()}: {where} is unreadable: {exc}") from None
+        if hasher.hexdigest() != part.checksum:
+            raise ChecksumError(
+                f"{self._where()}: {where}: checksum mismatch (stored {part.checksum}, the bytes have "
+                f"{hasher.hexdigest()}); the file was changed or corrupted"
+            )
 
     def check(self, info: DatasetInfo, index: int) -> None:
         """Raise unless partition ``index`` is there and passes its checksum: read here, or

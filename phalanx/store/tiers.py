@@ -20,6 +20,7 @@ import pwd
 import stat
 import uuid
 from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -33,6 +34,7 @@ from ..paths import default_spill_root  # noqa: F401  (re-exported: tests/faults
 from ..private import FILE_MODE, create_private, makedirs
 
 CHECKSUM = "xxh3_64"
+CHUNK = 64 << 20  # bytes of a partition in memory at once where one is streamed (a crossing)
 ROOT_ID_FILE = ".root-id"  # FileTier.root_id
 
 
@@ -188,6 +190,18 @@ class Tier(ABC):
 
         Raises FileNotFoundError when it is not there."""
 
+    def read_chunks(self, location: str, index: int, size: int = CHUNK) -> Iterator[pa.Buffer]:
+        """The partition's bytes, ``size`` at a time (a stream: a crossing holds one chunk).
+        This default slices ``read_buffer`` (zero-copy where it maps the file)."""
+        buf = self.read_buffer(location, index)
+        for at in range(0, buf.size, size):
+            yield buf.slice(at, min(size, buf.size - at))
+
+    def write_chunks(self, location: str, index: int, chunks: Iterable[pa.Buffer | memoryview]) -> None:
+        """Write one partition's bytes as they come (a copy from another store, streamed).
+        This default gathers them and calls ``write_buffer``."""
+        self.write_buffer(location, index, pa.py_buffer(b"".join(bytes(c) for c in chunks)))
+
     def open_partition(self, buf: pa.Buffer) -> pa.Table:
         """A table over the partition's bytes without copying them."""
         return ipc.open_file(pa.BufferReader(buf)).read_all()
@@ -308,9 +322,13 @@ class FileTier(Tier):
         return sink.size, sink.hexdigest()
 
     def write_buffer(self, location: str, index: int, buf: pa.Buffer) -> None:
+        self.write_chunks(location, index, [buf])
+
+    def write_chunks(self, location: str, index: int, chunks: Iterable[pa.Buffer | memoryview]) -> None:
         fd = os.open(_new_partition(location, index), os.O_WRONLY)
         try:
-            _write_all(fd, memoryview(buf))
+            for chunk in chunks:
+                _write_all(fd, memoryview(chunk))
         finally:
             os.close(fd)
 

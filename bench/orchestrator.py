@@ -2,8 +2,8 @@
 """Orchestration overhead per stage: a chain of trivial 2-rank stages, each reading the previous
 stage's output from the store and sealing its own (gang start + rendezvous + hand-off + seal +
 bookkeeping); with ``--fanout N``, the overhead per instance of a fan-out of N trivial one-rank
-instances gathered by a fan-in stage, against the same work as separate runs (what a sweep
-took before ``foreach:``).
+instances gathered by a fan-in stage, the same fan-out with ``cache: true`` and its fully
+cached rerun, against the same work as separate runs (what a sweep took before ``foreach:``).
 
     .venv/bin/python bench/orchestrator.py [--stages 10] [--ranks 2]
     .venv/bin/python bench/orchestrator.py --fanout 200 [--separate 20] [--site slurm-local]
@@ -177,24 +177,38 @@ def gather_sum(env):
     env.output("total", pa.table({"sum": [sum(table["i"].to_pylist())]}))
 
 
-def fanout(n: int, site: Site) -> tuple[float, list[float]]:
-    """Seconds of a run whose stage fans out into ``n`` one-rank instances (then a fan-in), and
-    each instance's seconds (gang start → sealed output)."""
+def fanout(n: int, site: Site, cache: bool = False) -> tuple[float, list[float], float | None]:
+    """Seconds of a run whose stage fans out into ``n`` one-rank instances (then a fan-in), each
+    instance's seconds (gang start → sealed output), and with ``cache`` (every stage cacheable)
+    the seconds of a second run of the same workflow that reuses all of the first's outputs."""
     stages = {
         "items": Stage(app="orchestrator:item", foreach={"matrix": {"i": list(range(n))}}, outputs=["one"]),
         "sum": Stage(app="orchestrator:gather_sum", inputs={"parts": "one"}, outputs=["total"]),
     }
+    wf = Workflow(name="fanout", stages=stages, **({"cache": True} if cache else {}))
+    sessions = []
     with tempfile.TemporaryDirectory() as state:
         db = RunDB(state)
         t0 = time.perf_counter()
-        result = run_workflow(Workflow(name="fanout", stages=stages), site, db=db)
+        result = run_workflow(wf, site, db=db)
         total = time.perf_counter() - t0
         assert result.ok, result.failed
-        store = px.Store(site.store.root, result.session, metadata=site.store.metadata)
-        assert store.read("total").column("sum").to_pylist() == [n * (n - 1) // 2]
+        sessions.append(px.Store(site.store.root, result.session, metadata=site.store.metadata))
+        assert sessions[0].read("total").column("sum").to_pylist() == [n * (n - 1) // 2]
         per = [s["ended"] - s["started"] for s in db.stages(result.run_id) if s["stage"].startswith("items.")]
-        store.delete_session()
-    return total, per
+        rerun = None
+        if cache:
+            t0 = time.perf_counter()
+            again = run_workflow(wf, site, db=db)
+            rerun = time.perf_counter() - t0
+            assert again.ok, again.failed
+            cached = [e["stage"] for e in db.events(again.run_id) if e["kind"] == "cached"]
+            assert len(cached) == n + 1 and not db.attempts(again.run_id), "not every stage was reused"
+            sessions.append(px.Store(site.store.root, again.session, metadata=site.store.metadata))
+            assert sessions[1].read("total").column("sum").to_pylist() == [n * (n - 1) // 2]
+        for store in sessions:
+            store.delete_session()
+    return total, per, rerun
 
 
 def separate_runs(k: int, site: Site) -> float:
@@ -212,10 +226,17 @@ def separate_runs(k: int, site: Site) -> float:
 
 def fanout_report(n: int, k: int, site: Site) -> None:
     print(f"fan-out of {n} trivial one-rank instances + a fan-in on site {site.name!r} ({site.executor})")
-    total, per = fanout(n, site)
+    total, per, _ = fanout(n, site)
     print(
         f"  foreach: {total:7.2f} s in all, {total / n:5.3f} s per instance "
         f"(an instance's own time: median {statistics.median(per):.2f} s, max {max(per):.2f} s)"
+    )
+    first, _, rerun = fanout(n, site, cache=True)
+    assert rerun is not None
+    print(
+        f"  cache: true, first run: {first:7.2f} s, {first / n:5.3f} s per instance (each looked up, none found)\n"
+        f"  cache: true, rerun:     {rerun:7.2f} s, {rerun / n:5.3f} s per instance, every instance and the fan-in "
+        f"reused  → x{first / rerun:.1f}"
     )
     if k:
         apart = separate_runs(k, site)

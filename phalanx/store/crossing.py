@@ -2,14 +2,16 @@
 
 ``cross(src, name, dst)`` makes, in ``dst`` (its session), the dataset ``name`` whose partition
 files are byte for byte those of ``src``'s: same checksums, rows, schema and partitioning.  The
-raw partition bytes are copied, never re-encoded, one partition at a time, and sealed with
-``dst``'s ordinary seal (readers find all of it or nothing).  The new dataset records where it
-came from (``DatasetInfo.origin``: the source store, session, name and version).
+raw partition bytes are copied, never re-encoded, one partition at a time and each streamed
+(``tiers.CHUNK``, 64 MiB, in memory at once however large the partition: read from the source's
+mapping, object stream or holder's service, written as a file or a multipart upload), and sealed
+with ``dst``'s ordinary seal (readers find all of it or nothing).  The new dataset records where
+it came from (``DatasetInfo.origin``: the source store, session, name and version).
 
-- **Verified** twice per partition: the bytes read from the source (mapped, downloaded, or
-  fetched from the store service of the host that holds them: ``Store.partition_bytes``) against
-  the source metadata's checksum, then what the destination tier holds, read back from it, with
-  the same checksum.  Reading back rather than hashing the bytes handed to the tier is what
+- **Verified** twice per partition: the bytes streamed from the source (mapped, downloaded, or
+  fetched from the store service of the host that holds them: ``Store.partition_chunks``) against
+  the source metadata's checksum as they pass, then what the destination tier holds, read back
+  from it a chunk at a time, with the same checksum.  Reading back rather than hashing the bytes handed to the tier is what
   catches a tier that stores something else than it was given (an S3-compatible server that
   keeps the upload framing: docs/store.md) or a short write; on a file tier the read back is a
   memory map of the page cache, cheap.  A mismatch raises ``ChecksumError`` naming the dataset,
@@ -53,7 +55,7 @@ from ..private import FILE_MODE, makedirs
 from ..redact import redact
 from .metadata import DatasetInfo, PartitionInfo
 from .store import Store
-from .tiers import FileTier, Tier, checksum_buffer, part_file
+from .tiers import FileTier, Tier, part_file
 
 __all__ = ["Crossing", "CrossingProgress", "SourceDamagedError", "cross", "describe", "origin_of"]
 
@@ -222,18 +224,16 @@ def cross(
             where = f"crossing dataset {name!r} partition {i} from {source} to {dest}"
             sent = not _arrived(tier, location, i, p)
             if sent:
-                try:
-                    buf = src.partition_bytes(info, i)
-                except ChecksumError as exc:
+                try:  # streamed: one chunk of the partition in memory, checked as it passes
+                    tier.write_chunks(location, i, src.partition_chunks(info, i))
+                except ChecksumError as exc:  # raised by the source's stream, after its last chunk
                     raise SourceDamagedError(f"{where}: the source's bytes are damaged: {exc}") from None
-                try:
-                    tier.write_buffer(location, i, buf)
+                except StoreError:  # the source unreadable: a holder's service gone, a partition lost
+                    raise
                 except OSError as exc:  # a full disk, an object store that failed the upload
                     raise StoreError(f"{where}: writing {location}/{part_file(i)} failed: {exc}") from exc
-                del buf  # one partition's bytes at a time
-                back = _read_back(tier, location, i)
-                actual = checksum_buffer(back) if back is not None else "nothing"
-                del back
+                there = _hash_there(tier, location, i)
+                actual = there[1] if there is not None else "nothing"
                 if actual != p.checksum:
                     raise ChecksumError(
                         f"{where}: the destination holds other bytes than were written "
@@ -289,17 +289,22 @@ def _damage(dst: Store, info: DatasetInfo) -> str | None:
     return None
 
 
-def _read_back(tier: Tier, location: str, index: int) -> Any:
+def _hash_there(tier: Tier, location: str, index: int) -> tuple[int, str] | None:
+    """(bytes, checksum) of partition ``index`` at ``location``, read back a chunk at a time;
+    None when it is not there."""
+    hasher, size = xxhash.xxh3_64(), 0
     try:
-        return tier.read_buffer(location, index)
+        for chunk in tier.read_chunks(location, index):
+            hasher.update(memoryview(chunk))
+            size += chunk.size
     except FileNotFoundError:
         return None
+    return size, hasher.hexdigest()
 
 
 def _arrived(tier: Tier, location: str, index: int, part: PartitionInfo) -> bool:
     """Whether partition ``index`` is staged at ``location`` already, whole and verified."""
-    buf = _read_back(tier, location, index)
-    return buf is not None and buf.size == part.bytes and checksum_buffer(buf) == part.checksum
+    return _hash_there(tier, location, index) == (part.bytes, part.checksum)
 
 
 @contextmanager

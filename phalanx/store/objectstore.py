@@ -133,9 +133,17 @@ class ObjectTier(Tier):
 
     def write_chunks(self, location: str, index: int, chunks: Iterable[pa.Buffer | memoryview]) -> None:
         # The output stream uploads in parts as they fill (multipart): one chunk held here at a time
-        with self.fs.open_output_stream(f"{self._path(location)}/{part_file(index)}") as out:
-            for chunk in chunks:
-                out.write(chunk)
+        path = f"{self._path(location)}/{part_file(index)}"
+        try:
+            with self.fs.open_output_stream(path) as out:
+                for chunk in chunks:
+                    out.write(chunk)
+        except BaseException:  # closing the stream completed the upload: no partial object stays
+            try:
+                self.fs.delete_file(path)
+            except OSError:
+                pass
+            raise
 
     def read_buffer(self, location: str, index: int) -> pa.Buffer:
         # One download into memory; the IPC reader then slices it without copying.

@@ -198,8 +198,9 @@ class Tier(ABC):
             yield buf.slice(at, min(size, buf.size - at))
 
     def write_chunks(self, location: str, index: int, chunks: Iterable[pa.Buffer | memoryview]) -> None:
-        """Write one partition's bytes as they come (a copy from another store, streamed).
-        This default gathers them and calls ``write_buffer``."""
+        """Write one partition's bytes as they come (a copy from another store, streamed); when
+        ``chunks`` raises, nothing of the partition stays.  This default gathers them and calls
+        ``write_buffer``."""
         self.write_buffer(location, index, pa.py_buffer(b"".join(bytes(c) for c in chunks)))
 
     def open_partition(self, buf: pa.Buffer) -> pa.Table:
@@ -325,10 +326,14 @@ class FileTier(Tier):
         self.write_chunks(location, index, [buf])
 
     def write_chunks(self, location: str, index: int, chunks: Iterable[pa.Buffer | memoryview]) -> None:
-        fd = os.open(_new_partition(location, index), os.O_WRONLY)
+        path = _new_partition(location, index)
+        fd = os.open(path, os.O_WRONLY)
         try:
             for chunk in chunks:
                 _write_all(fd, memoryview(chunk))
+        except BaseException:  # a source that failed midway (or its checksum): no partial file stays
+            os.unlink(path)
+            raise
         finally:
             os.close(fd)
 

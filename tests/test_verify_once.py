@@ -244,12 +244,6 @@ def test_another_attempt_checks_a_partition_damaged_on_the_spill_directory(tmp_p
         writer.delete_session()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="gap: the attempt that wrote (or checked) a partition keeps trusting it after it was spilled "
-    "to disk and while it is brought back (Store.needs_verify keys trust by (version, partition), not "
-    "by where the bytes are), though docs/reliability.md says a read from spill is checked",
-)
 def test_the_writing_attempt_checks_a_partition_read_from_spill(tmp_path):
     """Spill crosses trust (docs/reliability.md: "read from a disk tier (spill)"; issue 23:
     "brought back from spill"): even the attempt that wrote a dataset checks it when its bytes

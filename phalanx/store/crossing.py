@@ -273,7 +273,7 @@ def cross(
                 raise
             return result(again, moved, nbytes, already=False)
         for i in range(sealed.num_partitions):  # each read back (or found staged) and checked just now
-            dst._remember_verified(sealed, i)
+            dst._remember_verified(sealed, i, sealed.location)
         return result(sealed, moved, nbytes, already=False, replaced=replaced)
 
 

@@ -292,7 +292,7 @@ class Store:
         tier, buf, location, where = self._read_here(info, index)
         if verify and self.needs_verify(info, index, location):
             self._check(buf, part, where)
-            self._remember_verified(info, index)
+            self._remember_verified(info, index, location)
         table = self._open(tier, buf, part, where)
         if count:
             self.reads.local += part.bytes
@@ -416,28 +416,40 @@ class Store:
         attempt (a run attempt: the driver and its gangs) wrote it or checked it on this host,
         nor when this process checked it already; else yes — a resume of an earlier attempt,
         data read from disk (spill) or an object store, a partition from another host."""
-        if (info.version, index) in self._verified:
-            return False
-        marker = self._marker(info, index)
         location = location or info.location
-        return not (marker is not None and self.tier.owns(location) and marker.exists())
+        if not self.tier.owns(location):  # spill, a durable copy, another store: every read
+            return True
+        if (_place(location), index) in self._verified:
+            return False
+        marker = self._marker(info, index, location)
+        return not (marker is not None and marker.exists())
 
-    def _marker(self, info: DatasetInfo, index: int) -> Path | None:
-        """This host's record that this attempt wrote or checked a partition (file tier only)."""
+    def _marker(self, info: DatasetInfo, index: int, location: str) -> Path | None:
+        """This host's record that this attempt wrote or checked a partition where it is now
+        (file tier only)."""
         root = self.tier.local_root
         if root is None or not self.is_here(info.partitions[index]):
             return None
-        return root / info.session / ".verified" / self.attempt / f"{info.version}.{index}"
+        return root / info.session / ".verified" / self.attempt / f"{_place(location)}.{index}"
 
-    def _remember_verified(self, info: DatasetInfo, index: int) -> None:
-        self._verified.add((info.version, index))
-        self._mark(info.session, info.version, index, info.partitions[index])
+    def _remember_verified(self, info: DatasetInfo, index: int, location: str) -> None:
+        if not self.tier.owns(location):
+            return  # not kept: bytes off the memory tier are checked on every read
+        self._verified.add((_place(location), index))
+        self._mark(info.session, location, index, info.partitions[index])
 
-    def _mark(self, session: str, version: str, index: int, part: PartitionInfo) -> None:
+    def _trust_sealed(self, version: str, index: int, part: PartitionInfo) -> None:
+        """Trust partition ``index`` of ``version`` where its seal puts it (``tier.final``'s
+        last component: ``v<version>``)."""
+        place = self.tier.final(self.session, "_", version)
+        self._verified.add((_place(place), index))
+        self._mark(self.session, place, index, part)
+
+    def _mark(self, session: str, location: str, index: int, part: PartitionInfo) -> None:
         root = self.tier.local_root
         if root is None or not self.is_here(part):
             return
-        path = root / session / ".verified" / self.attempt / f"{version}.{index}"
+        path = root / session / ".verified" / self.attempt / f"{_place(location)}.{index}"
         try:
             makedirs(path.parent)
             os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, FILE_MODE))
@@ -581,8 +593,7 @@ class Store:
             ) from exc
         through = self._write_through(location, index, name or "", staging_id) if self.durable_tier else ""
         part = PartitionInfo(index, table.num_rows, nbytes, checksum, copy=through, **self.placement())
-        self._verified.add((staging_id, index))  # hashed while written: this attempt trusts it
-        self._mark(self.session, staging_id, index, part)
+        self._trust_sealed(staging_id, index, part)  # hashed while written: this attempt trusts it
         return part
 
     def _write_through(self, location: str, index: int, name: str, staging_id: str) -> str:
@@ -761,8 +772,7 @@ class Store:
             else:
                 through = self._write_through(location, index, info.name, staging_id)
         new = PartitionInfo(index, part.rows, part.bytes, part.checksum, copy=through, **self.placement())
-        self._verified.add((staging_id, index))  # checked just now: this attempt trusts it
-        self._mark(self.session, staging_id, index, new)
+        self._trust_sealed(staging_id, index, new)  # checked just now: this attempt trusts it
         return new
 
     def _exists(self, name: str) -> DatasetExistsError:
@@ -1041,3 +1051,9 @@ class Store:
                     if cur is not None and cur.version == st.version and cur.location == st.location:
                         continue
                 yield tier, st
+
+
+def _place(location: str) -> str:
+    """Where a dataset's bytes are, as trust is kept: the last component of its location
+    (``v<version>`` as sealed, ``v<version>.<tag>`` after a move to or from spill)."""
+    return location.rstrip("/").rsplit("/", 1)[-1]

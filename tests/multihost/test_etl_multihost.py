@@ -215,11 +215,11 @@ def test_the_etl_example_on_the_pilot_across_hosts_seals_the_same_bytes_as_on_on
     assert fetched["local"] == 0 and fetched["fetched"] >= total, (fetched, total)
 
     # ---- bytes moved between hosts, as the run DB records them --------------------------------
-    # (train's loader reads its input through px.ml.loader, not env.input: the run DB keeps no
-    # record of that input, on any site — its partitions on the host without a train rank are
-    # fetched all the same; what is recorded is features' reads of transactions and users)
+    # (features' reads of transactions and users, and train's of the features through
+    # px.ml.loader: train runs on two of the three hosts, so the third host's partition is fetched)
     inputs = stage_inputs(db, result.run_id)
     assert sorted(inputs["features"]) == ["tx", "users"], inputs
+    assert inputs["train"]["data"]["fetched"] > 0 and inputs["train"]["data"]["read_here"] > 0, inputs
     for name, rec in inputs["features"].items():
         assert {"read_here", "fetched"} <= set(rec), (name, rec)
     across = {f"{s}.{n}": r["fetched"] for s, ins in inputs.items() for n, r in ins.items() if r.get("fetched")}

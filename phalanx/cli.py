@@ -472,9 +472,15 @@ def crossing_text(crossed: dict | None) -> str:
     """How an input came from another site's store, for ``phalanx status`` ("" when it did not)."""
     if not crossed:
         return ""
+    tries = crossed.get("tries", 1)
+    after = f", after {tries} tries" if tries > 1 else ""
     if crossed.get("already"):
-        return f"; crossed from site {crossed['from']} earlier in this run"
-    return f"; crossed from site {crossed['from']} ({crossed['path']}, {crossed['bytes'] / 1e6:.1f} MB in {crossed['seconds']:.2f} s)"
+        return f"; crossed from site {crossed['from']} earlier in this run{after}"
+    replaced = f"; {crossed['replaced']}" if crossed.get("replaced") else ""
+    return (
+        f"; crossed from site {crossed['from']} ({crossed['path']}, {crossed['bytes'] / 1e6:.1f} MB in "
+        f"{crossed['seconds']:.2f} s{after}){replaced}"
+    )
 
 
 def cmd_logs(args: argparse.Namespace) -> int:

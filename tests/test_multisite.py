@@ -26,6 +26,7 @@ from apps import wf_generate_reference as generated
 from test_store_backends import s3_endpoint, s3_root  # noqa: F401  (the moto fixture)
 
 import phalanx as px
+from phalanx.cli import crossing_text
 from phalanx.errors import GangError
 from phalanx.executors import executors
 from phalanx.executors.local import LocalExecutor
@@ -458,6 +459,7 @@ def test_a_crossing_that_fails_once_is_tried_again_within_the_attempt(db, tmp_pa
     assert said.endswith("again in 0.05 s")
     crossed = {s["stage"]: s for s in db.stages(result.run_id)}["totals"]["inputs"]["tx"]["crossed"]
     assert crossed["tries"] == 2 and not crossed["already"]
+    assert crossing_text(crossed).endswith(" s, after 2 tries)")  # what `phalanx status` says of the input
     got = px.Store(cloud.store.root, session=result.session)
     pd.testing.assert_frame_equal(sorted_table(got, "totals"), totals_of(4000, 5), check_dtype=False)
 

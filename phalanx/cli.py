@@ -28,7 +28,7 @@ def _overrides(items: list[str]) -> dict[str, str]:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from .orchestrator.fanout import fanout_plan
-    from .orchestrator.loading import load_workflow, site_plan, stage_sites
+    from .orchestrator.loading import load_workflow, site_plan, stage_sites, store_reach_notes
     from .orchestrator.yamlio import ConfigError
 
     try:
@@ -48,6 +48,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         print("\n".join(site_plan(wf, sites)))
     for line in fanout_plan(wf):  # how many instances each fan-out makes
         print(line)
+    for note in store_reach_notes(sites.values()):  # a store no rank on another host can read
+        print(note, file=sys.stderr)
     return 0
 
 

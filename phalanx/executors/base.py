@@ -274,6 +274,13 @@ class Executor(ABC, Generic[ConfigT]):
     def close_run(self) -> None:
         """The run ended: free what ``open_run`` or later gangs made for the whole run."""
 
+    def serves_store(self) -> bool:
+        """Whether a rank can read partitions another host's rank wrote into its own memory:
+        true where all ranks share one host, or where the executor runs a store service on each
+        host of the run (a SLURM pilot's nodes, a Ray run's nodes).  Otherwise only a store root
+        every host mounts, an object store or write-through lets them (``store_reach_note``)."""
+        return not self.capabilities.remote_ranks
+
     def probe(self) -> None:
         """Raise when the site's resource manager does not answer now (a SLURM controller, a
         Kubernetes API server, a Ray head), saying which and why.  A run over several sites

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,29 @@ def stage_sites(wf: Workflow, default: Site, near: Path | None = None) -> dict[s
     if problems:
         raise ConfigError(problems)
     return out
+
+
+def store_reach_notes(sites: Iterable[Site]) -> list[str]:
+    """A note per site whose store lives in each host's own memory (``/dev/shm``) while its
+    executor may place ranks on several hosts and runs no store service there: a rank on
+    another host could not read what one wrote (``PartitionLostError`` at the read).  What
+    ``phalanx validate`` says, before any run finds out."""
+    from ..paths import default_store_root
+
+    notes = []
+    for site in {s.name: s for s in sites}.values():
+        root = str(site.store.root or default_store_root())
+        if not root.startswith("/dev/shm") or site.store.durability == "write-through":
+            continue
+        if site.create_executor().serves_store():
+            continue
+        notes.append(
+            f"note: site {site.name!r}: store root {root} is each host's own memory, and executor "
+            f"{site.executor!r} runs no store service on its hosts: where ranks land on several hosts, one "
+            "cannot read what another wrote (PartitionLostError) — give the site a root every host mounts, "
+            "an s3:// root, or store.durability: write-through (docs/store.md, 'Across hosts')"
+        )
+    return notes
 
 
 def site_plan(wf: Workflow, sites: dict[str, Site]) -> list[str]:

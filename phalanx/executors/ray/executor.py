@@ -50,6 +50,10 @@ class RayExecutor(Executor[RayConfig]):
             except Exception as exc:  # the first gang tries again and fails its stage with this
                 log.warning("%s", exc)
 
+    def serves_store(self) -> bool:
+        """Each node of a run gets a store service (``self.services``)."""
+        return True
+
     def close_run(self) -> None:
         with self._lock:
             holding = [launcher for launcher in self._launchers if launcher.holds]

@@ -72,6 +72,10 @@ class SlurmExecutor(Executor[SlurmConfig]):
             if self._pilot is not None and self._owns_pilot:
                 self._pilot.hook = hook
 
+    def serves_store(self) -> bool:
+        """A pilot runs a store service on each of its nodes; per-stage jobs run none."""
+        return self.config.allocation == "pilot"
+
     def probe(self) -> None:
         """``scontrol ping``: the site's controller answers (UP), else a GangError in its words."""
         slurm = SlurmCommands(self.config.conf)

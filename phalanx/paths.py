@@ -59,6 +59,14 @@ def state_dir(path: str | os.PathLike | None = None) -> Path:
     )
 
 
+HOST_MEMORY = Path("/dev/shm")  # each host's own shared memory: never shared between hosts
+
+
+def in_host_memory(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies in this host's shared memory (a store root there is per host)."""
+    return Path(path) == HOST_MEMORY or HOST_MEMORY in Path(path).parents
+
+
 def default_store_root() -> Path:
     """Shared memory when the machine has it (the fast tier on one host), else the temp dir:
     ``<base>/phalanx-<user>/store``, refused if another user could write there.
@@ -67,7 +75,7 @@ def default_store_root() -> Path:
     env = os.environ.get(ENV_STORE)
     if env:
         return Path(env)
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    base = HOST_MEMORY if HOST_MEMORY.is_dir() else Path(tempfile.gettempdir())
     return _own_dir(base, "the store root", ENV_STORE) / "store"
 
 

@@ -81,16 +81,16 @@ def stage_sites(wf: Workflow, default: Site, near: Path | None = None) -> dict[s
 
 
 def store_reach_notes(sites: Iterable[Site]) -> list[str]:
-    """A note per site whose store lives in each host's own memory (``/dev/shm``) while its
+    """A note per site whose store lives in each host's own memory (``paths.HOST_MEMORY``) while its
     executor may place ranks on several hosts and runs no store service there: a rank on
     another host could not read what one wrote (``PartitionLostError`` at the read).  What
     ``phalanx validate`` says, before any run finds out."""
-    from ..paths import default_store_root
+    from ..paths import default_store_root, in_host_memory
 
     notes = []
     for site in {s.name: s for s in sites}.values():
-        root = str(site.store.root or default_store_root())
-        if not root.startswith("/dev/shm") or site.store.durability == "write-through":
+        root = site.store.root or str(default_store_root())
+        if root.startswith("s3://") or not in_host_memory(root) or site.store.durability == "write-through":
             continue
         if site.create_executor().serves_store():
             continue

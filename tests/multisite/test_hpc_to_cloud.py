@@ -44,6 +44,7 @@ from __future__ import annotations
 import secrets
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -96,29 +97,18 @@ def same_bytes(a: dict, b: dict, what: str) -> None:
     assert b["table"].equals(a["table"]), what
 
 
-def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_bytes_as_all_local(
-    multihost_slurm,
-    shared_tmp,
-    driver_host,
-    host_root,
-    k8s_cluster,
-    seaweedfs_credentials,
-    tmp_path,
-    monkeypatch,
-):
-    pytest.importorskip("torch")  # the example's train stage
-    from test_kubernetes import K8s
-
-    assert N_HOSTS == 3
+def pilot_env(monkeypatch, shared_tmp: Path) -> None:
+    """The store services' token and the pilot ranks' log directory, on the shared /var/tmp."""
     monkeypatch.setenv("PHALANX_STORE_TOKEN_FILE", str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
     monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))  # the pilot's ranks write there
 
-    # ---- 1. the all-local run -------------------------------------------------------------------
-    _, local_s, alone = etl_tests.run_all_local(tmp_path, "all-local")
-    reference = snapshot(alone)
-    assert sorted(reference) == DATASETS
 
-    # ---- 2. the sites ---------------------------------------------------------------------------
+def three_sites(multihost_slurm, shared_tmp, driver_host, host_root, k8s_cluster, seaweedfs_credentials, tmp_path):
+    """The hpc, cloud and here site files (in ``shared_tmp``), the exchange both hpc and cloud
+    name, the hpc catalogue, the gate directory of the ``hold`` stage, and the workflow's ``set``
+    (``SMALL``, each stage's site, report reading the crossed metrics, hold on hpc)."""
+    from test_kubernetes import K8s
+
     exchange = f"s3://phalanx-test/exchange-{secrets.token_hex(4)}?endpoint_override={seaweedfs_credentials.endpoint}"
     metadata = f"sqlite://{shared_tmp}/meta.sqlite"  # the hpc catalogue, on the shared /var/tmp
     hpc = pilot_tests.pilot_site(
@@ -153,6 +143,31 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
             "site": str(files["hpc"]),
         },
     }
+    return SimpleNamespace(exchange=exchange, metadata=metadata, kube=kube, files=files, gate=gate, sets=sets)
+
+
+def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_bytes_as_all_local(
+    multihost_slurm,
+    shared_tmp,
+    driver_host,
+    host_root,
+    k8s_cluster,
+    seaweedfs_credentials,
+    tmp_path,
+    monkeypatch,
+):
+    pytest.importorskip("torch")  # the example's train stage
+    assert N_HOSTS == 3
+    pilot_env(monkeypatch, shared_tmp)
+
+    # ---- 1. the all-local run -------------------------------------------------------------------
+    _, local_s, alone = etl_tests.run_all_local(tmp_path, "all-local")
+    reference = snapshot(alone)
+    assert sorted(reference) == DATASETS
+
+    # ---- 2. the sites ---------------------------------------------------------------------------
+    bed = three_sites(multihost_slurm, shared_tmp, driver_host, host_root, k8s_cluster, seaweedfs_credentials, tmp_path)
+    exchange, metadata, kube, files, gate, sets = bed.exchange, bed.metadata, bed.kube, bed.files, bed.gate, bed.sets
 
     # ---- 3. one run on three sites -------------------------------------------------------------
     t0 = time.monotonic()

@@ -247,7 +247,11 @@ class SeaweedFS:
 
 
 def start(
-    weed: Path | None = None, timeout: float = 60, workdir: Path | None = None, anonymous_buckets: tuple[str, ...] = ()
+    weed: Path | None = None,
+    timeout: float = 60,
+    workdir: Path | None = None,
+    anonymous_buckets: tuple[str, ...] = (),
+    volume_mb: int = 64,
 ) -> SeaweedFS:
     """Start ``weed server`` with an S3 gateway on free ports of 127.0.0.1, its data, identities file
     and log in a fresh temporary directory (below ``workdir`` if given); wait until it answers
@@ -256,7 +260,8 @@ def start(
     Every request must be signed with the random credentials (``.env()``), except that unsigned
     requests may read, write and list the ``anonymous_buckets`` (create them with
     ``create_bucket``): an unsigned upload is the one this SeaweedFS stores with its
-    ``aws-chunked`` framing unless the client sends plain bodies."""
+    ``aws-chunked`` framing unless the client sends plain bodies.  ``volume_mb``: the volume size
+    limit (at most 16 volumes); 64 MB suits the tests, a bench of a GB needs more."""
     weed = weed or find_binary()
     if weed is None:
         raise SeaweedFSError(why_missing())
@@ -292,7 +297,7 @@ def start(
             f"-ip.bind={HOST}",
             f"-master.port={ports['master']}",
             f"-master.port.grpc={ports['master_grpc']}",
-            "-master.volumeSizeLimitMB=64",  # small volumes: a test writes kilobytes
+            f"-master.volumeSizeLimitMB={volume_mb}",  # small volumes: a test writes kilobytes
             f"-volume.port={ports['volume']}",
             f"-volume.port.grpc={ports['volume_grpc']}",
             "-volume.max=16",

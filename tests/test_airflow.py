@@ -613,6 +613,23 @@ def test_airflow_dags_test_cli(af):
     assert rundb().run(run_id)["state"] == "succeeded"
 
 
+def test_workflow_operator_set_takes_values_as_they_are_and_strings_as_yaml(af, tmp_path):
+    """``set=`` of a workflow file: a string is read as ``--set`` reads it (YAML: "250" is 250),
+    anything else is taken as given — a command list with a multi-line program in it stays one."""
+    from phalanx.integrations.airflow.operators import PhalanxWorkflowOperator
+
+    program = "import sys\nprint(2)"  # str() of the list quotes it '...': YAML keeps a literal \\n
+    op = PhalanxWorkflowOperator(
+        task_id="set_values",
+        workflow=str(ROOT / "workflows" / "etl_to_training.yaml"),
+        site="local",
+        set={"stages.generate.params.rows": "250", "stages.report.command": ["python", "-c", program]},
+    )
+    launch = op._prepare({})
+    assert launch.wf.stages["generate"].params["rows"] == 250
+    assert launch.wf.stages["report"].command == ["python", "-c", program]
+
+
 # ---- the provider's pieces for kills, re-attaching and the report link ------------------------------
 def test_reattach_message_names_the_run(af):
     from phalanx.integrations.airflow.operators import announcement

@@ -438,7 +438,9 @@ class PhalanxWorkflowOperator(_PhalanxRunOperator):
 
         if isinstance(self.workflow, (str, Path)):
             path = self._find(Path(self.workflow))
-            overrides = {k: str(v) for k, v in self.set.items()}
+            # as --set reads them: a string as YAML, anything else as it is (str() of a list
+            # with a multi-line string in it read back as YAML came out with literal \n's)
+            overrides = dict(self.set)
             wf, site = load_workflow(path, site=self.site, overrides=overrides)
             return _Launch(wf, site, str(path), stage_sites(wf, site, path.parent))
         built = callable(getattr(self.workflow, "model", None))  # a px.Workflow: its model() is the DAG

@@ -146,6 +146,16 @@ def three_sites(multihost_slurm, shared_tmp, driver_host, host_root, k8s_cluster
     return SimpleNamespace(exchange=exchange, metadata=metadata, kube=kube, files=files, gate=gate, sets=sets)
 
 
+def same_copies(reference: dict, there: dict, on_exchange: dict, on_cloud: dict, at_home: dict) -> None:
+    """Every copy of every dataset of the HPC-to-cloud run equals the all-local run's."""
+    for name in ("transactions", "users", "features"):
+        same_bytes(reference[name], there[name], f"{name} on hpc")
+    same_bytes(reference["features"], on_exchange["features"], "features in the exchange")
+    same_bytes(reference["features"], on_cloud["features"], "features crossed to cloud")
+    same_bytes(reference["train_metrics"], on_cloud["train_metrics"], "train_metrics on cloud")
+    same_bytes(reference["train_metrics"], at_home["train_metrics"], "train_metrics crossed here")
+
+
 def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_bytes_as_all_local(
     multihost_slurm,
     shared_tmp,
@@ -236,12 +246,7 @@ def test_etl_on_the_slurm_pilot_training_on_kubernetes_report_here_one_run_same_
     assert "epochs 3 final loss" in report_log, report_log  # it read the crossed metrics
 
     # ---- the same datasets as the all-local run, byte for byte ---------------------------------
-    for name in ("transactions", "users", "features"):
-        same_bytes(reference[name], there[name], f"{name} on hpc")
-    same_bytes(reference["features"], on_exchange["features"], "features in the exchange")
-    same_bytes(reference["features"], on_cloud["features"], "features crossed to cloud")
-    same_bytes(reference["train_metrics"], on_cloud["train_metrics"], "train_metrics on cloud")
-    same_bytes(reference["train_metrics"], at_home["train_metrics"], "train_metrics crossed here")
+    same_copies(reference, there, on_exchange, on_cloud, at_home)
     for store in (on_cloud, at_home):
         for name, got in store.items():  # a crossed copy on a file root: the very file bytes
             info = got["info"]

@@ -43,7 +43,7 @@ from multihost import test_etl_multihost as etl_tests
 from multihost import test_slurm_gang_multihost as pilot_tests
 
 import phalanx as px
-from multisite.test_hpc_to_cloud import DATASETS, ETL, pilot_env, same_bytes, snapshot, three_sites
+from multisite.test_hpc_to_cloud import DATASETS, ETL, pilot_env, same_copies, snapshot, three_sites
 from phalanx.orchestrator.rundb import RunDB
 
 if importlib.util.find_spec("airflow") is not None:  # its session Airflow (imports no airflow itself)
@@ -83,12 +83,7 @@ def same_as_all_local(reference: dict, stages: dict, sites, session: str, there:
     at_home = snapshot(px.Store(sites.root / "here", session))
     assert sorted(on_cloud) == ["features", "train_metrics"] and sorted(at_home) == ["train_metrics"]
     assert px.Store(sites.exchange, session).list() == []  # the succeeded run removed its copies in transit
-    for name in ("transactions", "users", "features"):
-        same_bytes(reference[name], there[name], f"{name} on hpc")
-    same_bytes(reference["features"], on_exchange["features"], "features in the exchange")
-    same_bytes(reference["features"], on_cloud["features"], "features crossed to cloud")
-    same_bytes(reference["train_metrics"], on_cloud["train_metrics"], "train_metrics on cloud")
-    same_bytes(reference["train_metrics"], at_home["train_metrics"], "train_metrics crossed here")
+    same_copies(reference, there, on_exchange, on_cloud, at_home)
 
 
 def test_parsl_app_hpc_to_cloud_same_bytes_as_all_local(bed, shared_tmp, host_root, tmp_path):

@@ -28,6 +28,7 @@ from ..runtime.envvars import ENV_PARAM_PREFIX
 from ..store import Store
 from ..store.repartition import rank_hosts
 from .cache import RunCache
+from .driver_service import DriverStoreService, needs_driver_service
 from .fingerprint import changes, fingerprints
 from .models import Site, Workflow
 from .retry import RetryState, classify, label, policy_of
@@ -81,6 +82,27 @@ class SiteRun:
         self.idle: dict[tuple[int, ...], Gang] = {}
         self.opened = False
         self.down = ""  # why the site could not be opened for this run ("" when it was)
+        self.driver_service: DriverStoreService | None = None  # what the driver wrote here, served
+
+    def open_driver_service(self, run_id: str) -> str | None:
+        """Serve what the driver writes into this site's store to the site's ranks on other
+        hosts, where its store is each host's own memory (``driver_service``); the endpoint."""
+        if self.driver_service is not None or not needs_driver_service(self.site, self.executor):
+            return None
+        service = DriverStoreService(self.store, self.site.driver_host, run_id)
+        endpoint = service.open()
+        self.driver_service = service
+        return endpoint
+
+    def close(self) -> None:
+        """The run no longer holds this site: its allocations and the driver's service end."""
+        self.opened = False
+        try:
+            self.executor.close_run()
+        finally:
+            if self.driver_service is not None:
+                self.driver_service.close()
+                self.driver_service = None
 
     @property
     def name(self) -> str:
@@ -195,7 +217,7 @@ class Scheduler:
                 for closing in self._close_idle(here, list(here.idle)):
                     closing.join(timeout=30)  # the run ends with its gangs gone (a Job deleted...)
                 if here.opened:
-                    here.executor.close_run()
+                    here.close()
 
     def _open_site(self, here: SiteRun, pending: list[str]) -> None:
         """What lives as long as the run on this site (a pilot allocation, warm processes)."""
@@ -213,6 +235,11 @@ class Scheduler:
             warm=warm if here.caps.warm_pool else 0,
         )
         here.opened = True
+        endpoint = here.open_driver_service(self.run_id)
+        if endpoint:
+            self._event(
+                None, "store service", f"site {here.name!r}: what the driver writes here is served at {endpoint}"
+            )
         known = here.executor.capacity()  # some executors know only once connected (a Ray cluster's CPUs)
         if known and known != here.capacity:
             here.capacity, here.free = known, list(range(known))
@@ -394,9 +421,8 @@ class Scheduler:
                 continue
             for closing in self._close_idle(here, list(here.idle)):
                 closing.join(timeout=30)
-            here.opened = False
             try:
-                here.executor.close_run()
+                here.close()
             except Exception as exc:  # the run goes on; the leftover is released by its record
                 self._event(None, "site released", f"site {here.name!r}: closing its allocations failed: {exc}")
                 continue

@@ -119,6 +119,17 @@ def test_stages_on_two_sites_get_their_input_across_once_byte_identical(db, tmp_
     assert hpc_at < page.index('data-stage="generate"') < cloud_at < page.index('data-stage="totals"')
     assert re.search(r"generate +succeeded .* on hpc", status.stdout), status.stdout
     assert f'<td class="crossed" data-bytes="{src.nbytes}">from hpc (direct, ' in page
+    # ...and on the timeline: one bar in the lane of the stage that crossed it (not of the one
+    # that found it crossed), at the start of its attempt, as long as the crossing took
+    bars = re.findall(r'<g class="lane" data-stage="(\w+)"|<rect class="crossing" data-dataset="(\w+)" [^>]*>', page)
+    lane, drawn = None, []
+    for stage, dataset in bars:
+        lane = stage or lane
+        if dataset:
+            drawn.append((lane, dataset))
+    crossed_by = next(s for s in ("totals", "again") if not stages[s]["inputs"]["tx"]["crossed"]["already"])
+    assert drawn == [(crossed_by, "tx")], drawn
+    assert "input crossed · tx: hpc → cloud (direct)" in page
     events = [(e["stage"], e["kind"], e["message"]) for e in db.events(result.run_id)]
     assert any(k == "sites" and "generate on hpc, totals on cloud, again on cloud" in m for _, k, m in events)
     assert sum(1 for _, k, m in events if k == "crossed" and "hpc → cloud" in m) == 1

@@ -39,6 +39,7 @@ COLOURS = {
 }
 
 # Timeline geometry, in SVG user units (= CSS pixels at 100 %).
+CROSSING = "#7b3fb0"  # an input crossing from another site's store
 WIDTH, LABEL_W, RIGHT = 1000, 180, 36  # picture width, stage-name column, right margin
 TOP, LANE_H, GAP, BOTTOM = 34, 34, 6, 12  # axis band, lane height, space between lanes, bottom margin
 GROUP_H = 18  # the title of a site's group of lanes (a run over several sites)
@@ -76,10 +77,37 @@ def summary(db: RunDB, run_id: str) -> dict:
     for s in db.stages(run_id):
         mine = sorted((a for a in attempts if a["stage"] == s["stage"]), key=lambda a: a["attempt"])
         stages.append(
-            {**s, "attempt_list": mine, "reused": s["stage"] in reused, "samples": sampled.get(s["stage"], [])}
+            {
+                **s,
+                "attempt_list": mine,
+                "reused": s["stage"] in reused,
+                "samples": sampled.get(s["stage"], []),
+                "crossings": _crossings(s, mine, events),
+            }
         )
     ends = [run["ended"] or now] + [a["until"] for a in attempts] + [s["ended"] or 0 for s in stages]
     return {"run": run, "stages": stages, "events": events, "t0": run["started"], "t1": max(ends)}
+
+
+def _crossings(stage: dict, attempts: list[dict], events: list[dict]) -> list[dict]:
+    """The stage's inputs that crossed from another site's store before its gang started, each
+    as (dataset, start, end, message): it ends at its event ``crossed``, and lasted what its
+    record in the stage's inputs says (else since the attempt began: it is the attempt's first
+    work).  A crossing found already done moved nothing: not drawn."""
+    seconds = {
+        i.get("dataset"): i["crossed"]["seconds"]
+        for i in (stage.get("inputs") or {}).values()
+        if isinstance(i, dict) and isinstance(i.get("crossed"), dict) and "seconds" in i["crossed"]
+    }
+    out = []
+    for e in events:
+        if e["stage"] != stage["stage"] or e["kind"] != "crossed" or " already crossed " in e["message"]:
+            continue
+        dataset = e["message"].split(":", 1)[0]
+        began = [a["started"] for a in attempts if a["started"] <= e["ts"]]
+        start = e["ts"] - seconds[dataset] if dataset in seconds else max(began, default=e["ts"])
+        out.append({"dataset": dataset, "start": start, "end": e["ts"], "message": e["message"]})
+    return out
 
 
 def _attempt(a: dict, run: dict, now: float) -> dict:
@@ -161,7 +189,8 @@ def _legend() -> str:
     )
     return (
         f'<p class="legend">{items}<span><i class="rank"></i>a rank running the app</span>'
-        '<span><i class="span"></i>stage: placed → done (gang start, retries)</span></p>'
+        '<span><i class="span"></i>stage: placed → done (gang start, retries)</span>'
+        '<span><i class="crossing"></i>an input crossing from another site</span></p>'
     )
 
 
@@ -263,6 +292,7 @@ def _lane_svg(st: dict, y: float, axis: Axis) -> str:
     if st["started"]:
         parts.append(_stage_span(st, y, axis))
     parts += [_attempt_svg(st, a, y, axis) for a in st["attempt_list"]]
+    parts += [_crossing_svg(st, c, y, axis) for c in st.get("crossings", [])]
     if not st["attempt_list"]:  # an empty lane says why
         parts.append(
             f'<text class="lane-note" x="{axis.x0 + 6:.1f}" y="{y + LANE_H / 2 + 4}" fill="#666" '
@@ -319,6 +349,16 @@ def _attempt_svg(st: dict, a: dict, y: float, axis: Axis) -> str:
             f"<title>{esc(tip)}</title></rect>"
         )
     return "\n".join(parts + ["</g>"])
+
+
+def _crossing_svg(st: dict, c: dict, y: float, axis: Axis) -> str:
+    """An input crossing into the stage's site: a striped bar over the start of its attempt."""
+    x1, x2 = axis.x(c["start"]), axis.x(c["end"])
+    tip = f"stage {st['stage']} · input crossed · {c['message']}"
+    return (
+        f'<rect class="crossing" data-dataset="{esc(c["dataset"])}" x="{x1:.1f}" y="{y + 1}" '
+        f'width="{max(x2 - x1, 1):.1f}" height="{PAD + 1}" fill="{CROSSING}"><title>{esc(tip)}</title></rect>'
+    )
 
 
 def _gpu_text(gpu: dict | None) -> str:
@@ -551,6 +591,7 @@ svg.timeline { border: 1px solid #ddd; max-width: 100%; height: auto; }
 .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 4px; vertical-align: -1px; }
 .legend i.rank { background: #555; height: 4px; vertical-align: 2px; }
 .legend i.span { background: #9a9a9a; height: 2px; vertical-align: 3px; }
+.legend i.crossing { background: #7b3fb0; height: 4px; vertical-align: 2px; }
 table.events td:nth-child(5) { font-family: ui-monospace, Menlo, Consolas, monospace; }
 tr.straggler td { background: #fff4e0; } p.straggler { color: #a05a00; }
 """

@@ -2,11 +2,13 @@
 (docs/reliability.md, "Inputs are verified where trust is crossed, once per attempt").
 
 Every partition check goes through one digest, ``xxhash.xxh3_64_hexdigest`` (called by
-``store.tiers.checksum_buffer``, which every reader, the store service and a crossing use; a
-write hashes through its own streaming ``xxh3_64`` object, not this).  The tests replace it in
-the process that reads — the test process, or a rank while its app runs — with a wrapper that
-records the size of each buffer it hashes.  The partitions have distinct byte sizes, so the
-recorded sizes say which partitions were hashed, compared with the sizes the metadata records.
+``store.tiers.checksum_buffer``, which every reader, the store service and a crossing use), or,
+for a partition fetched from another host's store service, a streaming ``xxh3_64`` fed as the
+bytes arrive (a write hashes through one too: the tests wrap both around reads only).  The
+tests replace both in the process that reads — the test process, or a rank while its app runs
+— with wrappers that record the size of each buffer hashed.  The partitions have distinct byte
+sizes, so the recorded sizes say which partitions were hashed, compared with the sizes the
+metadata records.
 Real gangs on the local site, as the other store tests.
 """
 
@@ -27,21 +29,35 @@ RANKS = 2
 
 
 def hashed_sizes(fn: Callable[[], Any]) -> tuple[Any, list[int]]:
-    """``fn()`` with every ``xxh3_64_hexdigest`` of this process recorded: (result, sizes hashed)."""
+    """``fn()`` with every ``xxh3_64_hexdigest`` of this process recorded, and every digest of a
+    streaming ``xxh3_64`` (a fetched partition is hashed piece by piece as it arrives: its
+    size is what was fed in): (result, sizes hashed)."""
     import xxhash
 
     sizes: list[int] = []
-    real = xxhash.xxh3_64_hexdigest
+    real, real_stream = xxhash.xxh3_64_hexdigest, xxhash.xxh3_64
 
     def counting(data: Any, *args: Any, **kwargs: Any) -> str:
         sizes.append(memoryview(data).nbytes)
         return real(data, *args, **kwargs)
 
-    xxhash.xxh3_64_hexdigest = counting
+    class Counting:
+        def __init__(self, *args: Any) -> None:
+            self.hasher, self.fed = real_stream(*args), 0
+
+        def update(self, data: Any) -> None:
+            self.fed += memoryview(data).nbytes
+            self.hasher.update(data)
+
+        def hexdigest(self) -> str:
+            sizes.append(self.fed)
+            return self.hasher.hexdigest()
+
+    xxhash.xxh3_64_hexdigest, xxhash.xxh3_64 = counting, Counting
     try:
         return fn(), sizes
     finally:
-        xxhash.xxh3_64_hexdigest = real
+        xxhash.xxh3_64_hexdigest, xxhash.xxh3_64 = real, real_stream
 
 
 def rank_table(rank: int) -> pa.Table:

@@ -23,6 +23,7 @@ import http.client
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, quote, urlsplit
 
 import pyarrow as pa
+import xxhash
 
 from ..errors import (
     AuthRefusedError,
@@ -98,7 +100,11 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Range", f"bytes {lo}-{hi - 1}/{size}" if hi > lo else f"bytes */{size}")
             self.end_headers()
             if hi > lo:
-                self.connection.sendfile(file, lo, hi - lo)
+                try:
+                    self.connection.sendfile(file, lo, hi - lo)
+                except OSError as exc:  # the reader went away or stopped reading: its own error says so
+                    log.debug("bytes %s: %s after part of %s", self.client_address[0], exc, location)
+                    self.close_connection = True
 
 
 def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -119,9 +125,37 @@ def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
 
 
 class _HTTPServer(ThreadingHTTPServer):
+    """Keeps the connections it serves, so that closing the server ends them too: a reader
+    keeps its connections open between requests (HTTP/1.1 keep-alive), and one must not be
+    served by a closed service's thread."""
+
     daemon_threads = True
     expected: bytes
     open_fd: OpenFd
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.live: set[socket.socket] = set()
+        self.live_lock = threading.Lock()
+
+    def process_request(self, request: socket.socket, client_address: object) -> None:  # type: ignore[override]
+        with self.live_lock:
+            self.live.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request: socket.socket) -> None:  # type: ignore[override]
+        with self.live_lock:
+            self.live.discard(request)
+        super().shutdown_request(request)
+
+    def end_connections(self) -> None:
+        with self.live_lock:
+            live, self.live = self.live, set()
+        for conn in live:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # its thread reads end-of-file and ends; the reader sees it closed
+            except OSError:
+                pass
 
 
 class BytesServer:
@@ -144,9 +178,16 @@ class BytesServer:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+        self._httpd.end_connections()
 
 
 # ---- the client -----------------------------------------------------------------------------
+PIECE = 1 << 20  # bytes per receive: hashed right after, while the kernel's copy is still in cache
+KEEP = 4  # idle connections kept per service (per process): a reused one has its TCP window grown
+_kept: dict[tuple[int, str], list[_Connection]] = {}
+_kept_lock = threading.Lock()
+
+
 def get(
     url: str, token: str, location: str, index: int, timeout: float, streams: int = 1, service: str = ""
 ) -> pa.Buffer:
@@ -154,27 +195,48 @@ def get(
     bytes in one buffer, over ``streams`` connections (byte ranges) filling it side by side.
     ``timeout``: seconds for the whole fetch.  Errors name the service (``service``: as the
     metadata records it, e.g. its Flight endpoint), location and index."""
+    return _get(url, token, location, index, timeout, streams, service, hashed=False)[0]
+
+
+def get_hashed(
+    url: str, token: str, location: str, index: int, timeout: float, streams: int = 1, service: str = ""
+) -> tuple[pa.Buffer, str]:
+    """``get``, and the xxh3-64 of the bytes (``tiers.checksum_buffer``'s digest), computed as
+    they arrive: each piece is hashed right after the socket read that wrote it, while it is
+    still in the CPU's cache, so the check costs a fraction of a second pass over the buffer
+    (over several streams, whose ranges a digest cannot join, it is that second pass)."""
+    buf, digest = _get(url, token, location, index, timeout, streams, service, hashed=True)
+    return buf, digest if digest is not None else xxhash.xxh3_64_hexdigest(memoryview(buf))
+
+
+def _get(
+    url: str, token: str, location: str, index: int, timeout: float, streams: int, service: str, hashed: bool
+) -> tuple[pa.Buffer, str | None]:
     what = f"partition {index} at {location} from the store service {service or url}"
     deadline = time.monotonic() + timeout
     if streams <= 1:
-        with _Connection(url, token, what, deadline) as conn:
-            return conn.read(location, index, None)
-    with _Connection(url, token, what, deadline) as conn:
-        head = conn.read(location, index, (0, 0))  # its first byte, to learn the file's size
+        with _request(url, token, what, deadline, location, index, None) as (conn, length):
+            out = pa.allocate_buffer(length)
+            hasher = xxhash.xxh3_64() if hashed else None
+            conn.fill(memoryview(out), 0, length, hasher)
+            return out, hasher.hexdigest() if hasher is not None else None
+    with _request(url, token, what, deadline, location, index, (0, 0)) as (conn, length):
+        head = pa.allocate_buffer(length)  # its first byte, to learn the file's size
+        conn.fill(memoryview(head), 0, length)
         size = conn.size
     if size <= 1:
-        return head
+        return head, None
     out = pa.allocate_buffer(size)
     bounds = [(j * size // streams, (j + 1) * size // streams) for j in range(streams)]
 
     def fill(lo: int, hi: int) -> None:
-        with _Connection(url, token, what, deadline) as conn:
-            conn.read(location, index, (lo, hi - 1), into=out)
+        with _request(url, token, what, deadline, location, index, (lo, hi - 1)) as (conn, length):
+            conn.fill(memoryview(out)[lo : lo + length], 0, length)
 
     with ThreadPoolExecutor(streams, thread_name_prefix="phalanx-fetch") as pool:
         for done in [pool.submit(fill, lo, hi) for lo, hi in bounds if hi > lo]:
             done.result()
-    return out
+    return out, None
 
 
 def stream(
@@ -185,8 +247,7 @@ def stream(
     ``timeout``: seconds for each chunk, so a long stream to a slow consumer never times out
     while data flows."""
     what = f"partition {index} at {location} from the store service {service or url}"
-    with _Connection(url, token, what, time.monotonic() + timeout) as conn:
-        length = conn.start(location, index)
+    with _request(url, token, what, time.monotonic() + timeout, location, index, None) as (conn, length):
         got = 0
         while got < length:
             conn.deadline = time.monotonic() + timeout
@@ -196,12 +257,64 @@ def stream(
             yield out
 
 
+@contextmanager
+def _request(
+    url: str, token: str, what: str, deadline: float, location: str, index: int, span: tuple[int, int] | None
+) -> Iterator[tuple[_Connection, int]]:
+    """A connection to ``url`` with the reply to a GET of the file (``span``: an inclusive byte
+    range) begun: (connection, bytes in the reply).  A connection this process kept from an
+    earlier fetch is used first; one its service closed meanwhile (idle, restarted) is
+    replaced by a new one once.  A connection whose reply was read to its end is kept for the
+    next fetch, any other closed."""
+    key = (os.getpid(), url)
+    with _kept_lock:
+        conn = _kept.get(key, []).pop() if _kept.get(key) else None
+    length = -1
+    if conn is not None:
+        conn.reset(token, what, deadline)
+        try:
+            length = conn.start(location, index, span)
+        except _Stale:
+            conn.close()
+            conn = None
+        except BaseException:
+            conn.close()
+            raise
+    if conn is None:
+        conn = _Connection(url, token, what, deadline)
+        try:
+            conn.connect()
+            length = conn.start(location, index, span)
+        except BaseException:
+            conn.close()
+            raise
+    try:
+        yield conn, length
+    except BaseException:
+        conn.close()
+        raise
+    if not conn.done():
+        conn.close()
+        return
+    with _kept_lock:
+        idle = _kept.setdefault(key, [])
+        if len(idle) < KEEP:
+            idle.append(conn)
+            return
+    conn.close()
+
+
+class _Stale(ServiceUnreachableError):
+    """A kept connection its service closed before answering (idle too long, or restarted)."""
+
+
 class _Connection:
     def __init__(self, url: str, token: str, what: str, deadline: float):
         split = urlsplit(url)
         if split.scheme != "http" or not split.hostname or not split.port:
             raise RemoteStoreError(f"{what}: not an http://HOST:PORT address")
-        self.what, self.deadline, self.size = what, deadline, -1
+        self.what, self.deadline, self.size, self.left = what, deadline, -1, 0
+        self.reused = False
         self.resp: http.client.HTTPResponse | None = None
         self.headers = {"Authorization": f"Bearer {token}"}
         self.conn = http.client.HTTPConnection(split.hostname, split.port, timeout=self._left(CONNECT_TIMEOUT))
@@ -212,72 +325,109 @@ class _Connection:
             raise ServiceUnreachableError(f"{self.what}: timed out")
         return min(most, left)
 
-    def __enter__(self) -> _Connection:
+    def connect(self) -> None:
         try:
             self.conn.connect()
         except OSError as exc:
             raise ServiceUnreachableError(f"{self.what}: the service is unreachable ({exc})") from None
-        return self
+        assert self.conn.sock is not None
+        self.sock: socket.socket = self.conn.sock
 
-    def __exit__(self, *exc: object) -> None:
+    def reset(self, token: str, what: str, deadline: float) -> None:
+        """Ready a kept connection for another request."""
+        self.what, self.deadline, self.size, self.reused = what, deadline, -1, True
+        self.headers = {"Authorization": f"Bearer {token}"}
+
+    def close(self) -> None:
+        if self.resp is not None:
+            self.resp.close()
         self.conn.close()
 
-    def read(self, location: str, index: int, span: tuple[int, int] | None, into: pa.Buffer | None = None) -> pa.Buffer:
-        """The file's bytes (``span``: inclusive byte range), into ``into`` at their offset or
-        into a new buffer of their own."""
-        length = self.start(location, index, span)
-        at = 0 if span is None else span[0]
-        out = into if into is not None else pa.allocate_buffer(length)
-        view = memoryview(out)[at : at + length] if into is not None else memoryview(out)
-        self.fill(view, 0, length)
-        return out
+    def done(self) -> bool:
+        """The reply was read to its end on a connection that stays open: it can serve another."""
+        return self.left == 0 and self.resp is not None and self.resp.isclosed() and self.conn.sock is not None
 
     def start(self, location: str, index: int, span: tuple[int, int] | None = None) -> int:
         """Ask for the file's bytes (``span``: inclusive byte range); how many the reply has."""
         headers = dict(self.headers)
         if span is not None:
             headers["Range"] = f"bytes={span[0]}-{span[1]}"
-        with self._errors():
-            assert self.conn.sock is not None
-            self.conn.sock.settimeout(self._left(STALL_TIMEOUT))
+        with self._errors(stale=self.reused):
+            self.sock.settimeout(self._left(STALL_TIMEOUT))
             self.conn.request("GET", f"/part?location={quote(location, safe='')}&index={index}", headers=headers)
             self.resp = resp = self.conn.getresponse()
+        with self._errors():
             if resp.status not in (200, 206):
                 raise _refusal(resp.status, resp.read(4096).decode(errors="replace"), self.what)
             length = int(resp.getheader("Content-Length") or -1)
             self.size, at = _total(resp.getheader("Content-Range"), length), 0 if span is None else span[0]
             if length < 0 or self.size < 0 or at + length > self.size:
                 raise RemoteStoreError(f"{self.what}: a reply without a usable length")
+            self.left = length
+            if length == 0:
+                resp.close()
             return length
 
-    def fill(self, view: memoryview, done: int, length: int) -> None:
-        """The reply's next ``len(view)`` bytes into ``view`` (``done`` of ``length`` read before)."""
+    def fill(self, view: memoryview, done: int, length: int, hasher: xxhash.xxh3_64 | None = None) -> None:
+        """The reply's next ``len(view)`` bytes into ``view`` (``done`` of ``length`` read before),
+        fed to ``hasher`` as they land.  What the HTTP client read ahead with the headers is
+        copied first; the rest goes from the socket straight into ``view``, ``PIECE`` bytes at
+        most per read, the socket blocking in the kernel (as a raw socket's reader does) for at
+        most the stall timeout (``SO_RCVTIMEO``) or what is left of the fetch's."""
+        view = view.cast("B")
         got = 0
         with self._errors():
-            assert self.conn.sock is not None and self.resp is not None
-            while got < len(view):
-                self.conn.sock.settimeout(self._left(STALL_TIMEOUT))
-                n = self.resp.readinto(view[got:])
-                if not n:
-                    # the holder closed the connection: its service (or its host) went away
-                    raise ServiceUnreachableError(
-                        f"{self.what}: the service closed the connection after {done + got} of {length} bytes"
-                    )
-                got += n
+            assert self.resp is not None
+            if view and self.resp.fp is not None:
+                ahead = len(self.resp.fp.peek())  # bytes read with the headers (one read when none)
+                if ahead:
+                    got = self.resp.readinto(view[: min(ahead, len(view))])
+                    if hasher is not None:
+                        hasher.update(view[:got])
+            sock, timeo = self.sock, -1.0
+            sock.settimeout(None)
+            try:
+                while got < len(view):
+                    wait = self._left(STALL_TIMEOUT)
+                    if wait != timeo:  # the stall timeout, or less near the fetch's deadline
+                        timeo = wait
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
+                    n = sock.recv_into(view[got : got + PIECE])
+                    if not n:
+                        # the holder closed the connection: its service (or its host) went away
+                        raise ServiceUnreachableError(
+                            f"{self.what}: the service closed the connection after {done + got} of {length} bytes"
+                        )
+                    if hasher is not None:
+                        hasher.update(view[got : got + n])
+                    got += n
+            finally:
+                self.left -= got
+                if self.left == 0 and self.resp.fp is not None:
+                    self.resp.close()  # its file object only: the connection stays open for the next request
+                if timeo >= 0:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(0))
 
     @contextmanager
-    def _errors(self) -> Iterator[None]:
-        """A failed call as a ``ServiceUnreachableError`` naming what was asked for."""
+    def _errors(self, stale: bool = False) -> Iterator[None]:
+        """A failed call as a ``ServiceUnreachableError`` naming what was asked for (``stale``: a
+        closed connection is a ``_Stale`` one, to be replaced)."""
         try:
             yield
         except RemoteStoreError:
             raise
-        except TimeoutError as exc:
+        except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO ran out
             raise ServiceUnreachableError(f"{self.what}: no data for {STALL_TIMEOUT:.0f} s ({exc})") from None
         except (http.client.HTTPException, ConnectionError) as exc:
-            raise ServiceUnreachableError(f"{self.what}: the connection failed ({type(exc).__name__}: {exc})") from None
+            kind = _Stale if stale else ServiceUnreachableError
+            raise kind(f"{self.what}: the connection failed ({type(exc).__name__}: {exc})") from None
         except OSError as exc:
             raise ServiceUnreachableError(f"{self.what}: {type(exc).__name__}: {exc}") from None
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
 def _total(content_range: str | None, length: int) -> int:

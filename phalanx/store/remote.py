@@ -95,17 +95,21 @@ def local_endpoint(root: str | os.PathLike[str], key: str) -> str | None:
 
 
 # ---- reading another host's partition ---------------------------------------------------------
-def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callable[[str], Tier]) -> pa.Buffer:
+def fetch_partition(
+    where: str, info: DatasetInfo, index: int, tier_for: Callable[[str], Tier]
+) -> tuple[pa.Buffer, str]:
     """Partition ``index`` of ``info``, held by another host: its exact bytes from that host's
     store service, else from its written-through copy; ``PartitionLostError`` naming dataset,
-    partition and host when neither can be read.  The caller checks the checksum."""
-    from .service import fetch, token_from_env
+    partition and host when neither can be read.  Returns the bytes and their checksum
+    (``tiers.checksum_buffer``'s digest: from the service, hashed as they arrived), which the
+    caller compares with the metadata's."""
+    from .service import fetch_hashed, token_from_env
 
     part = info.partitions[index]
     why = NO_SERVICE
     if part.endpoint:
         try:
-            return fetch(part.endpoint, token_from_env(), info.location, index)
+            return fetch_hashed(part.endpoint, token_from_env(), info.location, index)
         except ServiceUnreachableError as exc:
             why = f"the host or its store service is gone ({exc})"
         except FileNotFoundError as exc:  # the host is back, its memory is not
@@ -114,9 +118,11 @@ def fetch_partition(where: str, info: DatasetInfo, index: int, tier_for: Callabl
             raise
     if part.copy:
         try:
-            return tier_for(part.copy).read_buffer(part.copy, index)
+            buf = tier_for(part.copy).read_buffer(part.copy, index)
         except OSError as exc:
             why += f"; its written-through copy at {part.copy} is unreadable too ({exc})"
+        else:
+            return buf, checksum_buffer(buf)
     raise _lost(where, info, index, why)
 
 

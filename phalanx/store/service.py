@@ -671,12 +671,34 @@ def fetch(
     filling the buffer side by side.  Raises a ``RemoteStoreError`` naming the endpoint,
     location and index: ``ServiceUnreachableError``, ``RemotePartitionNotFoundError``,
     ``AuthRefusedError``, ``LocationRefusedError``."""
+    return _fetch_bytes(endpoint, token, location, index, timeout, streams, hashed=False)[0]
+
+
+def fetch_hashed(
+    endpoint: str, token: str, location: str, index: int, timeout: float = DEFAULT_TIMEOUT, streams: int = 1
+) -> tuple[pa.Buffer, str]:
+    """``fetch``, and the bytes' checksum (``tiers.checksum_buffer``'s xxh3-64), computed as
+    they arrive over the bulk path (``http_bytes.get_hashed``: each piece hashed while it is
+    in cache) — what a reader compares with the metadata's instead of hashing the buffer again."""
+    buf, digest = _fetch_bytes(endpoint, token, location, index, timeout, streams, hashed=True)
+    return buf, digest if digest is not None else checksum_buffer(buf)
+
+
+def _fetch_bytes(
+    endpoint: str, token: str, location: str, index: int, timeout: float, streams: int, hashed: bool
+) -> tuple[pa.Buffer, str | None]:
     what = f"partition {index} at {location} from the store service {endpoint}"
+
+    def over(url: str) -> tuple[pa.Buffer, str | None]:
+        if hashed:
+            return http_bytes.get_hashed(url, token, location, index, timeout, streams, service=endpoint)
+        return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint), None
+
     known = (os.getpid(), endpoint) in _bytes_urls
     url = bytes_url(endpoint, token, timeout, what)
     if url:
         try:
-            return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint)
+            return over(url)
         except ServiceUnreachableError:
             if not known:
                 raise
@@ -689,8 +711,8 @@ def fetch(
                 raise
             url = fresh
         if url:
-            return http_bytes.get(url, token, location, index, timeout, streams, service=endpoint)
-    return fetch_flight(endpoint, token, location, index, timeout, streams)
+            return over(url)
+    return fetch_flight(endpoint, token, location, index, timeout, streams), None
 
 
 def fetch_chunks(

@@ -327,14 +327,19 @@ class Store:
         checksum (``ChecksumError`` naming it): mapped or downloaded here as ``partition`` reads
         them, or fetched from the store service of the host that holds it (or its
         written-through copy).  Counted in neither ``reads`` nor the verified set: what a copy
-        of the dataset to another store (``store.crossing``) reads."""
+        of the dataset to another store (``store.crossing``) reads.  A fetched partition's bytes
+        are hashed as they arrive (``service.fetch_hashed``), not in a second pass."""
         part = info.partitions[index]
-        if not self.is_here(part):
-            buf = remote.fetch_partition(self._where(), info, index, self._tier_for)
-            where = f"dataset {info.name!r} partition {index} (fetched from {part.host or part.endpoint})"
-        else:
+        if self.is_here(part):
             _, buf, _, where = self._read_here(info, index)
-        self._check(buf, part, f"{self._where()}: {where}")
+            self._check(buf, part, f"{self._where()}: {where}")
+            return buf
+        buf, actual = remote.fetch_partition(self._where(), info, index, self._tier_for)
+        if actual != part.checksum:
+            raise ChecksumError(
+                f"{self._where()}: dataset {info.name!r} partition {index} (fetched from {part.host or part.endpoint}): "
+                f"checksum mismatch (stored {part.checksum}, file has {actual}); the file was changed or corrupted"
+            )
         return buf
 
     def partition_chunks(self, info: DatasetInfo, index: int, size: int = CHUNK) -> Iterator[pa.Buffer]:

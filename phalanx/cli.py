@@ -583,7 +583,8 @@ def cmd_store(args: argparse.Namespace) -> int:
                     + (f"  on {','.join(hosts)}" if hosts else "")
                 )
         elif args.store_cmd == "show":
-            print(json.dumps(store.info(args.name).summary(), indent=2, default=str))
+            info = store.info(args.name)  # each partition's host and tier (memory or spill) too
+            print(json.dumps({**info.summary(), "at": store.partition_places(info)}, indent=2, default=str))
         elif args.store_cmd == "rm":
             return cmd_store_rm(store, args)
         elif args.store_cmd == "sessions":

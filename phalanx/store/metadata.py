@@ -45,6 +45,10 @@ class PartitionInfo:
     root_id: str = ""  # identity of that host's store root (FileTier.root_id): same id, same files
     endpoint: str = ""  # that host's store service (grpc+tcp://addr:port), "" if none
     copy: str = ""  # a written-through copy's directory on a durable tier, "" if none
+    # The directory that holds it when it moved on its host apart from the rest of the dataset
+    # (under a memory budget: to that host's spill tier, or back into its memory tier); "" when
+    # it is in the dataset's ``location``.  ``DatasetInfo.location_of`` reads it.
+    location: str = ""
 
     @property
     def place(self) -> dict[str, str]:
@@ -60,7 +64,7 @@ class PartitionInfo:
         return cls(index, rows, nbytes, checksum, **{k: str(v) for k, v in fields.items() if k in PLACE_FIELDS})
 
 
-PLACE_FIELDS = ("host", "root_id", "endpoint", "copy")
+PLACE_FIELDS = ("host", "root_id", "endpoint", "copy", "location")
 
 
 @dataclass
@@ -84,6 +88,10 @@ class DatasetInfo:
     @property
     def num_rows(self) -> int:
         return sum(p.rows for p in self.partitions)
+
+    def location_of(self, index: int) -> str:
+        """The directory that holds partition ``index`` now (on the host ``host`` names)."""
+        return self.partitions[index].location or self.location
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +164,16 @@ class MetadataBackend(ABC):
         """Point the dataset at a new location, atomically, only if it is still ``version``
         at ``old_location`` (compare-and-set) — and, with ``unless_pinned``, not pinned (a
         spill must not win against a pin made while it copied); False otherwise."""
+
+    def relocate_partitions(
+        self, session: str, name: str, version: str, moves: dict[int, tuple[str, str]], unless_pinned: bool = False
+    ) -> bool:
+        """Point partitions at new directories, all of ``moves`` (index → (old, new)) in one
+        atomic step, only if the dataset is still ``version`` and each partition still at its
+        old directory (``DatasetInfo.location_of``) — and, with ``unless_pinned``, not pinned;
+        False otherwise.  How one host spills its partitions of a dataset spread over hosts.
+        A backend without it moves nothing (such datasets then stay in memory)."""
+        return False
 
     def all(self) -> builtins.list[DatasetInfo]:
         """Every dataset of every session."""
@@ -391,6 +409,37 @@ class SQLiteMetadata(MetadataBackend):
                 (new_location, session, name, version, old_location),
             )
             return cur.rowcount == 1
+
+    def relocate_partitions(
+        self, session: str, name: str, version: str, moves: dict[int, tuple[str, str]], unless_pinned: bool = False
+    ) -> bool:
+        with self._write() as con:
+            info = self._row(con, session, name)
+            if info is None or info.version != version or (unless_pinned and info.pinned):
+                return False
+            places = moved_places(info, moves)
+            if places is None:
+                return False
+            con.executemany(
+                "UPDATE partitions SET place=? WHERE session=? AND name=? AND idx=?",
+                [(json.dumps(place) if place else "", session, name, i) for i, place in places.items()],
+            )
+            return True
+
+
+def moved_places(info: DatasetInfo, moves: dict[int, tuple[str, str]]) -> dict[int, dict[str, str]] | None:
+    """The partitions' new ``place`` fields after ``moves`` (index → (old, new) directory), or
+    None when one is no longer at its old directory (a compare-and-set lost)."""
+    places = {}
+    for i, (old, new) in moves.items():
+        if not 0 <= i < info.num_partitions or info.location_of(i) != old:
+            return None
+        place = info.partitions[i].place
+        place.pop("location", None)
+        if new != info.location:
+            place["location"] = new
+        places[i] = place
+    return places
 
 
 def open_metadata(url: str | Path | MetadataBackend) -> MetadataBackend:

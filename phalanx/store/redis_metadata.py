@@ -16,9 +16,9 @@ process knows of are not what Redis holds, so every call fails (``StoreError`` n
 URL) instead of reading or sealing against a different catalogue.  ``pinned_url()`` carries
 the ``id`` to the ranks of a gang, so a rank started after the loss refuses it too.
 
-``seal`` and ``relocate`` are optimistic transactions (WATCH the session's dataset hash, check,
+``seal``, ``relocate`` and ``relocate_partitions`` are optimistic transactions (WATCH the session's dataset hash, check,
 MULTI/EXEC, retry if another client changed it in between): a name exists unless replaced,
-and a move only lands if the dataset is still the version and location it copied.  ``delete``,
+and a move only lands if the dataset is still the version and location(s) it copied.  ``delete``,
 ``touch`` and ``set_pinned`` are small Lua scripts (atomic on the server).
 """
 
@@ -39,7 +39,7 @@ import redis
 
 from ..errors import StoreError
 from ..redact import redact
-from .metadata import DatasetInfo, MetadataBackend, PartitionInfo
+from .metadata import DatasetInfo, MetadataBackend, PartitionInfo, moved_places
 
 DEFAULT_PREFIX = "phalanx:store:"
 
@@ -273,6 +273,33 @@ class RedisMetadata(MetadataBackend):
     def relocate(
         self, session: str, name: str, version: str, old_location: str, new_location: str, unless_pinned: bool = False
     ) -> bool:
+        def change(d: dict[str, Any], cur: bytes) -> bool:
+            if d["version"] != version or d["location"] != old_location:
+                return False
+            d["location"] = new_location
+            return True
+
+        return self._change(session, name, change, unless_pinned)
+
+    @_named
+    def relocate_partitions(
+        self, session: str, name: str, version: str, moves: dict[int, tuple[str, str]], unless_pinned: bool = False
+    ) -> bool:
+        def change(d: dict[str, Any], cur: bytes) -> bool:
+            places = moved_places(self._decode(session, name, cur, None, None), moves)
+            if d["version"] != version or places is None:
+                return False
+            for i, place in places.items():
+                d["partitions"][i] = d["partitions"][i][:4] + ([place] if place else [])
+            return True
+
+        return self._change(session, name, change, unless_pinned)
+
+    def _change(
+        self, session: str, name: str, change: Callable[[dict[str, Any], bytes], bool], unless_pinned: bool
+    ) -> bool:
+        """Change the dataset's JSON in place (``change(d, blob)``: False to give up) in one
+        optimistic transaction — and, with ``unless_pinned``, only if it is not pinned."""
         datasets, _, pinned = self._keys(session)
         with self.client.pipeline() as pipe:
             while True:
@@ -282,11 +309,8 @@ class RedisMetadata(MetadataBackend):
                     if cur is None:
                         return False
                     d = json.loads(cur)
-                    if d["version"] != version or d["location"] != old_location:
+                    if (unless_pinned and pipe.hget(pinned, name)) or not change(d, cur):
                         return False
-                    if unless_pinned and pipe.hget(pinned, name):
-                        return False
-                    d["location"] = new_location
                     pipe.multi()
                     pipe.hset(datasets, name, json.dumps(d).encode())
                     pipe.hincrby(self._catalogue_key, "writes", 1)

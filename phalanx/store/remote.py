@@ -109,7 +109,7 @@ def fetch_partition(
     why = NO_SERVICE
     if part.endpoint:
         try:
-            return fetch_hashed(part.endpoint, token_from_env(), info.location, index)
+            return fetch_hashed(part.endpoint, token_from_env(), info.location_of(index), index)
         except ServiceUnreachableError as exc:
             why = f"the host or its store service is gone ({exc})"
         except FileNotFoundError as exc:  # the host is back, its memory is not
@@ -138,7 +138,7 @@ def partition_chunks(
     part = info.partitions[index]
     why = NO_SERVICE
     if part.endpoint:
-        stream = fetch_chunks(part.endpoint, token_from_env(), info.location, index, chunk)
+        stream = fetch_chunks(part.endpoint, token_from_env(), info.location_of(index), index, chunk)
         try:
             first = next(stream, None)
         except ServiceUnreachableError as exc:
@@ -177,7 +177,7 @@ def checksum_there(where: str, info: DatasetInfo, index: int, tier_for: Callable
     why = NO_SERVICE
     if part.endpoint:
         try:
-            return remote_checksum(part.endpoint, None, info.location, index)
+            return remote_checksum(part.endpoint, None, info.location_of(index), index)
         except ServiceUnreachableError as exc:
             why = f"the host or its store service is gone ({exc})"
         except FileNotFoundError as exc:

@@ -28,7 +28,14 @@ from typing import Any, NamedTuple
 import pyarrow as pa
 import xxhash
 
-from ..errors import ChecksumError, DatasetExistsError, DatasetNotFoundError, StoreError, UnsafePathError
+from ..errors import (
+    ChecksumError,
+    DatasetExistsError,
+    DatasetNotFoundError,
+    PartitionLostError,
+    StoreError,
+    UnsafePathError,
+)
 from ..paths import ENV_SPILL, ENV_STORE, default_spill_root, default_store_root
 from ..private import FILE_MODE, makedirs
 from ..runtime.envvars import (
@@ -247,30 +254,28 @@ class Store:
         return self.meta.sessions()
 
     def spilled(self, name: str) -> bool:
-        """Whether the dataset lives on the spill (disk) tier rather than the store root."""
-        info = self.info(name)
-        return self.spill_tier is not None and self.spill_tier.owns(info.location)
+        """Whether the dataset lives on the spill (disk) tier rather than the store root (for a
+        dataset spread over hosts: whether this host spilled any of its partitions)."""
+        return bool(self._spilled_here(self.info(name)))
 
     def memory_usage(self) -> int:
-        """Bytes of sealed datasets (every session) on the store root: what the budget limits."""
-        return sum(d.nbytes for d in self.meta.all() if self._resident(d))
+        """Bytes of sealed partitions (every session) in this host's memory tier, the store
+        root: what the budget limits."""
+        return sum(d.partitions[i].bytes for d in self.meta.all() for i in self._in_memory(d))
 
     # ---- reading --------------------------------------------------------------------------
     def use(self, name: str) -> DatasetInfo:
         """``info`` for a reader: records the access (LRU order) and, under a memory budget,
-        brings a spilled dataset back into memory first."""
+        brings a spilled dataset back into memory first (of a dataset spread over hosts: the
+        partitions this host spilled)."""
         info = self.info(name)
         now = time.time()
         self.meta.touch(self.session, name, now)
         info.accessed = now
-        if (
-            self.memory_budget is not None
-            and self.spill_tier is not None
-            and self.spill_tier.owns(info.location)
-            and self._fits(info)
-        ):
+        back = self._spilled_here(info) if self.memory_budget is not None else []
+        if back and self._fits(info):
             try:
-                moved = self._move(info, self.tier)
+                moved = self._move(info, self.tier) if back is True else self._move_parts(info, back, self.tier)
             except Exception as exc:  # e.g. shared memory full: the spilled copy still reads
                 log.warning("%s: could not bring %r back into memory: %s", self._where(), name, exc)
                 moved = None
@@ -288,7 +293,13 @@ class Store:
         checked.  See ``needs_verify``.  ``count``: add it to ``reads`` (not for a check alone)."""
         part = info.partitions[index]
         if not self.is_here(part):
-            return self._fetched(info, index, count)
+            try:
+                return self._fetched(info, index, count)
+            except PartitionLostError:
+                fresh = self._moved_since(info, index)  # spilled or brought back on its host meanwhile?
+                if fresh is None:
+                    raise
+                return self.partition(fresh, index, verify, count=count)
         tier, buf, location, where = self._read_here(info, index)
         if verify and self.needs_verify(info, index, location):
             self._check(buf, part, where)
@@ -301,19 +312,19 @@ class Store:
     def _read_here(self, info: DatasetInfo, index: int) -> tuple[Tier, pa.Buffer, str, str]:
         """Partition ``index``'s bytes from a tier this process reads itself (following a move
         to another tier since ``info`` was read): (tier, bytes, location, where)."""
-        location = info.location
-        where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
+        location = info.location_of(index)
+        where = _part_where(info, index, location)
         try:
             tier = self._tier_for(location)
             try:
                 buf = tier.read_buffer(location, index)
             except FileNotFoundError:
                 # Moved to another tier since ``info`` was read (spill/reload)? Follow it.
-                fresh = self.meta.get(info.session, info.name)
-                if fresh is None or fresh.version != info.version or fresh.location == location:
+                fresh = self._moved_since(info, index)
+                if fresh is None:
                     raise StoreError(f"{where} is missing") from None
-                location = fresh.location
-                where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
+                location = fresh.location_of(index)
+                where = _part_where(fresh, index, location)
                 tier = self._tier_for(location)
                 buf = tier.read_buffer(location, index)
         except FileNotFoundError:
@@ -321,6 +332,14 @@ class Store:
         except OSError as exc:
             raise StoreError(f"{where} is unreadable: {exc}") from None
         return tier, buf, location, where
+
+    def _moved_since(self, info: DatasetInfo, index: int) -> DatasetInfo | None:
+        """The dataset as the metadata has it now, if partition ``index`` moved (spill, reload)
+        since ``info`` was read; else None."""
+        fresh = self.meta.get(info.session, info.name)
+        if fresh is None or fresh.version != info.version or fresh.location_of(index) == info.location_of(index):
+            return None
+        return fresh
 
     def partition_bytes(self, info: DatasetInfo, index: int) -> pa.Buffer:
         """Partition ``index``'s exact file bytes, always checked against the metadata's
@@ -349,8 +368,9 @@ class Store:
         the end without one has the exact bytes."""
         part = info.partitions[index]
         if self.is_here(part):
-            where = f"dataset {info.name!r} partition {index} ({info.location}/{part_file(index)})"
-            chunks = self._tier_for(info.location).read_chunks(info.location, index, size)
+            location = info.location_of(index)
+            where = f"dataset {info.name!r} partition {index} ({location}/{part_file(index)})"
+            chunks = self._tier_for(location).read_chunks(location, index, size)
         else:
             where = f"dataset {info.name!r} partition {index} (fetched from {part.host or part.endpoint})"
             chunks = remote.partition_chunks(self._where(), info, index, self._tier_for, size)
@@ -378,7 +398,13 @@ class Store:
         if self.is_here(part):
             self.partition(info, index, verify=True, count=False)
             return
-        actual = remote.checksum_there(self._where(), info, index, self._tier_for)
+        try:
+            actual = remote.checksum_there(self._where(), info, index, self._tier_for)
+        except PartitionLostError:
+            fresh = self._moved_since(info, index)  # spilled or brought back on its host meanwhile?
+            if fresh is None:
+                raise
+            return self.check(fresh, index)
         if actual != part.checksum:
             raise ChecksumError(
                 f"{self._where()}: dataset {info.name!r} partition {index} on host {part.host}: checksum mismatch "
@@ -421,7 +447,7 @@ class Store:
         attempt (a run attempt: the driver and its gangs) wrote it or checked it on this host,
         nor when this process checked it already; else yes — a resume of an earlier attempt,
         data read from disk (spill) or an object store, a partition from another host."""
-        location = location or info.location
+        location = location or info.location_of(index)
         if not self.tier.owns(location):  # spill, a durable copy, another store: every read
             return True
         if (_place(location), index) in self._verified:
@@ -482,7 +508,8 @@ class Store:
 
         def ask(endpoint: str, token: str) -> pa.Table:
             p = info.partitions[index]
-            return fetch_hash_part(endpoint, token, info.location, index, p.checksum, keys, nparts, part, columns)
+            location = info.location_of(index)
+            return fetch_hash_part(endpoint, token, location, index, p.checksum, keys, nparts, part, columns)
 
         def here(whole: pa.Table) -> pa.Table:
             return hash_partition(whole.select(list(columns)) if columns is not None else whole, keys, nparts)[part]
@@ -502,7 +529,7 @@ class Store:
 
         def ask(endpoint: str, token: str) -> pa.Table:
             p = info.partitions[index]
-            return fetch_rows(endpoint, token, info.location, index, p.checksum, select, columns)
+            return fetch_rows(endpoint, token, info.location_of(index), index, p.checksum, select, columns)
 
         def here(whole: pa.Table) -> pa.Table:
             return R.select_rows(whole.select(list(columns)) if columns is not None else whole, select)
@@ -646,7 +673,7 @@ class Store:
         _check_name(name)
         final = self.tier.final(self.session, name, staging_id)
         if not committed:
-            self.commit_here(name, staging_id)
+            self.commit_here(name, staging_id, budget=False)  # the budget is kept once sealed
         now = time.time()
         info = DatasetInfo(
             self.session,
@@ -696,9 +723,16 @@ class Store:
             log.warning("%s: after sealing %r: %s", self._where(), name, exc)
         return info
 
-    def commit_here(self, name: str, staging_id: str) -> None:
-        """Move this host's staged partitions of a put into place (file tier: one rename)."""
+    def commit_here(self, name: str, staging_id: str, *, budget: bool = True) -> None:
+        """Move this host's staged partitions of a put into place (file tier: one rename).
+        Under a memory budget (``budget``), this host's least-recently-used partitions spill
+        first to make room for them (a put whose ranks span hosts: each host's first rank)."""
         staging = self.tier.staging(self.session, name, staging_id)
+        if budget and self.memory_budget is not None and self.tier.local_root is not None:
+            try:
+                self._enforce_budget(incoming=self.tier.usage(staging)[0])
+            except Exception as exc:  # only costs memory: the put goes on
+                log.warning("%s: making room for %r on %s: %s", self._where(), name, remote.hostname(), exc)
         try:
             self.tier.commit(staging, self.tier.final(self.session, name, staging_id))
         except BaseException:
@@ -786,13 +820,22 @@ class Store:
         )
 
     # ---- memory budget: spill to disk, reload on use, pin ------------------------------------
+    # Per host: the budget covers the partitions in this host's memory tier (this store's root),
+    # of every dataset.  A dataset that lives wholly on this host moves whole (its ``location``);
+    # this host's partitions of a dataset spread over hosts move one by one, each into a
+    # directory of its own (``PartitionInfo.location``, ``meta.relocate_partitions``), so hosts
+    # that share a spill directory never collide.  Each host moves only its own partitions.
     def pin(self, name: str) -> DatasetInfo:
-        """Keep the dataset in memory: never spilled (brought back now if it was)."""
+        """Keep the dataset in memory: never spilled (its partitions on this host brought back
+        now if they were; those of other hosts at those hosts' next write)."""
         if not self.meta.set_pinned(self.session, name, True):
             raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
         info = self.info(name)
-        if self.spill_tier is not None and self.spill_tier.owns(info.location):
-            info = self._move(info, self.tier) or self.info(name)
+        back = self._spilled_here(info)
+        if back is True:
+            self._move(info, self.tier)
+        elif back:
+            self._move_parts(info, back, self.tier)
         self._enforce_budget()
         return self.info(name)
 
@@ -802,45 +845,113 @@ class Store:
         self._enforce_budget()
         return self.info(name)
 
-    def _resident(self, info: DatasetInfo) -> bool:
-        """Whether ``info`` lives on this store's root, all of it on this host (the budget and
-        spill are per host: a dataset spread over hosts is left alone)."""
-        return self.tier.owns(info.location) and all(self.is_here(p) for p in info.partitions)
+    def _whole(self, info: DatasetInfo) -> bool:
+        """Whether ``info`` lives in one directory of this host: every partition here, none
+        moved apart (the budget then moves it whole)."""
+        return all(self.is_here(p) and not p.location for p in info.partitions)
 
-    def _fits(self, info: DatasetInfo) -> bool:
-        """Could ``info`` live in memory next to the pinned datasets?"""
+    def _resident(self, info: DatasetInfo) -> bool:
+        """Whether ``info`` lives whole on this store's root."""
+        return self._whole(info) and self.tier.owns(info.location)
+
+    def _in_memory(self, info: DatasetInfo) -> builtins.list[int]:
+        """The partitions of ``info`` in this host's memory tier (this store's root)."""
+        return [i for i, p in enumerate(info.partitions) if self.is_here(p) and self.tier.owns(info.location_of(i))]
+
+    def _spilled_here(self, info: DatasetInfo) -> bool | builtins.list[int]:
+        """What of ``info`` this host spilled: True (the whole dataset), or the partitions of a
+        dataset spread over hosts that this host holds on its spill tier."""
+        spill = self.spill_tier
+        if spill is None:
+            return []
+        if self._whole(info):
+            return spill.owns(info.location) and bool(info.partitions)
+        return [i for i, p in enumerate(info.partitions) if self.is_here(p) and p.location and spill.owns(p.location)]
+
+    def _bytes_here(self, info: DatasetInfo) -> int:
+        """Bytes of the partitions of ``info`` this host holds (memory or spill)."""
+        return sum(p.bytes for p in info.partitions if self.is_here(p))
+
+    def _fits(self, info: DatasetInfo, incoming: int = 0) -> bool:
+        """Could this host's partitions of ``info`` live in memory next to the pinned ones (and
+        ``incoming`` bytes about to be sealed)?"""
         assert self.memory_budget is not None
         pinned = sum(
-            d.nbytes
+            d.partitions[i].bytes
             for d in self.meta.all()
-            if d.pinned and self._resident(d) and (d.session, d.name) != (info.session, info.name)
+            if d.pinned and (d.session, d.name) != (info.session, info.name)
+            for i in self._in_memory(d)
         )
-        return pinned + info.nbytes <= self.memory_budget
+        return pinned + incoming + self._bytes_here(info) <= self.memory_budget
 
-    def _enforce_budget(self) -> None:
-        """Spill least-recently-used, unpinned datasets until the root is within budget."""
+    def _enforce_budget(self, incoming: int = 0) -> None:
+        """Keep this host's memory tier within the budget, counting ``incoming`` bytes about to
+        be sealed (``commit_here``): pinned partitions this host spilled come back where they
+        fit, then least-recently-used, unpinned datasets spill — whole where one lives only
+        here, else this host's partitions of it, one at a time."""
         if self.memory_budget is None or self.spill_tier is None:
             return
         budget = self.memory_budget
-        resident = [d for d in self.meta.all() if self._resident(d)]
-        total = sum(d.nbytes for d in resident)
+        datasets = self.meta.all()
+        pinned = sum(d.partitions[i].bytes for d in datasets if d.pinned for i in self._in_memory(d))
+        for d in sorted((d for d in datasets if d.pinned), key=lambda d: -d.accessed):
+            back = self._spilled_here(d)
+            nbytes = d.nbytes if back is True else sum(d.partitions[i].bytes for i in back or [])
+            if back and pinned + incoming + nbytes <= budget:
+                moved = self._move(d, self.tier) if back is True else self._move_parts(d, back, self.tier)
+                pinned += nbytes if moved is not None else 0
+        datasets = self.meta.all()
+        held = {(d.session, d.name): self._in_memory(d) for d in datasets}
+        total = incoming + sum(d.partitions[i].bytes for d in datasets for i in held[(d.session, d.name)])
         if total <= budget:
             return
+        here = {(d.session, d.name): sum(d.partitions[i].bytes for i in held[(d.session, d.name)]) for d in datasets}
         # one that could never fit goes first; then least recently used
-        victims = sorted((d for d in resident if not d.pinned), key=lambda d: (d.nbytes <= budget, d.accessed))
+        victims = sorted(
+            (d for d in datasets if not d.pinned and held[(d.session, d.name)]),
+            key=lambda d: (here[(d.session, d.name)] <= budget, d.accessed),
+        )
         for d in victims:
             if total <= budget:
                 break
-            if self._move(d, self.spill_tier) is not None:
-                total -= d.nbytes
-                log.info(
-                    "%s: spilled %s/%s (%d bytes) to %s",
-                    self._where(),
-                    d.session,
-                    d.name,
-                    d.nbytes,
-                    self.spill_tier.url,
-                )
+            if self._resident(d):
+                if self._move(d, self.spill_tier) is not None:
+                    total -= d.nbytes
+                    self._log_spill(d, d.nbytes, "")
+                continue
+            for i in held[(d.session, d.name)]:
+                if total <= budget:
+                    break
+                if self._move_parts(d, [i], self.spill_tier) is not None:
+                    total -= d.partitions[i].bytes
+                    self._log_spill(d, d.partitions[i].bytes, f" partition {i}")
+
+    def partition_places(self, info: DatasetInfo) -> builtins.list[dict[str, str]]:
+        """Where each partition lives now: its host, "memory" (the store root's tier) or
+        "spill" (a disk tier it was moved to under a memory budget), and its directory (on an
+        object store: "s3" and its prefix)."""
+        root = "memory" if isinstance(self.tier, FileTier) else self.tier.kind
+        return [
+            {
+                "host": p.host or remote.hostname(),
+                "tier": root if self.tier.owns(info.location_of(i)) else "spill",
+                "location": info.location_of(i),
+            }
+            for i, p in enumerate(info.partitions)
+        ]
+
+    def _log_spill(self, info: DatasetInfo, nbytes: int, what: str) -> None:
+        spill = self.spill_tier.url if self.spill_tier is not None else "?"
+        log.info(
+            "%s: spilled %s/%s%s (%d bytes) to %s on %s",
+            self._where(),
+            info.session,
+            info.name,
+            what,
+            nbytes,
+            spill,
+            remote.hostname(),
+        )
 
     def _move(self, info: DatasetInfo, dst: Tier) -> DatasetInfo | None:
         """Copy a sealed dataset to ``dst``, switch its location in one compare-and-set, then
@@ -868,6 +979,39 @@ class Store:
         src.remove(info.location)
         return _replace(info, location=final)
 
+    def _move_parts(self, info: DatasetInfo, indices: Sequence[int], dst: Tier) -> DatasetInfo | None:
+        """``_move`` for partitions of this host that move apart from the rest of their dataset:
+        each copied into a directory of its own on ``dst`` (this host's spill or memory tier),
+        switched in one compare-and-set (``meta.relocate_partitions``), then its old file
+        deleted (the others of this host stay in the dataset's directory).  The dataset as it
+        is now, or None when nothing moved (it changed meanwhile)."""
+        parts = list(info.partitions)
+        for i in indices:
+            old = info.location_of(i)
+            src = self._tier_for(old)
+            tag = f"move-{uuid.uuid4().hex[:12]}"
+            scratch = dst.scratch(info.session, tag)
+            final = dst.final(info.session, info.name, f"{info.version}.{tag[5:]}")
+            try:
+                dst.write_buffer(scratch, i, src.read_buffer(old, i))
+                dst.commit(scratch, final)
+            except FileNotFoundError:
+                dst.remove(scratch)
+                continue
+            except BaseException:
+                dst.remove(scratch)
+                raise
+            moves = {i: (old, final)}
+            spilling = dst is self.spill_tier
+            if not self.meta.relocate_partitions(info.session, info.name, info.version, moves, spilling):
+                dst.remove(final)
+                continue
+            src.remove_partition(old, i)
+            parts[i] = _replace(parts[i], location="" if final == info.location else final)
+        if parts == info.partitions:
+            return None
+        return _replace(info, partitions=parts)
+
     # ---- removal ---------------------------------------------------------------------------
     def delete(self, name: str) -> None:
         old = self.meta.delete(self.session, name)
@@ -875,6 +1019,19 @@ class Store:
             raise DatasetNotFoundError(f"{self._where()}: no dataset {name!r}")
         self._retire(old.location)
         self._remove_elsewhere(old)
+
+    def _remove_moved(self, info: DatasetInfo) -> None:
+        """Remove the partitions of a replaced or deleted version that moved apart from it
+        (spilled, or brought back, on their host): this host's after the grace period, other
+        hosts' through their store services."""
+        there: dict[str, set[str]] = {}
+        for p in info.partitions:
+            if p.location and self.is_here(p):
+                self._retire(p.location)
+            elif p.location and p.endpoint:
+                there.setdefault(p.location, set()).add(p.endpoint)
+        for location, endpoints in there.items():
+            remote.remove_there(self._where(), location, endpoints)
 
     def _remove_copies(self, info: DatasetInfo) -> None:
         for through in {p.copy for p in info.partitions if p.copy}:
@@ -893,6 +1050,8 @@ class Store:
         partition before reading it, and a mapped file stays readable after removal; one that
         looks later follows the metadata."""
         self._remove_copies(info)
+        if location is None:
+            self._remove_moved(info)
         endpoints = self._elsewhere(info)
         if endpoints:
             remote.remove_there(self._where(), location or info.location, endpoints)
@@ -984,6 +1143,7 @@ class Store:
             if old is not None:  # an explicit wipe: no grace period
                 self._refusing(refused, self._remove_payload, old.location)
                 self._remove_copies(old)
+                self._remove_moved(old)
                 if self._elsewhere(old):
                     elsewhere.setdefault(str(Path(old.location).parent.parent), set()).update(self._elsewhere(old))
         # The session's directory goes only when no dataset was sealed meanwhile.
@@ -1056,6 +1216,14 @@ class Store:
                     if cur is not None and cur.version == st.version and cur.location == st.location:
                         continue
                 yield tier, st
+
+
+def _part_where(info: DatasetInfo, index: int, location: str) -> str:
+    """Names partition ``index`` of ``info`` at ``location`` in a message (and its host, where
+    it moved apart from its dataset on a store spanning hosts: spilled there)."""
+    part = info.partitions[index]
+    host = f"on host {part.host}: " if part.host and part.location else ""
+    return f"dataset {info.name!r} partition {index} ({host}{location}/{part_file(index)})"
 
 
 def _place(location: str) -> str:

@@ -228,6 +228,12 @@ class Tier(ABC):
         directory: ``..``, symbolic links) must refuse such a location (``UnsafePathError``),
         as ``FileTier`` does with ``remove_under``."""
 
+    def remove_partition(self, location: str, index: int) -> None:
+        """Delete partition ``index`` of ``location``, leaving the others there (a partition
+        that moved apart from its dataset's other partitions of the host: spill across hosts);
+        missing is fine.  The same care as ``remove``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot remove one partition")
+
     @abstractmethod
     def remove_session(self, session: str) -> None: ...
 
@@ -370,6 +376,10 @@ class FileTier(Tier):
     def remove(self, location: str) -> None:
         remove_under(self.root, location)
 
+    def remove_partition(self, location: str, index: int) -> None:
+        """The partition's file, then its directory if that was the last one in it."""
+        remove_under(self.root, location, only=part_file(index))
+
     def remove_session(self, session: str) -> None:
         self.remove(str(self.root / session))
 
@@ -404,9 +414,10 @@ def check_mine(path: str | os.PathLike[str], st: os.stat_result) -> None:
         )
 
 
-def remove_under(root: Path, location: str) -> None:
+def remove_under(root: Path, location: str, only: str | None = None) -> None:
     """``rm -r location``, which must be a directory under ``root`` owned by this user, as is
-    every directory between them; a missing one is nothing to do.
+    every directory between them; a missing one is nothing to do.  ``only``: remove just that
+    file in it (not a link: unlinked as it is), then the directory if it is empty.
 
     Locations are read from places another user may be able to write — the metadata, a file
     under ``<root>/.retired`` — when the root is a group-shared directory, so one must not be
@@ -435,7 +446,7 @@ def remove_under(root: Path, location: str) -> None:
                 raise UnsafePathError(f"{here} is not a directory")
             check_mine(here, st)
             if i == len(names) - 1:
-                _rmtree_at(fd, name, here)
+                _rmtree_at(fd, name, here, only)
                 return
             try:
                 sub = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
@@ -455,19 +466,25 @@ def remove_under(root: Path, location: str) -> None:
         os.close(fd)
 
 
-def _rmtree_at(parent: int, name: str, path: Path) -> None:
+def _rmtree_at(parent: int, name: str, path: Path, only: str | None = None) -> None:
     """``rm -r`` of ``name`` (``path``) in the directory open as ``parent``, following no link
     (as ``shutil.rmtree(name, dir_fd=parent)`` does from Python 3.11) and entering only
     directories of this user's (``UnsafePathError`` naming one that is not); an entry removed
-    meanwhile is skipped."""
+    meanwhile is skipped.  ``only``: just that file in it, then the directory if that left it
+    empty."""
+    if only is not None and ("/" in only or only in ("", ".", "..")):
+        raise UnsafePathError(f"{path}/{only} is not a file name")
     try:
         fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
     except FileNotFoundError:
         return
     try:
         check_mine(path, os.fstat(fd))
-        with os.scandir(fd) as entries:
-            inside = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        if only is None:
+            with os.scandir(fd) as entries:
+                inside = [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+        else:
+            inside = [(only, False)]  # unlinked as it is (a link is not followed)
         for sub, is_dir in inside:
             try:
                 if is_dir:
@@ -482,6 +499,9 @@ def _rmtree_at(parent: int, name: str, path: Path) -> None:
         os.rmdir(name, dir_fd=parent)
     except FileNotFoundError:
         pass
+    except OSError as exc:
+        if only is None or exc.errno != errno.ENOTEMPTY:  # others of ``only``'s are still in it
+            raise
 
 
 def _new_partition(location: str, index: int) -> Path:

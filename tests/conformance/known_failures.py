@@ -12,11 +12,6 @@ KNOWN_FAILURES: dict[tuple[str, str], "str | tuple[str, bool]"] = {
     "(Resources)): SlurmPilot.start waits slurm.pending_timeout (120 s in this suite; unset, as in "
     "site-configs/slurm-pilot-local.yaml: forever)",
     (
-        "test_a_gang_that_waits_for_busy_slots_fails_at_its_start_timeout",
-        "ray",
-    ): "issue 10: the gang's start_timeout (3 s) does not bound its placement group's wait for busy CPUs: "
-    "the launcher waits ray.ready_timeout_s (30 s in ray-local.yaml)",
-    (
         "test_cancelling_a_run_whose_gang_waits_for_busy_slots_ends_it_at_once",
         "slurm-pilot",
     ): "issue 10: RunHandle.cancel(timeout=8) blocks until the run's pilot leaves SLURM's queue: the stage "

@@ -13,15 +13,26 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from phalanx.testing.site import ContractSite, N
 
-SITE_NAMES = ("local", "mpirun", "slurm", "slurm-pilot", "ray", "k8s-local", "radical-local", "slurm-multihost")
+SITE_NAMES = (
+    "local",
+    "mpirun",
+    "slurm",
+    "slurm-pilot",
+    "ray",
+    "k8s-local",
+    "radical-local",
+    "slurm-multihost",
+    "ray-multihost",
+)
 MARKS = {
     "local": [],
     "mpirun": [pytest.mark.mpi],
@@ -32,6 +43,8 @@ MARKS = {
     "radical-local": [pytest.mark.radical],
     # the SLURM pilot across the test bed's hosts (docs/multihost.md): the multihost lane only
     "slurm-multihost": [pytest.mark.multihost],
+    # a Ray cluster across the same hosts, the driver through Ray Client: the multihost lane only
+    "ray-multihost": [pytest.mark.multihost],
 }
 SITE_FILES = Path(__file__).resolve().parents[2] / "site-configs"
 
@@ -144,18 +157,7 @@ def build(name: str, request) -> ContractSite:
         data = _site_file("ray-local")
         data.update(_SUITE)
         data["ray"] = {**data["ray"], "address": cluster.address}
-        impossible = {
-            "more-ranks-than-it-has": {
-                "ranks": N + 1,
-                "site": {"ray": {"ready_timeout_s": 2}},
-                "reason": r"not placeable within 2 s: .*Ray says",
-            },
-            "an-impossible-request": {
-                "ranks": 1,
-                "site": {"ray": {"ready_timeout_s": 2, "resources": {"GPU": 1}}},
-                "reason": r"Ray says .*INFEASIBLE",
-            },
-        }
+        impossible = _ray_impossible({"GPU": 1})  # a GPU of a cluster that has none
         return ContractSite(name, data, "ray", impossible=impossible, waiting=r"not placeable|Ray says")
     if name == "k8s-local":
         cluster = request.getfixturevalue("k8s_cluster")
@@ -218,7 +220,27 @@ def build(name: str, request) -> ContractSite:
         return ContractSite(name, data, "radical", impossible=impossible, side_by_side={"start_timeout": 360})
     if name == "slurm-multihost":
         return _multihost(request)
+    if name == "ray-multihost":
+        return _ray_multihost(request)
     raise ValueError(name)
+
+
+def _ray_impossible(resources: dict) -> dict:
+    """What Ray refuses: a gang of N + 1 ranks on a cluster of N CPUs (Ray keeps the group
+    pending: the cluster may yet grow), and one rank whose bundle (``resources``) no node holds
+    (Ray says INFEASIBLE); either fails after ``ready_timeout_s`` (2 s) with Ray's word."""
+    return {
+        "more-ranks-than-it-has": {
+            "ranks": N + 1,
+            "site": {"ray": {"ready_timeout_s": 2}},
+            "reason": r"not placeable within 2 s: .*Ray says",
+        },
+        "an-impossible-request": {
+            "ranks": 1,
+            "site": {"ray": {"ready_timeout_s": 2, "resources": resources}},
+            "reason": r"Ray says .*INFEASIBLE",
+        },
+    }
 
 
 # ---- the SLURM pilot across the multi-host test bed ----------------------------------------------
@@ -231,25 +253,31 @@ MH_HOSTS = int(os.environ.get("PHALANX_MULTIHOST_HOSTS", "3"))
 class MultihostSite(ContractSite):
     """A site whose ranks run on other hosts that share no /dev/shm or /tmp with the driver:
     ``hosts`` (their names), ``run_on(host, argv, **subprocess_kw)`` runs a command inside one,
-    ``shared`` is a directory every host sees, ``veths`` each host's link in this namespace.
-    The store root (``data["store"]["root"]``) is in each host's own /dev/shm; the metadata is
-    on ``shared``.  On enter the store and log variables a driver-side ``px.Store`` needs are
-    set (``px.Gang(site=...)`` passes the store root only); on exit they are restored, and each
-    host's store root and the shared directory are removed."""
+    ``shared`` is a directory every host sees, ``veths`` each host's link in this namespace,
+    ``service_key(executor)`` the key under which a run scope's store services publish
+    themselves in each host's root (``<root>/.services/<key>.json``: how the contract finds the
+    PID of one host's service to lose that host mid-read).  The store root
+    (``data["store"]["root"]``) is in each host's own /dev/shm; the metadata is on ``shared``.
+    On enter the store and log variables a driver-side ``px.Store`` needs are set (``px.Gang(site=...)``
+    passes the store root only), and ``env``; on exit they are restored, and each host's store
+    root and the shared directory are removed."""
 
     hosts: list[str] = field(default_factory=list)
     run_on: object = None
     shared: Path | None = None
     veths: dict[str, str] = field(default_factory=dict)
     bridge_addr: str = ""
+    service_key: Callable[[Any], str] | None = None
+    env: dict[str, str] = field(default_factory=dict)
     _saved: dict = field(default_factory=dict)
 
     ENV = ("PHALANX_STORE_METADATA", "PHALANX_LOG_DIR")
 
     def __enter__(self) -> MultihostSite:
-        self._saved = {k: os.environ.get(k) for k in self.ENV}
+        self._saved = {k: os.environ.get(k) for k in (*self.ENV, *self.env)}
         os.environ["PHALANX_STORE_METADATA"] = self.data["store"]["metadata"]
         os.environ["PHALANX_LOG_DIR"] = str(self.shared / "logs")  # the ranks' and the pilot's logs
+        os.environ.update(self.env)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -269,19 +297,15 @@ class MultihostSite(ContractSite):
                 shutil.rmtree(self.shared, ignore_errors=True)
 
 
-def _multihost(request) -> MultihostSite:
-    """The SLURM pilot across px-h1..px-h3 (tests/multihost/test_slurm_gang_multihost.py):
-    driver at the bridge address, srun inside px-head, a file:// rendezvous on a shared dir,
-    the store root in each host's /dev/shm (the pilot starts a store service per node), the
-    catalogue SQLite on /var/tmp.  pytest's tmp_path must be one every host sees: unless
-    ``--basetemp`` says otherwise, it is moved under /var/tmp."""
-    import subprocess
-
+def _on_the_bed(name: str, request, tools: tuple[str, ...]):
+    """The test bed up (idempotent: a bed that is up stays up) for site ``name``, or a skip
+    saying what this machine lacks; pytest's tmp_path moved to one every host sees (under
+    /var/tmp) unless ``--basetemp`` says where.  Returns ``infra.multihost``."""
     if os.geteuid() != 0:
-        pytest.skip("site 'slurm-multihost' needs root (the test bed's network and mount namespaces)")
-    for tool in ("ip", "unshare", "nsenter", "slurmctld"):
+        pytest.skip(f"site {name!r} needs root (the test bed's network and mount namespaces)")
+    for tool in ("ip", "unshare", "nsenter", *tools):
         if shutil.which(tool) is None:
-            pytest.skip(f"site 'slurm-multihost': '{tool}' is missing (iproute2, util-linux, slurm-wlm)")
+            pytest.skip(f"site {name!r}: '{tool}' is missing (iproute2, util-linux, slurm-wlm)")
     factory = request.getfixturevalue("tmp_path_factory")
     if getattr(factory, "_basetemp", None) is None and getattr(factory, "_given_basetemp", None) is None:
         # the ranks write the contract's marker and fact files into tmp_path: not under /tmp,
@@ -291,19 +315,48 @@ def _multihost(request) -> MultihostSite:
         request.config.add_cleanup(lambda: shutil.rmtree(moved, ignore_errors=True))  # pytest keeps a given one
     base = str(factory.getbasetemp())
     if base.startswith(("/tmp/", "/dev/shm/")):
-        pytest.skip(
-            f"site 'slurm-multihost': pytest's --basetemp {base} is private to each host; use one under /var/tmp"
-        )
+        pytest.skip(f"site {name!r}: pytest's --basetemp {base} is private to each host; use one under /var/tmp")
     from infra import multihost
 
-    multihost.up(MH_HOSTS)  # idempotent (a bed that is up stays up)
+    multihost.up(MH_HOSTS)
+    return multihost
+
+
+def _shared_dir() -> Path:
+    shared = Path(tempfile.mkdtemp(prefix="phalanx-conformance-mh-", dir="/var/tmp"))
+    shared.chmod(0o755)
+    return shared
+
+
+def _bed_site(name: str, data: dict, backend: str, multihost, shared: Path, **kw: Any) -> MultihostSite:
+    return MultihostSite(
+        name,
+        data,
+        backend,
+        hosts=[h["name"] for h in multihost.hosts()],
+        run_on=multihost.run_on,
+        shared=shared,
+        veths={h["name"]: h["veth"] for h in multihost.hosts()},
+        bridge_addr=multihost.load_state()["bridge_addr"],
+        **kw,
+    )
+
+
+def _multihost(request) -> MultihostSite:
+    """The SLURM pilot across px-h1..px-h3 (tests/multihost/test_slurm_gang_multihost.py):
+    driver at the bridge address, srun inside px-head, a file:// rendezvous on a shared dir,
+    the store root in each host's /dev/shm (the pilot starts a store service per node), the
+    catalogue SQLite on /var/tmp.  pytest's tmp_path must be one every host sees: unless
+    ``--basetemp`` says otherwise, it is moved under /var/tmp."""
+    import subprocess
+
+    multihost = _on_the_bed("slurm-multihost", request, ("slurmctld",))
     r = subprocess.run([str(INFRA / "slurm-multihost-up.sh")], capture_output=True, text=True, timeout=180)
     if r.returncode:
         pytest.fail(f"tests/infra/slurm-multihost-up.sh failed ({r.returncode}):\n{r.stderr}\n{r.stdout}")
     conf = f"{MH_SLURM_DIR}/slurm.conf"
     state = multihost.load_state()
-    shared = Path(tempfile.mkdtemp(prefix="phalanx-conformance-mh-", dir="/var/tmp"))
-    shared.chmod(0o755)
+    shared = _shared_dir()
     pilot = {"nodes": MH_HOSTS, "ntasks": N, "time": "00:30:00"}
     data = {
         "name": "slurm-multihost",
@@ -337,18 +390,70 @@ def _multihost(request) -> MultihostSite:
             "reason": r"PartitionNodeLimit|PartitionConfig",
         },
     }
-    return MultihostSite(
+    return _bed_site(
         "slurm-multihost",
         data,
         "slurm",
+        multihost,
+        shared,
         slurm_conf=conf,
         impossible=impossible,
         # each run its own pilot of one node and one task: three fit beside another pilot of 3
         side_by_side={"cores": 1, "slurm": {"pilot": {**pilot, "nodes": 1, "ntasks": 1}}},
         waiting=r"PENDING \((Resources|Priority)\)",
-        hosts=[h["name"] for h in multihost.hosts()],
-        run_on=multihost.run_on,
-        shared=shared,
-        veths={h["name"]: h["veth"] for h in multihost.hosts()},
-        bridge_addr=state["bridge_addr"],
+        # the pilot's services publish themselves as slurm-<its job id>
+        service_key=lambda executor: f"slurm-{executor.pilot().job_id}",
+    )
+
+
+# ---- a Ray cluster across the multi-host test bed -------------------------------------------------
+def _ray_multihost(request) -> MultihostSite:
+    """Ray across px-h1..px-h3 (tests/multihost/test_ray_multihost.py): the head in px-head
+    (no CPUs), one raylet of 1 CPU in each host, the driver (this process) through Ray Client at
+    the head (the session's ``ray_multihost`` fixture brings the cluster up and connects); the
+    ranks reach the driver at the bridge address, rendezvous through a file:// directory on
+    /var/tmp; the store root in each host's /dev/shm, one store service per Ray node for each
+    run (phalanx/executors/ray/services.py), the catalogue SQLite on /var/tmp; the services'
+    token in a file on /var/tmp (the launcher hands its path to the actors)."""
+    import secrets
+
+    from phalanx.store.service import write_token_file
+
+    multihost = _on_the_bed("ray-multihost", request, ())
+    state = request.getfixturevalue("ray_multihost")
+    shared = _shared_dir()
+    token = write_token_file(shared / "token", secrets.token_hex(32))
+    data = {
+        "name": "ray-multihost",
+        "executor": "ray",
+        "communicator": "tcp",
+        "driver_host": multihost.load_state()["bridge_addr"],  # 10.231.0.1: `auto` is 127.0.0.1 here
+        "rendezvous": f"file://{shared}/rdzv",
+        "cores": N,  # the raylets' CPUs: one a host
+        "store": {
+            "root": f"/dev/shm/{shared.name}/store",  # each host's own memory
+            "metadata": f"sqlite://{shared}/meta.sqlite",
+        },
+        "ray": {
+            "address": state["client"],  # ray://10.231.0.10:10001
+            "namespace": "phalanx",
+            "strategy": "SPREAD",
+            "cpus_per_rank": 1,
+            "ready_timeout_s": 30,
+        },
+        **_SUITE,
+    }
+    # a rank on two hosts at once (each raylet has its host's name as a resource of 1)
+    impossible = _ray_impossible({"px-h1": 1, "px-h2": 1})
+    return _bed_site(
+        "ray-multihost",
+        data,
+        "ray",
+        multihost,
+        shared,
+        impossible=impossible,
+        waiting=r"not placeable|Ray says",
+        # the run's services publish themselves as ray-<id> (StoreServices.key)
+        service_key=lambda executor: executor.services.key,
+        env={"PHALANX_STORE_TOKEN_FILE": str(token)},
     )

@@ -6,11 +6,12 @@ the ranks on the hosts holding a partition map it, the others fetch it; a host w
 service is lost fails the read on every rank within seconds, naming dataset, partition and
 host; ranks placed by ``repartition.rank_hosts`` read everything where it lies.
 
-Producer and readers share one run scope (one SLURM pilot): the partitions live as long as
-the pilot's store services.  The site is a ``sites.MultihostSite`` (``hosts``, ``run_on``).
+Producer and readers share one run scope (one SLURM pilot; on Ray, one executor run): the
+partitions live as long as the scope's store services.  The site is a ``sites.MultihostSite``
+(``hosts``, ``run_on``, ``service_key``).
 
     .venv/bin/python -m pytest tests/conformance/test_contract_multihost.py -m multihost \
-        --site slurm-multihost -p no:randomly -q
+        --site slurm-multihost,ray-multihost -p no:randomly -q
 """
 
 from __future__ import annotations
@@ -138,11 +139,13 @@ class Scope:
         return px.Store(self.model.store.root, metadata=self.model.store.metadata)
 
     def gang(self, n: int, hosts: list[str] | None = None) -> px.Gang:
-        """A gang of ``n`` on the scope's pilot, rank r on ``hosts[r]`` (the first gang, which
-        starts the pilot, goes where SLURM puts it: a pilot not running has no nodes to ask for)."""
+        """A gang of ``n`` on the scope's pilot, rank r on ``hosts[r]`` (the first gang of a
+        SLURM pilot, which starts the pilot, goes where SLURM puts it: a pilot not running has no
+        nodes to ask for; Ray places every gang as asked, the first too)."""
         launcher = self.executor.launcher(n)
-        if hosts is not None and self.gangs:
-            assert launcher.prefer_hosts(hosts), f"the launcher declined hosts {hosts}"
+        if hosts is not None:
+            placed = launcher.prefer_hosts(hosts)
+            assert placed or not self.gangs, f"the launcher declined hosts {hosts}"
         g = px.Gang(n, site=self.model, executor=launcher, store=self.store(), echo=False)
         self.gangs.append(g)
         return g
@@ -302,7 +305,7 @@ def test_a_host_lost_mid_read_fails_the_read_on_every_rank_naming_it(site, tmp_p
         info = scope.store().info("lost")
         victim = info.partitions[2].host
         readers = [h for h in hosts if h != victim][:2]
-        key = f"slurm-{scope.executor.pilot().job_id}"
+        key = site.service_key(scope.executor)  # the scope's services' (slurm-<pilot job>, ray-<id>)
         pid = _service_pid(site, victim, scope.model.store.root, key)
         marker = str(tmp_path / "read")
         with scope.gang(2, readers) as g:

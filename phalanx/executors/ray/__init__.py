@@ -56,7 +56,7 @@ Site section (all optional; ``RayConfig`` documents each key)::
       strategy: PACK           # STRICT_PACK | PACK | SPREAD | STRICT_SPREAD
       cpus_per_rank: 1         # the CPU count of every rank's bundle
       resources: {}            # extra resources of every bundle, or a list with one per rank
-      ready_timeout_s: 60      # how long to wait for the whole placement group
+      ready_timeout_s: 60      # how long to wait for the whole placement group (at most start_timeout)
       runtime_env: {}          # Ray runtime_env of the rank actors (pip, env_vars, ...)
       init: {}                 # extra keyword arguments of ray.init()
 """

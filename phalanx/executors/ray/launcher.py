@@ -136,6 +136,14 @@ class RayLauncher(Launcher):
         self.placed = placed
         return True
 
+    def placement_wait(self) -> float:
+        """How long the placement group may wait: ``ready_timeout_s``, bounded by the gang's
+        start timeout (a wait for busy CPUs counts in it, as a wait in SLURM's queue would)."""
+        wait_s = self.config.ready_timeout_s
+        if self.start_timeout:
+            wait_s = min(wait_s, self.start_timeout)
+        return wait_s
+
     def launch(self, argv: Sequence[str], rank_env: list[dict[str, str]], log_dir: Path) -> None:
         bundles = self.bundles(len(rank_env))
         self.placed = []  # this launch's
@@ -171,12 +179,13 @@ class RayLauncher(Launcher):
         }
         held(self.allocation_hook, self._allocation)  # before it exists: found by name
         self.pg = pg = placement_group(bundles, strategy=c.strategy, name=self._allocation["id"])
-        ready, _ = ray.wait([pg.ready()], timeout=c.ready_timeout_s)
+        wait_s = self.placement_wait()
+        ready, _ = ray.wait([pg.ready()], timeout=wait_s)
         if not ready:
             why = why_unplaceable(ray, pg, bundles, c.strategy)
             raise GangError(
                 f"site {self.site!r} (ray): placement group of {describe(bundles, c.strategy)} "
-                f"not placeable within {c.ready_timeout_s:g} s: {why}"
+                f"not placeable within {wait_s:g} s: {why}"
             )
         self.timings["placement_s"] = time.perf_counter() - t0
 

@@ -135,13 +135,14 @@ def spread(multihost_bed, shared_tmp, monkeypatch):
             assert proc.stdout.readline().strip().startswith("grpc+tcp://10.231.0."), f"{host}'s service did not start"
         yield Bed(bed, root, meta, spill, env)
     finally:
-        for proc in services.values():  # by the PIDs we started
-            if proc.poll() is None:
+        top = root.rsplit("/", 1)[0]
+        for host in HOSTS:  # each host's service (by the PID we started), then its memory
+            proc = services.get(host)
+            if proc is not None and proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=15)
-        for host in HOSTS:
-            bed.run_on(host, ["rm", "-rf", root.rsplit("/", 1)[0]], timeout=30)
-        shutil.rmtree(root.rsplit("/", 1)[0], ignore_errors=True)
+            bed.run_on(host, ["rm", "-rf", top], timeout=30)
+        shutil.rmtree(top, ignore_errors=True)  # the driver's Store made one here too
 
 
 def test_each_host_spills_its_own_partitions_and_every_reader_gets_every_row(spread, shared_tmp):

@@ -35,6 +35,7 @@ from phalanx.store.service import (
     bytes_url,
     fetch,
     fetch_flight,
+    fetch_hashed,
     fetch_table,
     ping,
     token_from_env,
@@ -85,6 +86,10 @@ def test_fetch_returns_the_exact_bytes_and_checksum(served):
     # over 3 concurrent streams, each a byte range: the same bytes in one buffer
     assert fetch(svc.endpoint, TOKEN, location, 0, streams=3).to_pybytes() == buf.to_pybytes()
     assert fetch_flight(svc.endpoint, TOKEN, location, 0).to_pybytes() == buf.to_pybytes()
+    # the digest hashed as the bytes arrive (or after, over Flight or several streams) is theirs
+    for streams in (1, 3):
+        got, digest = fetch_hashed(svc.endpoint, TOKEN, location, 0, streams=streams)
+        assert got.to_pybytes() == buf.to_pybytes() and digest == checksum
 
 
 def test_a_wrong_or_missing_token_is_refused_without_showing_it(served):
@@ -319,3 +324,53 @@ def test_a_service_restarted_on_the_same_port_is_asked_again_for_its_bulk_path(t
         assert bytes_url(endpoint, TOKEN) == second.bytes_url
     with pytest.raises(ServiceUnreachableError, match=endpoint.split("//")[1]):  # gone for good: said as before
         fetch(endpoint, TOKEN, location, 0, timeout=5)
+
+
+def test_a_reader_keeps_its_connection_and_replaces_one_the_service_closed(tmp_path):
+    """Fetches reuse one kept HTTP/1.1 connection (its TCP window grown); one the service
+    closed meanwhile (idle timeout, restart) is replaced without failing the fetch; a hash
+    computed on arrival matches ``checksum_buffer`` of the bytes."""
+    tier = FileTier(tmp_path)
+    location = tier.final("s", "ds", "v0")
+    _, checksum = tier.write_partition(location, 0, _table(5000))
+    with StoreService(tmp_path, "127.0.0.1", token=TOKEN) as svc:
+        server = svc._bytes._httpd
+        for _ in range(3):
+            buf, digest = fetch_hashed(svc.endpoint, TOKEN, location, 0)
+            assert digest == checksum == checksum_buffer(buf)
+            assert len(server.live) == 1  # the same connection served all three
+        assert len(http_bytes._kept[(os.getpid(), svc.bytes_url)]) == 1
+        server.end_connections()  # as an idle timeout on the service's side does
+        assert checksum_buffer(fetch(svc.endpoint, TOKEN, location, 0)) == checksum
+        assert len(server.live) == 1
+
+
+def test_a_holder_frees_the_thread_of_a_reader_that_stops_reading(tmp_path, monkeypatch):
+    """A reader that asks for a file and then reads nothing: the holder's blocking sendfile
+    gives up after ``SERVE_TIMEOUT`` (``SO_SNDTIMEO``), closes the connection and frees its
+    thread; the reader gets less than the file, then the end of the connection."""
+    monkeypatch.setattr(http_bytes, "SERVE_TIMEOUT", 0.3)
+    path = tmp_path / "big"
+    size = 64 << 20  # far more than the socket buffers of both ends hold
+    with open(path, "wb") as f:
+        f.truncate(size)
+    server = http_bytes.BytesServer("127.0.0.1", TOKEN, lambda location, index: os.open(path, os.O_RDONLY))
+    try:
+        reader = socket.create_connection(("127.0.0.1", server.port))
+        reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        reader.sendall(f"GET /part?location=x&index=0 HTTP/1.1\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        t0 = time.monotonic()
+        while not server._httpd.live and time.monotonic() - t0 < 5:
+            time.sleep(0.01)  # polls for the holder to take the request (a condition, not a sleep to pass)
+        t0 = time.monotonic()
+        while server._httpd.live and time.monotonic() - t0 < 20:
+            time.sleep(0.05)  # polls for the holder to give up
+        assert not server._httpd.live and 0.25 < time.monotonic() - t0 < 10
+        got = 0
+        reader.settimeout(10)
+        while chunk := reader.recv(1 << 20):
+            got += len(chunk)
+        assert 0 < got < size
+    finally:
+        reader.close()
+        server.close()

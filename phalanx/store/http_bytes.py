@@ -6,8 +6,8 @@ service.  Why: gRPC's receive path (HTTP/2 frames into its own slice buffers, re
 copied into one buffer) costs a reader ~0.8 s of CPU per GB against ~0.27 s for a socket read,
 which held a Flight fetch to 55-60% of raw TCP between two test-bed hosts whatever the message
 size or number of streams (bench/store_remote.py; docs/store.md, "Across hosts").  Here the
-holder's kernel sends the file (``socket.sendfile``: nothing in Python touches the bytes) and
-the reader receives it straight into one preallocated buffer (``readinto``: the one copy any
+holder's kernel sends the file (``os.sendfile``: nothing in Python touches the bytes) and
+the reader receives it straight into one preallocated buffer (``recv_into``: the one copy any
 socket read makes) — what raw TCP does, inside a standard protocol.
 
 Same rules as the Flight calls: the same bearer token on every request (compared with
@@ -18,6 +18,7 @@ the standard ``Range`` header (RFC 9110) so several streams can fill one buffer.
 
 from __future__ import annotations
 
+import errno
 import hmac
 import http.client
 import logging
@@ -101,10 +102,31 @@ class _Handler(BaseHTTPRequestHandler):
             self.end_headers()
             if hi > lo:
                 try:
-                    self.connection.sendfile(file, lo, hi - lo)
+                    _send_file(self.connection, file.fileno(), lo, hi - lo)
                 except OSError as exc:  # the reader went away or stopped reading: its own error says so
                     log.debug("bytes %s: %s after part of %s", self.client_address[0], exc, location)
                     self.close_connection = True
+
+
+def _send_file(conn: socket.socket, fd: int, at: int, count: int) -> None:
+    """``count`` bytes of the file ``fd`` from offset ``at`` down ``conn``, by the kernel
+    (``sendfile``: nothing in Python touches them), the call blocking until they are sent as
+    a raw sender's does — bounded by ``SO_SNDTIMEO``: a reader that stops reading for
+    ``SERVE_TIMEOUT`` fails it (``TimeoutError``) and frees this thread."""
+    conn.settimeout(None)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(SERVE_TIMEOUT))
+    try:
+        while count:
+            try:
+                sent = os.sendfile(conn.fileno(), fd, at, count)
+            except BlockingIOError:  # SO_SNDTIMEO ran out with nothing sent
+                raise TimeoutError(f"the reader took nothing for {SERVE_TIMEOUT:.0f} s") from None
+            if not sent:
+                raise OSError(errno.EIO, "the file ended early (shrunk while being sent?)")
+            at, count = at + sent, count - sent
+    finally:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(0))
+        conn.settimeout(SERVE_TIMEOUT)
 
 
 def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
@@ -182,7 +204,7 @@ class BytesServer:
 
 
 # ---- the client -----------------------------------------------------------------------------
-PIECE = 1 << 20  # bytes per receive: hashed right after, while the kernel's copy is still in cache
+PIECE = 1 << 20  # bytes per receive when hashing: hashed right after, while the kernel's copy is in cache
 KEEP = 4  # idle connections kept per service (per process): a reused one has its TCP window grown
 _kept: dict[tuple[int, str], list[_Connection]] = {}
 _kept_lock = threading.Lock()
@@ -371,9 +393,10 @@ class _Connection:
     def fill(self, view: memoryview, done: int, length: int, hasher: xxhash.xxh3_64 | None = None) -> None:
         """The reply's next ``len(view)`` bytes into ``view`` (``done`` of ``length`` read before),
         fed to ``hasher`` as they land.  What the HTTP client read ahead with the headers is
-        copied first; the rest goes from the socket straight into ``view``, ``PIECE`` bytes at
-        most per read, the socket blocking in the kernel (as a raw socket's reader does) for at
-        most the stall timeout (``SO_RCVTIMEO``) or what is left of the fetch's."""
+        copied first; the rest goes from the socket straight into ``view`` (``PIECE`` bytes at
+        most per read when hashing; without, as much as has arrived: fewer reads and wake-ups),
+        the socket blocking in the kernel (as a raw socket's reader does) for at most the stall
+        timeout (``SO_RCVTIMEO``) or what is left of the fetch's."""
         view = view.cast("B")
         got = 0
         with self._errors():
@@ -384,7 +407,7 @@ class _Connection:
                     got = self.resp.readinto(view[: min(ahead, len(view))])
                     if hasher is not None:
                         hasher.update(view[:got])
-            sock, timeo = self.sock, -1.0
+            sock, timeo, most = self.sock, -1.0, PIECE if hasher is not None else len(view)
             sock.settimeout(None)
             try:
                 while got < len(view):
@@ -392,7 +415,7 @@ class _Connection:
                     if wait != timeo:  # the stall timeout, or less near the fetch's deadline
                         timeo = wait
                         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(wait))
-                    n = sock.recv_into(view[got : got + PIECE])
+                    n = sock.recv_into(view[got : got + most])
                     if not n:
                         # the holder closed the connection: its service (or its host) went away
                         raise ServiceUnreachableError(

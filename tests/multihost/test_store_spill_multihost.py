@@ -3,7 +3,8 @@ spread over px-h1..3, each host's partitions in its own /dev/shm under a budget 
 partitions, all three spilling into one /var/tmp directory (shared by the bed's hosts, as a
 cluster's is not: the hosts must not collide there).  Each host runs a store service over its
 root and the spill directory; each put writes one partition per host (the host makes room
-first: ``commit_here``), the driver seals.
+first: ``commit_here``), the driver seals.  Last, the same through a gang on the SLURM pilot
+across the hosts (``env.store.put`` / ``get``; the pilot's services serve the spill directory).
 
     .venv/bin/python -m pytest -m multihost tests/multihost/test_store_spill_multihost.py -q \\
         --basetemp=/var/tmp/$USER-bt
@@ -27,6 +28,8 @@ import pandas as pd
 import pytest
 
 from phalanx.runtime.envvars import ENV_STORE_SERVICE_KEY, ENV_STORE_TOKEN_FILE
+
+from .test_slurm_gang_multihost import driver_host, host_root, slurm_section  # noqa: F401 - fixtures too
 
 pytestmark = pytest.mark.multihost
 
@@ -212,3 +215,56 @@ def test_a_damaged_spilled_partition_fails_naming_dataset_partition_and_host(spr
     r = spread.read_on("px-h1", "d1", shared_tmp / "h1.parquet")  # fetched from px-h3's service
     assert r.returncode != 0 and "ChecksumError" in r.stderr
     assert "dataset 'd1' partition 2 (fetched from px-h3)" in r.stderr and "checksum mismatch" in r.stderr
+
+
+# ---- the same through a gang on the SLURM pilot (its services serve the spill directory) ----------
+def put_three_then_get(env):
+    """Each rank (one per host) puts one partition of d1, d2, d3; then d1 is read back."""
+    import socket
+
+    import pyarrow as pa
+
+    for name in ("d1", "d2", "d3"):
+        n = np.arange(ROWS, dtype=np.int64) + _base(name) + 1_000_000 * env.rank
+        env.store.put(name, pa.table({"n": n, "x": n * 0.5}))
+    info = env.store.info("d1")
+    before = [Path(info.location_of(i)).is_relative_to(env.store.store.spill_tier.root) for i in range(3)]
+    share = env.store.get("d1").to_arrow()  # rank 0's use() brings its host's partition back
+    env.comm.barrier()
+    return socket.gethostname(), before, share, env.store.store.memory_usage()
+
+
+def test_a_gang_on_the_slurm_pilot_spills_on_each_host_and_reads_back_right(
+    multihost_slurm,
+    shared_tmp,
+    driver_host,  # noqa: F811 - the fixtures imported above
+    host_root,  # noqa: F811
+    monkeypatch,
+):
+    import phalanx as px
+    from phalanx.executors.slurm import SlurmExecutor
+    from phalanx.store.service import write_token_file
+
+    monkeypatch.setenv("PHALANX_LOG_DIR", str(shared_tmp / "logs" / "gangs"))
+    monkeypatch.setenv(ENV_STORE_TOKEN_FILE, str(write_token_file(shared_tmp / "token", secrets.token_hex(32))))
+    meta = f"sqlite://{shared_tmp}/meta.sqlite"
+    spill = shared_tmp / "spill"
+    ex = SlurmExecutor(slurm_section(multihost_slurm), site="slurm-multihost")
+    ex.open_run()
+    try:
+        store = px.Store(host_root, metadata=meta, memory_budget=BUDGET, spill=spill)
+        with px.Gang(
+            len(HOSTS), executor=ex, control_host=driver_host, rendezvous=f"file://{shared_tmp}/rdzv", store=store
+        ) as gang:
+            results = gang.run(put_three_then_get)
+    finally:
+        ex.close_run()
+    assert sorted(r[0] for r in results) == sorted(HOSTS)
+    assert all(r[1] == [True] * 3 for r in results), [r[1] for r in results]  # d1 spilled on every host
+    got = pd.concat([r[2].to_pandas() for r in results], ignore_index=True)
+    pd.testing.assert_frame_equal(got, _reference("d1"))
+    assert all(r[3] <= BUDGET for r in results), [r[3] for r in results]  # each host's memory tier
+    info = px.Store(host_root, metadata=meta).info("d1")
+    assert sorted(p.host for p in info.partitions) == sorted(HOSTS)
+    # rank 0's host brought its partition back (use); the others' stay on their spill
+    assert sum(Path(info.location_of(i)).is_relative_to(spill) for i in range(3)) == 2

@@ -183,12 +183,15 @@ def test_a_reader_with_a_stale_location_follows_the_metadata(two_hosts):
     a, b, spill = two_hosts
     spread_put([a, b], "old")
     stale = a.info("old")  # read before the move
+    mapped = a.partition(stale, 0)  # mapped before the move: stays valid after the unlink
     spread_put([a, b], "new")
     assert all(in_spill(a.info("old"), i, spill) for i in range(4))
     for reader in (a, b):
         table = pa.concat_tables([reader.partition(stale, i, verify=True) for i in range(4)])
         pd.testing.assert_frame_equal(table.to_pandas(), reference("old", 4))
         reader.check(stale, 1 if reader is a else 0)  # hashed by the holder, at its new place
+    assert not (Path(stale.location) / part_file(0)).exists()
+    pd.testing.assert_frame_equal(mapped.to_pandas(), reference("old", 4).iloc[:ROWS])
 
 
 @pytest.mark.slow  # a second host process: ~2 s
@@ -231,6 +234,15 @@ def test_a_damaged_spilled_partition_fails_naming_dataset_partition_and_host(two
         a.partition(old, 1, verify=False)  # fetched from host b: checked on arrival
     with pytest.raises(ChecksumError, match=r"dataset 'old' partition 1 on host .*checksum mismatch"):
         a.check(old, 1)
+
+
+@pytest.mark.slow  # a second host process: ~2 s
+def test_another_session_adopts_a_spilled_spread_dataset(two_hosts):
+    a, b, spill = two_hosts
+    old_spilled(a, b, spill)
+    adopted = a.for_session("t").adopt(a, "old")  # host a's spilled file linked, b's fetched
+    assert adopted.info.num_rows == 4 * ROWS
+    pd.testing.assert_frame_equal(a.for_session("t").read("old").to_pandas(), reference("old", 4))
 
 
 @pytest.mark.slow  # a second host process: ~2 s

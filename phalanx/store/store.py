@@ -794,7 +794,8 @@ class Store:
         where = f"{src._where()}: dataset {info.name!r} partition {index}"
         try:
             if src.is_here(part):
-                how.add(self.tier.share_partition(src._tier_for(info.location), info.location, index, location))
+                at = info.location_of(index)  # where it is now (spilled apart from the rest, too)
+                how.add(self.tier.share_partition(src._tier_for(at), at, index, location))
             else:  # in another host's memory: its exact bytes, checked on the way
                 self.tier.write_buffer(location, index, src.partition_bytes(info, index))
                 how.add("copy")

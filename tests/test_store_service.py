@@ -339,6 +339,9 @@ def test_a_reader_keeps_its_connection_and_replaces_one_the_service_closed(tmp_p
             buf, digest = fetch_hashed(svc.endpoint, TOKEN, location, 0)
             assert digest == checksum == checksum_buffer(buf)
             assert len(server.live) == 1  # the same connection served all three
+        # headers and file are two sends: without TCP_NODELAY a small file waits ~40 ms for the
+        # reader's delayed ACK on a kept connection
+        assert all(c.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) for c in server.live)
         assert len(http_bytes._kept[(os.getpid(), svc.bytes_url)]) == 1
         server.end_connections()  # as an idle timeout on the service's side does
         assert checksum_buffer(fetch(svc.endpoint, TOKEN, location, 0)) == checksum

@@ -103,9 +103,12 @@ class RankStore:
             )
         partitioning = R.hash_partitioning(partitioned_by, comm.world_size) if partitioned_by else None
         parts = [p for p, _ in reports]
-        return comm.on_root(
+        info = comm.on_root(
             store.seal, name, staging_id, parts, schemas[0], partitioning, producer, run, replace, spans_hosts
         )
+        if spans_hosts and discards and env.rank != 0:  # rank 0's seal did its own host's
+            store.within_budget()  # what did not fit before the seal (this put alone over budget)
+        return info
 
     def get(
         self,

@@ -723,6 +723,17 @@ class Store:
             log.warning("%s: after sealing %r: %s", self._where(), name, exc)
         return info
 
+    def within_budget(self) -> None:
+        """Bring this host's memory tier within the budget now (a no-op without one): after a
+        put whose ranks span hosts, each host's first rank, for what had to be sealed before it
+        could move (a put's own partitions over the budget).  Only costs memory if it fails."""
+        if self.memory_budget is None or self.tier.local_root is None:
+            return
+        try:
+            self._enforce_budget()
+        except Exception as exc:
+            log.warning("%s: keeping %s within the memory budget: %s", self._where(), remote.hostname(), exc)
+
     def commit_here(self, name: str, staging_id: str, *, budget: bool = True) -> None:
         """Move this host's staged partitions of a put into place (file tier: one rename).
         Under a memory budget (``budget``), this host's least-recently-used partitions spill

@@ -229,9 +229,12 @@ def put_three_then_get(env):
         env.store.put(name, pa.table({"n": n, "x": n * 0.5}))
     info = env.store.info("d1")
     before = [Path(info.location_of(i)).is_relative_to(env.store.store.spill_tier.root) for i in range(3)]
+    n = np.arange(3 * ROWS, dtype=np.int64)  # one host's share alone is over the budget
+    env.store.put("big", pa.table({"n": n, "x": n * 0.5}))
+    after_big = env.store.store.memory_usage()  # each host's first rank spilled it after the seal
     share = env.store.get("d1").to_arrow()  # rank 0's use() brings its host's partition back
     env.comm.barrier()
-    return socket.gethostname(), before, share, env.store.store.memory_usage()
+    return socket.gethostname(), before, share, env.store.store.memory_usage(), after_big
 
 
 def test_a_gang_on_the_slurm_pilot_spills_on_each_host_and_reads_back_right(
@@ -264,6 +267,7 @@ def test_a_gang_on_the_slurm_pilot_spills_on_each_host_and_reads_back_right(
     got = pd.concat([r[2].to_pandas() for r in results], ignore_index=True)
     pd.testing.assert_frame_equal(got, _reference("d1"))
     assert all(r[3] <= BUDGET for r in results), [r[3] for r in results]  # each host's memory tier
+    assert all(r[4] <= BUDGET for r in results), [r[4] for r in results]  # also right after a put over it
     info = px.Store(host_root, metadata=meta).info("d1")
     assert sorted(p.host for p in info.partitions) == sorted(HOSTS)
     # rank 0's host brought its partition back (use); the others' stay on their spill

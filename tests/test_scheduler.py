@@ -109,7 +109,9 @@ def test_resume_reuses_sealed_outputs_and_reruns_the_rest(db, tmp_path):
     assert store.exists("totals")
     # said as it resumes: the live table and the report show generate as reused, not pending
     reused = [(e["stage"], e["message"]) for e in db.events(first.run_id) if e["kind"] == "reused"]
-    assert reused == [("generate", "outputs sealed by an earlier attempt, fingerprint and checksums match: not run again")]
+    assert reused == [
+        ("generate", "outputs sealed by an earlier attempt, fingerprint and checksums match: not run again")
+    ]
 
 
 def test_downstream_of_a_failed_stage_is_skipped(db):

@@ -7,7 +7,6 @@ import os
 import re
 import socket
 import sqlite3
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -68,9 +67,6 @@ _TABLES = re.findall(r"CREATE TABLE IF NOT EXISTS (\w+)", _SCHEMA)
 _JSON = {"outputs", "inputs", "rank_info", "record", "fingerprint", "deps"}
 FINAL = ("succeeded", "failed", "cancelled", "lost")
 RETRY_RELEASE_S = 60.0  # a leftover allocation this process failed to free is tried again after this
-# connections a forked child found open in its parent's thread: kept from the garbage collector,
-# whose close would act on the parent's database state from the child
-_INHERITED: list[sqlite3.Connection] = []
 _FAILED_RELEASES: dict[tuple[str, str, str, str], float] = {}  # (db, run, executor, id) → when it failed
 
 
@@ -78,7 +74,6 @@ class RunDB:
     def __init__(self, state_dir: str | Path | None = None):
         self.state_dir = paths.state_dir(state_dir)  # PHALANX_STATE, else under XDG_STATE_HOME; private
         self.path = create_private(self.state_dir / "runs.sqlite")  # 0600, and so its -wal, -shm
-        self._held = threading.local()  # this thread's open connection (see _con)
         if self._missing(None):  # a new database, or an older one: made current under a write lock
             with self._con() as con:
                 con.execute("BEGIN IMMEDIATE")  # so that processes opening it at once do it once
@@ -122,47 +117,7 @@ class RunDB:
     @contextmanager
     def _con(self) -> Iterator[sqlite3.Connection]:
         """A connection for one read or write; SQLite's errors as ``RunDBError`` naming the file
-        (and, when its file system is full, saying so).  Each thread keeps one open between
-        calls: closing the last connection of a WAL database checkpoints it (~1 ms, most of a
-        fully cached 200-instance rerun's time when every call opened and closed its own).  A
-        call made inside another on the same thread, or after a fork, gets a connection of its
-        own; one that failed is not kept."""
-        held: sqlite3.Connection | None = getattr(self._held, "con", None)
-        if held is not None and self._held.pid != os.getpid():  # made before a fork: never touched here
-            _INHERITED.append(held)
-            held = self._held.con = None
-        keep = held is None  # the thread's first (or first after a failure): kept
-        if held is not None and not self._held.busy:
-            con, mine = held, False
-        else:  # none yet, or in use by a call this one is inside of
-            con, mine = self._open(), not keep
-        self._held.busy = True
-        failed = False
-        try:
-            yield con
-        except sqlite3.OperationalError as exc:
-            failed = True
-            if isinstance(exc, RunDBError):
-                raise
-            raise RunDBError(self.path, exc) from exc
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            if not mine:
-                self._held.busy = False
-            if failed or mine:
-                try:
-                    if con.in_transaction:
-                        con.execute("ROLLBACK")
-                finally:
-                    con.close()
-                if not mine:
-                    self._held.con = None
-            elif keep:
-                self._held.con, self._held.pid = con, os.getpid()
-
-    def _open(self) -> sqlite3.Connection:
+        (and, when its file system is full, saying so)."""
         try:
             con = sqlite3.connect(self.path, timeout=60, isolation_level=None)
         except sqlite3.Error as exc:
@@ -171,10 +126,13 @@ class RunDB:
         try:
             if con.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # a new database: once
                 set_wal(con)
-        except sqlite3.Error as exc:
-            con.close()
+            yield con
+        except sqlite3.OperationalError as exc:
+            if isinstance(exc, RunDBError):
+                raise
             raise RunDBError(self.path, exc) from exc
-        return con
+        finally:
+            con.close()
 
     def _rows(self, query: str, params: tuple = ()) -> list[dict]:
         """A read, as dicts.  When the file system is full a reader may be unable to open the

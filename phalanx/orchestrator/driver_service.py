@@ -32,12 +32,17 @@ from .models import Site
 log = logging.getLogger("phalanx.orchestrator")
 
 
+def store_in_host_memory(site: Site) -> bool:
+    """Whether ``site``'s store root is each host's own memory (``paths.HOST_MEMORY``)."""
+    root = site.store.root or str(default_store_root())
+    return "://" not in root and in_host_memory(root)
+
+
 def needs_driver_service(site: Site, executor: Executor) -> bool:
     """Whether ranks of ``site`` on other hosts must read what the driver writes into its store:
     the root is each host's own memory and the executor runs ranks on other hosts, serving
     their partitions to each other (where it does not, ``phalanx validate`` says so instead)."""
-    root = site.store.root or str(default_store_root())
-    return "://" not in root and in_host_memory(root) and executor.capabilities.remote_ranks and executor.serves_store()
+    return store_in_host_memory(site) and executor.capabilities.remote_ranks and executor.serves_store()
 
 
 class DriverStoreService:

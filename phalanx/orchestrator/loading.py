@@ -85,12 +85,13 @@ def store_reach_notes(sites: Iterable[Site]) -> list[str]:
     executor may place ranks on several hosts and runs no store service there: a rank on
     another host could not read what one wrote (``PartitionLostError`` at the read).  What
     ``phalanx validate`` says, before any run finds out."""
-    from ..paths import default_store_root, in_host_memory
+    from ..paths import default_store_root
+    from .driver_service import store_in_host_memory
 
     notes = []
     for site in {s.name: s for s in sites}.values():
         root = site.store.root or str(default_store_root())
-        if root.startswith("s3://") or not in_host_memory(root) or site.store.durability == "write-through":
+        if not store_in_host_memory(site) or site.store.durability == "write-through":
             continue
         if site.create_executor().serves_store():
             continue

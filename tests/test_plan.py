@@ -232,3 +232,46 @@ def test_a_groupby_on_keys_the_frame_is_partitioned_by_part_of_moves_nothing(gan
     ).to_arrow_table()
     assert_same_rows(out, expected.cast(out.schema))
     assert ndistinct == con.sql("SELECT count(*) FROM (SELECT DISTINCT key, s FROM t)").fetchall()[0][0]
+
+
+def app_fused_aggregations(env, path, fuse):
+    import os
+
+    os.environ["PHALANX_PIPELINE_ENGINE"] = "polars" if fuse else "acero"
+    try:
+        return _fused_aggregations(env, path)
+    finally:  # the gang's ranks serve the next tests
+        os.environ.pop("PHALANX_PIPELINE_ENGINE")
+
+
+def _fused_aggregations(env, path):
+    df = px.read_parquet(path, env).compute()  # in memory: the pipeline below is pending
+    q = df.filter((pc.field("w") > 3000) & pc.match_like(pc.field("s"), "name-1%")).assign(
+        z=pc.multiply(pc.field("v"), pc.subtract(pc.scalar(1.0), pc.divide(pc.field("v"), 1e5)))
+    )
+    g = q.rename({"s": "name"}).groupby(["name"]).agg(total=("z", "sum"), n=("z", "size"), hi=("v", "max"))
+    a = q.agg(total=("z", "sum"), mean=("v", "mean"))
+    plan = g.explain(file=open("/dev/null", "w"))
+    return g.collect(root=0), a.collect(root=0), plan, q._pipe.pending
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused into DuckDB", "Acero first"])
+def test_a_pending_pipeline_fuses_into_the_aggregation_s_query_with_the_same_answer(gang, tmp_path, fuse):
+    """The group-by and agg read the filtered, computed rows inside their own DuckDB query
+    (no copy first); the answers are DuckDB's own over the same data, fused or not."""
+    import duckdb
+
+    t = write_table(tmp_path / "t.parquet")
+    g, a, plan, pending = gang.run(app_fused_aggregations, str(tmp_path / "t.parquet"), fuse)[0]
+    con = duckdb.connect()
+    con.register("t", t)
+    rows = "SELECT s AS name, v, v * (1.0 - v / 1e5) AS z FROM t WHERE w > 3000 AND s LIKE 'name-1%'"
+    want_g = con.sql(
+        f"SELECT name, sum(z) AS total, count(*) AS n, max(v) AS hi FROM ({rows}) GROUP BY name"
+    ).to_arrow_table()
+    want_a = con.sql(f"SELECT sum(z) AS total, avg(v) AS mean FROM ({rows})").to_arrow_table()
+    assert_same_rows(g, want_g.cast(g.schema))
+    assert a.num_rows == 1 and a["total"][0].as_py() == pytest.approx(want_a["total"][0].as_py(), rel=1e-12)
+    assert a["mean"][0].as_py() == pytest.approx(want_a["mean"][0].as_py(), rel=1e-12)
+    assert pending is fuse  # fused: the frame's own rows were never made
+    assert ('WITH "__px_t" AS (SELECT' in plan) is fuse, plan

@@ -73,6 +73,17 @@ class DataFrame:
 
     persist = compute
 
+    def _sql_input(self, columns: Sequence[str]) -> Any:
+        """This rank's rows of ``columns`` for a DuckDB query: the pending pipeline as a
+        ``plan_sql.SqlInput`` the query fuses (no copy of the rows made first), or None where
+        nothing is pending or a step has no SQL form (then ``to_arrow()``).  The frame stays
+        pending; explain shows the pipeline under the operator that fused it."""
+        return self._pipe.sql_input(columns) if self._pipe.pending else None
+
+    def _carried(self, name: str) -> str | None:
+        """The source column (of the pending pipeline) that column ``name`` is, if unchanged."""
+        return self._pipe.carried(name)
+
     def _then(
         self, step: P.Step, schema: pa.Schema, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
     ) -> DataFrame:
@@ -119,10 +130,11 @@ class DataFrame:
         origin = P.Origin([label], [f._node() for f in (self, *inputs)], notes) if op else None
         return DataFrame(table, self.env, partitioned_by, origin)
 
-    def _run(self, op: str, fn: Callable[[], Any], *inputs: DataFrame) -> tuple[Any, str]:
+    def _run(self, op: str, fn: Callable[[], Any], *inputs: DataFrame, fuses: bool = False) -> tuple[Any, str]:
         """Run a distributed operator's ``fn`` (its inputs' pending work first, so that their
-        plans are described as they ran), and ``op`` with the exchanges it noted."""
-        for f in (self, *inputs):
+        plans are described as they ran, unless the operator ``fuses`` this frame's pipeline
+        into its own query), and ``op`` with the exchanges it noted."""
+        for f in (*(() if fuses else (self,)), *inputs):
             f.compute()
         with P.recording() as notes:
             result = fn()
@@ -366,6 +378,7 @@ class DataFrame:
         table, op = self._run(
             "Aggregate " + ", ".join(str(a) for a in aggs),
             lambda: aggregate_all(self, aggs),
+            fuses=True,
         )
         return self._new(table, None, op)
 

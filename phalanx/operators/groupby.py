@@ -160,7 +160,7 @@ class GroupBy:
         label = f"GroupBy {self.keys}: " + ", ".join(str(a) for a in aggs)
         if placed and df.env.comm.world_size > 1:
             label += f"\nno exchange: already partitioned by {list(df.partitioned_by or ())}"
-        table, op = df._run(label, lambda: aggregate(df, self.keys, aggs, self.dropna, self.combine))
+        table, op = df._run(label, lambda: aggregate(df, self.keys, aggs, self.dropna, self.combine), fuses=True)
         # rows already placed by a subset of the keys stay placed by that subset
         return df._new(table, df.partitioned_by if placed else self.keys, op)
 
@@ -307,19 +307,18 @@ def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
     values hashed to the rank (``stats.distinct_counts``: one exchange of distinct values),
     summed; median and quantile come from a radix selection (``stats.global_quantiles``)."""
     comm = df.env.comm
-    table = df.to_arrow()
-    check_aggs(aggs, table.schema, [], "agg")
-    needed = list(dict.fromkeys(c for a in aggs for c in a.columns)) or table.column_names[:1]
+    check_aggs(aggs, df.schema, [], "agg")
+    needed = list(dict.fromkeys(c for a in aggs for c in a.columns)) or df.columns[:1]
     if not needed:
         raise ValueError("agg: the frame has no columns")
-    table = table.select(needed)
-    if any(a.func in ("first", "last") for a in aggs):
-        table = with_rowid(table, comm.rank)
     quantiles = [a for a in aggs if a.func in stats.QUANTILES]
     uniques = [a for a in aggs if a.func == "nunique"]
     plain = [a for a in aggs if a.func not in stats.HOLISTIC and a not in quantiles]
-    exprs = [e for a in plain for e in _partial_sql(a, table.schema)] + ['COUNT(*) AS "__px_rows"']
-    partial = kernels.run_sql(f"SELECT {', '.join(exprs)} FROM __px_t", __px_t=table)
+    # only plain aggregations read the rows in SQL alone: they can fuse the pending pipeline
+    rows, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), fuse=len(plain) == len(aggs))
+    exprs = [e for a in plain for e in _partial_sql(a, src)] + ['COUNT(*) AS "__px_rows"']
+    partial = kernels.run_sql(f"SELECT {', '.join(exprs)} FROM __px_t", __px_t=rows)
+    table = rows  # a table wherever a holistic aggregation reads it (then nothing was fused)
     if uniques:
         counts = stats.distinct_counts(comm, table, list(dict.fromkeys(a.column or "" for a in uniques)))
         by_column = dict(zip(dict.fromkeys(a.column for a in uniques), counts))
@@ -329,13 +328,13 @@ def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
     partials = gather_tables(comm, partial, root=0)
     # nunique's partials are counts of disjoint sets of values: summed as count's are
     combined = [replace(a, func="count") if a.func == "nunique" else a for a in aggs if a not in quantiles]
-    finals = [_final_sql(a, table.schema, raw=False) for a in combined] + ['COUNT(*) AS "__px_rows"']
+    finals = [_final_sql(a, src, raw=False) for a in combined] + ['COUNT(*) AS "__px_rows"']
     query = f"SELECT {', '.join(finals)} FROM {_combine_source(combined, [], '__px_partial')}"
     # rank > 0: the same query over no rows, for the result's types
     final = kernels.run_sql(query, __px_partial=partial.slice(0, 0) if partials is None else partials)
     for a, value in zip(quantiles, values):
         final = final.append_column(a.out, pa.array([value], pa.float64()))
-    final = kernels.restore_types(final.select([a.out for a in aggs]), _output_schema([], aggs, table.schema))
+    final = kernels.restore_types(final.select([a.out for a in aggs]), _output_schema([], aggs, src))
     return final if comm.rank == 0 else final.slice(0, 0)
 
 
@@ -373,37 +372,61 @@ def _partial_sql(a: Agg, src: pa.Schema) -> list[str]:
     return [f"{pick}({c}, {q(ROWID)}) {nn} AS {name('v')}", f"{edge}({q(ROWID)}) {nn} AS {name('rid')}"]
 
 
+def _input(df: DataFrame, needed: list[str], rowid: bool, fuse: bool = True) -> tuple[Any, pa.Schema]:
+    """The rows an aggregation's first query reads: the frame's pending pipeline fused into
+    that query (``plan_sql``) where it can be (``fuse``, no row ids), else its rows (with a
+    global row id column when ``rowid``); and their schema."""
+    lazy = df._sql_input(needed) if fuse and not rowid else None
+    if lazy is not None:
+        return lazy, lazy.schema
+    table = df.to_arrow().select(needed)
+    if rowid:
+        table = with_rowid(table, df.env.comm.rank)
+    return table, table.schema
+
+
+def _key_sample(df: DataFrame, rows: Any, keys: list[str]) -> pa.Table:
+    """The key columns to estimate the number of groups from: for a fused pipeline the
+    source's columns when the keys pass through unchanged (before its filters: an estimate),
+    else the keys computed by DuckDB."""
+    if isinstance(rows, pa.Table):
+        return rows
+    carried = [df._carried(k) for k in keys]
+    if all(carried):
+        return rows.source.select(carried).rename_columns(keys)
+    return kernels.run_sql(f"SELECT {', '.join(kernels.quote_ident(k) for k in keys)} FROM __px_t", __px_t=rows)
+
+
 def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, combine: bool | None) -> pa.Table:
     comm = df.env.comm
-    table = df.to_arrow()
     needed = list(dict.fromkeys(keys + [c for a in aggs for c in a.columns]))
-    table = table.select(needed)
-    if any(a.func in ("first", "last") for a in aggs):
-        table = with_rowid(table, comm.rank)
+    table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs))
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
     where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
     rows = (
-        f"SELECT {keys_sql}, {', '.join(e for a in aggs for e in _row_partial_sql(a, table.schema))} "
+        f"SELECT {keys_sql}, {', '.join(e for a in aggs for e in _row_partial_sql(a, src))} "
         f"FROM __px_t{where}"
     )  # pandas drops groups whose key is null unless dropna=False
-    schema = _output_schema(keys, aggs, table.schema)
-    raw_finals = ", ".join(_final_sql(a, table.schema, raw=True) for a in aggs)
+    schema = _output_schema(keys, aggs, src)
+    raw_finals = ", ".join(_final_sql(a, src, raw=True) for a in aggs)
     # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
     # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
     if comm.world_size == 1 or colocated(df.partitioned_by, keys):
         final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
         return kernels.restore_types(final, schema)
     if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows
-        combine = not any(a.func in stats.HOLISTIC for a in aggs) and _use_combine(comm, table, keys)
+        combine = not any(a.func in stats.HOLISTIC for a in aggs) and _use_combine(
+            comm, _key_sample(df, table, keys), keys
+        )
     note("pre-aggregated before the exchange" if combine else "raw rows exchanged (no pre-aggregation)")
     if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
-        parts = ", ".join(e for a in aggs for e in _partial_sql(a, table.schema))
+        parts = ", ".join(e for a in aggs for e in _partial_sql(a, src))
         partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}", __px_t=table)
-        finals = ", ".join(_final_sql(a, table.schema, raw=False) for a in aggs)
+        finals = ", ".join(_final_sql(a, src, raw=False) for a in aggs)
         source = _combine_source(aggs, keys, "__px_partial")
     else:  # mostly distinct keys, or a holistic aggregation: a local pass would not help
         partial = kernels.run_sql(rows, __px_t=table)
         finals, source = raw_finals, "__px_partial"
-    partial = shuffle_table(comm, kernels.restore_types(partial, table.schema), keys)  # keys' types as given
+    partial = shuffle_table(comm, kernels.restore_types(partial, src), keys)  # keys' types as given
     final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM {source} GROUP BY {keys_sql}", __px_partial=partial)
     return kernels.restore_types(stats.finish_sketches(final, aggs) if combine else final, schema)

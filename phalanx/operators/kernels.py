@@ -9,7 +9,7 @@ restores the caller's column types (polars hands strings back as large_string).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -310,19 +310,31 @@ def quote_ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def run_sql(query: str, **tables: pa.Table) -> pa.Table:
-    """Run ``query`` in this process's DuckDB over the given Arrow tables (by name)."""
+def run_sql(query: str, **tables: Any) -> pa.Table:
+    """Run ``query`` in this process's DuckDB over the given Arrow tables (by name).  A
+    ``plan_sql.SqlInput`` in place of a table is a frame's pending pipeline: it becomes a
+    ``WITH`` clause of the query, over its source table, fused into the query's scan."""
     from .plan import note, noting
 
+    withs, registered = [], {}
+    for name, table in tables.items():
+        if isinstance(table, pa.Table):
+            registered[name] = table
+        else:
+            clause, src = table.with_clause(name)
+            withs.append(clause)
+            registered[src] = table.source
+    if withs:
+        query = "WITH " + ", ".join(withs) + " " + query
     if noting():  # a hot path: the query's text is tidied only for explain
         note("per-rank query (DuckDB): " + " ".join(query.split()))
     con = duckdb_connection()
-    for name, table in tables.items():
+    for name, table in registered.items():
         con.register(name, table)
     try:
         return con.sql(query).to_arrow_table()
     finally:
-        for name in tables:
+        for name in registered:
             con.unregister(name)
 
 

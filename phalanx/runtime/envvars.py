@@ -39,6 +39,11 @@ ENV_PRELOAD = "PHALANX_PRELOAD"  # modules a warm worker imports before it is gi
 ENV_PARAM_PREFIX = "PHALANX_PARAM_"  # + KEY: a command stage's params, one variable each
 ENV_SAMPLE = "PHALANX_SAMPLE_S"  # seconds between a rank's resource samples while a task runs (0: off)
 
+# ---- the DataFrame ----------------------------------------------------------------------------
+# "polars" (default): a rank's local pipeline runs in Polars, or fused into the next DuckDB query;
+# "acero": always in Acero, never fused (the engine before 2026-11-28, for comparison)
+ENV_PIPELINE_ENGINE = "PHALANX_PIPELINE_ENGINE"
+
 # ---- the shared-memory exchange (runtime.comm.shm) ----------------------------------------------
 ENV_SHM = "PHALANX_SHM"  # "0": tcp/gloo keep every byte on their wire
 ENV_SHM_LIMIT = "PHALANX_SHM_LIMIT"  # bytes one rank's segments may hold (default: no limit)

@@ -18,6 +18,8 @@ would have given them.
 
 from __future__ import annotations
 
+import functools
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -94,9 +96,21 @@ def _is_in(col: pl.Expr, options: Any) -> pl.Expr:
         raise Untranslatable("is_in of floats (NaN), or other than null_matching_behavior=MATCH")
     items = values.values
     has_null = items.null_count > 0
-    kept = pl.Series(items.drop_null()) if items.null_count else pl.Series(items)
+    kept = items.drop_null() if items.null_count else items
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        # Polars' is_in over strings is 5x Arrow's (750k rows, 7 codes: 90 ms vs 17 ms); a chain
+        # of equalities is 32 ms
+        if len(kept) <= _STRING_SET_AS_EQUALITIES:
+            found = functools.reduce(operator.or_, [col == v for v in kept.to_pylist()], pl.lit(False))
+        else:
+            raise Untranslatable("is_in over a large set of strings (Acero's hash lookup is faster)")
+    else:
+        found = col.is_in(pl.Series(kept).implode())
     # Arrow: a null matches only a null in the set (true/false, never null)
-    return pl.when(col.is_null()).then(pl.lit(has_null)).otherwise(col.is_in(kept.implode()))
+    return pl.when(col.is_null()).then(pl.lit(has_null)).otherwise(found)
+
+
+_STRING_SET_AS_EQUALITIES = 32
 
 
 def _if_else(c: pl.Expr, a: pl.Expr, b: pl.Expr) -> pl.Expr:
@@ -266,8 +280,10 @@ def compile_steps(schema: pa.Schema, steps: Sequence[Any]) -> Compiled:
     if len(set(schema.names)) != len(schema.names):
         raise Untranslatable("duplicate column names")
     parts: list[tuple[str, Any]] = []
+    before: list[pa.Schema] = []  # the columns each part reads from
     i = 0
     while i < len(steps):
+        before.append(schema)
         if isinstance(steps[i], Filter):
             group = []
             while i < len(steps) and isinstance(steps[i], Filter):
@@ -300,16 +316,33 @@ def compile_steps(schema: pa.Schema, steps: Sequence[Any]) -> Compiled:
             outputs.append((o.name, "polars", to_polars(o.expr, schema), (kind, refs)))
         parts.append(("project", outputs))
         schema = pa.schema(fields)
-    return Compiled(parts)
+    return Compiled(_drop_dead_columns(parts, before, schema.names))
+
+
+def _drop_dead_columns(parts: list[tuple[str, Any]], before: list[pa.Schema], out: list[str]) -> list[tuple[str, Any]]:
+    """Give each filter the columns something after it reads: a column read only by the
+    filter itself is not copied with the surviving rows (Q4: 2 of lineitem's 3 columns)."""
+    live = set(out)
+    for idx in reversed(range(len(parts))):
+        kind, what = parts[idx]
+        if kind == "project":
+            live = set()
+            for _name, how, src, extra in what:
+                live |= {src} if how == "pass" else set(extra[1]) if how == "polars" else set()
+            continue
+        keep = [c for c in before[idx].names if c in live] or before[idx].names[:1]  # keep the row count
+        parts[idx] = (kind, (*what, keep))
+        live |= set(what[1])
+    return parts
 
 
 def _frame(table: pa.Table, columns: Sequence[str]) -> pl.DataFrame:
     return pl.from_arrow(table.select(list(columns)), rechunk=False)  # type: ignore[return-value]
 
 
-def _filter(table: pa.Table, predicate: pl.Expr, refs: Sequence[str]) -> pa.Table:
+def _filter(table: pa.Table, predicate: pl.Expr, refs: Sequence[str], keep: Sequence[str]) -> pa.Table:
     mask = _frame(table, refs).select(predicate.fill_null(False)).to_series().to_arrow()
-    return table.filter(mask)
+    return (table.select(list(keep)) if len(keep) < table.num_columns else table).filter(mask)
 
 
 def _project(table: pa.Table, outputs: list[tuple[str, str, Any, Any]]) -> pa.Table:

@@ -275,3 +275,34 @@ def test_a_pending_pipeline_fuses_into_the_aggregation_s_query_with_the_same_ans
     assert a["mean"][0].as_py() == pytest.approx(want_a["mean"][0].as_py(), rel=1e-12)
     assert pending is fuse  # fused: the frame's own rows were never made
     assert ('WITH "__px_t" AS (SELECT' in plan) is fuse, plan
+
+
+def app_groupby_on_the_right_key_of_an_inner_join(env):
+    left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env)
+    right = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1).select(["key", "w"]), env)
+    right = right.rename({"key": "rkey", "w": "rw"}).drop_duplicates(["rkey"])
+    j = left.merge(right, left_on="key", right_on="rkey", broadcast=False)
+    j = j.drop("key")  # the left key gone: the rows are still placed by rkey (equal values)
+    out = j.groupby(["rkey"]).agg(v=("v", "sum"), n=("rw", "count"))
+    return out.explain(file=open("/dev/null", "w")), j.partitioned_by, out.collect(root=0)
+
+
+def test_after_an_inner_join_the_rows_are_placed_by_the_right_keys_too(gang):
+    """An inner join on key = rkey puts equal rkey values on one rank, as it does key's: a
+    group-by on rkey moves nothing, even once key is dropped, and sums what DuckDB sums."""
+    import duckdb
+
+    plan, placed, out = gang.run(app_groupby_on_the_right_key_of_an_inner_join)[0]
+    if gang.world_size > 1:
+        assert placed == ("rkey",)
+        group_part = plan.split("GroupBy", 1)[1].split("Merge", 1)[0]
+        assert "no exchange" in group_part and "Exchange" not in group_part, plan
+    con = duckdb.connect()
+    con.register("l", whole(gang.world_size))
+    con.register("r", whole(gang.world_size, seed=1))
+    expected = con.sql(
+        "SELECT r.rkey, coalesce(sum(l.v), 0) AS v, count(r.rw) AS n FROM l JOIN "
+        "(SELECT DISTINCT ON (key) key AS rkey, w AS rw FROM r WHERE key IS NOT NULL) r ON l.key = r.rkey "
+        "GROUP BY r.rkey"
+    ).to_arrow_table()
+    assert_same_rows(out, expected.cast(out.schema))

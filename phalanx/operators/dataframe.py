@@ -47,6 +47,9 @@ class DataFrame:
         # Set when rows are hash-partitioned by these columns (after a shuffle, a shuffled
         # merge or a groupby): a later operator on the same keys skips its shuffle.
         self.partitioned_by: tuple[str, ...] | None = tuple(partitioned_by) if partitioned_by else None
+        # Other names of the same placement: after an inner join on l = r the rows are placed by
+        # r as much as by l (equal values), so a later group-by on r needs no exchange either.
+        self._aliases: tuple[tuple[str, ...], ...] = ()
         self._origin = origin  # the distributed operator that made the table (for explain)
 
     @classmethod
@@ -88,7 +91,9 @@ class DataFrame:
         self, step: P.Step, schema: pa.Schema, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
     ) -> DataFrame:
         """A frame with one more pending local step (rows stay on their ranks)."""
-        df = DataFrame(pa.table({}), self.env, self._kept_keys(schema.names, changed, renames), self._origin)
+        placed, aliases = self._kept_placements(schema.names, changed, renames)
+        df = DataFrame(pa.table({}), self.env, placed, self._origin)
+        df._aliases = aliases
         df._pipe = self._pipe.then(step, schema)
         return df
 
@@ -123,12 +128,30 @@ class DataFrame:
         return cls.from_arrow(pa.Table.from_pandas(frame, preserve_index=preserve_index), env)
 
     def _new(
-        self, table: pa.Table, partitioned_by: Sequence[str] | None = None, op: str | None = None, *inputs: DataFrame
+        self,
+        table: pa.Table,
+        partitioned_by: Sequence[str] | None = None,
+        op: str | None = None,
+        *inputs: DataFrame,
+        aliases: Sequence[Sequence[str]] = (),
     ) -> DataFrame:
-        """A frame of rows a distributed operator ``op`` made from this frame (and ``inputs``)."""
+        """A frame of rows a distributed operator ``op`` made from this frame (and ``inputs``),
+        placed by ``partitioned_by`` (and, equally, by each of ``aliases``)."""
         label, *notes = op.split("\n") if op else [""]
         origin = P.Origin([label], [f._node() for f in (self, *inputs)], notes) if op else None
-        return DataFrame(table, self.env, partitioned_by, origin)
+        df = DataFrame(table, self.env, partitioned_by, origin)
+        names = set(table.column_names)
+        if partitioned_by:
+            df._aliases = tuple(tuple(a) for a in aliases if set(a) <= names and tuple(a) != tuple(partitioned_by))
+        return df
+
+    def _placements(self) -> tuple[tuple[str, ...], ...]:
+        """Every column tuple this frame's rows are hash-placed by (the first is ``partitioned_by``)."""
+        return (self.partitioned_by, *self._aliases) if self.partitioned_by else ()
+
+    def _placed_by(self, keys: Sequence[str]) -> tuple[str, ...] | None:
+        """A placement under which rows with equal ``keys`` are already on one rank, if any."""
+        return next((p for p in self._placements() if C.colocated(p, keys)), None)
 
     def _run(self, op: str, fn: Callable[[], Any], *inputs: DataFrame, fuses: bool = False) -> tuple[Any, str]:
         """Run a distributed operator's ``fn`` (its inputs' pending work first, so that their
@@ -144,16 +167,18 @@ class DataFrame:
         self, table: pa.Table, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
     ) -> DataFrame:
         """A frame whose rows stayed on their ranks: still partitioned unless a key changed."""
-        return DataFrame(table, self.env, self._kept_keys(table.column_names, changed, renames), self._origin)
+        placed, aliases = self._kept_placements(table.column_names, changed, renames)
+        df = DataFrame(table, self.env, placed, self._origin)
+        df._aliases = aliases
+        return df
 
-    def _kept_keys(
+    def _kept_placements(
         self, names: Sequence[str], changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
-    ) -> tuple[str, ...] | None:
-        keys = self.partitioned_by
-        if keys is None or set(keys) & set(changed):
-            return None
-        keys = tuple((renames or {}).get(k, k) for k in keys)
-        return keys if set(keys) <= set(names) else None
+    ) -> tuple[tuple[str, ...] | None, tuple[tuple[str, ...], ...]]:
+        """(partitioned_by, aliases) after a local step; an alias takes over when the first
+        placement's columns are gone or changed."""
+        kept = [k for k in (_kept(p, names, changed, renames) for p in self._placements()) if k is not None]
+        return (kept[0], tuple(kept[1:])) if kept else (None, ())
 
     # ---- inspection ---------------------------------------------------------------------
     @property
@@ -352,14 +377,14 @@ class DataFrame:
         a subquery), the left's columns only, null keys matching each other as in every merge."""
         from .join import merge
 
-        (table, partitioned_by), op = self._run(
+        (table, partitioned_by, aliases), op = self._run(
             f"Merge {how} on {on if on is not None else (left_on, right_on)}",
             lambda: merge(
                 self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
             ),
             right,
         )
-        return self._new(table, partitioned_by, op, right)
+        return self._new(table, partitioned_by, op, right, aliases=aliases)
 
     def groupby(self, by: str | Sequence[str], dropna: bool = True, combine: bool | None = None) -> GroupBy:
         from .groupby import GroupBy
@@ -420,12 +445,12 @@ class DataFrame:
 
         cols = as_list(subset) or self.columns
         check_columns(self.schema, cols, "drop_duplicates")
-        colocated = C.colocated(self.partitioned_by, cols)
+        placed = self._placed_by(cols)
         table, op = self._run(
-            f"Distinct on {cols}" + (" (no exchange: already partitioned by them)" if colocated else ""),
-            lambda: drop_duplicates(self.env.comm, self._table, cols, keep, colocated),
+            f"Distinct on {cols}" + (" (no exchange: already partitioned by them)" if placed else ""),
+            lambda: drop_duplicates(self.env.comm, self._table, cols, keep, placed is not None),
         )
-        return self._new(table, self.partitioned_by if colocated else cols, op)
+        return self._new(table, placed or cols, op)
 
     # ---- windows, time-series joins, reshaping (each in its own module) -----------------
     def window(
@@ -517,6 +542,17 @@ class DataFrame:
         from .io import write_parquet
 
         return write_parquet(self, directory, **options)
+
+
+def _kept(
+    keys: tuple[str, ...] | None, names: Sequence[str], changed: Iterable[str], renames: Mapping[str, str] | None
+) -> tuple[str, ...] | None:
+    """Placement keys after a local step: renamed with their columns, lost if one changed or
+    is gone."""
+    if keys is None or set(keys) & set(changed):
+        return None
+    keys = tuple((renames or {}).get(k, k) for k in keys)
+    return keys if set(keys) <= set(names) else None
 
 
 def _to_table(value: Any) -> pa.Table:

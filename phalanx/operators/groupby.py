@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 
 from . import kernels, stats
-from .common import ROWID, check_columns, colocated, with_rowid
+from .common import ROWID, check_columns, with_rowid
 from .exchange import gather_tables
 from .plan import note
 from .shuffle import shuffle_table
@@ -156,13 +156,13 @@ class GroupBy:
                 "quantile and nunique need every row of a group; leave combine unset (or False)"
             )
         df = self.df
-        placed = colocated(df.partitioned_by, self.keys)
+        placed = df._placed_by(self.keys)
         label = f"GroupBy {self.keys}: " + ", ".join(str(a) for a in aggs)
         if placed and df.env.comm.world_size > 1:
-            label += f"\nno exchange: already partitioned by {list(df.partitioned_by or ())}"
+            label += f"\nno exchange: already partitioned by {list(placed)}"
         table, op = df._run(label, lambda: aggregate(df, self.keys, aggs, self.dropna, self.combine), fuses=True)
         # rows already placed by a subset of the keys stay placed by that subset
-        return df._new(table, df.partitioned_by if placed else self.keys, op)
+        return df._new(table, placed or self.keys, op)
 
     def _all(self, func: str, numeric_only: bool, *arg: Any) -> DataFrame:
         cols = [
@@ -411,7 +411,7 @@ def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, com
     raw_finals = ", ".join(_final_sql(a, src, raw=True) for a in aggs)
     # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
     # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
-    if comm.world_size == 1 or colocated(df.partitioned_by, keys):
+    if comm.world_size == 1 or df._placed_by(keys):
         final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
         return kernels.restore_types(final, schema)
     if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows

@@ -65,10 +65,14 @@ def _suffix(table: pa.Table, overlap: set[str], suffix: str) -> pa.Table:
     return table.rename_columns([c + suffix if c in overlap else c for c in table.column_names])
 
 
+Placement = tuple[str, ...]
+
+
 def merge(
     left: DataFrame, right: DataFrame, *, on, how, left_on, right_on, suffixes, broadcast: bool | None
-) -> tuple[pa.Table, tuple[str, ...] | None]:
-    """The local partition of the result, and the keys it is hash-partitioned by (if any)."""
+) -> tuple[pa.Table, Placement | None, tuple[Placement, ...]]:
+    """The local partition of the result, the keys it is hash-partitioned by (if any), and
+    other column tuples it is equally placed by (an inner join's right keys)."""
     if how not in _HOWS:
         raise ValueError(f"merge: how must be one of {_HOWS}, got {how!r}")
     if on is not None and (left_on is not None or right_on is not None):
@@ -85,15 +89,16 @@ def merge(
     # A side already hash-partitioned by its join keys, uncast, need not move; nor two sides
     # partitioned by the same positions of their keys (left by (a), right by (a'), joined on
     # (a, b) = (a', b'): matching rows share a and a', so a rank).
-    l_placed = left.partitioned_by == tuple(lk) and lt.schema.equals(left.schema)
-    r_placed = right.partitioned_by == tuple(rk) and rt.schema.equals(right.schema)
+    l_placed = tuple(lk) in left._placements() and lt.schema.equals(left.schema)
+    r_placed = tuple(rk) in right._placements() and rt.schema.equals(right.schema)
     sub = _common_subset(left.partitioned_by, right.partitioned_by, lk, rk)
     if sub and not (l_placed and r_placed) and lt.schema.equals(left.schema) and rt.schema.equals(right.schema):
         l_placed = r_placed = True
     if left.env.comm.world_size > 1 and l_placed and r_placed:
         note(f"no exchange: both sides already partitioned by {list(left.partitioned_by or ())}")
     if how in ("semi", "anti"):
-        return _semi_join(left, lt, rt, lk, rk, how, l_placed, r_placed, broadcast)
+        table, placed = _semi_join(left, lt, rt, lk, rk, how, l_placed, r_placed, broadcast)
+        return table, placed, left._aliases if placed == left.partitioned_by else ()
 
     # pandas naming: keys shared by name appear once; other clashing columns get suffixes.
     shared = {a for a, b in zip(lk, rk) if a == b}
@@ -106,17 +111,20 @@ def merge(
 
     comm = left.env.comm
     partitioned_by = None
+    aliases: tuple[Placement, ...] = ()
     side = None
     if comm.world_size > 1 and not (l_placed and r_placed):
         side = _broadcast_side(comm, lt, rt, how, broadcast)
     if side is not None:
         note(f"Exchange broadcast the {side} side (allgather): {rows(rt if side == 'right' else lt)}")
-    if side == "right":
-        rt = concat(allgather_tables(comm, rt), rt.schema)
-        partitioned_by = left.partitioned_by if not overlap & set(left.partitioned_by or ()) else None
-    elif side == "left":
-        lt = concat(allgather_tables(comm, lt), lt.schema)
-        partitioned_by = right.partitioned_by if not overlap & set(right.partitioned_by or ()) else None
+    if side is not None:  # the other side's rows stay where they are, and so its placements
+        stay = left if side == "right" else right
+        if side == "right":
+            rt = concat(allgather_tables(comm, rt), rt.schema)
+        else:
+            lt = concat(allgather_tables(comm, lt), lt.schema)
+        kept = [p for p in stay._placements() if not overlap & set(p)]
+        partitioned_by, aliases = (kept[0], tuple(kept[1:])) if kept else (None, ())
     else:
         lt = lt if l_placed else shuffle_table(comm, lt, lk)
         rt = rt if r_placed else shuffle_table(comm, rt, rk)
@@ -124,7 +132,9 @@ def merge(
         # Unmatched right rows have null left keys: only coalesced keys stay partitioned.
         if how in ("inner", "left") or set(placed_by) <= shared:
             partitioned_by = tuple(placed_by)
-    return kernels.join(lt, rt, lk, rk, how), partitioned_by
+        if how == "inner":  # every row has equal left and right keys: placed by the right's too
+            aliases = (tuple(rk[lk.index(k)] for k in placed_by),)
+    return kernels.join(lt, rt, lk, rk, how), partitioned_by, aliases
 
 
 def _common_subset(

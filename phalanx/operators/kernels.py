@@ -138,18 +138,31 @@ def estimate_distinct(table: pa.Table, keys: Sequence[str], sample_rows: int = 1
     capped at the row count.  The share of distinct keys *in a sample* misleads: 100k keys over
     5M rows show 63% distinct in a 100k-row sample, though pre-aggregating shrinks the rows 50×."""
     n = table.num_rows
+    if not n:
+        return 0.0
     if n <= sample_rows:
-        return float(to_polars(table.select(list(keys))).n_unique()) if n else 0.0
-    # a systematic sample from a random start: O(sample), where choice(replace=False) permutes
-    # all n rows (20 ms at 2M rows, more than the group-by of 100 groups it decides)
-    step = n / sample_rows
-    start = np.random.default_rng(seed).random() * step
-    rows = (start + step * np.arange(sample_rows)).astype(np.int64)
-    sample = to_polars(table.select(list(keys)).take(pa.array(rows)))
-    counts = sample.group_by(sample.columns).len()["len"]
-    d = counts.len()
-    f1 = int((counts == 1).sum())
-    f2 = int((counts == 2).sum())
+        sample = table.select(list(keys))
+    else:
+        # a systematic sample from a random start: O(sample), where choice(replace=False)
+        # permutes all n rows (20 ms at 2M rows, more than the group-by of 100 groups it decides)
+        step = n / sample_rows
+        start = np.random.default_rng(seed).random() * step
+        rows = (start + step * np.arange(sample_rows)).astype(np.int64)
+        sample = table.select(list(keys)).take(pa.array(rows))
+    # the sample's key frequencies in DuckDB, over the Arrow columns as they are (Polars first
+    # converted the strings: TPC-H Q10's 7 keys, 41 ms per estimate)
+    cols = ", ".join(quote_ident(k) for k in keys)
+    d, f1, f2 = (
+        run_sql(
+            "SELECT count(*), count(*) FILTER (WHERE c = 1), count(*) FILTER (WHERE c = 2) "
+            f"FROM (SELECT count(*) AS c FROM __px_s GROUP BY {cols})",
+            __px_s=sample,
+        )
+        .to_pylist()[0]
+        .values()
+    )
+    if n <= sample_rows:
+        return float(d)
     extra = f1 * f1 / (2 * f2) if f2 else f1 * (f1 - 1) / 2
     return float(min(n, d + extra))
 

@@ -136,16 +136,14 @@ class Pipeline:
         return compiled.run(table) if compiled is not None else _acero(table, steps)
 
     def sql_input(self, wanted: Sequence[str]) -> Any:
-        """The pending steps as a ``plan_sql.SqlInput`` of the ``wanted`` columns — the source
-        read (pruned, filters pushed into a scan) and the rest as SQL, to be fused into a DuckDB
-        query — or None when nothing is pending or a step has no SQL equivalent."""
-        if not self.steps or _engine_setting() == "acero":
+        """The pending steps over an in-memory table as a ``plan_sql.SqlInput`` of the ``wanted``
+        columns (the table's columns they read, and the steps as SQL) to be fused into a DuckDB
+        query; None when nothing is pending, the source is a scan, or a step has no SQL form."""
+        # a scan source is left to run(): a frame read once is then reused from memory, where
+        # a fused scan would decode the file again for every operator that reads the frame
+        if not self.steps or _engine_setting() == "acero" or not isinstance(self.source, pa.Table):
             return None
-        steps = list(self.steps)
-        pushed: list[pc.Expression] = []
-        if not isinstance(self.source, pa.Table):
-            steps, pushed = _push_filters(steps)
-        steps = _prune(steps, list(wanted))
+        steps = _prune(list(self.steps), list(wanted))
         needed = _needed(steps, list(wanted))
         columns = [c for c in self.source.schema.names if c in needed]
         schema = pa.schema([self.source.schema.field(c) for c in columns])
@@ -162,10 +160,7 @@ class Pipeline:
             return None
         from .plan_sql import SqlInput
 
-        if isinstance(self.source, pa.Table):
-            table = self.source.select(columns) if len(columns) < self.source.num_columns else self.source
-        else:
-            table = self.source.read(columns, pushed)
+        table = self.source.select(columns) if len(columns) < self.source.num_columns else self.source
         return SqlInput(table, select, pa.schema([self.schema.field(c) for c in wanted]))
 
     def carried(self, name: str) -> str | None:

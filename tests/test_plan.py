@@ -306,3 +306,41 @@ def test_after_an_inner_join_the_rows_are_placed_by_the_right_keys_too(gang):
         "GROUP BY r.rkey"
     ).to_arrow_table()
     assert_same_rows(out, expected.cast(out.schema))
+
+
+def app_broadcast_or_shuffle(env, right_rows):
+    import numpy as np
+
+    rng = np.random.default_rng(env.rank)
+    left = pa.table({"k": rng.integers(0, 500, 1000), "a": rng.random(1000)})
+    right = pa.table(
+        {"k": rng.integers(0, 500, right_rows), "b": rng.random(right_rows), "pad": ["x" * 40] * right_rows}
+    )
+    lf = px.DataFrame.from_arrow(left, env)
+    rf = px.DataFrame.from_arrow(right, env)
+    out = lf.merge(rf, on="k", how="left")
+    return out.explain(file=open("/dev/null", "w")), out.partitioned_by, out.collect(root=0), left, right
+
+
+@pytest.mark.parametrize("right_rows", [2_000, 40_000], ids=["small right: broadcast", "right >> left: shuffle"])
+def test_a_join_broadcasts_a_side_only_where_that_is_cheaper_than_a_shuffle(gang, right_rows):
+    """A left join may only broadcast its right side: it does when that side is small (under
+    1 MB), and shuffles both sides when every rank receiving the right side would move more
+    than a shuffle (P × right > left) — then the result is placed by the key.  Either way the
+    rows are DuckDB's."""
+    import duckdb
+
+    results = gang.run(app_broadcast_or_shuffle, right_rows)
+    plan, placed = results[0][0], results[0][1]
+    con = duckdb.connect()
+    con.register("l", pa.concat_tables([r[3] for r in results]))
+    con.register("r", pa.concat_tables([r[4] for r in results]))
+    expected = con.sql("SELECT l.k, l.a, r.b, r.pad FROM l LEFT JOIN r ON l.k = r.k").to_arrow_table()
+    assert_same_rows(results[0][2], expected)
+    if gang.world_size == 1:
+        return
+    if right_rows == 2_000:  # 2000 × P rows of ~60 bytes: under 1 MB
+        assert "Exchange broadcast the right side" in plan and placed is None, plan
+    else:
+        assert "broadcast" not in plan and plan.count("Exchange hash by ['k']") == 2, plan
+        assert placed == ("k",)

@@ -149,12 +149,8 @@ def _sql(n: Node, schema: pa.Schema) -> str:
         return f"(NOT {args[0]})"
     if name in _CHECKED and len(args) == 2:
         return f"({args[0]} {_CHECKED[name]} {args[1]})"
-    if name in _FLOAT_ONLY and len(args) == 2 and is_float(n, schema):
-        return (
-            f"(CAST({args[0]} AS DOUBLE) {_FLOAT_ONLY[name]} {args[1]})"
-            if name.startswith("divide")
-            else (f"({args[0]} {_FLOAT_ONLY[name]} {args[1]})")
-        )
+    if name in _FLOAT_ONLY and len(args) == 2 and is_float(n, schema):  # a float side: as in Arrow
+        return f"({args[0]} {_FLOAT_ONLY[name]} {args[1]})"
     if name == "negate" and len(args) == 1:
         return f"(-{args[0]})"
     if name == "abs" and len(args) == 1:

@@ -344,3 +344,58 @@ def test_a_join_broadcasts_a_side_only_where_that_is_cheaper_than_a_shuffle(gang
     else:
         assert "broadcast" not in plan and plan.count("Exchange hash by ['k']") == 2, plan
         assert placed == ("k",)
+
+
+def app_groupby_of_key_ranges(env, kind, overlap, dropna, rows=3000):
+    import datetime as dt
+
+    start = env.rank * rows - (rows // 2 if overlap and env.rank else 0)
+    k = np.arange(start, start + rows) // 3  # sorted, 3 rows per key, the ranks' ranges apart
+    keys = pa.array(k) if kind == "int" else pa.array([dt.date(2000, 1, 1) + dt.timedelta(days=int(x)) for x in k])
+    mask = np.zeros(rows, dtype=bool)
+    mask[::700] = True  # some null keys on every rank
+    table = pa.table({"k": pa.array(keys.to_pylist(), keys.type, mask=mask), "v": np.arange(rows, dtype=np.float64)})
+    df = px.DataFrame.from_arrow(table, env)
+    out = df.groupby("k", dropna=dropna).agg(v=("v", "sum"), n=("v", "size"))
+    return out.explain(file=open("/dev/null", "w")), out.partitioned_by, out.collect(root=0), table
+
+
+@pytest.mark.parametrize(
+    "kind, overlap, dropna, rows",
+    [
+        ("int", False, True, 3000),
+        ("date", False, True, 3000),
+        ("int", False, True, 3001),
+        ("int", True, True, 3000),
+        ("int", False, False, 3000),
+    ],
+    ids=[
+        "int ranges apart",
+        "date ranges apart",
+        "ranges share edge keys",
+        "ranges overlap",
+        "nulls everywhere, dropna=False",
+    ],
+)
+def test_a_group_by_moves_nothing_where_each_rank_s_key_range_is_apart(gang, kind, overlap, dropna, rows):
+    """Rows split by a sorted key (row groups of a sorted file): equal keys are on one rank
+    already, so the group-by is one local pass — a key split across two ranks' edge (3001 rows
+    per rank: key 1000 on ranks 0 and 1) moves to the lower rank first; where ranges overlap
+    more, or null groups sit on several ranks and count (dropna=False), it exchanges as before.
+    DuckDB's answer either way."""
+    import duckdb
+
+    results = gang.run(app_groupby_of_key_ranges, kind, overlap, dropna, rows)
+    plan, placed, out = results[0][:3]
+    con = duckdb.connect()
+    con.register("t", pa.concat_tables([r[3] for r in results]))
+    where = "WHERE k IS NOT NULL" if dropna else ""
+    expected = con.sql(f"SELECT k, sum(v) AS v, count(*) AS n FROM t {where} GROUP BY k").to_arrow_table()
+    assert_same_rows(out, expected.cast(out.schema))
+    if gang.world_size == 1:
+        return
+    apart = not overlap and dropna
+    assert ("each rank's key range is apart" in plan) is apart, plan
+    assert ("(edge keys moved)" in plan) is (apart and rows % 3 != 0), plan
+    assert ("Exchange hash by ['k']" in plan) is not apart, plan
+    assert placed == (None if apart else ("k",))

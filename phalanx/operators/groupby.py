@@ -16,10 +16,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from . import kernels, stats
 from .common import ROWID, check_columns, with_rowid
-from .exchange import gather_tables
+from .exchange import concat, exchange_tables, gather_tables
 from .plan import note
 from .shuffle import shuffle_table
 
@@ -160,9 +161,10 @@ class GroupBy:
         label = f"GroupBy {self.keys}: " + ", ".join(str(a) for a in aggs)
         if placed and df.env.comm.world_size > 1:
             label += f"\nno exchange: already partitioned by {list(placed)}"
-        table, op = df._run(label, lambda: aggregate(df, self.keys, aggs, self.dropna, self.combine), fuses=True)
-        # rows already placed by a subset of the keys stay placed by that subset
-        return df._new(table, placed or self.keys, op)
+        (table, result_placed), op = df._run(
+            label, lambda: aggregate(df, self.keys, aggs, self.dropna, self.combine), fuses=True
+        )
+        return df._new(table, result_placed, op)
 
     def _all(self, func: str, numeric_only: bool, *arg: Any) -> DataFrame:
         cols = [
@@ -397,7 +399,11 @@ def _key_sample(df: DataFrame, rows: Any, keys: list[str]) -> pa.Table:
     return kernels.run_sql(f"SELECT {', '.join(kernels.quote_ident(k) for k in keys)} FROM __px_t", __px_t=rows)
 
 
-def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, combine: bool | None) -> pa.Table:
+def aggregate(
+    df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, combine: bool | None
+) -> tuple[pa.Table, tuple[str, ...] | None]:
+    """This rank's groups, and the keys the result is hash-placed by (None: each group is on
+    one rank, by ranges)."""
     comm = df.env.comm
     needed = list(dict.fromkeys(keys + [c for a in aggs for c in a.columns]))
     table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs))
@@ -409,11 +415,19 @@ def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, com
     )  # pandas drops groups whose key is null unless dropna=False
     schema = _output_schema(keys, aggs, src)
     raw_finals = ", ".join(_final_sql(a, src, raw=True) for a in aggs)
-    # Already partitioned by these keys (world of one; after a merge on them): no shuffle, and
-    # one DuckDB pass — the per-row partials are a projection it fuses into the aggregation.
-    if comm.world_size == 1 or df._placed_by(keys):
-        final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=table)
-        return kernels.restore_types(final, schema)
+    # Already partitioned by these keys (world of one; after a merge on them), or each rank's
+    # key range apart from the others' (data split by a sorted key): no shuffle, and one DuckDB
+    # pass — the per-row partials are a projection it fuses into the aggregation.
+    placed = df._placed_by(keys)
+    ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna)
+    if comm.world_size == 1 or placed or ranged is not None:
+        inputs: dict[str, Any] = {"__px_t": table}
+        if ranged is not None and ranged != (None, None):  # edge keys moved: drop ours, add theirs
+            relation, edge = _with_edges(*ranged, keys_sql, src.field(keys[0]).type)
+            rows = rows.replace("FROM __px_t", f"FROM {relation}", 1)
+            inputs.update(edge)
+        final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
+        return kernels.restore_types(final, schema), (None if ranged is not None else placed or tuple(keys))
     if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows
         combine = not any(a.func in stats.HOLISTIC for a in aggs) and _use_combine(
             comm, _key_sample(df, table, keys), keys
@@ -429,4 +443,65 @@ def aggregate(df: DataFrame, keys: list[str], aggs: list[Agg], dropna: bool, com
         finals, source = raw_finals, "__px_partial"
     partial = shuffle_table(comm, kernels.restore_types(partial, src), keys)  # keys' types as given
     final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM {source} GROUP BY {keys_sql}", __px_partial=partial)
-    return kernels.restore_types(stats.finish_sketches(final, aggs) if combine else final, schema)
+    return kernels.restore_types(stats.finish_sketches(final, aggs) if combine else final, schema), tuple(keys)
+
+
+def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[Any, pa.Table | None] | None:
+    """Whether equal keys are (nearly) on one rank already because each rank's values of the
+    one integer or date key lie in a range no other rank's overlaps — a table split by row
+    groups of a sorted key (TPC-H's lineitem by l_orderkey); if so, (the key value whose rows
+    this rank gives away, the rows it received): a key two ranges share at their edge (a row
+    group boundary in the middle of an order's lines) goes to the rank whose range starts
+    lower, a few rows moved where the rest stay in place.  None when
+    the ranges overlap more, or a null key sits on more than one rank and counts
+    (dropna=False).  One allgather of (min, max) per rank; one small exchange for edge keys."""
+    kind = df.schema.field(keys[0]).type if len(keys) == 1 else None
+    if kind is None or not (pa.types.is_integer(kind) or pa.types.is_date(kind)):
+        return None  # decided alike on every rank (the schema is agreed): no round trip
+    if isinstance(rows, pa.Table):
+        column = rows.column(keys[0])
+    else:  # a fused pipeline: the source's range holds the filtered one
+        carried = df._carried(keys[0])
+        if carried is None:
+            return None  # the same plan on every rank
+        column = rows.source.column(carried)
+    lo = hi = None
+    if len(column) > column.null_count:
+        bounds = pc.min_max(column)
+        lo, hi = bounds["min"].as_py(), bounds["max"].as_py()  # ints or dates: ordered alike
+    seen = df.env.comm.allgather_obj((lo, hi, bool(column.null_count)))
+    if not dropna and sum(n for *_, n in seen) > 1:
+        return None
+    spans = sorted((a, b, r) for r, (a, b, _) in enumerate(seen) if a is not None)
+    if not all(p[1] <= q[0] for p, q in zip(spans, spans[1:])):
+        return None
+    # a range starting at the value the range before it ends with: that key's rows move down
+    owner: dict[int, int] = {}
+    for p, q in zip(spans, spans[1:]):
+        if p[1] == q[0]:
+            owner[q[2]] = owner.get(p[2], p[2]) if p[0] == p[1] else p[2]
+    note("no exchange: each rank's key range is apart from the others'" + (" (edge keys moved)" if owner else ""))
+    comm = df.env.comm
+    if not owner:
+        return None, None
+    key_sql = kernels.quote_ident(keys[0])
+    drop = lo if comm.rank in owner else None
+    parts = [rows.schema.empty_table() for _ in range(comm.world_size)]
+    if drop is not None:  # this rank's rows of its lowest key belong to the rank below
+        edge = kernels.run_sql(f"SELECT * FROM __px_t WHERE {key_sql} = {_key_literal(drop, kind)}", __px_t=rows)
+        parts[owner[comm.rank]] = kernels.restore_types(edge, parts[0].schema)
+    received = concat(exchange_tables(comm, parts, parts[0].schema), parts[0].schema)
+    return drop, received if received.num_rows else None
+
+
+def _with_edges(drop: Any, received: pa.Table | None, key: str, kind: pa.DataType) -> tuple[str, dict]:
+    """This rank's rows without the edge key it gave away, with the edge rows it received: a
+    relation over ``__px_t`` (and ``__px_edge``), and the extra input."""
+    selects = ["SELECT * FROM __px_t" + ("" if drop is None else f" WHERE {key} <> {_key_literal(drop, kind)}")]
+    if received is None:
+        return f"({selects[0]})", {}
+    return f"({selects[0]} UNION ALL SELECT * FROM __px_edge)", {"__px_edge": received}
+
+
+def _key_literal(value: Any, kind: pa.DataType) -> str:
+    return f"DATE '{value.isoformat()}'" if pa.types.is_date(kind) else str(int(value))

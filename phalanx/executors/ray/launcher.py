@@ -180,7 +180,15 @@ class RayLauncher(Launcher):
         held(self.allocation_hook, self._allocation)  # before it exists: found by name
         self.pg = pg = placement_group(bundles, strategy=c.strategy, name=self._allocation["id"])
         wait_s = self.placement_wait()
-        ready, _ = ray.wait([pg.ready()], timeout=wait_s)
+        # in slices: a kill() from another thread (cancel) removes the group and sets self.pg to
+        # None; the launch ends then, not when Ray resolves the removed group's ready() (under
+        # load that took longer than cancel's 8 s in the contract test)
+        ready_ref, deadline = pg.ready(), time.monotonic() + wait_s
+        ready: list[Any] = []
+        while not ready and self.pg is pg and (left := deadline - time.monotonic()) > 0:
+            ready, _ = ray.wait([ready_ref], timeout=min(0.5, left))
+        if self.pg is not pg:
+            raise GangError(f"site {self.site!r} (ray): the gang was stopped while it waited for its placement group")
         if not ready:
             why = why_unplaceable(ray, pg, bundles, c.strategy)
             raise GangError(

@@ -44,15 +44,16 @@ def pytest_addoption(parser):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto`` (pyproject's addopts): the core lane — pyproject's own selection — and the
-    slow lane (core tests kept out of its 5 minutes; no cluster) run on two worker processes, a
-    file each at a time (4:39 instead of 5:46 here: a lone pytest keeps 2 cores 1.3 busy); any
-    other selection runs in one process, since a lane's session fixtures start one cluster each
-    (a Slurm, a Ray cluster, a control plane)."""
+    """``-n auto`` (pyproject's addopts): the core lane — pyproject's own selection — the slow
+    lane (core tests kept out of its 5 minutes; no cluster) and the radical lane (each run its
+    own pilot: no cluster to share; 5:31 instead of 7:48 here, RP's agents mostly wait) run on
+    two worker processes, a file each at a time (core: 4:39 instead of 5:46 here, a lone pytest
+    keeps 2 cores 1.3 busy); any other selection runs in one process, since a lane's session
+    fixtures start one cluster each (a Slurm, a Ray cluster, a control plane, the multi-host bed)."""
     addopts = config.getini("addopts")
     core = next((value for flag, value in zip(addopts, addopts[1:]) if flag == "-m"), None)
     lane = config.option.markexpr
-    two = lane == core or lane == "slow" or lane.startswith("slow and not (")
+    two = lane == core or any(lane == name or lane.startswith(f"{name} and not (") for name in ("slow", "radical"))
     return 2 if two and not config.option.collectonly else 0
 
 

@@ -126,3 +126,9 @@ def wf_divide_by_zero(env):
     if env.rank == 1:
         ratio(0)
     env.comm.barrier()
+
+
+def wf_sum_amount(env):
+    """The sum of the input ``tx``'s ``amount`` (only that column: the read is lazy, so the
+    ``user`` column is never read) as one row."""
+    return {"total": env.input("tx").agg(total=("amount", "sum"))}

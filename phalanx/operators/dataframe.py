@@ -83,6 +83,15 @@ class DataFrame:
         pending; explain shows the pipeline under the operator that fused it."""
         return self._pipe.sql_input(columns) if self._pipe.pending else None
 
+    def _rows_of(self, columns: Sequence[str]) -> pa.Table:
+        """This rank's rows of ``columns`` alone.  Over a source that keeps what it read (a
+        stored dataset: ``store.scan.StoreScan``) the pending pipeline runs for those columns
+        (the source reads only the ones it has not yet; the frame stays pending); otherwise the
+        frame's rows (materialized once) are selected from."""
+        if self._pipe.pending and getattr(self._pipe.source, "keeps_columns", False):
+            return self.select(list(columns)).to_arrow()
+        return self._table.select(list(columns))
+
     def _carried(self, name: str) -> str | None:
         """The source column (of the pending pipeline) that column ``name`` is, if unchanged."""
         return self._pipe.carried(name)

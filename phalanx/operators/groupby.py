@@ -381,7 +381,7 @@ def _input(df: DataFrame, needed: list[str], rowid: bool, fuse: bool = True) -> 
     lazy = df._sql_input(needed) if fuse and not rowid else None
     if lazy is not None:
         return lazy, lazy.schema
-    table = df.to_arrow().select(needed)
+    table = df._rows_of(needed)
     if rowid:
         table = with_rowid(table, df.env.comm.rank)
     return table, table.schema

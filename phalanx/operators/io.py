@@ -96,6 +96,8 @@ class ParquetScan:
     the columns the plan uses, and with the filters pushed into it (row groups whose
     statistics rule a filter out are skipped, the rest filtered as they are decoded)."""
 
+    pushes_filters = True
+
     def __init__(self, path: Any, row_groups: dict[str, list[int]], schema: pa.Schema):
         self.path, self.row_groups, self.schema = path, row_groups, schema
 

@@ -31,10 +31,12 @@ import pyarrow.compute as pc
 
 
 class Source(Protocol):
-    """Where a lazy pipeline's rows come from: a file scan that can read fewer columns and
-    rows than it holds."""
+    """Where a lazy pipeline's rows come from: a file scan or a stored dataset, that can read
+    fewer columns (and, where ``pushes_filters``, rows) than it holds.  A source whose
+    ``pushes_filters`` is False is given no filters: the pipeline applies them."""
 
     schema: pa.Schema
+    pushes_filters: bool
 
     def read(self, columns: list[str], filters: Sequence[pc.Expression]) -> pa.Table: ...
 
@@ -117,7 +119,7 @@ class Pipeline:
         projections pruned to the columns later steps use."""
         steps = list(self.steps)
         pushed: list[pc.Expression] = []
-        if not isinstance(self.source, pa.Table):
+        if not isinstance(self.source, pa.Table) and self.source.pushes_filters:
             steps, pushed = _push_filters(steps)
         steps = _prune(steps, list(self.schema.names))
         needed = _needed(steps, list(self.schema.names))

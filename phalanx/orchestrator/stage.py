@@ -40,7 +40,13 @@ class StageContext:
         store = self.env.store.for_session(session) if session else self.env.store
         reads = store.store.reads  # partition bytes read on this host vs fetched from others
         here, fetched = reads.local, reads.fetched
-        frame = store.get(short, **{k: v for k, v in spec.items() if v is not None})
+        store.last_scan = None
+        # lazy: a balanced share is read as the app uses it, only the columns its plan needs
+        frame = store.get(short, lazy=True, **{k: v for k, v in spec.items() if v is not None})
+        if store.last_scan is not None:  # its stats fill in as the app reads
+            self.input_stats[name] = store.last_scan.stats
+            self.input_stats[name].update(dataset=dataset, plan=store.last_plan)
+            return frame
         table = frame.to_arrow()
         self.input_stats[name] = {
             "dataset": dataset,

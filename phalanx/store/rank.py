@@ -13,6 +13,7 @@ from ..operators.dataframe import DataFrame
 from ..operators.shuffle import shuffle_table
 from . import repartition as R
 from .metadata import DatasetInfo
+from .scan import StoreScan
 from .store import Store
 from .tiers import FileTier
 
@@ -27,6 +28,7 @@ class RankStore:
         self.env = env
         self.store = store
         self.last_plan = ""  # which repartition path the last get took (for benchmarks, logs)
+        self.last_scan: StoreScan | None = None  # the last lazy get's source: what it has read
         self._root_ids: list[str] | None = None
 
     def root_ids(self) -> list[str]:
@@ -118,6 +120,7 @@ class RankStore:
         seed: int = 0,
         columns: Sequence[str] | None = None,
         verify: bool = True,
+        lazy: bool = False,
     ) -> DataFrame:
         """This rank's share of a sealed dataset, repartitioned for this gang (collective).
 
@@ -125,6 +128,12 @@ class RankStore:
         ``shuffle="random"``: a seeded random permutation of all rows.  ``verify``: every
         partition's checksum is checked first (each by one rank), so a corrupted or truncated
         partition fails the read on every rank, naming dataset and partition.
+
+        ``lazy``: a balanced share (no ``by``, no ``shuffle``) is read when the frame's rows
+        are needed, and then only the columns its plan uses (``store.scan.StoreScan``): from
+        other hosts' memory only those cross the network.  The checks above still run now;
+        a partition lost after them fails the first use; ``last_scan.stats``: what it read.
+        ``env.input`` reads lazily.
         """
         env, comm = self.env, self.env.comm
         if shuffle not in (None, "random"):
@@ -172,6 +181,15 @@ class RankStore:
             )
             table = shuffle_table(comm, local, keys)
             self.last_plan, partitioned_by = "hash: balanced read + shuffle", keys
+        elif lazy and shuffle is None:
+            self.last_plan = "balanced, zero-copy, columns read as used"
+            schema = pa.schema([info.schema.field(c) for c in columns]) if columns is not None else None
+
+            def open_columns(i: int, select: dict[str, Any], names: list[str]) -> pa.Table:
+                return self.store.rows(info, i, select, names, verify)
+
+            self.last_scan = StoreScan(info, open_columns, rank, nranks, schema, self.store.reads)
+            return DataFrame.lazy(self.last_scan, env)
         elif shuffle == "random":
             table, self.last_plan = R.random_share(info, open_rows, seed, rank, nranks), "random permutation"
         else:

@@ -96,3 +96,58 @@ def test_a_stage_reads_only_the_input_columns_its_app_uses(tmp_path):
     assert stats["bytes"] == 4000 * 8, stats  # amount (int64) only: user is never read
     store = px.Store(session=result.session)
     assert store.read("total").column("total").to_pylist() == [int(want.amount.sum())]
+
+
+def spill_while_lazy(env, root: str, spill: str, meta: str, budget: int):
+    """Dataset a read lazily, then spilled to disk (b is used after it, so a is the least
+    recently used when c's put goes over the memory budget), then its rows used."""
+    from phalanx.store.rank import RankStore
+
+    store = RankStore(env, px.Store(root, session="lazy-spill", metadata=meta, memory_budget=budget, spill=spill))
+    for name in "ab":  # equal sizes: two fit the budget, three do not
+        store.put(name, px.DataFrame.from_arrow(_part(env.rank), env))
+    lazy = store.get("a", lazy=True)
+    store.get("b").to_arrow()  # b more recently used than a
+    store.put("c", px.DataFrame.from_arrow(_part(env.rank), env))
+    spilled = store.store.spilled("a")
+    return spilled, lazy.select(["key", "v", "pad"]).collect(root=0)
+
+
+def test_a_lazy_input_spilled_before_its_rows_are_used_still_reads_right(tmp_path):
+    """The store spilling the dataset to disk (a put over the memory budget) between the call
+    and the app's use of the rows takes nothing away: the rows are the put's."""
+    from phalanx.store.tiers import serialize
+
+    one = sum(serialize(_part(r)).size for r in range(2))  # a dataset's bytes in the store
+    g = px.Gang(ranks=2, echo=False)
+    g.start()
+    try:
+        results = g.run(
+            spill_while_lazy, str(tmp_path / "shm"), str(tmp_path / "disk"), str(tmp_path / "m.sqlite"), int(2.5 * one)
+        )
+    finally:
+        g.close()
+    assert results[0][0], "dataset a was not spilled: the test proves nothing"
+    want = pa.concat_tables([_part(r) for r in range(2)]).select(["key", "v", "pad"])
+    assert results[0][1].equals(want)
+
+
+def delete_while_lazy(env):
+    name = f"gone{env.world_size}"
+    env.store.put(name, px.DataFrame.from_arrow(_part(env.rank), env), replace=True)
+    lazy = env.store.get(name, lazy=True)
+    env.store.delete(name)
+    return env.store.exists(name), lazy.select(["v", "key"]).collect(root=0)
+
+
+def test_a_lazy_input_deleted_before_its_rows_are_used_still_reads_them():
+    """As with an eager read, deleting the dataset after the call and before the app uses the
+    rows leaves them readable (and the rows are the put's)."""
+    g = px.Gang(ranks=2, echo=False)
+    g.start()
+    try:
+        results = g.run(delete_while_lazy)
+    finally:
+        g.close()
+    assert results[0][0] is False
+    assert results[0][1].equals(pa.concat_tables([_part(r) for r in range(2)]).select(["v", "key"]))

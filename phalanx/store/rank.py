@@ -131,8 +131,9 @@ class RankStore:
 
         ``lazy``: a balanced share (no ``by``, no ``shuffle``) is read when the frame's rows
         are needed, and then only the columns its plan uses (``store.scan.StoreScan``): from
-        other hosts' memory only those cross the network.  The checks above still run now;
-        a partition lost after them fails the first use; ``last_scan.stats``: what it read.
+        other hosts' memory only those cross the network (this host's partitions are mapped
+        now).  The checks above still run now; a partition of another host lost after them
+        fails the first use; ``last_scan.stats``: what it read.
         ``env.input`` reads lazily.
         """
         env, comm = self.env, self.env.comm
@@ -184,11 +185,7 @@ class RankStore:
         elif lazy and shuffle is None:
             self.last_plan = "balanced, zero-copy, columns read as used"
             schema = pa.schema([info.schema.field(c) for c in columns]) if columns is not None else None
-
-            def open_columns(i: int, select: dict[str, Any], names: list[str]) -> pa.Table:
-                return self.store.rows(info, i, select, names, verify)
-
-            self.last_scan = StoreScan(info, open_columns, rank, nranks, schema, self.store.reads)
+            self.last_scan = StoreScan(self.store, info, rank, nranks, schema, verify)
             return DataFrame.lazy(self.last_scan, env)
         elif shuffle == "random":
             table, self.last_plan = R.random_share(info, open_rows, seed, rank, nranks), "random permutation"

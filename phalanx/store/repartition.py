@@ -35,9 +35,9 @@ def row_offsets(info: DatasetInfo) -> np.ndarray:
     return np.concatenate([[0], np.cumsum([p.rows for p in info.partitions], dtype=np.int64)])
 
 
-def balanced_rows(info: DatasetInfo, open_rows: OpenRows, rank: int, nranks: int) -> pa.Table:
-    """Rows [lo, hi) of the whole dataset for this rank: slices (no copy where the partition
-    is mapped here; only the slice moves where it is fetched)."""
+def balanced_pieces(info: DatasetInfo, rank: int, nranks: int) -> list[tuple[int, dict[str, Any]]]:
+    """Rows [lo, hi) of the whole dataset for this rank, as (partition, row selection) pieces
+    in partition order."""
     bounds = balanced_bounds(info.num_rows, nranks)
     lo, hi = int(bounds[rank]), int(bounds[rank + 1])
     offsets = row_offsets(info)
@@ -45,7 +45,14 @@ def balanced_rows(info: DatasetInfo, open_rows: OpenRows, rank: int, nranks: int
     for i in range(info.num_partitions):
         start, stop = max(lo, int(offsets[i])), min(hi, int(offsets[i + 1]))
         if start < stop:
-            pieces.append(open_rows(i, {"slice": [start - int(offsets[i]), stop - int(offsets[i])]}))
+            pieces.append((i, {"slice": [start - int(offsets[i]), stop - int(offsets[i])]}))
+    return pieces
+
+
+def balanced_rows(info: DatasetInfo, open_rows: OpenRows, rank: int, nranks: int) -> pa.Table:
+    """Rows [lo, hi) of the whole dataset for this rank: slices (no copy where the partition
+    is mapped here; only the slice moves where it is fetched)."""
+    pieces = [open_rows(i, select) for i, select in balanced_pieces(info, rank, nranks)]
     return pa.concat_tables(pieces) if pieces else info.schema.empty_table()
 
 

@@ -281,6 +281,57 @@ def test_a_pending_pipeline_fuses_into_the_aggregation_s_query_with_the_same_ans
     assert ('WITH "__px_t" AS (SELECT' in plan) is fuse, plan
 
 
+def app_fused_joins(env, path, fuse):
+    import os
+
+    os.environ["PHALANX_PIPELINE_ENGINE"] = "polars" if fuse else "acero"
+    try:
+        df = px.read_parquet(path, env).compute()  # in memory: the pipelines below are pending
+        q = df.filter((pc.field("w") > 3000) & pc.match_like(pc.field("s"), "name-1%")).assign(
+            z=pc.multiply(pc.field("v"), 2)
+        )
+        dim = pa.table({"dk": pa.array([None, *range(0, 200, 3)], pa.int64()), "label": [f"d{i}" for i in range(68)]})
+        dim = px.DataFrame.from_arrow(dim if env.rank == 0 else dim.slice(0, 0), env)  # tiny: broadcast
+        out = {}
+        for how in ("inner", "left", "semi", "anti"):
+            j = q.merge(dim, left_on="k", right_on="dk", how=how)
+            out[how] = (j.collect(root=0), j.explain(file=open("/dev/null", "w")))
+        return out, q._pipe.pending, dim.to_arrow() if env.rank == 0 else None
+    finally:  # the gang's ranks serve the next tests
+        os.environ.pop("PHALANX_PIPELINE_ENGINE")
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused into DuckDB", "Acero first"])
+def test_a_pending_pipeline_fuses_into_a_join_with_a_small_side(gang, tmp_path, fuse):
+    """A merge whose right side is small (broadcast) reads the left's filtered, computed rows
+    inside its own DuckDB query; inner, left, semi and anti joins give DuckDB's rows (null keys
+    matching each other), fused or not."""
+    import duckdb
+
+    t = write_table(tmp_path / "t.parquet")
+    results = gang.run(app_fused_joins, str(tmp_path / "t.parquet"), fuse)
+    out, pending, dim = results[0]
+    con = duckdb.connect()
+    con.register("t", t)
+    con.register("d", dim)
+    rows = "SELECT *, v * 2 AS z FROM t WHERE w > 3000 AND s LIKE 'name-1%'"
+    cond = "l.k IS NOT DISTINCT FROM d.dk"
+    want = {
+        "inner": f"SELECT l.*, d.dk, d.label FROM ({rows}) l JOIN d ON {cond}",
+        "left": f"SELECT l.*, d.dk, d.label FROM ({rows}) l LEFT JOIN d ON {cond}",
+        "semi": f"SELECT * FROM ({rows}) l WHERE EXISTS (SELECT 1 FROM d WHERE {cond})",
+        "anti": f"SELECT * FROM ({rows}) l WHERE NOT EXISTS (SELECT 1 FROM d WHERE {cond})",
+    }
+    for how, sql in want.items():
+        got, plan = out[how]
+        expected = con.sql(sql).to_arrow_table()
+        assert expected.num_rows > 0, how
+        assert_same_rows(got, expected.cast(got.schema))
+        fused = gang.world_size > 1 and fuse
+        assert ("fused into the join's query" in plan) is fused, (how, plan)
+    assert pending is (gang.world_size > 1 and fuse)  # fused: the frame's own rows were never made
+
+
 def app_groupby_on_the_right_key_of_an_inner_join(env):
     left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env)
     right = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1).select(["key", "w"]), env)

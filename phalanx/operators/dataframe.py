@@ -392,6 +392,7 @@ class DataFrame:
                 self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
             ),
             right,
+            fuses=True,  # this frame's pending steps, where the join can fuse them (join._fused)
         )
         return self._new(table, partitioned_by, op, right, aliases=aliases)
 

@@ -85,8 +85,11 @@ def merge(
     check_columns(left.schema, lk, "merge (left)")
     check_columns(right.schema, rk, "merge (right)")
     types = [_key_type(left.schema.field(a).type, right.schema.field(b).type, a) for a, b in zip(lk, rk)]
-    lt = _cast_keys(left.to_arrow(), lk, types)
     rt = _cast_keys(right.to_arrow(), rk, types)
+    fused = _fused(left, rt, lk, rk, types, how, broadcast)
+    if fused is not None:
+        return fused
+    lt = _cast_keys(left.to_arrow(), lk, types)
     # A side already hash-partitioned by its join keys, uncast, need not move; nor two sides
     # partitioned by the same positions of their keys (left by (a), right by (a'), joined on
     # (a, b) = (a', b'): matching rows share a and a', so a rank).
@@ -136,6 +139,43 @@ def merge(
         if how == "inner":  # every row has equal left and right keys: placed by the right's too
             aliases = (tuple(rk[lk.index(k)] for k in placed_by),)
     return kernels.join(lt, rt, lk, rk, how), partitioned_by, aliases
+
+
+def _fused(
+    left: DataFrame, rt: pa.Table, lk: list[str], rk: list[str], types: list[pa.DataType], how: str, broadcast
+) -> tuple[pa.Table, Placement | None, tuple[Placement, ...]] | None:
+    """The join with the left's pending local steps fused into its DuckDB query as a ``WITH``
+    clause (``plan_sql``: the surviving rows are never copied first), where the left's rows
+    stay on their ranks whatever its size: the right side (its distinct keys for a semi or
+    anti join) is under ``BROADCAST_ALWAYS_BYTES`` in all and is broadcast.  None where that
+    does not hold (then the left is computed and joined as usual): no SQL form for a step, a
+    key cast on the left, clashing column names, a join that cannot broadcast its right side.
+    Every rank decides alike (the steps and schemas are the same; the size is allreduced)."""
+    comm = left.env.comm
+    shared = {a for a, b in zip(lk, rk) if a == b}
+    clash = (set(left.columns) & set(rt.column_names)) - shared
+    if (
+        comm.world_size == 1
+        or broadcast is False
+        or how not in ("inner", "left", "semi", "anti")
+        or (clash and how not in ("semi", "anti"))
+        or any(left.schema.field(k).type != t for k, t in zip(lk, types))
+    ):
+        return None
+    lazy = left._sql_input(left.columns)
+    if lazy is None:
+        return None
+    side = _distinct(rt.select(rk)) if how in ("semi", "anti") else rt
+    if not broadcast and int(comm.allreduce(np.array([side.nbytes], dtype=np.int64))[0]) >= BROADCAST_ALWAYS_BYTES:
+        return None
+    what = "right side's distinct keys" if how in ("semi", "anti") else "right side"
+    note(f"Exchange broadcast the {what} (allgather): {rows(side)}")
+    note("the left's pending steps fused into the join's query")
+    side = concat(allgather_tables(comm, side), side.schema)
+    if how in ("semi", "anti"):
+        return kernels.join(lazy, side, lk, rk, how), left.partitioned_by, left._aliases
+    kept = left._placements()
+    return kernels.join(lazy, side, lk, rk, how), (kept[0] if kept else None), tuple(kept[1:])
 
 
 def _common_subset(

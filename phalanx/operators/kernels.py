@@ -351,9 +351,10 @@ def run_sql(query: str, **tables: Any) -> pa.Table:
             con.unregister(name)
 
 
-def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str) -> pa.Table:
+def join(left: Any, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str) -> pa.Table:
     """Equi-join where null keys match each other (pandas semantics), in DuckDB.  ``semi`` and
-    ``anti`` give the left's columns only.
+    ``anti`` give the left's columns only.  ``left``: a table, or a ``plan_sql.SqlInput`` (a
+    frame's pending steps, fused into the join's query).
 
     Column names must already be disjoint except for keys shared by name, which appear once
     (coalesced for right/outer joins, as pandas does for ``on=``).  Columns come out in
@@ -367,7 +368,7 @@ def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequ
         out = run_sql(f"SELECT l.* FROM __px_l l {_JOIN_SQL[how]} __px_r r ON {cond}", __px_l=left, __px_r=right)
         return restore_types(out, left.schema)
     cols = []
-    for name in left.column_names:
+    for name in left.schema.names:
         if name in shared and how in ("right", "outer"):
             cols.append(f"COALESCE(l.{quote_ident(name)}, r.{quote_ident(name)}) AS {quote_ident(name)}")
         else:

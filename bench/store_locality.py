@@ -12,6 +12,10 @@ host, each in its own host's memory).  Then consumer gangs read it, in one run, 
                                   which splits its partition once (each row moves once)
   by key, fetch + shuffle         the same rows the way the store did before it sliced at the
                                   source: whole partitions fetched, then a hash shuffle
+  sum(amount), rotated, eager     a stage that uses one column of the eight: get() reads every
+                                  column (every byte fetched), then sums
+  sum(amount), rotated, lazy      the same with get(lazy=True), what env.input does: only the
+                                  column the plan uses is fetched
 
     .venv/bin/python bench/store_locality.py                 # brings the bed and SLURM up
     .venv/bin/python bench/store_locality.py --mb 64 --reps 5
@@ -65,6 +69,10 @@ def consume(env, name: str, how: str):
         whole = lambda i, sel: R.select_rows(store.partition(info, i, verify=True), sel)  # noqa: E731
         local = R.balanced_rows(info, whole, env.rank, env.world_size)
         rows = shuffle_table(env.comm, local, ["user_key"]).num_rows
+    elif how in ("sum-eager", "sum-lazy"):  # one column of the eight used
+        frame = store.get(name, lazy=how == "sum-lazy")
+        rows = frame.agg(total=("amount", "sum")).collect(root=0)
+        rows = 0 if rows is None else rows.num_rows
     else:
         rows = store.get(name, by="user_key" if how == "pull" else None).to_arrow().num_rows
     took = time.perf_counter() - t0
@@ -138,6 +146,8 @@ def main() -> int:
             ("balanced, rotated", HOSTS[1:] + HOSTS[:1], "balanced"),
             ("by key, pulled", HOSTS, "pull"),
             ("by key, fetch + shuffle", HOSTS, "fetch+shuffle"),
+            ("sum(amount), rotated, eager", HOSTS[1:] + HOSTS[:1], "sum-eager"),
+            ("sum(amount), rotated, lazy", HOSTS[1:] + HOSTS[:1], "sum-lazy"),
         ]
         # one gang at a time (the pilot holds one rank slot per host), the cases interleaved;
         # each gang reads twice and the second read is timed (the first pays imports, connections)

@@ -204,10 +204,8 @@ def _semi_join(
     broadcast: bool | None,
 ) -> tuple[pa.Table, tuple[str, ...] | None]:
     """The left's rows with (``semi``) or without (``anti``) a matching key on the right, each
-    once, the left's columns only.  Only the right's distinct keys move: broadcast when small;
-    else, where the left's keys are few beside what a shuffle would move, a semi-join
-    reduction (``_matched_keys``: the left's rows stay where they are); else both sides are
-    co-partitioned by key."""
+    once, the left's columns only.  Only the right's distinct keys move: broadcast when small,
+    else both sides are co-partitioned by key."""
     comm = left.env.comm
     rt = _distinct(rt.select(rk))
     partitioned_by = left.partitioned_by
@@ -215,8 +213,6 @@ def _semi_join(
         if _broadcast_side(comm, lt, rt, how, broadcast) == "right":
             note(f"Exchange broadcast the right side's distinct keys (allgather): {rows(rt)}")
             rt = concat(allgather_tables(comm, rt), rt.schema)
-        elif broadcast is None and _reduce(comm, lt, rt, lk, l_placed, r_placed):
-            rt = _matched_keys(comm, lt, rt, lk, rk)
         else:
             lt = lt if l_placed else shuffle_table(comm, lt, lk)
             rt = rt if r_placed else shuffle_table(comm, rt, rk)
@@ -226,30 +222,6 @@ def _semi_join(
 
 def _distinct(table: pa.Table) -> pa.Table:
     return kernels.from_polars(kernels.to_polars(table).unique(maintain_order=False), table.schema)
-
-
-def _reduce(comm, lt: pa.Table, rkeys: pa.Table, lk: list[str], l_placed: bool, r_placed: bool) -> bool:
-    """Whether a semi-join reduction moves less than the shuffle would: every rank receives
-    the left's keys and then the matched ones (at most as many), about 2·P·(left keys), where
-    the shuffle moves the sides not yet placed (TPC-H Q21: 120 thousand late lines' order keys
-    against 730 thousand orders)."""
-    sizes = comm.allreduce(np.array([lt.nbytes, rkeys.nbytes, lt.select(lk).nbytes], dtype=np.int64))
-    shuffled = (0 if l_placed else sizes[0]) + (0 if r_placed else sizes[1])
-    return 2 * comm.world_size * int(sizes[2]) < shuffled and comm.world_size * int(sizes[2]) <= BROADCAST_BYTES
-
-
-def _matched_keys(comm, lt: pa.Table, rkeys: pa.Table, lk: list[str], rk: list[str]) -> pa.Table:
-    """The right's distinct keys that some left row has, on every rank (a semi-join
-    reduction): the left's distinct keys go to every rank, each rank keeps its right keys
-    among them, and those go to every rank.  Joined with them, each rank's left rows find
-    their match (or, for an anti join, that they have none) where they are.  Null keys match
-    as the join's do (the same kernel)."""
-    lkeys = _distinct(lt.select(lk))
-    note(f"Exchange allgather the left side's distinct keys (semi-join reduction): {rows(lkeys)}")
-    lkeys = concat(allgather_tables(comm, lkeys), lkeys.schema)
-    matched = kernels.join(rkeys, lkeys, rk, lk, "semi")
-    note(f"Exchange allgather the right's keys the left has: {rows(matched)}")
-    return concat(allgather_tables(comm, matched), matched.schema)
 
 
 def _broadcast_side(comm, lt: pa.Table, rt: pa.Table, how: str, broadcast: bool | None) -> str | None:

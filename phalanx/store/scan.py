@@ -4,12 +4,11 @@ read when the frame's rows are needed, and then only the columns the frame's pla
 The partitions in this host's file tiers are mapped at once, as an eager read maps them: a
 mapping costs no copy, and it holds the file, so a replacement or deletion of the dataset while
 the app runs cannot take the rows away (a spill or reload the store follows in any case).
-Their columns are sliced as they are used.  The
-partitions in other hosts' memory (a store spanning hosts) and in an object store are read
-later, and then only the columns used cross the network.  A column read once is kept, so two
-frames made from the same input (a filter here, a group-by there) fetch it once.  Filters are
-not pushed in: the store holds no statistics to skip rows with, and the frame's own engine
-filters faster than a pass here would.
+Their columns are sliced as they are used.  The partitions in other hosts' memory (a store
+spanning hosts) and in an object store are read later, and then only the columns used cross
+the network.  A column read once is kept, so two frames made from the same input (a filter
+here, a group-by there) fetch it once.  Filters are not pushed in: the store holds no
+statistics to skip rows with, and the frame's own engine filters faster than a pass here would.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ restores the caller's column types (polars hands strings back as large_string).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import keyword
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -342,6 +344,8 @@ def run_sql(query: str, **tables: Any) -> pa.Table:
     if noting():  # a hot path: the query's text is tidied only for explain
         note("per-rank query (DuckDB): " + " ".join(query.split()))
     con = duckdb_connection()
+    if all(name.isidentifier() and not keyword.iskeyword(name) and not name.startswith("_px_") for name in registered):
+        return _querying(tuple(registered))(con, query, **registered)
     for name, table in registered.items():
         con.register(name, table)
     try:
@@ -349,6 +353,21 @@ def run_sql(query: str, **tables: Any) -> pa.Table:
     finally:
         for name in registered:
             con.unregister(name)
+
+
+@functools.lru_cache(maxsize=256)
+def _querying(names: tuple[str, ...]) -> Callable[..., pa.Table]:
+    """A function whose parameters are ``names``, that runs a query over them.  DuckDB finds a
+    table the query names among the local variables of the Python frame that runs it (its
+    replacement scan): the tables need no ``register``/``unregister`` around the query, which
+    cost 1.3-1.6 ms of a 3 ms join of two small tables (DuckDB 2.0; every operator pays it once
+    or twice).  The function's globals hold nothing else a query could pick up by mistake."""
+    scope: dict[str, Any] = {}
+    exec(
+        f"def run(_px_con_, _px_query_, {', '.join(names)}):\n    return _px_con_.sql(_px_query_).to_arrow_table()\n",
+        scope,
+    )
+    return scope["run"]
 
 
 def join(left: Any, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str) -> pa.Table:

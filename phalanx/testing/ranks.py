@@ -129,10 +129,17 @@ def rank_raises(env, bad: int) -> int:
     return env.rank
 
 
+def _write_atomically(path: Path, text: str) -> None:
+    """Write then rename: a test polling for the file never reads it half written."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
 def mark_then_wait(env, marker_dir: str) -> None:
     """Say "running" with a file, then sleep — in no collective: a dead peer can only be seen
     by the executor and the control plane, not by a communication error."""
-    Path(marker_dir, f"rank-{env.rank}.json").write_text(json.dumps(facts(env.rank)))
+    _write_atomically(Path(marker_dir, f"rank-{env.rank}.json"), json.dumps(facts(env.rank)))
     while True:
         time.sleep(0.1)
 
@@ -141,7 +148,7 @@ def mark_then_wait(env, marker_dir: str) -> None:
 def stage_where(env) -> None:
     """Record facts as <dir>/<stage>-rank-<r>.json and print a line to the rank's log."""
     print(f"contract stage {env.stage} rank {env.rank} of {env.world_size} says hello", flush=True)
-    Path(env.params["dir"], f"{env.stage}-rank-{env.rank}.json").write_text(json.dumps(facts(env.rank)))
+    _write_atomically(Path(env.params["dir"], f"{env.stage}-rank-{env.rank}.json"), json.dumps(facts(env.rank)))
     env.comm.barrier()
 
 

@@ -51,6 +51,7 @@ class DataFrame:
         # r as much as by l (equal values), so a later group-by on r needs no exchange either.
         self._aliases: tuple[tuple[str, ...], ...] = ()
         self._origin = origin  # the distributed operator that made the table (for explain)
+        self._fusions = 0  # operators whose query ran the pending steps (see _sql_input)
 
     @classmethod
     def lazy(cls, source: P.Source, env: BSPEnv, partitioned_by: Sequence[str] | None = None) -> DataFrame:
@@ -79,9 +80,17 @@ class DataFrame:
     def _sql_input(self, columns: Sequence[str]) -> Any:
         """This rank's rows of ``columns`` for a DuckDB query: the pending pipeline as a
         ``plan_sql.SqlInput`` the query fuses (no copy of the rows made first), or None where
-        nothing is pending or a step has no SQL form (then ``to_arrow()``).  The frame stays
-        pending; explain shows the pipeline under the operator that fused it."""
-        return self._pipe.sql_input(columns) if self._pipe.pending else None
+        nothing is pending, a step has no SQL form, or an operator fused the pipeline already
+        (then ``to_arrow()``: a frame read by several operators makes its rows once, at the
+        second read, instead of running its steps in each).  The frame stays pending until
+        then; explain shows the pipeline under the operator that fused it.  An operator that
+        uses the input says so with ``_fused()``."""
+        return self._pipe.sql_input(columns) if self._pipe.pending and not self._fusions else None
+
+    def _fused(self) -> None:
+        """An operator's query ran this frame's pending steps (``_sql_input``).  Every rank
+        runs the same operators on the same frames: they count alike."""
+        self._fusions += 1
 
     def _rows_of(self, columns: Sequence[str]) -> pa.Table:
         """This rank's rows of ``columns`` alone.  Over a source that keeps what it read (a

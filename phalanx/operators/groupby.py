@@ -385,6 +385,7 @@ def _input(df: DataFrame, needed: list[str], rowid: bool, fuse: bool = True) -> 
     global row id column when ``rowid``); and their schema."""
     lazy = df._sql_input(needed) if fuse and not rowid else None
     if lazy is not None:
+        df._fused()
         return lazy, lazy.schema
     table = df._rows_of(needed)
     if rowid:

@@ -171,6 +171,7 @@ def _fused(
     what = "right side's distinct keys" if how in ("semi", "anti") else "right side"
     note(f"Exchange broadcast the {what} (allgather): {rows(side)}")
     note("the left's pending steps fused into the join's query")
+    left._fused()
     side = concat(allgather_tables(comm, side), side.schema)
     if how in ("semi", "anti"):
         return kernels.join(lazy, side, lk, rk, how), left.partitioned_by, left._aliases

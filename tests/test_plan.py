@@ -471,11 +471,11 @@ def test_a_group_by_moves_nothing_where_each_rank_s_key_range_is_apart(gang, kin
     assert placed == (None if apart else ("k",))
 
 
-def app_semi_join_reduction(env, how):
+def app_semi_join_reduction(env, how, n):
     import numpy as np
 
     rng = np.random.default_rng([11, env.rank])
-    n, m = 2000, 150_000  # a few left rows against many right keys
+    m = 150_000  # n left rows against many right keys
     lk = rng.integers(0, 1_000_000, n).astype(float)
     lk[rng.random(n) < 0.05] = np.nan  # null keys (as None below): they match right nulls
     left = pa.table(
@@ -503,14 +503,17 @@ def app_semi_join_reduction(env, how):
     return plan, out.partitioned_by, out.collect(root=0), left, right
 
 
+@pytest.mark.parametrize("left_rows", [2_000, 120_000], ids=["few left keys", "many left keys"])
 @pytest.mark.parametrize("how", ["semi", "anti"])
-def test_a_semi_join_of_few_left_keys_against_many_right_keys(gang, how):
-    """A semi or anti join of a few left rows against many right keys (too many to broadcast):
-    both sides are shuffled by key, only the right's distinct keys moving.  Null key pairs
-    match each other, as the join's always do; the rows are DuckDB's."""
+def test_a_semi_join_against_many_right_keys_moves_keys(gang, how, left_rows):
+    """A semi or anti join against many right keys (too many to broadcast).  Where the left's
+    keys are few, a semi-join reduction: the left's distinct keys go to every rank, the matched
+    ones come back, and the left's rows never move (the result keeps their placement).  Where
+    they are many, both sides are shuffled by key, only the right's distinct keys moving.  Null
+    key pairs match each other, as the join's always do; the rows are DuckDB's."""
     import duckdb
 
-    results = gang.run(app_semi_join_reduction, how)
+    results = gang.run(app_semi_join_reduction, how, left_rows)
     plan, placed = results[0][0], results[0][1]
     con = duckdb.connect()
     con.register("l", pa.concat_tables([r[3] for r in results]))
@@ -524,5 +527,10 @@ def test_a_semi_join_of_few_left_keys_against_many_right_keys(gang, how):
     assert_same_rows(results[0][2], expected)
     if gang.world_size == 1:
         return
-    assert "broadcast" not in plan and plan.count("Exchange hash by ['k', 's']") == 2, plan
-    assert placed == ("k", "s")
+    assert "broadcast" not in plan, plan
+    if left_rows == 2_000:
+        assert "semi-join reduction" in plan and "Exchange hash by ['k', 's']" not in plan, plan
+        assert placed == ("payload",)  # the left's rows stayed where the shuffle by payload put them
+    else:
+        assert "semi-join reduction" not in plan and plan.count("Exchange hash by ['k', 's']") == 2, plan
+        assert placed == ("k", "s")

@@ -165,9 +165,11 @@ def _fused(
     lazy = left._sql_input(left.columns)
     if lazy is None:
         return None
-    side = _distinct(rt.select(rk)) if how in ("semi", "anti") else rt
+    # semi/anti: the right's keys as they are bound their distinct ones (made only when small)
+    side = rt.select(rk) if how in ("semi", "anti") else rt
     if not broadcast and int(comm.allreduce(np.array([side.nbytes], dtype=np.int64))[0]) >= BROADCAST_ALWAYS_BYTES:
         return None
+    side = _distinct(side) if how in ("semi", "anti") else side
     what = "right side's distinct keys" if how in ("semi", "anti") else "right side"
     note(f"Exchange broadcast the {what} (allgather): {rows(side)}")
     note("the left's pending steps fused into the join's query")
@@ -205,20 +207,58 @@ def _semi_join(
     broadcast: bool | None,
 ) -> tuple[pa.Table, tuple[str, ...] | None]:
     """The left's rows with (``semi``) or without (``anti``) a matching key on the right, each
-    once, the left's columns only.  Only the right's distinct keys move: broadcast when small,
-    else both sides are co-partitioned by key."""
+    once, the left's columns only.  The left's rows move only where both sides are shuffled;
+    of the right, only keys move:
+    - its distinct keys broadcast when its keys are small (or ``broadcast=True``);
+    - where the left's keys are few beside what a shuffle would move, a semi-join reduction
+      (``_matched_keys``): no distinct of the right's keys is made (TPC-H Q22: 20 thousand
+      customers against 1.5 million orders' customer keys, 54 ms a rank for their distinct);
+    - else its distinct keys broadcast when small beside the left (``_broadcast_side``), or
+      both sides co-partitioned by key."""
     comm = left.env.comm
-    rt = _distinct(rt.select(rk))
+    rt = rt.select(rk)
     partitioned_by = left.partitioned_by
-    if comm.world_size > 1 and not (l_placed and r_placed):
-        if _broadcast_side(comm, lt, rt, how, broadcast) == "right":
-            note(f"Exchange broadcast the right side's distinct keys (allgather): {rows(rt)}")
-            rt = concat(allgather_tables(comm, rt), rt.schema)
-        else:
-            lt = lt if l_placed else shuffle_table(comm, lt, lk)
-            rt = rt if r_placed else shuffle_table(comm, rt, rk)
-            partitioned_by = tuple(lk)
+    if comm.world_size == 1 or (l_placed and r_placed):
+        return kernels.join(lt, rt, lk, rk, how), partitioned_by  # duplicate keys cost the join nothing
+    left_keys = lt.select(lk)
+    sizes = comm.allreduce(np.array([lt.nbytes, left_keys.nbytes, rt.nbytes], dtype=np.int64))
+    if broadcast is None and sizes[2] > BROADCAST_ALWAYS_BYTES and _reduces(comm.world_size, sizes, l_placed, r_placed):
+        return kernels.join(lt, _matched_keys(comm, left_keys, rt, lk, rk), lk, rk, how), partitioned_by
+    rt = _distinct(rt)
+    if _broadcast_side(comm, lt, rt, how, broadcast) == "right":
+        note(f"Exchange broadcast the right side's distinct keys (allgather): {rows(rt)}")
+        rt = concat(allgather_tables(comm, rt), rt.schema)
+    else:
+        lt = lt if l_placed else shuffle_table(comm, lt, lk)
+        rt = rt if r_placed else shuffle_table(comm, rt, rk)
+        partitioned_by = tuple(lk)
     return kernels.join(lt, rt, lk, rk, how), partitioned_by
+
+
+def _reduces(world_size: int, sizes, l_placed: bool, r_placed: bool) -> bool:
+    """Whether a semi-join reduction moves less than the shuffle would: every rank receives
+    the left's distinct keys and then those matched (at most as many), at most 2·P·(the left's
+    keys), where the shuffle moves the sides not yet placed (the right's keys bound its
+    distinct ones).  ``sizes``: the left's bytes, its keys' bytes, the right keys' bytes, all
+    ranks together."""
+    shuffled = (0 if l_placed else int(sizes[0])) + (0 if r_placed else int(sizes[2]))
+    keys = int(sizes[1])
+    return 2 * world_size * keys < shuffled and world_size * keys <= BROADCAST_BYTES
+
+
+def _matched_keys(comm, left_keys: pa.Table, right_keys: pa.Table, lk: list[str], rk: list[str]) -> pa.Table:
+    """The left's distinct keys that some rank's right keys hold, on every rank (a semi-join
+    reduction): the left's distinct keys go to every rank, each rank keeps those its right
+    keys match (one hash pass over them), and those go to every rank.  Joined with them, each
+    rank's left rows find their match (or, for an anti join, that they have none) where they
+    are.  Null keys match as the join's do (the same kernel)."""
+    lkeys = _distinct(left_keys)
+    note(f"Exchange allgather the left side's distinct keys (semi-join reduction): {rows(lkeys)}")
+    lkeys = concat(allgather_tables(comm, lkeys), lkeys.schema)
+    lkeys = _distinct(lkeys)
+    matched = kernels.join(lkeys, right_keys, lk, rk, "semi").rename_columns(rk)  # named as the right's
+    note(f"Exchange allgather the left's keys the right has: {rows(matched)}")
+    return concat(allgather_tables(comm, matched), matched.schema)
 
 
 def _distinct(table: pa.Table) -> pa.Table:

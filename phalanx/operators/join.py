@@ -236,14 +236,18 @@ def _semi_join(
 
 
 def _reduces(world_size: int, sizes, l_placed: bool, r_placed: bool) -> bool:
-    """Whether a semi-join reduction moves less than the shuffle would: every rank receives
-    the left's distinct keys and then those matched (at most as many), at most 2·P·(the left's
-    keys), where the shuffle moves the sides not yet placed (the right's keys bound its
-    distinct ones).  ``sizes``: the left's bytes, its keys' bytes, the right keys' bytes, all
-    ranks together."""
-    shuffled = (0 if l_placed else int(sizes[0])) + (0 if r_placed else int(sizes[2]))
-    keys = int(sizes[1])
-    return 2 * world_size * keys < shuffled and world_size * keys <= BROADCAST_BYTES
+    """Whether a semi-join reduction costs less than making the right's distinct keys and
+    moving them.  The reduction's cost: every rank receives the left's distinct keys, probes
+    its right keys with them (one pass, ~5x cheaper a row than a distinct), and receives the
+    matched ones: it pays where the right's keys outnumber all the left's many times over
+    (TPC-H Q22: 1.5 million orders' customer keys against 38 thousand customers', 143 → 109
+    ms at 2 ranks; not Q4's 300 thousand lines against 76 thousand orders, whose distinct keys
+    are broadcast: 113 ms, 138 reduced).  ``sizes``: the left's bytes, its keys' bytes, the
+    right keys' bytes, all ranks together."""
+    left_keys, right_keys = int(sizes[1]), int(sizes[2])
+    if l_placed or r_placed:  # one side placed: the other moves alone; keep it simple
+        return False
+    return right_keys >= 8 * world_size * left_keys and world_size * left_keys <= BROADCAST_BYTES
 
 
 def _matched_keys(comm, left_keys: pa.Table, right_keys: pa.Table, lk: list[str], rk: list[str]) -> pa.Table:

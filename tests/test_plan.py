@@ -281,10 +281,11 @@ def test_a_pending_pipeline_fuses_into_the_aggregation_s_query_with_the_same_ans
     assert ('WITH "__px_t" AS (SELECT' in plan) is fuse, plan
 
 
-def app_fused_joins(env, path, fuse):
+def app_pending_joins(env, path, fuse):
     import os
 
     os.environ["PHALANX_PIPELINE_ENGINE"] = "polars" if fuse else "acero"
+    quiet = open("/dev/null", "w")
     try:
         df = px.read_parquet(path, env).compute()  # in memory: the pipelines below are pending
 
@@ -295,38 +296,52 @@ def app_fused_joins(env, path, fuse):
 
         dim = pa.table({"dk": pa.array([None, *range(0, 200, 3)], pa.int64()), "label": [f"d{i}" for i in range(68)]})
         dim = px.DataFrame.from_arrow(dim if env.rank == 0 else dim.slice(0, 0), env)  # tiny: broadcast
+        tags = pa.table({"label": [f"d{i}" for i in range(0, 68, 2)], "tag": [f"t{i % 5}" for i in range(34)]})
+        tags = px.DataFrame.from_arrow(tags if env.rank == env.world_size - 1 else tags.slice(0, 0), env)
         out, still = {}, []
         for how in ("inner", "left", "semi", "anti"):
             q = pending()
             j = q.merge(dim, left_on="k", right_on="dk", how=how)
-            out[how] = (j.collect(root=0), j.explain(file=open("/dev/null", "w")))
+            out[how] = (j.collect(root=0), j.explain(file=quiet))
             still.append(q._pipe.pending)
-        # one frame read by two joins: the first fuses its steps, the second makes its rows
-        q = pending()
-        plans = []
-        for how in ("inner", "semi"):
-            j = q.merge(dim, left_on="k", right_on="dk", how=how)
-            plans.append(j.explain(file=open("/dev/null", "w")))
-            out[f"{how} again"] = (j.collect(root=0), plans[-1])
-            still.append(q._pipe.pending)
-        return out, still, dim.to_arrow() if env.rank == 0 else None
+        # a chain: join, a filter on the joined column, another join, a group-by over it all
+        chain = (
+            pending()
+            .merge(dim, left_on="k", right_on="dk")
+            .filter(pc.field("label") != "d3")
+            .merge(tags, on="label", how="left")
+            .groupby(["label", "tag"], dropna=False)
+            .agg(n=("z", "count"), total=("z", "sum"))
+        )
+        out["chain"] = (chain.collect(root=0), chain.explain(file=quiet))
+        # one pending frame read by two group-bys: the first fuses its steps (join included)
+        # into its query, the second makes its rows once
+        j = pending().merge(dim, left_on="k", right_on="dk")
+        assert j.groupby("label").agg(n=("z", "count")).num_rows > 0
+        still.append(j._pipe.pending)
+        again = j.groupby("label").agg(n=("z", "count"))
+        still.append(j._pipe.pending)
+        out["again"] = (again.collect(root=0), again.explain(file=quiet))
+        return out, still, dim.to_arrow() if env.rank == 0 else None, tags.to_arrow()
     finally:  # the gang's ranks serve the next tests
         os.environ.pop("PHALANX_PIPELINE_ENGINE")
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused into DuckDB", "Acero first"])
-def test_a_pending_pipeline_fuses_into_a_join_with_a_small_side(gang, tmp_path, fuse):
-    """A merge whose right side is small (broadcast) reads the left's filtered, computed rows
-    inside its own DuckDB query; inner, left, semi and anti joins give DuckDB's rows (null keys
-    matching each other), fused or not."""
+@pytest.mark.parametrize("fuse", [True, False], ids=["one DuckDB query", "Acero first"])
+def test_a_join_with_a_small_side_waits_in_the_pipeline(gang, tmp_path, fuse):
+    """A merge whose right side is small goes to every rank at the call and the join waits in
+    the left's pipeline: with the steps before and after it one DuckDB query (or, where the
+    engine is Acero, the steps apart); inner, left, semi and anti joins, a chain of two joins
+    and a filter under a group-by, give DuckDB's rows (null keys matching each other)."""
     import duckdb
 
     t = write_table(tmp_path / "t.parquet")
-    results = gang.run(app_fused_joins, str(tmp_path / "t.parquet"), fuse)
-    out, pending, dim = results[0]
+    results = gang.run(app_pending_joins, str(tmp_path / "t.parquet"), fuse)
+    out, pending, dim = results[0][:3]
     con = duckdb.connect()
     con.register("t", t)
     con.register("d", dim)
+    con.register("g", pa.concat_tables([r[3] for r in results]))
     rows = "SELECT *, v * 2 AS z FROM t WHERE w > 3000 AND s LIKE 'name-1%'"
     cond = "l.k IS NOT DISTINCT FROM d.dk"
     want = {
@@ -334,17 +349,48 @@ def test_a_pending_pipeline_fuses_into_a_join_with_a_small_side(gang, tmp_path, 
         "left": f"SELECT l.*, d.dk, d.label FROM ({rows}) l LEFT JOIN d ON {cond}",
         "semi": f"SELECT * FROM ({rows}) l WHERE EXISTS (SELECT 1 FROM d WHERE {cond})",
         "anti": f"SELECT * FROM ({rows}) l WHERE NOT EXISTS (SELECT 1 FROM d WHERE {cond})",
+        "chain": f"SELECT d.label, g.tag, count(l.z) AS n, sum(l.z) AS total FROM ({rows}) l JOIN d ON {cond} "
+        "LEFT JOIN g ON d.label = g.label WHERE d.label <> 'd3' GROUP BY d.label, g.tag",
+        "again": f"SELECT d.label, count(l.z) AS n FROM ({rows}) l JOIN d ON {cond} GROUP BY d.label",
     }
-    fuses = gang.world_size > 1 and fuse
-    for how, sql in [*want.items(), ("inner again", want["inner"]), ("semi again", want["semi"])]:
+    for how, sql in want.items():
         got, plan = out[how]
         expected = con.sql(sql).to_arrow_table()
         assert expected.num_rows > 0, how
         assert_same_rows(got, expected.cast(got.schema))
-        fused = fuses and how != "semi again"  # a frame's second reader reads its rows, made once
-        assert ("fused into the join's query" in plan) is fused, (how, plan)
-    # fused: the frame's own rows were never made, until a second operator read the frame
-    assert pending == [fuses] * 5 + [False]
+        assert "Join " in plan and "with a table on every rank" in plan, (how, plan)
+        assert ("Exchange broadcast" in plan) is (gang.world_size > 1), (how, plan)
+        if how in want and how not in ("chain", "again"):
+            assert plan.splitlines()[0].endswith("[DuckDB]" if fuse else "[steps apart]"), plan
+    assert "Merge" not in out["chain"][1]  # both joins waited in the pipeline, fused under the group-by
+    # the join's frames never made the left's rows; the frame read by two group-bys made its
+    # own once, at the second (where the first fused it)
+    assert pending == [True] * 4 + [True, False] if fuse else [True] * 4 + [False, False]
+
+
+def app_filter_below_a_join(env, path):
+    df = px.read_parquet(path, env)  # a scan: the filter can reach its row groups
+    dim = pa.table({"dk": pa.array(range(0, 97, 2), pa.int64())})
+    dim = px.DataFrame.from_arrow(dim if env.rank == 0 else dim.slice(0, 0), env)
+    q = df.merge(dim, left_on="k", right_on="dk").filter(pc.field("w") >= 15_000).select(["k", "v", "dk"])
+    return q.explain(file=open("/dev/null", "w")), q.collect(root=0)
+
+
+def test_a_filter_after_a_join_with_a_small_side_reaches_the_scan(gang, tmp_path):
+    """A filter on the left's columns after a join with a small side moves below it, into the
+    Parquet scan (row groups skipped by their statistics); the columns no step reads are not
+    read; the rows are DuckDB's."""
+    import duckdb
+
+    t = write_table(tmp_path / "t.parquet")
+    plan, got = gang.run(app_filter_below_a_join, str(tmp_path / "t.parquet"))[0]
+    scan = next(line for line in plan.splitlines() if "Scan parquet" in line)
+    assert "filter (w >= 15000)" in scan and "columns ['k', 'v']," in scan, plan  # w read by the scan's filter alone
+    assert "Filter" not in plan.split("Scan parquet")[0], plan  # no filter step left above the scan
+    con = duckdb.connect()
+    con.register("t", t)
+    expected = con.sql("SELECT k, v, k AS dk FROM t WHERE w >= 15000 AND k % 2 = 0").to_arrow_table()
+    assert_same_rows(got, expected.cast(got.schema))
 
 
 def app_groupby_on_the_right_key_of_an_inner_join(env):

@@ -52,6 +52,7 @@ class DataFrame:
         self._aliases: tuple[tuple[str, ...], ...] = ()
         self._origin = origin  # the distributed operator that made the table (for explain)
         self._fusions = 0  # operators whose query ran the pending steps (see _sql_input)
+        self._reads = 0  # frames derived from this one, and operators that fused it (see _read)
 
     @classmethod
     def lazy(cls, source: P.Source, env: BSPEnv, partitioned_by: Sequence[str] | None = None) -> DataFrame:
@@ -85,12 +86,22 @@ class DataFrame:
         second read, instead of running its steps in each).  The frame stays pending until
         then; explain shows the pipeline under the operator that fused it.  An operator that
         uses the input says so with ``_fused()``."""
+        self._read()
         return self._pipe.sql_input(columns) if self._pipe.pending and not self._fusions else None
 
     def _fused(self) -> None:
         """An operator's query ran this frame's pending steps (``_sql_input``).  Every rank
         runs the same operators on the same frames: they count alike."""
         self._fusions += 1
+        self._reads += 1
+
+    def _read(self) -> None:
+        """Before a second reader of pending steps that are costly to repeat (a join: each
+        frame derived from this one, and each operator fusing it, would run it again), this
+        frame makes its rows once; filters and projections stay pending (they fuse into what
+        reads them).  Every rank derives and reads the same frames: they count alike."""
+        if self._reads and self._pipe.costly:
+            self.compute()
 
     def _rows_of(self, columns: Sequence[str]) -> pa.Table:
         """This rank's rows of ``columns`` alone.  Over a source that keeps what it read (a
@@ -109,6 +120,8 @@ class DataFrame:
         self, step: P.Step, schema: pa.Schema, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None
     ) -> DataFrame:
         """A frame with one more pending local step (rows stay on their ranks)."""
+        self._read()
+        self._reads += 1
         placed, aliases = self._kept_placements(schema.names, changed, renames)
         df = DataFrame(pa.table({}), self.env, placed, self._origin)
         df._aliases = aliases
@@ -393,15 +406,18 @@ class DataFrame:
         """pandas-style join (collective); see ``phalanx.operators.join``.  ``how``: inner, left,
         right, outer; or semi / anti: the left's rows that have / have no match (SQL's IN / NOT IN
         a subquery), the left's columns only, null keys matching each other as in every merge."""
-        from .join import merge
+        from .join import merge, pending_join
 
+        # a small right side goes to every rank now; the join waits in this frame's pipeline
+        step = pending_join(self, right, on=on, how=how, left_on=left_on, right_on=right_on, broadcast=broadcast)
+        if step is not None:
+            return self._then(step, step.output_schema(self.schema))
         (table, partitioned_by, aliases), op = self._run(
             f"Merge {how} on {on if on is not None else (left_on, right_on)}",
             lambda: merge(
                 self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
             ),
             right,
-            fuses=True,  # this frame's pending steps, where the join can fuse them (join._fused)
         )
         return self._new(table, partitioned_by, op, right, aliases=aliases)
 

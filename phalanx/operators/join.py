@@ -18,7 +18,7 @@ import pyarrow as pa
 from . import kernels
 from .common import as_list, check_columns
 from .exchange import allgather_tables, concat
-from .plan import note, rows
+from .plan import Join, note, rows
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -74,21 +74,8 @@ def merge(
 ) -> tuple[pa.Table, Placement | None, tuple[Placement, ...]]:
     """The local partition of the result, the keys it is hash-partitioned by (if any), and
     other column tuples it is equally placed by (an inner join's right keys)."""
-    if how not in _HOWS:
-        raise ValueError(f"merge: how must be one of {_HOWS}, got {how!r}")
-    if on is not None and (left_on is not None or right_on is not None):
-        raise ValueError("merge: give either on= or left_on=/right_on=, not both")
-    lk = as_list(on if on is not None else left_on)
-    rk = as_list(on if on is not None else right_on)
-    if not lk or len(lk) != len(rk):
-        raise ValueError(f"merge: need the same number of left and right keys, got {lk} and {rk}")
-    check_columns(left.schema, lk, "merge (left)")
-    check_columns(right.schema, rk, "merge (right)")
-    types = [_key_type(left.schema.field(a).type, right.schema.field(b).type, a) for a, b in zip(lk, rk)]
+    lk, rk, types = _keys(left, right, on=on, how=how, left_on=left_on, right_on=right_on)
     rt = _cast_keys(right.to_arrow(), rk, types)
-    fused = _fused(left, rt, lk, rk, types, how, broadcast)
-    if fused is not None:
-        return fused
     lt = _cast_keys(left.to_arrow(), lk, types)
     # A side already hash-partitioned by its join keys, uncast, need not move; nor two sides
     # partitioned by the same positions of their keys (left by (a), right by (a'), joined on
@@ -141,44 +128,57 @@ def merge(
     return kernels.join(lt, rt, lk, rk, how), partitioned_by, aliases
 
 
-def _fused(
-    left: DataFrame, rt: pa.Table, lk: list[str], rk: list[str], types: list[pa.DataType], how: str, broadcast
-) -> tuple[pa.Table, Placement | None, tuple[Placement, ...]] | None:
-    """The join with the left's pending local steps fused into its DuckDB query as a ``WITH``
-    clause (``plan_sql``: the surviving rows are never copied first), where the left's rows
-    stay on their ranks whatever its size: the right side (its distinct keys for a semi or
-    anti join) is under ``BROADCAST_ALWAYS_BYTES`` in all and is broadcast.  None where that
-    does not hold (then the left is computed and joined as usual): no SQL form for a step, a
-    key cast on the left, clashing column names, a join that cannot broadcast its right side.
-    Every rank decides alike (the steps and schemas are the same; the size is allreduced)."""
-    comm = left.env.comm
+def _keys(
+    left: DataFrame, right: DataFrame, *, on, how, left_on, right_on
+) -> tuple[list[str], list[str], list[pa.DataType]]:
+    """The left's keys, the right's, and the type each pair is joined as; errors name the key."""
+    if how not in _HOWS:
+        raise ValueError(f"merge: how must be one of {_HOWS}, got {how!r}")
+    if on is not None and (left_on is not None or right_on is not None):
+        raise ValueError("merge: give either on= or left_on=/right_on=, not both")
+    lk = as_list(on if on is not None else left_on)
+    rk = as_list(on if on is not None else right_on)
+    if not lk or len(lk) != len(rk):
+        raise ValueError(f"merge: need the same number of left and right keys, got {lk} and {rk}")
+    check_columns(left.schema, lk, "merge (left)")
+    check_columns(right.schema, rk, "merge (right)")
+    types = [_key_type(left.schema.field(a).type, right.schema.field(b).type, a) for a, b in zip(lk, rk)]
+    return lk, rk, types
+
+
+def pending_join(left: DataFrame, right: DataFrame, *, on, how, left_on, right_on, broadcast) -> Join | None:
+    """The join as a pending step of the left's pipeline (``plan.Join``), where the left's
+    rows stay on their ranks whatever its size: the right side (its distinct keys for a semi or
+    anti join) is under ``BROADCAST_ALWAYS_BYTES`` in all (or ``broadcast=True``) and goes to
+    every rank now.  The join then runs with the left's steps before and after it as one
+    DuckDB query (or fused into the next operator's), filters after it on the left's columns
+    pushed below it (into a Parquet scan).  None where that does not hold (then ``merge``
+    runs): right or outer joins, a key cast on the left, clashing column names, a right side
+    too large.  Every rank decides alike (the schemas are the same; the size is allreduced)."""
+    lk, rk, types = _keys(left, right, on=on, how=how, left_on=left_on, right_on=right_on)
     shared = {a for a, b in zip(lk, rk) if a == b}
-    clash = (set(left.columns) & set(rt.column_names)) - shared
+    clash = (set(left.columns) & set(right.columns)) - shared
     if (
-        comm.world_size == 1
-        or broadcast is False
+        broadcast is False
         or how not in ("inner", "left", "semi", "anti")
         or (clash and how not in ("semi", "anti"))
         or any(left.schema.field(k).type != t for k, t in zip(lk, types))
     ):
         return None
-    lazy = left._sql_input(left.columns)
-    if lazy is None:
-        return None
+    comm = left.env.comm
+    rt = _cast_keys(right.to_arrow(), rk, types)
     # semi/anti: the right's keys as they are bound their distinct ones (made only when small)
     side = rt.select(rk) if how in ("semi", "anti") else rt
     if not broadcast and int(comm.allreduce(np.array([side.nbytes], dtype=np.int64))[0]) >= BROADCAST_ALWAYS_BYTES:
         return None
     side = _distinct(side) if how in ("semi", "anti") else side
-    what = "right side's distinct keys" if how in ("semi", "anti") else "right side"
-    note(f"Exchange broadcast the {what} (allgather): {rows(side)}")
-    note("the left's pending steps fused into the join's query")
-    left._fused()
-    side = concat(allgather_tables(comm, side), side.schema)
-    if how in ("semi", "anti"):
-        return kernels.join(lazy, side, lk, rk, how), left.partitioned_by, left._aliases
-    kept = left._placements()
-    return kernels.join(lazy, side, lk, rk, how), (kept[0] if kept else None), tuple(kept[1:])
+    what = "the right side's distinct keys" if how in ("semi", "anti") else "the right side"
+    exchange = (
+        f"Exchange broadcast {what} (allgather): {rows(side)}" if comm.world_size > 1 else "no exchange (one rank)"
+    )
+    side = concat(allgather_tables(comm, side), side.schema) if comm.world_size > 1 else side
+    right_out = () if how in ("semi", "anti") else tuple(c for c in side.column_names if c not in shared)
+    return Join(side, tuple(lk), tuple(rk), how, tuple(left.columns), right_out, exchange)
 
 
 def _common_subset(

@@ -336,9 +336,9 @@ def run_sql(query: str, **tables: Any) -> pa.Table:
         if isinstance(table, pa.Table):
             registered[name] = table
         else:
-            clause, src = table.with_clause(name)
+            clause, read = table.with_clause(name)
             withs.append(clause)
-            registered[src] = table.source
+            registered.update(read)
     if withs:
         query = "WITH " + ", ".join(withs) + " " + query
     if noting():  # a hot path: the query's text is tidied only for explain

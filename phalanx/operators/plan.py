@@ -72,7 +72,48 @@ class Project:
         return f"Project [{', '.join(shown)}]"
 
 
-Step = Filter | Project
+@dataclass(frozen=True, eq=False)
+class Join:
+    """A join with a table this rank holds whole (a broadcast side, or the right's distinct
+    keys for semi/anti): the left's rows stay where they are, so the join is local work that
+    fuses with the steps around it.  Null keys match each other (as every merge).  Outputs
+    ``left_out`` (left columns, unchanged) then ``right_out`` (the table's, none named like a
+    left column); semi and anti output no right column."""
+
+    table: pa.Table
+    left_on: tuple[str, ...]
+    right_on: tuple[str, ...]
+    how: str  # inner, left, semi, anti
+    left_out: tuple[str, ...]
+    right_out: tuple[str, ...]
+    exchange: str = ""  # how the table came to every rank, for explain
+
+    @property
+    def refs(self) -> frozenset[str]:
+        """The left columns it reads (its keys) besides those it carries."""
+        return frozenset(self.left_on)
+
+    def output_schema(self, left: pa.Schema) -> pa.Schema:
+        return pa.schema([left.field(c) for c in self.left_out] + [self.table.schema.field(c) for c in self.right_out])
+
+    def pruned(self, live: set[str]) -> Join:
+        return Join(
+            self.table,
+            self.left_on,
+            self.right_on,
+            self.how,
+            tuple(c for c in self.left_out if c in live),
+            tuple(c for c in self.right_out if c in live),
+            self.exchange,
+        )
+
+    def describe(self) -> str:
+        on = ", ".join(f"{a} = {b}" if a != b else a for a, b in zip(self.left_on, self.right_on))
+        line = f"Join {self.how} on {on} with a table on every rank ({self.table.num_rows} rows)"
+        return f"{line}: {self.exchange}" if self.exchange else line
+
+
+Step = Filter | Project | Join
 
 
 @dataclass
@@ -110,6 +151,11 @@ class Pipeline:
     def pending(self) -> bool:
         return bool(self.steps) or not isinstance(self.source, pa.Table)
 
+    @property
+    def costly(self) -> bool:
+        """Whether running the steps again costs more than keeping their rows (a join)."""
+        return any(isinstance(s, Join) for s in self.steps)
+
     def then(self, step: Step, schema: pa.Schema) -> Pipeline:
         return Pipeline(self.source, (*self.steps, step), schema)
 
@@ -134,6 +180,8 @@ class Pipeline:
             table = self.source.read(columns, pushed)
         if not steps:
             return table
+        if any(isinstance(s, Join) for s in steps):
+            return _joined(table, steps, self.schema)
         compiled = _in_polars(table.schema, steps)
         return compiled.run(table) if compiled is not None else _acero(table, steps)
 
@@ -149,25 +197,20 @@ class Pipeline:
         needed = _needed(steps, list(wanted))
         columns = [c for c in self.source.schema.names if c in needed]
         schema = pa.schema([self.source.schema.field(c) for c in columns])
-        key = ("sql", tuple((f.name, str(f.type)) for f in schema), tuple(map(_step_key, steps)), tuple(wanted))
-        if key not in _COMPILED:
-            from . import plan_sql
-
-            try:
-                _remember(key, plan_sql.pipeline_sql(schema, steps, wanted))
-            except plan_sql.Untranslatable:
-                _remember(key, None)
-        select = _COMPILED[key]
+        select = _as_sql(schema, steps, wanted)
         if select is None:
             return None
         from .plan_sql import SqlInput
 
         table = self.source.select(columns) if len(columns) < self.source.num_columns else self.source
-        return SqlInput(table, select, pa.schema([self.schema.field(c) for c in wanted]))
+        joined = tuple(s.table for s in steps if isinstance(s, Join))
+        return SqlInput(table, select, pa.schema([self.schema.field(c) for c in wanted]), joined)
 
     def carried(self, name: str) -> str | None:
         """The source column that output column ``name`` is (renamed or not), None if computed."""
         for step in reversed(self.steps):
+            if isinstance(step, Join) and name not in step.left_out:
+                return None  # the joined table's
             if isinstance(step, Project):
                 out = next((o for o in step.outputs if o.name == name), None)
                 if out is None or out.passes is None:
@@ -182,7 +225,11 @@ class Pipeline:
         lines = [s.describe() for s in reversed(steps)]
         if lines:
             schema = pa.schema([self.source.schema.field(c) for c in columns])
-            lines[0] += " [Polars]" if _in_polars(schema, steps) is not None else " [Acero]"
+            if any(isinstance(s, Join) for s in steps):
+                engine = "DuckDB" if _as_sql(schema, steps, self.schema.names) is not None else "steps apart"
+            else:
+                engine = "Polars" if _in_polars(schema, steps) is not None else "Acero"
+            lines[0] += f" [{engine}]"
         if isinstance(self.source, pa.Table):
             lines.append(f"Table {self.source.num_rows} rows, columns {columns}")
         else:
@@ -228,6 +275,9 @@ def _step_key(step: Step) -> tuple:
     """A hashable identity of a step (an Expression is not hashable; its serialization is)."""
     if isinstance(step, Filter):
         return ("filter", _expr_key(step.expr))
+    if isinstance(step, Join):  # the SQL names the table, so its schema identifies the step
+        kinds = tuple((f.name, str(f.type)) for f in step.table.schema)
+        return ("join", step.how, step.left_on, step.right_on, step.left_out, step.right_out, kinds)
     return ("project", tuple((o.name, o.passes, None if o.passes else _expr_key(o.expr)) for o in step.outputs))
 
 
@@ -322,8 +372,12 @@ def _push_filters(steps: list[Step]) -> tuple[list[Step], list[pc.Expression]]:
     intact: set[str] | None = None  # columns unchanged since the source (None: all)
     for step in steps:
         if isinstance(step, Filter) and (intact is None or step.refs <= intact):
+            # past a join too: its left rows are kept, dropped or repeated whole, so a filter on
+            # their unchanged columns commutes with it (inner, left, semi, anti)
             pushed.append(step.expr)
             continue
+        if isinstance(step, Join):
+            intact = set(step.left_out) if intact is None else intact & set(step.left_out)
         if isinstance(step, Project):
             same = {o.name for o in step.outputs if o.passes == o.name}
             intact = same if intact is None else intact & same
@@ -339,6 +393,10 @@ def _prune(steps: list[Step], wanted: list[str]) -> list[Step]:
         if isinstance(step, Filter):
             out.append(step)
             live |= step.refs
+        elif isinstance(step, Join):
+            step = step.pruned(live)
+            out.append(step)
+            live = set(step.left_out) | step.refs
         else:
             outputs = tuple(o for o in step.outputs if o.name in live)
             out.append(Project(outputs))
@@ -352,9 +410,56 @@ def _needed(steps: list[Step], wanted: list[str]) -> set[str]:
     for step in reversed(steps):
         if isinstance(step, Filter):
             live |= step.refs
+        elif isinstance(step, Join):
+            live = (live & set(step.left_out)) | step.refs
         else:
             live = set().union(*(o.refs for o in step.outputs)) if step.outputs else set()
     return live
+
+
+def _as_sql(schema: pa.Schema, steps: Sequence[Step], wanted: Sequence[str]) -> str | None:
+    """The steps over rows of ``schema`` as one DuckDB query over ``{src}`` (and ``{j0}``...
+    for joins), compiled once; None where a step has no SQL form or
+    ``PHALANX_PIPELINE_ENGINE=acero`` says so."""
+    if _engine_setting() == "acero":
+        return None
+    key = ("sql", tuple((f.name, str(f.type)) for f in schema), tuple(map(_step_key, steps)), tuple(wanted))
+    if key not in _COMPILED:
+        from . import plan_sql
+
+        try:
+            _remember(key, plan_sql.pipeline_sql(schema, steps, wanted))
+        except plan_sql.Untranslatable:
+            _remember(key, None)
+    return _COMPILED[key]
+
+
+def _joined(table: pa.Table, steps: list[Step], schema: pa.Schema) -> pa.Table:
+    """Steps with joins over a table: one DuckDB query where they all have an SQL form, else
+    the runs of filters and projections between the joins apart (Polars or Acero), each join
+    in DuckDB."""
+    from . import kernels
+    from .plan_sql import SqlInput
+
+    select = _as_sql(table.schema, steps, schema.names)
+    if select is not None:
+        joined = tuple(s.table for s in steps if isinstance(s, Join))
+        rows = SqlInput(table, select, schema, joined)
+        return kernels.restore_types(kernels.run_sql('SELECT * FROM "__px_t"', __px_t=rows), schema)
+    while steps:
+        at = next((i for i, s in enumerate(steps) if isinstance(s, Join)), len(steps))
+        if at:
+            local = steps[:at]
+            compiled = _in_polars(table.schema, local)
+            table = compiled.run(table) if compiled is not None else _acero(table, local)
+        if at == len(steps):
+            break
+        join: Join = steps[at]  # type: ignore[assignment]
+        right = join.table.select(list(dict.fromkeys([*join.right_on, *join.right_out])))
+        out = kernels.join(table, right, list(join.left_on), list(join.right_on), join.how)
+        table = out.select([*join.left_out, *join.right_out])
+        steps = steps[at + 1 :]
+    return kernels.restore_types(table.select(schema.names), schema)
 
 
 def _acero(table: pa.Table, steps: list[Step]) -> pa.Table:
@@ -366,7 +471,7 @@ def _acero(table: pa.Table, steps: list[Step]) -> pa.Table:
     for step in steps:
         if isinstance(step, Filter):
             nodes.append(acero.Declaration("filter", acero.FilterNodeOptions(step.expr)))
-        else:
+        elif isinstance(step, Project):  # joins never come here (_joined runs them)
             nodes.append(
                 acero.Declaration(
                     "project", acero.ProjectNodeOptions([o.expr for o in step.outputs], [o.name for o in step.outputs])

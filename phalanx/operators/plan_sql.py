@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,27 +35,49 @@ __all__ = ["SqlInput", "Untranslatable", "pipeline_sql"]
 @dataclass
 class SqlInput:
     """Rows to read in a DuckDB query: ``source`` (an Arrow table, registered as ``<name>__src``)
-    through ``select`` (SQL over ``{src}``), whose result has ``schema``'s columns."""
+    through ``select`` (SQL over ``{src}``, and over ``{j0}``, ``{j1}``... the tables of its
+    joins, ``joined``), whose result has ``schema``'s columns."""
 
     source: pa.Table
     select: str
     schema: pa.Schema
+    joined: tuple[pa.Table, ...] = ()
 
-    def with_clause(self, name: str) -> tuple[str, str]:
-        """(``name AS (...)``, the source's registered name)."""
-        src = f"{name}__src"
-        return f"{quote_ident(name)} AS ({self.select.format(src=quote_ident(src))})", src
+    def with_clause(self, name: str) -> tuple[str, dict[str, pa.Table]]:
+        """(``name AS (...)``, the tables it reads by the names it gives them)."""
+        tables = {f"{name}__src": self.source, **{f"{name}__j{i}": t for i, t in enumerate(self.joined)}}
+        # the placeholders by a pattern, not str.format: a string literal may hold braces
+        select = _PLACEHOLDER.sub(lambda m: quote_ident(f"{name}__{m.group(1)}"), self.select)
+        return f"{quote_ident(name)} AS ({select})", tables
+
+
+_PLACEHOLDER = re.compile(r"\{(src|j\d+)\}")
+
+
+_JOINS = {"inner": "JOIN", "left": "LEFT JOIN", "semi": "SEMI JOIN", "anti": "ANTI JOIN"}
 
 
 def pipeline_sql(source_schema: pa.Schema, steps: Sequence[Any], wanted: Sequence[str]) -> str:
-    """The steps (``plan.Filter`` / ``plan.Project``) over a relation ``{src}`` of
-    ``source_schema``'s columns as one SELECT of ``wanted``; ``Untranslatable`` otherwise."""
-    from .plan import Filter
+    """The steps (``plan.Filter`` / ``plan.Project`` / ``plan.Join``) over a relation ``{src}``
+    of ``source_schema``'s columns as one SELECT of ``wanted``; ``Untranslatable`` otherwise.
+    The k-th join reads its table as ``{jk}``."""
+    from .plan import Filter, Join
 
-    schema, relation = source_schema, "{src}"
+    schema, relation, joins = source_schema, "{src}", 0
     for step in steps:
         if isinstance(step, Filter):
             relation = f"(SELECT * FROM {relation} WHERE {_sql(tree(step.expr), schema)})"
+            continue
+        if isinstance(step, Join):
+            cond = " AND ".join(
+                f"l.{quote_ident(a)} IS NOT DISTINCT FROM r.{quote_ident(b)}"
+                for a, b in zip(step.left_on, step.right_on)
+            )
+            cols = [f"l.{quote_ident(c)}" for c in step.left_out] + [f"r.{quote_ident(c)}" for c in step.right_out]
+            table = "{j%d}" % joins
+            relation = f"(SELECT {', '.join(cols) or 'NULL AS __px_none'} FROM {relation} l {_JOINS[step.how]} {table} r ON {cond})"
+            schema = step.output_schema(schema)
+            joins += 1
             continue
         cols, fields = [], []
         for o in step.outputs:

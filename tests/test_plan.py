@@ -314,8 +314,7 @@ def app_pending_joins(env, path, fuse):
             .agg(n=("z", "count"), total=("z", "sum"))
         )
         out["chain"] = (chain.collect(root=0), chain.explain(file=quiet))
-        # one pending frame read by two group-bys: the first fuses its steps (join included)
-        # into its query, the second makes its rows once
+        # one frame holding a pending join, read by two group-bys: its rows are made once
         j = pending().merge(dim, left_on="k", right_on="dk")
         assert j.groupby("label").agg(n=("z", "count")).num_rows > 0
         still.append(j._pipe.pending)
@@ -362,10 +361,10 @@ def test_a_join_with_a_small_side_waits_in_the_pipeline(gang, tmp_path, fuse):
         assert ("Exchange broadcast" in plan) is (gang.world_size > 1), (how, plan)
         if how in want and how not in ("chain", "again"):
             assert plan.splitlines()[0].endswith("[DuckDB]" if fuse else "[steps apart]"), plan
-    assert "Merge" not in out["chain"][1]  # both joins waited in the pipeline, fused under the group-by
-    # the join's frames never made the left's rows; the frame read by two group-bys made its
-    # own once, at the second (where the first fused it)
-    assert pending == [True] * 4 + [True, False] if fuse else [True] * 4 + [False, False]
+    assert "Merge" not in out["chain"][1]  # both joins waited in the pipeline: one query under the group-by
+    # the frames the joins read never made their rows; a frame holding a join makes its rows
+    # at the first operator that reads it (a second would join again)
+    assert pending == [True] * 4 + [False, False]
 
 
 def app_filter_below_a_join(env, path):

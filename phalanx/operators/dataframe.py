@@ -85,8 +85,11 @@ class DataFrame:
         (then ``to_arrow()``: a frame read by several operators makes its rows once, at the
         second read, instead of running its steps in each).  The frame stays pending until
         then; explain shows the pipeline under the operator that fused it.  An operator that
-        uses the input says so with ``_fused()``."""
-        self._read()
+        uses the input says so with ``_fused()``.  Steps that hold a join make their rows at
+        the first operator's read instead: another read would join again (TPC-H Q2 reads its
+        joined frame in a group-by, then joins it with the group-by's result)."""
+        if self._pipe.costly:
+            self.compute()
         return self._pipe.sql_input(columns) if self._pipe.pending and not self._fusions else None
 
     def _fused(self) -> None:

@@ -208,6 +208,18 @@ def test_a_filter_fused_into_sql_keeps_the_rows_acero_keeps(table, expr):
     assert _values(got) == _values(P._acero(table, steps))
 
 
+@pytest.mark.parametrize("text", ["{src}", "{j0}", "{", "}}"])
+def test_braces_in_a_literal_or_a_name_stay_text_in_sql(table, text):
+    """The fused query is a template whose placeholders name its tables: a string literal or
+    a column name holding braces must not be read as one."""
+    expr = (f("s") != text) & ~pc.match_like(f("s"), f"%{text}%")
+    steps = [P.Filter(expr, P.references(expr, table.schema))]
+    assert _values(_sql(table, steps, table.column_names)) == _values(P._acero(table, steps))
+    named = table.rename_columns([f"{c}{text}" if c == "s" else c for c in table.column_names])
+    step = P.passthrough(named.column_names)
+    assert _sql(named, [step], named.column_names).column_names == named.column_names
+
+
 def test_computed_columns_in_sql_equal_acero_s_values(table):
     schema = table.schema
     outputs = [P.Output(n, f(n), frozenset([n]), n) for n in ("s", "i")]

@@ -151,7 +151,7 @@ def pending_join(left: DataFrame, right: DataFrame, *, on, how, left_on, right_o
     rows stay on their ranks whatever its size: the right side (its distinct keys for a semi or
     anti join) is under ``BROADCAST_ALWAYS_BYTES`` in all (or ``broadcast=True``) and goes to
     every rank now.  The join then runs with the left's steps before and after it as one
-    DuckDB query (or fused into the next operator's), filters after it on the left's columns
+    DuckDB query when the frame's rows are made, filters after it on the left's columns
     pushed below it (into a Parquet scan).  None where that does not hold (then ``merge``
     runs): right or outer joins, a key cast on the left, clashing column names, a right side
     too large.  Every rank decides alike (the schemas are the same; the size is allreduced)."""

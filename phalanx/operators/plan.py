@@ -94,7 +94,10 @@ class Join:
         return frozenset(self.left_on)
 
     def output_schema(self, left: pa.Schema) -> pa.Schema:
-        return pa.schema([left.field(c) for c in self.left_out] + [self.table.schema.field(c) for c in self.right_out])
+        right = [self.table.schema.field(c) for c in self.right_out]
+        if self.how == "left":  # unmatched rows get nulls, whatever the table declares
+            right = [f.with_nullable(True) for f in right]
+        return pa.schema([left.field(c) for c in self.left_out] + right)
 
     def pruned(self, live: set[str]) -> Join:
         return Join(

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 
 from .exprtree import Node, Untranslatable, plain_type, tree
-from .kernels import quote_ident
+from .kernels import quote_ident as _quote_ident
 
 __all__ = ["SqlInput", "Untranslatable", "pipeline_sql"]
 
@@ -47,11 +46,19 @@ class SqlInput:
         """(``name AS (...)``, the tables it reads by the names it gives them)."""
         tables = {f"{name}__src": self.source, **{f"{name}__j{i}": t for i, t in enumerate(self.joined)}}
         # the placeholders by a pattern, not str.format: a string literal may hold braces
-        select = _PLACEHOLDER.sub(lambda m: quote_ident(f"{name}__{m.group(1)}"), self.select)
-        return f"{quote_ident(name)} AS ({select})", tables
+        names = {"src": _quote_ident(f"{name}__src")}
+        names.update({f"j{i}": _quote_ident(f"{name}__j{i}") for i in range(len(self.joined))})
+        return f"{_quote_ident(name)} AS ({self.select.format(**names)})", tables
 
 
-_PLACEHOLDER = re.compile(r"\{(src|j\d+)\}")
+def quote_ident(name: str) -> str:
+    """An identifier inside a template (``pipeline_sql``'s result, filled by ``str.format``):
+    braces in a column's name are doubled, so they stay text."""
+    return _brace(_quote_ident(name))
+
+
+def _brace(text: str) -> str:
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 _JOINS = {"inner": "JOIN", "left": "LEFT JOIN", "semi": "SEMI JOIN", "anti": "ANTI JOIN"}
@@ -117,7 +124,8 @@ _SQL_TYPES = {
 
 
 def _string(s: str) -> str:
-    return "'" + s.replace("'", "''") + "'"
+    """A string literal inside a template (braces doubled: a user's '{j0}' stays text)."""
+    return _brace("'" + s.replace("'", "''") + "'")
 
 
 def _literal(s: pa.Scalar) -> str:

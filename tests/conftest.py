@@ -62,30 +62,6 @@ def pytest_sessionfinish(session, exitstatus):
         shutil.rmtree(_STORE_ROOT, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def ray_multihost_cluster():
-    """The Ray cluster across the multi-host test bed (tests/infra/ray_multihost.py), up once a
-    session for both its users, tests/multihost/test_ray_multihost.py and the conformance site
-    'ray-multihost' (bringing it up takes 20-60 s).  Taken down at the session's end when this
-    session brought it up (PHALANX_MULTIHOST_KEEP=1 keeps it).  Connecting is left to the users:
-    Ray allows a process one connection at a time.  Needs the bed up (its users' fixtures)."""
-    pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
-    from infra import ray_multihost
-
-    was_up = ray_multihost.healthy()
-    t0 = time.monotonic()
-    state = ray_multihost.up()
-    state["fixture_up_s"] = round(time.monotonic() - t0, 1)
-    yield state
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    if not was_up and not os.environ.get("PHALANX_MULTIHOST_KEEP"):
-        r = ray_multihost.down()
-        assert not r["left"], f"Ray processes left: {r['left']}"
-
-
 @pytest.fixture(scope="session", params=WORLD_SIZES, ids=lambda n: f"ranks{n}")
 def gang(request):
     """One gang per world size for the whole session: starting ranks costs ~2 s."""

@@ -4,6 +4,7 @@ shared gang starts once per site; a site's backend is started by the session's f
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 
@@ -39,20 +40,24 @@ def site(request):
 
 
 @pytest.fixture(scope="session")
-def ray_multihost(ray_multihost_cluster):
-    """The Ray cluster across the multi-host test bed (tests/conftest.py's
-    ``ray_multihost_cluster``: up once a session, shared with tests/multihost) and this process
-    connected to it through Ray Client.  Skipped where this process is already connected to
-    another Ray cluster (the 'ray' site's, in the same session: Ray allows one connection a
-    process)."""
+def ray_multihost():
+    """The Ray cluster across the multi-host test bed (tests/infra/ray_multihost.py), up once
+    for the session (idempotent: a cluster that is up is left alone) and this process connected
+    to it through Ray Client; as tests/multihost/test_ray_multihost.py does, a cluster this
+    session brought up is taken down at its end (PHALANX_MULTIHOST_KEEP=1 keeps it), one that
+    was up stays.  Skipped where this process is already connected to another Ray cluster (the
+    'ray' site's, in the same session: Ray allows one connection a process)."""
     ray = pytest.importorskip("ray", reason="ray is not installed (pip install 'phalanx[ray]')")
     if ray.is_initialized():
         pytest.skip("site 'ray-multihost': this process is connected to another Ray cluster (site 'ray'); run it alone")
+    from infra import ray_multihost
+
     from phalanx.errors import GangError
     from phalanx.executors.ray import connect
 
-    state = ray_multihost_cluster
+    was_up = ray_multihost.healthy()
     t0 = time.monotonic()
+    state = ray_multihost.up()
     # the head's client port opens before its server can start a session for a client: under
     # load the first connection failed ("Starting Ray client server failed"), the next worked
     while True:
@@ -64,7 +69,11 @@ def ray_multihost(ray_multihost_cluster):
             if time.monotonic() - t0 > 180:
                 raise
             time.sleep(2)
-    print(f"ray-multihost: connected in {time.monotonic() - t0:.1f} s", file=sys.stderr)
+    state["fixture_up_s"] = round(time.monotonic() - t0, 1)
+    print(f"ray-multihost: Ray across the bed ready in {state['fixture_up_s']} s (was up: {was_up})", file=sys.stderr)
     yield state
     if ray.is_initialized():
         ray.shutdown()
+    if not was_up and not os.environ.get("PHALANX_MULTIHOST_KEEP"):
+        r = ray_multihost.down()
+        assert not r["left"], f"Ray processes left: {r['left']}"

@@ -32,7 +32,7 @@ import phalanx as px
 from phalanx.store.repartition import rank_hosts
 from phalanx.store.service import ping, read_token_file, write_token_file
 
-from .conftest import N_HOSTS
+from .conftest import N_HOSTS, _keep
 
 pytestmark = pytest.mark.multihost
 
@@ -56,15 +56,23 @@ def _client_ready(address: str, within: float = 120.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def ray_bed(multihost_bed, ray_multihost_cluster):
-    """The cluster (tests/conftest.py: up once a session), a client session ready; this
-    module's connection is closed at its end (the conformance site connects on its own)."""
-    _client_ready(ray_multihost_cluster["client"])
-    yield ray_multihost_cluster
+def ray_bed(multihost_bed):
+    pytest.importorskip("ray")
+    from infra import ray_multihost
+
+    was_up = ray_multihost.healthy()
+    t0 = time.monotonic()
+    state = ray_multihost.up()
+    _client_ready(state["client"])
+    state["fixture_up_s"] = round(time.monotonic() - t0, 1)
+    yield state
     import ray
 
     if ray.is_initialized():
         ray.shutdown()
+    if not was_up and not _keep():
+        r = ray_multihost.down()
+        assert not r["left"], f"Ray processes left: {r['left']}"
 
 
 @pytest.fixture(scope="module")

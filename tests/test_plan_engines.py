@@ -104,6 +104,39 @@ def test_a_filter_keeps_the_rows_acero_keeps(table, expr):
     assert _same(got, want), (got.to_pydict(), want.to_pydict())
 
 
+def _wide(n: int) -> pa.Table:
+    """n rows: ``k`` 0..n-1 (every 7th null), ``s`` strings cycling through 5 values and null."""
+    words = ["MAIL", "SHIP", "AIR", "", None]
+    return pa.table(
+        {
+            "k": pa.array([None if i % 7 == 3 else i for i in range(n)], pa.int64()),
+            "s": pa.array([words[i % 5] for i in range(n)]),
+            "t": pa.array([words[(i // 5) % 5] for i in range(n)]),
+            "v": pa.array([i * 0.5 for i in range(n)]),
+        }
+    )
+
+
+@pytest.mark.parametrize("cut", [10, 900], ids=["few rows pass the fixed-width terms", "most rows pass them"])
+@pytest.mark.parametrize(
+    "strings",
+    [f("s").isin(["MAIL", "SHIP"]), (f("s") == "AIR") | (f("t") != "MAIL"), ~pc.match_like(f("t"), "%AI%")],
+    ids=["is_in", "or of two string columns", "not like"],
+)
+def test_a_conjunction_runs_its_string_terms_after_its_fixed_width_ones(cut, strings):
+    table = _wide(1000)
+    steps = [
+        P.Filter(strings & (f("k") < cut) & pc.scalar(True), frozenset(["s", "t", "k"])),
+        P.Project((P.Output("v", f("v"), frozenset(["v"]), "v"), P.Output("k", f("k"), frozenset(["k"]), "k"))),
+    ]
+    compiled = PP.compile_steps(table.schema, steps)
+    kind, (stages, _refs, keep) = compiled.parts[0]
+    assert kind == "filter" and [sorted(refs) for _, refs in stages][0] == ["k"]
+    assert set(keep) == {"k", "v"}  # the strings are not carried past the filter
+    got, want = compiled.run(table), P._acero(table, steps)
+    assert _same(got, want) and want.num_rows > 0, (got.num_rows, want.num_rows)
+
+
 COMPUTED = {
     "sum": pc.add(f("i"), f("j")),
     "checked_float": f("x") * 2.0 + f("i"),

@@ -177,6 +177,35 @@ def test_the_distinct_key_estimate_is_close_where_a_samples_share_misleads(group
     assert quick == (groups == 100) or (quick and true / rows < 0.5), (groups, quick)
 
 
+@pytest.mark.parametrize("engine", ["arrow", "duckdb"])
+def test_key_frequencies_count_null_and_nan_keys_as_groups_of_their_own(engine, monkeypatch):
+    """The sample's (distinct, seen once, seen twice): Arrow counts small samples, DuckDB
+    large ones; both against Python's count of the key tuples (null and NaN are two groups)."""
+    from collections import Counter
+
+    from phalanx.operators import kernels
+
+    monkeypatch.setattr(kernels, "_ARROW_COUNTS_ROWS", 10**9 if engine == "arrow" else -1)
+    rng = np.random.default_rng(3)
+    n = 3000
+    s = rng.choice(np.array(["a", "", "long string key", "x"], dtype=object), n)
+    s[rng.random(n) < 0.1] = None
+    x = rng.integers(0, 400, n).astype(float)
+    x[rng.random(n) < 0.05] = np.nan
+    x_nulls = rng.random(n) < 0.05
+    table = pa.table(
+        {"s": pa.array(s, pa.string()), "x": pa.array(x, mask=x_nulls, from_pandas=False), "i": rng.integers(0, 3, n)}
+    )
+
+    def key(row: dict) -> tuple:
+        return row["s"], "nan" if row["x"] is not None and row["x"] != row["x"] else row["x"], row["i"]
+
+    sizes = Counter(key(r) for r in table.to_pylist())
+    want = (len(sizes), sum(v == 1 for v in sizes.values()), sum(v == 2 for v in sizes.values()))
+    assert table["x"].null_count and pc.sum(pc.is_nan(table["x"])).as_py()
+    assert kernels._key_frequencies(table, ["s", "x", "i"]) == want
+
+
 # ---- exchanges the plan proves unnecessary ------------------------------------------------------
 def app_merge_on_more_keys_than_partitioned(env, how):
     left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1, hot=0.02), env)

@@ -310,10 +310,10 @@ def test_a_pending_pipeline_fuses_into_the_aggregation_s_query_with_the_same_ans
     assert ('WITH "__px_t" AS (SELECT' in plan) is fuse, plan
 
 
-def app_pending_joins(env, path, fuse):
+def app_pending_joins(env, path, engine):
     import os
 
-    os.environ["PHALANX_PIPELINE_ENGINE"] = "polars" if fuse else "acero"
+    os.environ["PHALANX_PIPELINE_ENGINE"] = engine
     quiet = open("/dev/null", "w")
     try:
         df = px.read_parquet(path, env).compute()  # in memory: the pipelines below are pending
@@ -356,16 +356,19 @@ def app_pending_joins(env, path, fuse):
         os.environ.pop("PHALANX_PIPELINE_ENGINE")
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["one DuckDB query", "Acero first"])
-def test_a_join_with_a_small_side_waits_in_the_pipeline(gang, tmp_path, fuse):
+@pytest.mark.parametrize(
+    "engine", ["polars", "duckdb", "acero"], ids=["steps apart in Polars", "one DuckDB query", "Acero first"]
+)
+def test_a_join_with_a_small_side_waits_in_the_pipeline(gang, tmp_path, engine):
     """A merge whose right side is small goes to every rank at the call and the join waits in
-    the left's pipeline: with the steps before and after it one DuckDB query (or, where the
-    engine is Acero, the steps apart); inner, left, semi and anti joins, a chain of two joins
-    and a filter under a group-by, give DuckDB's rows (null keys matching each other)."""
+    the left's pipeline: the steps before and after it run apart in Polars (each join on its
+    own), or as one DuckDB query (``PHALANX_PIPELINE_ENGINE=duckdb``), or apart in Acero;
+    inner, left, semi and anti joins, a chain of two joins and a filter under a group-by, give
+    DuckDB's rows (null keys matching each other)."""
     import duckdb
 
     t = write_table(tmp_path / "t.parquet")
-    results = gang.run(app_pending_joins, str(tmp_path / "t.parquet"), fuse)
+    results = gang.run(app_pending_joins, str(tmp_path / "t.parquet"), engine)
     out, pending, dim = results[0][:3]
     con = duckdb.connect()
     con.register("t", t)
@@ -394,7 +397,7 @@ def test_a_join_with_a_small_side_waits_in_the_pipeline(gang, tmp_path, fuse):
         assert "Join " in plan and "with a table on every rank" in plan, (how, plan)
         assert ("Exchange broadcast" in plan) is (gang.world_size > 1), (how, plan)
         if how not in ("chain", "again"):
-            assert plan.splitlines()[0].endswith("[DuckDB]" if fuse else "[steps apart]"), plan
+            assert plan.splitlines()[0].endswith("[DuckDB]" if engine == "duckdb" else "[steps apart]"), plan
     assert "Merge" not in out["chain"][1]  # both joins waited in the pipeline: one query below the group-by
     # the frames the joins read never made their rows; a frame holding a join makes its rows
     # at the first operator that reads it (a second would join again)

@@ -276,3 +276,61 @@ def test_what_sql_cannot_rebuild_is_not_fused(table, expr):
     with pytest.raises(PS.Untranslatable):
         PS.pipeline_sql(table.schema, [step], ["r"])
     assert P.Pipeline(table, (step,), P._acero(table.schema.empty_table(), [step]).schema).sql_input(["r"]) is None
+
+
+# ---- the join kernel: Polars where every column's type comes back unchanged, else DuckDB -------
+def _join_sides() -> tuple[pa.Table, pa.Table]:
+    nan, null = float("nan"), None
+    left = pa.table(
+        {
+            "x": pa.array([1.0, nan, null, -0.0, 2.0, nan, 7.0], pa.float64()),
+            "s": pa.array(["a", "b", None, "", "a", "b", "zz"]),
+            "__px_r0": pa.array([1, 2, 3, 4, 5, 6, 7], pa.int32()),  # the name the right's first column gets
+            "d": _dates("1994-01-01 - 1995-03-15 1998-09-02 1993-07-01 1996-12-31 1994-06-30"),
+        }
+    )
+    right = pa.table(
+        {
+            "y": pa.array([1.0, nan, null, 0.0, 3.0, 1.0], pa.float64()),
+            "t": pa.array(["a", "b", None, "", "q", "a"]),
+            "w": pa.array([10, 20, 30, 40, 50, 60], pa.int64()),
+        }
+    )
+    return left, right
+
+
+def _values(t: pa.Table) -> list[tuple]:
+    rows = [tuple(("NaN" if isinstance(v, float) and v != v else v) for v in r.values()) for r in t.to_pylist()]
+    return sorted(rows, key=repr)
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "right", "outer", "semi", "anti"])
+@pytest.mark.parametrize("keys", [(["x"], ["y"]), (["x", "s"], ["y", "t"])], ids=["float key", "float and string keys"])
+@pytest.mark.parametrize("big_right", [False, True], ids=["small right: Polars", "big right: DuckDB"])
+def test_the_join_kernel_matches_null_safe_sql_nan_and_signed_zero_included(how, keys, big_right, monkeypatch):
+    if big_right:  # the right side counts as over the size Polars' join table is kept for
+        monkeypatch.setattr(kernels, "_POLARS_JOIN_MAX_RIGHT", 3)
+    left, right = _join_sides()
+    lk, rk = keys
+    cond = " AND ".join(f'l."{a}" IS NOT DISTINCT FROM r."{b}"' for a, b in zip(lk, rk))
+    sides = "l.*" if how in ("semi", "anti") else "l.*, r.*"
+    join = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "outer": "FULL JOIN"}.get(
+        how, how.upper() + " JOIN"
+    )
+    want = kernels.run_sql(f"SELECT {sides} FROM L l {join} R r ON {cond}", L=left, R=right)
+    # these types go to Polars, but for the joins that keep every row of the right
+    assert (kernels._polars_join(left, right, lk, rk, how) is None) == (big_right or how in ("right", "outer"))
+    got = kernels.join(left, right, lk, rk, how)
+    assert got.schema.equals(pa.schema(list(left.schema) + ([] if how in ("semi", "anti") else list(right.schema))))
+    assert _values(got) == _values(want)
+
+
+def test_a_join_over_a_type_polars_would_change_runs_in_duckdb():
+    left, right = _join_sides()
+    right = right.append_column("m", pa.array([1, 2, 3, 4, 5, 6], pa.decimal128(12, 2)))
+    assert kernels._polars_join(left, right, ["x"], ["y"], "inner") is None
+    got = kernels.join(left, right, ["x"], ["y"], "inner")
+    assert got.schema.field("m").type == pa.decimal128(12, 2)
+    assert _values(got.select(["x", "w"])) == _values(
+        pa.table({"x": [1.0, 1.0, float("nan"), float("nan"), None, -0.0], "w": [10, 60, 20, 20, 30, 40]})
+    )

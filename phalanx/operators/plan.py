@@ -229,7 +229,8 @@ class Pipeline:
         if lines:
             schema = pa.schema([self.source.schema.field(c) for c in columns])
             if any(isinstance(s, Join) for s in steps):
-                engine = "DuckDB" if _as_sql(schema, steps, self.schema.names) is not None else "steps apart"
+                apart = _apart_in_polars(schema, steps) or _as_sql(schema, steps, self.schema.names) is None
+                engine = "steps apart" if apart else "DuckDB"
             else:
                 engine = "Polars" if _in_polars(schema, steps) is not None else "Acero"
             lines[0] += f" [{engine}]"
@@ -438,17 +439,33 @@ def _as_sql(schema: pa.Schema, steps: Sequence[Step], wanted: Sequence[str]) -> 
 
 
 def _joined(table: pa.Table, steps: list[Step], schema: pa.Schema) -> pa.Table:
-    """Steps with joins over a table: one DuckDB query where they all have an SQL form, else
-    the runs of filters and projections between the joins apart (Polars or Acero), each join
-    in DuckDB."""
+    """Steps with joins over a table: the runs of filters and projections between the joins
+    in Polars and each join on its own (``kernels.join``: Polars for a small side); where a
+    run has no Polars form, one DuckDB query for them all if every step has an SQL form, else
+    the runs apart in Acero.
+
+    Why apart first: TPC-H's queries with such joins, alternated 5 times in one session,
+    0.89x the time of one DuckDB query (Q2 0.67, Q8 0.83, Q9 0.85, Q11 0.83; none slower than
+    1.04, within the runs' spread): DuckDB reads each Arrow column through its scan, where
+    Polars takes fixed-width columns as they are and its join over a small side probes
+    faster (docs/performance.md, "Joins in Polars")."""
     from . import kernels
     from .plan_sql import SqlInput
 
-    select = _as_sql(table.schema, steps, schema.names)
-    if select is not None:
-        joined = tuple(s.table for s in steps if isinstance(s, Join))
-        rows = SqlInput(table, select, schema, joined)
-        return kernels.restore_types(kernels.run_sql('SELECT * FROM "__px_t"', __px_t=rows), schema)
+    if not _apart_in_polars(table.schema, steps):
+        select = _as_sql(table.schema, steps, schema.names)
+        if select is not None:
+            joined = tuple(s.table for s in steps if isinstance(s, Join))
+            rows = SqlInput(table, select, schema, joined)
+            return kernels.restore_types(kernels.run_sql('SELECT * FROM "__px_t"', __px_t=rows), schema)
+    return kernels.restore_types(_apart(table, steps).select(schema.names), schema)
+
+
+def _apart(table: pa.Table, steps: list[Step], empty: bool = False) -> pa.Table:
+    """The steps with each run between joins as one local pass (Polars, else Acero) and each
+    join on its own; ``empty``: with each join's table as an empty one of its schema."""
+    from . import kernels
+
     while steps:
         at = next((i for i, s in enumerate(steps) if isinstance(s, Join)), len(steps))
         if at:
@@ -458,11 +475,35 @@ def _joined(table: pa.Table, steps: list[Step], schema: pa.Schema) -> pa.Table:
         if at == len(steps):
             break
         join: Join = steps[at]  # type: ignore[assignment]
-        right = join.table.select(list(dict.fromkeys([*join.right_on, *join.right_out])))
+        right = join.table.schema.empty_table() if empty else join.table
+        right = right.select(list(dict.fromkeys([*join.right_on, *join.right_out])))
         out = kernels.join(table, right, list(join.left_on), list(join.right_on), join.how)
         table = out.select([*join.left_out, *join.right_out])
         steps = steps[at + 1 :]
-    return kernels.restore_types(table.select(schema.names), schema)
+    return table
+
+
+def _apart_in_polars(schema: pa.Schema, steps: list[Step]) -> bool:
+    """Whether every run of filters and projections between the joins has a Polars form
+    (asked once per plan, of empty tables); False under ``PHALANX_PIPELINE_ENGINE=duckdb``
+    or ``acero``."""
+    if _engine_setting() in ("acero", "duckdb"):
+        return False
+    key = ("apart", tuple((f.name, str(f.type)) for f in schema), tuple(map(_step_key, steps)))
+    if key not in _COMPILED:
+        ok = True
+        table = schema.empty_table()
+        rest = list(steps)
+        while rest and ok:
+            at = next((i for i, s in enumerate(rest) if isinstance(s, Join)), len(rest))
+            if at:
+                ok = _in_polars(table.schema, rest[:at]) is not None
+            if not ok or at == len(rest):
+                break
+            table = _apart(table, rest[: at + 1], empty=True)
+            rest = rest[at + 1 :]
+        _remember(key, ok)
+    return bool(_COMPILED[key])
 
 
 def _acero(table: pa.Table, steps: list[Step]) -> pa.Table:

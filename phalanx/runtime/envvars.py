@@ -40,7 +40,9 @@ ENV_PARAM_PREFIX = "PHALANX_PARAM_"  # + KEY: a command stage's params, one vari
 ENV_SAMPLE = "PHALANX_SAMPLE_S"  # seconds between a rank's resource samples while a task runs (0: off)
 
 # ---- the DataFrame ----------------------------------------------------------------------------
-# "polars" (default): a rank's local pipeline runs in Polars, or fused into the next DuckDB query;
+# "polars" (default): a rank's local pipeline runs in Polars, or fused into the next DuckDB query,
+# and one holding joins with a small side runs apart (Polars, each join on its own);
+# "duckdb": as "polars", but a pipeline holding joins is one DuckDB query where it has an SQL form;
 # "acero": always in Acero, never fused (the engine before 2026-11-28, for comparison)
 ENV_PIPELINE_ENGINE = "PHALANX_PIPELINE_ENGINE"
 

@@ -448,19 +448,18 @@ def _querying(names: tuple[str, ...]) -> Callable[..., pa.Table]:
     return scope["run"]
 
 
-def join(left: Any, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str) -> pa.Table:
-    """Equi-join where null keys match each other (pandas semantics), in DuckDB.  ``semi`` and
-    ``anti`` give the left's columns only.  ``left``: a table, or a ``plan_sql.SqlInput`` (a
-    frame's pending steps, fused into the join's query).
+def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str) -> pa.Table:
+    """Equi-join where null keys match each other (pandas semantics): in Polars where the
+    right side is small (``_polars_join``), else in DuckDB.  ``semi`` and ``anti`` give the
+    left's columns only.
 
     Column names must already be disjoint except for keys shared by name, which appear once
     (coalesced for right/outer joins, as pandas does for ``on=``).  Columns come out in
     pandas' order: the left's, then the right's.
     """
-    if isinstance(left, pa.Table):
-        joined = _polars_join(left, right, left_on, right_on, how)
-        if joined is not None:
-            return joined
+    joined = _polars_join(left, right, left_on, right_on, how)
+    if joined is not None:
+        return joined
     shared = {a for a, b in zip(left_on, right_on) if a == b}
     cond = " AND ".join(
         f"l.{quote_ident(a)} IS NOT DISTINCT FROM r.{quote_ident(b)}" for a, b in zip(left_on, right_on)

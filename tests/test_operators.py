@@ -3,6 +3,8 @@ with skewed keys, nulls, strings, timestamps and a rank that holds no rows."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import duckdb
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -274,17 +276,33 @@ def test_groupby_shortcuts_match_pandas(gang):
 
 
 # ---- sort ---------------------------------------------------------------------------------
-def app_sort(env, by, ascending):
-    df = frame(env, rows=6000).sort_values(by, ascending=ascending)
-    return df.collect(root=0), df.local_num_rows
+@contextmanager
+def _sort_path(small: bool):
+    """In a rank: frames of test size take the small-frame sort (every rank sorts all rows)
+    only where ``small``; else the sample sort, as larger frames do."""
+    from phalanx.operators import sort as S
+
+    was = S.SMALL_ROWS
+    S.SMALL_ROWS = was if small else -1
+    try:
+        yield
+    finally:  # the gang's ranks serve the next tests
+        S.SMALL_ROWS = was
 
 
+def app_sort(env, by, ascending, small=False):
+    with _sort_path(small):
+        df = frame(env, rows=6000).sort_values(by, ascending=ascending)
+        return df.collect(root=0), df.local_num_rows
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["sample sort", "small frame"])
 @pytest.mark.parametrize(
     "by,ascending",
     [(["key"], True), (["v"], False), (["s", "key", "ts"], [True, False, True]), (["b", "w"], [False, True])],
 )
-def test_sort_values_matches_duckdb(gang, by, ascending):
-    results = gang.run(app_sort, by, ascending)
+def test_sort_values_matches_duckdb(gang, by, ascending, small):
+    results = gang.run(app_sort, by, ascending, small)
     out = results[0][0]
     T = whole(gang.world_size, rows=6000)
     asc = [ascending] * len(by) if isinstance(ascending, bool) else ascending
@@ -292,6 +310,9 @@ def test_sort_values_matches_duckdb(gang, by, ascending):
     expected = sql(f"SELECT * FROM T ORDER BY {order}", T=T)
     assert out.select(by).equals(expected.select(by))  # globally ordered, across ranks
     assert_same_rows(out, expected)
+    if small:  # each rank keeps an even share of the sorted rows
+        sizes = [r[1] for r in results]
+        assert max(sizes) - min(sizes) <= 1, sizes
 
 
 def _sort_kernel_input(rows: int = 20_000, chunks: int = 3) -> pa.Table:
@@ -545,7 +566,12 @@ def test_shuffle_skew_nulls_strings_multikey_and_empty_ranks(gang):
                 assert home.setdefault(k, rank) == rank, f"{on}: key {k} on ranks {home[k]} and {rank}"
 
 
-def app_sort_numeric(env, column, ascending, skew):
+def app_sort_numeric(env, column, ascending, skew, small=False):
+    with _sort_path(small):
+        return _sort_numeric(env, column, ascending, skew)
+
+
+def _sort_numeric(env, column, ascending, skew):
     import numpy as np
 
     rng = np.random.default_rng(10 + env.rank)
@@ -610,6 +636,25 @@ def test_sort_range_first_is_the_stable_global_order(gang, column, ascending, sk
     assert_same_rows(out, expected)
     sizes = [r[2] for r in results]
     assert max(sizes) <= 1.5 * sum(sizes) / gang.world_size + 50, sizes
+
+
+@pytest.mark.parametrize(
+    "column,ascending,skew",
+    [("f", False, False), ("s", True, False), (["i", "s", "ts"], [True, False, True], True), (["i", "c"], True, True)],
+)
+def test_a_small_frame_sorts_whole_on_every_rank_in_the_stable_order(gang, column, ascending, skew):
+    """Under 20k rows in all, every rank sorts all of them and keeps an even share: the same
+    order as the sample sort (nulls last, NaN as DuckDB, ties in frame order), one rank with
+    no rows among three or four."""
+    results = gang.run(app_sort_numeric, column, ascending, skew, True)
+    T = pa.concat_tables([r[0] for r in results])
+    columns = [column] if isinstance(column, str) else column
+    asc = [ascending] * len(columns) if isinstance(ascending, bool) else ascending
+    order = ", ".join(f"{c} {'ASC' if a else 'DESC'} NULLS LAST" for c, a in zip(columns, asc))
+    expected = sql(f"SELECT * FROM T ORDER BY {order}, gid", T=T)
+    assert results[0][1]["gid"].to_pylist() == expected["gid"].to_pylist()
+    sizes = [r[2] for r in results]
+    assert max(sizes) - min(sizes) <= 1, sizes
 
 
 def test_range_ids_compare_passes_equal_the_binary_search():

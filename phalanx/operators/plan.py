@@ -494,14 +494,18 @@ def _apart_in_polars(schema: pa.Schema, steps: list[Step]) -> bool:
         ok = True
         table = schema.empty_table()
         rest = list(steps)
-        while rest and ok:
-            at = next((i for i, s in enumerate(rest) if isinstance(s, Join)), len(rest))
-            if at:
-                ok = _in_polars(table.schema, rest[:at]) is not None
-            if not ok or at == len(rest):
-                break
-            table = _apart(table, rest[: at + 1], empty=True)
-            rest = rest[at + 1 :]
+        silent = _notes.set(None)  # the trial joins of empty tables are not the operator's
+        try:
+            while rest and ok:
+                at = next((i for i, s in enumerate(rest) if isinstance(s, Join)), len(rest))
+                if at:
+                    ok = _in_polars(table.schema, rest[:at]) is not None
+                if not ok or at == len(rest):
+                    break
+                table = _apart(table, rest[: at + 1], empty=True)
+                rest = rest[at + 1 :]
+        finally:
+            _notes.reset(silent)
         _remember(key, ok)
     return bool(_COMPILED[key])
 

@@ -118,15 +118,16 @@ def tree(expr: pc.Expression) -> Node:
     return _parse(expr.__reduce__()[1][0].to_pybytes())
 
 
+def fields(n: Node) -> frozenset[str]:
+    """The columns a tree reads."""
+    if n.kind == "field":
+        return frozenset([n.name])
+    return frozenset().union(*(fields(a) for a in n.args))
+
+
 def columns_read(expr: pc.Expression) -> frozenset[str]:
     """The columns an expression reads."""
-
-    def walk(n: Node) -> set[str]:
-        if n.kind == "field":
-            return {n.name}
-        return set().union(*(walk(a) for a in n.args)) if n.args else set()
-
-    return frozenset(walk(tree(expr)))
+    return fields(tree(expr))
 
 
 _PLAIN_TYPES = (

@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .exprtree import Node, Untranslatable, columns_read, plain_type, tree
+from .exprtree import fields as _fields
 
 __all__ = ["Compiled", "Untranslatable", "compile_steps", "to_polars"]
 
@@ -330,12 +331,6 @@ def _conjuncts(n: Node) -> list[Node]:
     if n.kind == "call" and n.name in ("and", "and_kleene") and len(n.args) == 2:
         return [*_conjuncts(n.args[0]), *_conjuncts(n.args[1])]
     return [n]
-
-
-def _fields(n: Node) -> set[str]:
-    if n.kind == "field":
-        return {n.name}
-    return set().union(*(_fields(a) for a in n.args)) if n.args else set()
 
 
 def _stages(conjuncts: list[Node], schema: pa.Schema) -> list[list[Node]]:

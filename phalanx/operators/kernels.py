@@ -145,11 +145,15 @@ def estimate_distinct(table: pa.Table, keys: Sequence[str], sample_rows: int = 1
     if n <= sample_rows:
         sample = table.select(list(keys))
     else:
-        # a systematic sample from a random start: O(sample), where choice(replace=False)
-        # permutes all n rows (20 ms at 2M rows, more than the group-by of 100 groups it decides)
-        step = n / sample_rows
-        start = np.random.default_rng(seed).random() * step
-        rows = (start + step * np.arange(sample_rows)).astype(np.int64)
+        # each row kept with probability sample/n (a Bernoulli sample: no row twice, which
+        # would count as a key seen twice), in order, from geometric gaps: O(sample), where
+        # choice(replace=False) permutes all n rows (20 ms at 2M) and np.unique of random
+        # draws sorts them (24 ms for 100k).  Not a fixed stride: rows of a key often lie
+        # together (an order's lines after a join), and a stride steps over such runs — Q10's
+        # 3-row runs at a stride of 5.7 showed no key twice, so the estimate read "all distinct"
+        gaps = np.random.default_rng(seed).geometric(sample_rows / n, int(sample_rows * 1.1) + 64)
+        rows = np.cumsum(gaps) - 1
+        rows = rows[: np.searchsorted(rows, n)]
         sample = table.select(list(keys)).take(pa.array(rows))
     d, f1, f2 = _key_frequencies(sample, keys)
     if n <= sample_rows:

@@ -3,9 +3,11 @@ with skewed keys, nulls, strings, timestamps and a rank that holds no rows."""
 
 from __future__ import annotations
 
+import io
 from contextlib import contextmanager
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -273,6 +275,111 @@ def test_groupby_shortcuts_match_pandas(gang):
     exp_size = p.groupby("key").size().rename("size").reset_index()
     assert_same_rows(sums, pa.Table.from_pandas(exp_sum, preserve_index=False).cast(sums.schema))
     assert_same_rows(sizes, pa.Table.from_pandas(exp_size, preserve_index=False).cast(sizes.schema))
+
+
+# the aggregations Arrow's hash aggregation runs (arrow_agg), over every key type it takes
+ARROW_AGG_SQL = """
+SELECT {keys}, COALESCE(SUM(v), 0) AS v_sum, COUNT(v) AS v_count, AVG(v) AS v_mean,
+  COALESCE(SUM(big), 0) AS big_sum, AVG(big) AS big_mean, MIN(w) AS w_min, MAX(d) AS d_max,
+  COUNT(s) AS s_count, COUNT(*) AS n
+FROM T {where} GROUP BY {keys}"""
+
+
+def arrow_agg_part(rank: int, world: int) -> pa.Table:
+    """``make_part`` with dates (``d``) and int64s near 2^60 (``big``): on rank 0 only, where
+    three of them summed could leave int64, so that rank's steps fall back to DuckDB while the
+    others' run in Arrow (their per-group sums stay inside int64: each key has <= 2 such rows)."""
+    t = make_part(rank, world, rows=3000)
+    n = t.num_rows
+    rng = np.random.default_rng(11 + rank)
+    big = rng.integers(-100, 100, n)
+    if rank == 0 and n:
+        big[:2] = [2**60 + 7, -(2**60) - 3]  # two keys, one row each: no group sum overflows
+    t = t.append_column("big", pa.array(big, pa.int64(), mask=rng.random(n) < 0.1))
+    days = rng.integers(0, 3000, n).astype("datetime64[D]")
+    return t.append_column("d", pa.array(days, pa.date32(), mask=rng.random(n) < 0.1))
+
+
+def app_groupby_arrow(env, keys, dropna, combine):
+    df = px.DataFrame.from_arrow(arrow_agg_part(env.rank, env.world_size), env)
+    out = df.groupby(keys, dropna=dropna, combine=combine).agg(
+        v_sum=("v", "sum"), v_count=("v", "count"), v_mean=("v", "mean"), big_sum=("big", "sum"),
+        big_mean=("big", "mean"), w_min=("w", "min"), d_max=("d", "max"), s_count=("s", "count"), n=(None, "size"),
+    )  # fmt: skip
+    text = io.StringIO()
+    out.explain(file=text)
+    return out.collect(root=0), text.getvalue()
+
+
+@pytest.mark.parametrize("combine", [None, True, False])
+@pytest.mark.parametrize("keys,dropna", [(["key"], True), (["s", "b"], False), (["d", "key"], False)])
+def test_groupby_in_arrow_matches_duckdb_with_ranks_on_either_engine(gang, keys, dropna, combine):
+    """Arrow's hash aggregation (sum, count, mean, min, max, size over integer, string, bool and
+    date keys, null keys kept or dropped) against DuckDB on the whole table; rank 0's sums could
+    leave int64, so its steps run in DuckDB while the other ranks' run in Arrow: the tables
+    they exchange must agree."""
+    results = gang.run(app_groupby_arrow, keys, dropna, combine)
+    out = results[0][0]
+    if combine and gang.world_size > 1:  # the partials: rank 0's in DuckDB, the others' in Arrow
+        ran = ["per-rank aggregation (Arrow)" in text for _, text in results]
+        assert ran == [False] + [True] * (gang.world_size - 1), ran
+    T = pa.concat_tables([arrow_agg_part(r, gang.world_size) for r in range(gang.world_size)])
+    where = "WHERE " + " AND ".join(f"{k} IS NOT NULL" for k in keys) if dropna else ""
+    expected = sql(ARROW_AGG_SQL.format(keys=", ".join(keys), where=where), T=T)
+    assert out.schema.field("big_sum").type == pa.int64() and out.schema.field("d_max").type == pa.date32()
+    assert_same_rows(out, expected.cast(out.schema))
+
+
+def _same_table(a: pa.Table, b: pa.Table) -> None:
+    assert a.schema.equals(b.schema), (a.schema, b.schema)
+    assert_same_rows(a, b)
+
+
+def test_arrow_agg_steps_equal_duckdbs_sql_steps():
+    """Each step (partials from rows, their combine, finals from rows) against the SQL the
+    group-by runs in DuckDB otherwise, on the same rows: equal values and types, groups of
+    null values (sum null in a partial, 0 in a final; mean null), NaN, empty strings, null keys
+    kept and dropped; float keys and float min/max left to DuckDB."""
+    from phalanx.operators import arrow_agg, groupby, kernels
+
+    T = arrow_agg_part(1, 2)
+    nan_at = np.random.default_rng(2).random(T.num_rows) < 0.01
+    v = pc.if_else(pa.array(nan_at), pa.scalar(float("nan")), T.column("v"))
+    T = T.set_column(T.schema.get_field_index("v"), "v", v)
+    T = pa.concat_tables([T, T.slice(0, 5).set_column(1, "v", pa.nulls(5, pa.float64()))])  # all-null groups
+    aggs = groupby.parse_spec(
+        None,
+        dict(v_sum=("v", "sum"), v_count=("v", "count"), v_mean=("v", "mean"), big_sum=("big", "sum"),
+             w_min=("w", "min"), d_max=("d", "max"), s_count=("s", "count"), n=(None, "size")),
+    )  # fmt: skip
+    q = kernels.quote_ident
+    for keys, dropna in ((["key"], True), (["s", "b"], False), (["d"], False)):
+        assert arrow_agg.eligible(keys, aggs, T.schema)
+        ks = ", ".join(q(k) for k in keys)
+        where = " WHERE " + " AND ".join(f"{q(k)} IS NOT NULL" for k in keys) if dropna else ""
+
+        def duck(select: str, ks: str = ks, **tables) -> pa.Table:
+            return kernels.run_sql(f"SELECT {ks}, {select} GROUP BY {ks}", **tables)
+
+        parts = ", ".join(e for a in aggs for e in groupby._partial_sql(a, T.schema))
+        partial = arrow_agg.partial(T, keys, aggs, dropna, groupby._p, False)
+        _same_table(partial, kernels.restore_types(duck(f"{parts} FROM __px_t{where}", __px_t=T), T.schema))
+        finals = ", ".join(groupby._final_sql(a, T.schema, raw=False) for a in aggs)
+        _same_table(arrow_agg.combine(partial, keys, aggs, groupby._p), duck(f"{finals} FROM __px_p", __px_p=partial))
+        rows = ", ".join(e for a in aggs for e in groupby._row_partial_sql(a, T.schema))
+        raw = ", ".join(groupby._final_sql(a, T.schema, raw=True) for a in aggs)
+        want = duck(f"{raw} FROM (SELECT {ks}, {rows} FROM __px_t{where})", __px_t=T)
+        _same_table(
+            arrow_agg.final(T, keys, aggs, dropna),
+            kernels.restore_types(want, groupby._output_schema(keys, aggs, T.schema)),
+        )
+    assert not arrow_agg.eligible(["v"], aggs, T.schema)  # float keys: -0.0 and NaN groups
+    assert not arrow_agg.eligible(["key"], groupby.parse_spec(None, dict(x=("v", "max"))), T.schema)
+    # a sum that could leave int64: DuckDB's (it widens, and fails loudly where it must)
+    huge = pa.table({"k": [1, 1, 2], "x": [2**62, 2**62, 1]})
+    one = groupby.parse_spec(None, dict(x=("x", "sum")))
+    assert arrow_agg.partial(huge, ["k"], one, True, groupby._p, False) is None
+    assert arrow_agg.final(huge, ["k"], one, True) is None
 
 
 # ---- sort ---------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from . import kernels, stats
+from . import arrow_agg, kernels, stats
 from .common import ROWID, check_columns, with_rowid
 from .exchange import concat, exchange_tables, gather_tables
 from .plan import note
@@ -424,7 +424,15 @@ def aggregate(
     one rank, by ranges)."""
     comm = df.env.comm
     needed = list(dict.fromkeys(keys + [c for a in aggs for c in a.columns]))
-    table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs))
+    # Arrow's hash aggregation where its answers are DuckDB's (decided from the schema: alike on
+    # every rank, so the exchanged tables are); it reads rows, so the pipeline runs apart rather
+    # than fused into SQL.  A rank with several threads keeps DuckDB where there may be many
+    # groups (Arrow's threads merge their tables slowly: 4M groups 1.0 s against DuckDB's 0.78);
+    # where a rank's steps differ (threads, a sum that could leave int64) the tables it sends
+    # have the same schema
+    in_arrow = arrow_agg.eligible(keys, aggs, df.schema)
+    threads = kernels.rank_threads()
+    table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), fuse=not in_arrow)
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
     where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
     row_partials = ", ".join(e for a in aggs for e in _row_partial_sql(a, src))
@@ -436,8 +444,8 @@ def aggregate(
     schema = _output_schema(keys, aggs, src)
     raw_finals = ", ".join(_final_sql(a, src, raw=True) for a in aggs)
     # Already partitioned by these keys (world of one; after a merge on them), or each rank's
-    # key range apart from the others' (data split by a sorted key): no shuffle, and one DuckDB
-    # pass — the per-row partials are a projection it fuses into the aggregation.
+    # key range apart from the others' (data split by a sorted key): no shuffle, and one pass
+    # (Arrow's, or DuckDB's, where the per-row partials are a projection fused into it).
     placed = df._placed_by(keys)
     ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna)
     if comm.world_size == 1 or placed or ranged is not None:
@@ -446,24 +454,53 @@ def aggregate(
             relation, edge = _with_edges(*ranged, keys_sql, src.field(keys[0]).type)
             rows = rows_from(relation)
             inputs.update(edge)
-        final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
+        final = None
+        if in_arrow and threads == 1 and ranged in (None, (None, None)) and isinstance(table, pa.Table):
+            final = _noted(arrow_agg.final(table, keys, aggs, dropna), table)
+        if final is None:
+            final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
         return kernels.restore_types(final, schema), (None if ranged is not None else placed or tuple(keys))
     if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows
         combine = not any(a.func in stats.HOLISTIC for a in aggs) and _use_combine(
             comm, _key_sample(df, table, keys), keys
         )
     note("pre-aggregated before the exchange" if combine else "raw rows exchanged (no pre-aggregation)")
+    final = None
     if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
-        parts = ", ".join(e for a in aggs for e in _partial_sql(a, src))
-        partial = kernels.run_sql(f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}", __px_t=table)
-        finals = ", ".join(_final_sql(a, src, raw=False) for a in aggs)
-        source = _combine_source(aggs, keys, "__px_partial")
+        partial = _noted(arrow_agg.partial(table, keys, aggs, dropna, _p, threads > 1), table) if in_arrow else None
+        if partial is None:
+            parts = ", ".join(e for a in aggs for e in _partial_sql(a, src))
+            query = f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}"
+            partial = kernels.run_sql(query, __px_t=table)
+        partial = shuffle_table(comm, kernels.restore_types(partial, src), keys)  # keys' types as given
+        final = arrow_agg.combine(partial, keys, aggs, _p) if in_arrow else None
+        if final is None:
+            finals = ", ".join(_final_sql(a, src, raw=False) for a in aggs)
+            source = _combine_source(aggs, keys, "__px_partial")
+            final = kernels.run_sql(
+                f"SELECT {keys_sql}, {finals} FROM {source} GROUP BY {keys_sql}", __px_partial=partial
+            )
+            final = stats.finish_sketches(final, aggs)
+    elif in_arrow:  # raw rows move as they are (no per-row partials), whatever a rank's threads
+        rows_in = shuffle_table(comm, arrow_agg.without_null_keys(table, keys) if dropna else table, keys)
+        final = _noted(arrow_agg.final(rows_in, keys, aggs, dropna), rows_in) if threads == 1 else None
+        if final is None:
+            final = kernels.run_sql(
+                f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", __px_t=rows_in
+            )
     else:  # mostly distinct keys, or a holistic aggregation: a local pass would not help
-        partial = kernels.run_sql(rows, __px_t=table)
-        finals, source = raw_finals, "__px_partial"
-    partial = shuffle_table(comm, kernels.restore_types(partial, src), keys)  # keys' types as given
-    final = kernels.run_sql(f"SELECT {keys_sql}, {finals} FROM {source} GROUP BY {keys_sql}", __px_partial=partial)
-    return kernels.restore_types(stats.finish_sketches(final, aggs) if combine else final, schema), tuple(keys)
+        partial = shuffle_table(comm, kernels.restore_types(kernels.run_sql(rows, __px_t=table), src), keys)
+        final = kernels.run_sql(
+            f"SELECT {keys_sql}, {raw_finals} FROM __px_partial GROUP BY {keys_sql}", __px_partial=partial
+        )
+    return kernels.restore_types(final, schema), tuple(keys)
+
+
+def _noted(result: pa.Table | None, rows: pa.Table) -> pa.Table | None:
+    """An Arrow step's result, noted in the plan's explain where it ran."""
+    if result is not None:
+        note(f"per-rank aggregation (Arrow): {rows.num_rows} rows -> {result.num_rows} groups")
+    return result
 
 
 def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[Any, pa.Table | None] | None:

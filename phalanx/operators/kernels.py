@@ -386,19 +386,23 @@ _JOIN_SQL = {
 _duckdb = None
 
 
+def rank_threads() -> int:
+    """This rank's thread budget (``PHALANX_THREADS``; else every CPU)."""
+    import os
+
+    from ..runtime.envvars import ENV_THREADS
+
+    return int(os.environ.get(ENV_THREADS, "0") or 0) or (os.cpu_count() or 1)
+
+
 def duckdb_connection():
     """One DuckDB connection per process, with this rank's thread budget."""
     global _duckdb
     if _duckdb is None:
-        import os
-
         import duckdb
 
-        from ..runtime.envvars import ENV_THREADS
-
         _duckdb = duckdb.connect()
-        threads = int(os.environ.get(ENV_THREADS, "0") or 0) or (os.cpu_count() or 1)
-        _duckdb.execute(f"SET threads={threads}")
+        _duckdb.execute(f"SET threads={rank_threads()}")
         _duckdb.execute("SET preserve_insertion_order=false")  # joins need no output order
     return _duckdb
 

@@ -846,6 +846,35 @@ def test_a_global_aggregate_is_one_row_on_rank_0_equal_to_duckdb(gang, rows):
         assert out["n"][0].as_py() == T.num_rows
 
 
+def app_agg_all_arrow(env, rows):
+    t = arrow_agg_part(env.rank, env.world_size)
+    df = px.DataFrame.from_arrow(t if rows else t.slice(0, 0), env)
+    out = df.agg(
+        v_sum=("v", "sum"), v_count=("v", "count"), v_mean=("v", "mean"), big_sum=("big", "sum"),
+        big_mean=("big", "mean"), w_min=("w", "min"), d_max=("d", "max"), s_count=("s", "count"), n=(None, "size"),
+    )  # fmt: skip
+    return out.collect(root=0)
+
+
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "no rows"])
+def test_a_global_aggregate_in_arrow_equals_duckdbs(gang, rows):
+    """``agg`` of Arrow's functions (each rank's one row of partials from Arrow's kernels; rank
+    0, whose int64 sums could overflow, from DuckDB) against DuckDB on the whole table; of no
+    rows: sums and counts 0, mean, min and max null."""
+    out = gang.run(app_agg_all_arrow, rows)[0]
+    T = pa.concat_tables([arrow_agg_part(r, gang.world_size) for r in range(gang.world_size)])
+    expected = sql(
+        ARROW_AGG_SQL.format(keys="1 AS one", where="" if rows else "WHERE false").replace("GROUP BY 1 AS one", ""), T=T
+    )
+    expected = expected.drop_columns(["one"])
+    assert out.schema.field("big_sum").type == pa.int64() and out.schema.field("d_max").type == pa.date32()
+    if not rows:
+        assert out.to_pylist() == [
+            dict(v_sum=0.0, v_count=0, v_mean=None, big_sum=0, big_mean=None, w_min=None, d_max=None, s_count=0, n=0)
+        ]
+    assert_same_rows(out, expected.cast(out.schema))
+
+
 def app_agg_errors(env):
     df = frame(env)
     errors = []

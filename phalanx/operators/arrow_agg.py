@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 if TYPE_CHECKING:
     from .groupby import Agg
 
-__all__ = ["combine", "eligible", "final", "partial", "without_null_keys"]
+__all__ = ["combine", "combine_all", "eligible", "final", "partial", "partial_all", "without_null_keys"]
 
 _INT64_MAX = 2**63 - 1
 _EMPTY_IS_NULL = pc.ScalarAggregateOptions(min_count=1)  # SUM(x): null for a group of nulls
@@ -56,8 +56,8 @@ def _value_type(a: Agg, t: pa.DataType) -> bool:
 
 def eligible(keys: Sequence[str], aggs: Sequence[Agg], schema: pa.Schema) -> bool:
     """Whether Arrow can run these steps over columns of these types (decided from the
-    schema alone: the same on every rank)."""
-    if not keys or not all(_key_type(schema.field(k).type) for k in keys):
+    schema alone: the same on every rank); no keys: ``agg``'s one row (``partial_all``)."""
+    if not all(_key_type(schema.field(k).type) for k in keys):
         return False
     return all(a.func == "size" or (a.column and _value_type(a, schema.field(a.column).type)) for a in aggs)
 
@@ -195,3 +195,54 @@ def _finish(columns: list[pa.ChunkedArray], keys: Sequence[str], aggs: Sequence[
             value = _as_duckdb_partial(value)
         out.append(value)
     return pa.table(out, names=[*keys, *(a.out for a in aggs)])
+
+
+# ---- no keys: a global ``agg``'s one row ----------------------------------------------------
+def _one(value: pa.Scalar, kind: pa.DataType | None = None) -> pa.Array:
+    kind = kind or value.type
+    return pa.array([value.as_py()], kind) if value.type == kind else pa.array([value.as_py()]).cast(kind)
+
+
+def partial_all(table: pa.Table, aggs: Sequence[Agg], p: Callable[[Agg, str], str]) -> pa.Table | None:
+    """This rank's one row of partials, as ``SELECT <_partial_sql>, COUNT(*) AS __px_rows``."""
+    if not _sums_fit(table, [a.column for a in aggs if a.func in ("sum", "mean") and a.column]):
+        return None
+    n = pa.scalar(table.num_rows, pa.int64())
+    columns: dict[str, pa.Array] = {}
+    for a in aggs:
+        if a.func == "size":
+            columns[p(a, "n")] = _one(n)
+            continue
+        col = table.column(a.column)
+        if a.func == "count":
+            columns[p(a, "n")] = _one(pc.count(col), pa.int64())
+        elif a.func in ("sum", "mean"):
+            total = pc.sum(col, min_count=1)
+            columns[p(a, "sum")] = _one(total, pa.int64() if pa.types.is_integer(col.type) else pa.float64())
+            if a.func == "mean":
+                columns[p(a, "n")] = _one(pc.count(col), pa.int64())
+        else:
+            columns[p(a, "v")] = _one(pc.min_max(col)[a.func], col.type)
+    columns["__px_rows"] = _one(n)
+    return pa.table(columns)
+
+
+def combine_all(partials: pa.Table, aggs: Sequence[Agg], p: Callable[[Agg, str], str]) -> pa.Table | None:
+    """The one row of final values from the ranks' partial rows (none: the types only)."""
+    if not _sums_fit(partials, [p(a, "sum") for a in aggs if a.func in ("sum", "mean")]):
+        return None
+    columns: dict[str, pa.Array] = {}
+    for a in aggs:
+        if a.func in ("size", "count"):
+            columns[a.out] = _one(pc.sum(partials.column(p(a, "n")), min_count=0), pa.int64())
+        elif a.func == "sum":
+            total = partials.column(p(a, "sum"))
+            columns[a.out] = _one(pc.sum(total, min_count=0), total.type)
+        elif a.func == "mean":
+            total = pc.sum(partials.column(p(a, "sum")), min_count=1)
+            count = pc.sum(partials.column(p(a, "n")), min_count=0)
+            columns[a.out] = _divide(pa.chunked_array([_one(total)]), pa.chunked_array([_one(count, pa.int64())]))
+        else:
+            v = partials.column(p(a, "v"))
+            columns[a.out] = _one(pc.min_max(v)[a.func], v.type)
+    return pa.table(columns)

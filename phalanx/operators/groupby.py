@@ -317,10 +317,15 @@ def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
     quantiles = [a for a in aggs if a.func in stats.QUANTILES]
     uniques = [a for a in aggs if a.func == "nunique"]
     plain = [a for a in aggs if a.func not in stats.HOLISTIC and a not in quantiles]
-    # only plain aggregations read the rows in SQL alone: they can fuse the pending pipeline
-    rows, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), fuse=len(plain) == len(aggs))
-    exprs = [e for a in plain for e in _partial_sql(a, src)] + ['COUNT(*) AS "__px_rows"']
-    partial = kernels.run_sql(f"SELECT {', '.join(exprs)} FROM __px_t", __px_t=rows)
+    # only plain aggregations read the rows in SQL alone: they can fuse the pending pipeline,
+    # unless Arrow's kernels take them all (they read rows; see aggregate)
+    in_arrow = len(plain) == len(aggs) and arrow_agg.eligible([], aggs, df.schema)
+    fuse = len(plain) == len(aggs) and not in_arrow
+    rows, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), fuse=fuse)
+    partial = arrow_agg.partial_all(rows, aggs, _p) if in_arrow else None
+    if partial is None:
+        exprs = [e for a in plain for e in _partial_sql(a, src)] + ['COUNT(*) AS "__px_rows"']
+        partial = kernels.run_sql(f"SELECT {', '.join(exprs)} FROM __px_t", __px_t=rows)
     table = rows  # a table wherever a holistic aggregation reads it (then nothing was fused)
     if uniques:
         counts = stats.distinct_counts(comm, table, list(dict.fromkeys(a.column or "" for a in uniques)))
@@ -333,8 +338,11 @@ def aggregate_all(df: DataFrame, aggs: list[Agg]) -> pa.Table:
     combined = [replace(a, func="count") if a.func == "nunique" else a for a in aggs if a not in quantiles]
     finals = [_final_sql(a, src, raw=False) for a in combined] + ['COUNT(*) AS "__px_rows"']
     query = f"SELECT {', '.join(finals)} FROM {_combine_source(combined, [], '__px_partial')}"
-    # rank > 0: the same query over no rows, for the result's types
-    final = kernels.run_sql(query, __px_partial=partial.slice(0, 0) if partials is None else partials)
+    # rank > 0: the same step over no rows, for the result's types
+    received = partial.slice(0, 0) if partials is None else partials
+    final = arrow_agg.combine_all(received, combined, _p) if in_arrow else None
+    if final is None:
+        final = kernels.run_sql(query, __px_partial=received)
     for a, value in zip(quantiles, values):
         final = final.append_column(a.out, pa.array([value], pa.float64()))
     final = kernels.restore_types(final.select([a.out for a in aggs]), _output_schema([], aggs, src))

@@ -440,7 +440,9 @@ def aggregate(
     # have the same schema
     in_arrow = arrow_agg.eligible(keys, aggs, df.schema)
     threads = kernels.rank_threads()
-    table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), fuse=not in_arrow)
+    placed = df._placed_by(keys)
+    one_pass_in_duckdb = threads > 1 and (comm.world_size == 1 or bool(placed))  # fuse into it
+    table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), not in_arrow or one_pass_in_duckdb)
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
     where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
     row_partials = ", ".join(e for a in aggs for e in _row_partial_sql(a, src))
@@ -454,7 +456,6 @@ def aggregate(
     # Already partitioned by these keys (world of one; after a merge on them), or each rank's
     # key range apart from the others' (data split by a sorted key): no shuffle, and one pass
     # (Arrow's, or DuckDB's, where the per-row partials are a projection fused into it).
-    placed = df._placed_by(keys)
     ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna)
     if comm.world_size == 1 or placed or ranged is not None:
         inputs: dict[str, Any] = {"__px_t": table}

@@ -311,9 +311,16 @@ def app_groupby_arrow(env, keys, dropna, combine):
     return out.collect(root=0), text.getvalue()
 
 
-@pytest.mark.parametrize("combine", [None, True, pytest.param(False, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(  # the mixed-engine exchange in the core lane, the rest in the slow lane
+    "combine", [pytest.param(None, marks=pytest.mark.slow), True, pytest.param(False, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize(
-    "keys,dropna", [(["key"], True), (["s", "b"], False), pytest.param(["d", "key"], False, marks=pytest.mark.slow)]
+    "keys,dropna",
+    [
+        (["key"], True),
+        pytest.param(["s", "b"], False, marks=pytest.mark.slow),
+        pytest.param(["d", "key"], False, marks=pytest.mark.slow),
+    ],
 )
 def test_groupby_in_arrow_matches_duckdb_with_ranks_on_either_engine(gang, keys, dropna, combine):
     """Arrow's hash aggregation (sum, count, mean, min, max, size over integer, string, bool and

@@ -373,8 +373,10 @@ def app_pending_joins(env, path, engine):
         os.environ.pop("PHALANX_PIPELINE_ENGINE")
 
 
-@pytest.mark.parametrize(
-    "engine", ["polars", "duckdb", "acero"], ids=["steps apart in Polars", "one DuckDB query", "Acero first"]
+@pytest.mark.parametrize(  # the default engine in the core lane, the other two in the slow lane
+    "engine",
+    ["polars", pytest.param("duckdb", marks=pytest.mark.slow), pytest.param("acero", marks=pytest.mark.slow)],
+    ids=["steps apart in Polars", "one DuckDB query", "Acero first"],
 )
 def test_a_join_with_a_small_side_waits_in_the_pipeline(gang, tmp_path, engine):
     """A merge whose right side is small goes to every rank at the call and the join waits in
@@ -508,7 +510,11 @@ def app_broadcast_or_shuffle(env, right_rows):
     return out.explain(file=open("/dev/null", "w")), out.partitioned_by, out.collect(root=0), left, right
 
 
-@pytest.mark.parametrize("right_rows", [2_000, 40_000], ids=["small right: broadcast", "right >> left: shuffle"])
+@pytest.mark.parametrize(  # the shuffle case (40k rows at 4 ranks: 5 s) runs in the slow lane
+    "right_rows",
+    [2_000, pytest.param(40_000, marks=pytest.mark.slow)],
+    ids=["small right: broadcast", "right >> left: shuffle"],
+)
 def test_a_join_broadcasts_a_side_only_where_that_is_cheaper_than_a_shuffle(gang, right_rows):
     """A left join may only broadcast its right side: it does when that side is small (under
     1 MB), and shuffles both sides when every rank receiving the right side would move more

@@ -152,6 +152,32 @@ def test_explain_marks_exchanges_and_the_ones_skipped(gang):
     assert plain.count("Exchange hash by ['key']") == 2 and "no exchange" not in plain
 
 
+def app_explain_times(env):
+    left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1), env)
+    out = left.filter(pc.field("v") > 0).groupby("key").agg(n=("v", "size"))
+    pending = out.filter(pc.field("n") > 1)
+    quiet = open("/dev/null", "w")
+    return (
+        pending.explain(file=quiet),
+        pending.explain(file=quiet, times=True),
+        pending.compute().explain(file=quiet, times=True),
+    )
+
+
+def test_explain_with_times_says_how_long_each_operator_took_on_this_rank():
+    import re
+
+    with px.Gang(ranks=2) as gang:
+        plain, before, after = gang.run(app_explain_times)[0]
+    took = re.compile(r"  \[\d+\.\d ms\]$")
+    assert not any(took.search(line) for line in plain.splitlines())
+    # the group-by and the filter that made its input ran: timed; the filter after it is pending
+    assert [line.strip().split()[0] for line in before.splitlines() if took.search(line)] == ["GroupBy", "Filter"]
+    assert before.splitlines()[0].startswith("Filter") and not took.search(before.splitlines()[0])
+    assert took.search(after.splitlines()[0])  # computed: the filter's pass timed too
+    assert plain == re.sub(r"  \[\d+\.\d ms\]", "", before)
+
+
 # ---- the group-by's choice: pre-aggregate or shuffle raw rows ---------------------------------
 @pytest.mark.parametrize(
     "groups, rows",

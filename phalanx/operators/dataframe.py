@@ -7,6 +7,7 @@ num_rows) are collective: every rank of the gang must call them, in the same ord
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -66,7 +67,9 @@ class DataFrame:
         """This rank's rows: the pending pipeline runs once (and is replaced by its result)."""
         if self._pipe.pending:
             origin = self._node()
+            start = time.perf_counter()
             self._pipe = P.Pipeline(self._pipe.run())
+            origin.seconds = time.perf_counter() - start
             self._origin = origin
         return self._pipe.source
 
@@ -140,10 +143,13 @@ class DataFrame:
             return P.Origin(lines, [])
         return P.Origin(lines[:-1], [self._origin])  # the table is what the origin made
 
-    def explain(self, file: Any = None) -> str:
+    def explain(self, file: Any = None, times: bool = False) -> str:
         """This frame's plan: the distributed operators that made it (exchanges marked) and
-        the pending local pipeline, output first; printed (to ``file``) and returned."""
-        text = "\n".join(self._node().render())
+        the pending local pipeline, output first; printed (to ``file``) and returned.  With
+        ``times``, each operator that ran says how long it took on this rank, ``[12.3 ms]``
+        (its inputs made before it; waits for slower ranks included: an operator that shows
+        more time on one rank than on the others waited there for them)."""
+        text = "\n".join(self._node().render(times=times))
         print(text, file=file)
         return text
 
@@ -172,7 +178,8 @@ class DataFrame:
         """A frame of rows a distributed operator ``op`` made from this frame (and ``inputs``),
         placed by ``partitioned_by`` (and, equally, by each of ``aliases``)."""
         label, *notes = op.split("\n") if op else [""]
-        origin = P.Origin([label], [f._node() for f in (self, *inputs)], notes) if op else None
+        seconds = getattr(op, "seconds", None)
+        origin = P.Origin([label], [f._node() for f in (self, *inputs)], notes, seconds) if op else None
         df = DataFrame(table, self.env, partitioned_by, origin)
         names = set(table.column_names)
         if partitioned_by:
@@ -193,9 +200,10 @@ class DataFrame:
         into its own query), and ``op`` with the exchanges it noted."""
         for f in (*(() if fuses else (self,)), *inputs):
             f.compute()
+        start = time.perf_counter()
         with P.recording() as notes:
             result = fn()
-        return result, "\n".join([op, *notes]) if notes else op
+        return result, P.Timed.of("\n".join([op, *notes]), time.perf_counter() - start)
 
     def _keeping(
         self, table: pa.Table, changed: Iterable[str] = (), renames: Mapping[str, str] | None = None

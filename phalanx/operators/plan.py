@@ -126,16 +126,30 @@ class Origin:
     lines: list[str]  # a chain: each line's input is the next line
     inputs: list[Origin]
     notes: list[str] = field(default_factory=list)  # what the last line's operator did, in order
+    seconds: float | None = None  # how long the lines took on this rank (their inputs made first)
 
-    def render(self, depth: int = 0) -> list[str]:
+    def render(self, depth: int = 0, times: bool = False) -> list[str]:
         out = []
-        for line in self.lines:
-            out.append("  " * depth + line)
+        for i, line in enumerate(self.lines):
+            took = f"  [{self.seconds * 1e3:.1f} ms]" if times and i == 0 and self.seconds is not None else ""
+            out.append("  " * depth + line + took)
             depth += 1
         out += ["  " * depth + "· " + n for n in self.notes]
         for child in self.inputs:
-            out += child.render(depth)
+            out += child.render(depth, times)
         return out
+
+
+class Timed(str):
+    """An operator's description that carries how long it ran on this rank (``explain(times=True)``)."""
+
+    seconds: float | None = None
+
+    @classmethod
+    def of(cls, text: str, seconds: float) -> Timed:
+        op = cls(text)
+        op.seconds = seconds
+        return op
 
 
 @dataclass

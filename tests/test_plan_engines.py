@@ -347,3 +347,73 @@ def test_a_join_over_a_type_polars_would_change_runs_in_duckdb():
     assert _values(got.select(["x", "w"])) == _values(
         pa.table({"x": [1.0, 1.0, float("nan"), float("nan"), None, -0.0], "w": [10, 60, 20, 20, 30, 40]})
     )
+
+
+# ---- a join with a table on every rank: the filter before it keeps only rows with a match ----
+def _keyed(n: int, kind: pa.DataType) -> pa.Table:
+    """n rows: ``k`` cycling 0..49 in ``kind`` (every 9th null), ``v`` 0..n-1, ``s`` strings."""
+    return pa.table(
+        {
+            "k": pa.array([None if i % 9 == 4 else i % 50 for i in range(n)], kind),
+            "v": pa.array(range(n), pa.int64()),
+            "s": pa.array([f"s{i % 7}" for i in range(n)]),
+        }
+    )
+
+
+@pytest.mark.parametrize("how", ["inner", "semi"])
+@pytest.mark.parametrize(
+    "before",
+    ["a filter", "a filter, then a rename", "no filter", "a computed key"],
+)
+@pytest.mark.parametrize(
+    "right_keys",
+    [
+        pa.array([3, 7, 7, 11, 60], pa.int64()),
+        pa.array([3, None, 11], pa.int64()),
+        pa.array([3, 2**40, 11], pa.int64()),
+        pa.array([], pa.int64()),
+    ],
+    ids=["some keys, one twice", "a null key (matches the left's nulls)", "beyond int32", "no keys"],
+)
+def test_a_join_after_a_filter_keeps_the_rows_sql_keeps(how, before, right_keys):
+    left = _keyed(600, pa.int32())
+    right = pa.table({"rk": right_keys, "w": pa.array([f"w{i}" for i in range(len(right_keys))])})
+    key = "k"
+    steps: list[P.Step] = []
+    if before != "no filter":
+        steps.append(P.Filter(f("v") > 40, frozenset(["v"])))
+    if before == "a filter, then a rename":
+        key = "k2"
+        steps.append(
+            P.Project((P.Output("k2", f("k"), frozenset(["k"]), "k"), P.Output("v", f("v"), frozenset(["v"]), "v")))
+        )
+    if before == "a computed key":
+        key = "k2"
+        steps.append(
+            P.Project((P.Output("k2", f("k") + 0, frozenset(["k"])), P.Output("v", f("v"), frozenset(["v"]), "v")))
+        )
+    left_out = ("v", key) if before != "no filter" else ("k", "v", "s")
+    right_out = () if how == "semi" else ("w",)
+    steps.append(P.Join(right, (key,), ("rk",), how, left_out, right_out))
+    schema = pa.schema(
+        [
+            *(pa.field(c, pa.int64() if c in ("v", "k2") else left.schema.field(c).type) for c in left_out),
+            *(right.schema.field(c) for c in right_out),
+        ]
+    )
+    got = P._apart(left, list(steps)).select(schema.names)
+
+    # the reference: DuckDB over the same rows, the filter and rename as SQL
+    where = "WHERE v > 40" if before != "no filter" else ""
+    k_expr = {"a computed key": "k + 0", "a filter, then a rename": "k"}.get(before, "k")
+    inner = f"SELECT {k_expr} AS {key}, v, s FROM L {where}"
+    cols = ", ".join(f"l.{c}" for c in left_out) + "".join(f", r.{c}" for c in right_out)
+    sql = f"SELECT {cols} FROM ({inner}) l {'SEMI JOIN' if how == 'semi' else 'JOIN'} R r ON l.{key} IS NOT DISTINCT FROM r.rk"
+    want = kernels.run_sql(sql, L=left, R=right)
+    assert got.num_rows == want.num_rows and _values(got) == _values(want.cast(got.schema, safe=False)), (
+        got.num_rows,
+        want.num_rows,
+    )
+    # where the key passes from the filter unchanged, the filter is where the membership test goes
+    assert P._at_last_filter(steps[:-1], key) == ({"a filter": "k", "a filter, then a rename": "k"}.get(before))

@@ -479,22 +479,67 @@ def _apart(table: pa.Table, steps: list[Step], empty: bool = False) -> pa.Table:
     """The steps with each run between joins as one local pass (Polars, else Acero) and each
     join on its own; ``empty``: with each join's table as an empty one of its schema."""
     from . import kernels
+    from .plan_polars import integer_column, members
 
     while steps:
         at = next((i for i, s in enumerate(steps) if isinstance(s, Join)), len(steps))
+        local = steps[:at]
+        matching = _matching(steps[at]) if at < len(steps) and _engine_setting() == "polars" else None
+        filtered = False
         if at:
-            local = steps[:at]
             compiled = _in_polars(table.schema, local)
-            table = compiled.run(table) if compiled is not None else _acero(table, local)
+            at_filter = _at_last_filter(local, matching[0]) if compiled is not None and matching else None
+            if compiled is not None:
+                table = compiled.run(table, (at_filter, matching[1]) if at_filter and matching else None)
+            else:
+                table = _acero(table, local)
+            filtered = at_filter is not None
         if at == len(steps):
             break
         join: Join = steps[at]  # type: ignore[assignment]
+        if matching is not None and join.how == "semi" and integer_column(table, matching[0]):
+            # a semi join keeps the rows whose key is one of the right's: a filter (in the
+            # last filter before it, else Polars' hash lookup here); 3M rows against 1337
+            # parts' keys 17 -> 7 ms (TPC-H Q8)
+            if not filtered:
+                table = members(table, *matching)
+            table = table.select(list(join.left_out))
+            steps = steps[at + 1 :]
+            continue
         right = join.table.schema.empty_table() if empty else join.table
         right = right.select(list(dict.fromkeys([*join.right_on, *join.right_out])))
         out = kernels.join(table, right, list(join.left_on), list(join.right_on), join.how)
         table = out.select([*join.left_out, *join.right_out])
         steps = steps[at + 1 :]
     return table
+
+
+def _matching(join: Step) -> tuple[str, pa.ChunkedArray] | None:
+    """For an inner or semi join on one integer key: (the left key, the right side's keys), for
+    the filter before the join to keep only the rows that find a match — a join with a few
+    suppliers after a date filter on lineitem then copies 70k rows out of 3M instead of 900k
+    (TPC-H Q7: 25 -> 14 ms a rank).  None where a right key is null (a left null matches it)."""
+    if not (isinstance(join, Join) and join.how in ("inner", "semi") and len(join.left_on) == 1):
+        return None
+    keys = join.table.column(join.right_on[0])
+    if not pa.types.is_integer(keys.type) or keys.null_count:
+        return None
+    return join.left_on[0], keys
+
+
+def _at_last_filter(local: list[Step], name: str) -> str | None:
+    """What column ``name`` (after the steps) is called at the last filter among them, where
+    the projections after that filter carry it unchanged; None if they compute it, or there
+    is no filter."""
+    for step in reversed(local):
+        if isinstance(step, Filter):
+            return name
+        if isinstance(step, Project):
+            out = next((o for o in step.outputs if o.name == name), None)
+            if out is None or out.passes is None:
+                return None
+            name = out.passes
+    return None
 
 
 def _apart_in_polars(schema: pa.Schema, steps: list[Step]) -> bool:

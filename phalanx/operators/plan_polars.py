@@ -268,9 +268,17 @@ class Compiled:
 
     parts: list[tuple[str, Any]]
 
-    def run(self, table: pa.Table) -> pa.Table:
-        for kind, what in self.parts:
-            table = _filter(table, *what) if kind == "filter" else _project(table, what)
+    def run(self, table: pa.Table, matching: tuple[str, pa.ChunkedArray] | None = None) -> pa.Table:
+        """The steps over the table; ``matching``, a column and values, adds the term "the
+        column's value is one of these" to the last filter (``plan._apart``: the rows a join
+        after the steps would drop are not copied out)."""
+        last = max((i for i, (kind, _) in enumerate(self.parts) if kind == "filter"), default=-1)
+        for i, (kind, what) in enumerate(self.parts):
+            if kind == "filter":
+                stages, refs, keep = what
+                table = _filter(table, stages, refs, keep, matching if i == last else None)
+            else:
+                table = _project(table, what)
         return table
 
 
@@ -465,9 +473,18 @@ def _mask(table: pa.Table, stage: Stage) -> Any:
 _STAGED_SHARE = 0.25
 
 
-def _filter(table: pa.Table, stages: list[Stage], refs: Sequence[str], keep: Sequence[str]) -> pa.Table:
+def _filter(
+    table: pa.Table,
+    stages: list[Stage],
+    refs: Sequence[str],
+    keep: Sequence[str],
+    matching: tuple[str, pa.ChunkedArray] | None = None,
+) -> pa.Table:
     """The rows where every stage's terms are true: where the stages before one keep few
-    rows, it runs on those rows only (copied out with the columns still needed)."""
+    rows, it runs on those rows only (copied out with the columns still needed).  With
+    ``matching`` (an integer column and values), only rows whose column holds one of them."""
+    if matching is not None:
+        stages = _with_membership(table, stages, *matching)
     mask = None
     for i, stage in enumerate(stages):
         if mask is not None and (pc.sum(mask).as_py() or 0) <= _STAGED_SHARE * table.num_rows:
@@ -477,6 +494,35 @@ def _filter(table: pa.Table, stages: list[Stage], refs: Sequence[str], keep: Seq
         mask = here if mask is None else pc.and_(mask, here)
     table = table.select(list(keep)) if len(keep) < table.num_columns else table
     return table if mask is None else table.filter(mask)
+
+
+def _with_membership(table: pa.Table, stages: list[Stage], column: str, values: pa.ChunkedArray) -> list[Stage]:
+    """The stages with the term "``column`` is one of ``values``" in the first, fixed-width
+    one (Polars' hash lookup of an integer column: 4.5 ms over 3M rows); unchanged where the
+    column is not an integer one."""
+    if not integer_column(table, column):
+        return stages
+    term = _membership(table, column, values)
+    first = stages[0]
+    if first.kind == "polars" and all(not _is_string(table.schema.field(c).type) for c in first.refs):
+        return [Stage("polars", pl.all_horizontal([first.what, term]), sorted({*first.refs, column})), *stages[1:]]
+    return [Stage("polars", term, [column]), *stages]
+
+
+def integer_column(table: pa.Table, column: str) -> bool:
+    return column in table.column_names and pa.types.is_integer(table.schema.field(column).type)
+
+
+def _membership(table: pa.Table, column: str, values: pa.ChunkedArray) -> pl.Expr:
+    kind = _polars_type(table.schema.field(column).type)
+    wanted = pl.Series(values).cast(kind, strict=False).drop_nulls()  # out of range: no match
+    return pl.col(column).is_in(wanted.implode())
+
+
+def members(table: pa.Table, column: str, values: pa.ChunkedArray) -> pa.Table:
+    """The rows whose integer ``column`` holds one of ``values`` (a null holds none)."""
+    term = _membership(table, column, values).fill_null(False)
+    return table.filter(_frame(table, [column]).select(term).to_series().to_arrow())
 
 
 def _project(table: pa.Table, outputs: list[tuple[str, str, Any, Any]]) -> pa.Table:

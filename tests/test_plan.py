@@ -564,6 +564,50 @@ def test_a_join_broadcasts_a_side_only_where_that_is_cheaper_than_a_shuffle(gang
         assert placed == ("k",)
 
 
+def app_join_into_the_right(env, on):
+    import numpy as np
+
+    rng = np.random.default_rng(env.rank)
+    n = 20_000
+    keys = pa.array([None if i % 97 == 5 else int(x) for i, x in enumerate(rng.integers(0, 5000, n))], pa.int64())
+    big = pa.table({"rk": keys, "d": rng.integers(0, 100, n), "s": [f"s{i % 13}" for i in range(n)]})
+    small_keys = pa.array([None, *rng.integers(0, 5000, 300).tolist()], pa.int64())
+    small = pa.table({"lk": small_keys, "a": pa.array(range(301), pa.int64())})
+    if on:  # one key name: it appears once, in the left's place
+        big, small = big.rename_columns(["k", "d", "s"]), small.rename_columns(["k", "a"])
+    lf = px.DataFrame.from_arrow(small, env).compute()  # made: its size is known
+    rf = px.DataFrame.from_arrow(big, env).filter(pc.field("d") < 40)  # pending: a filter over a table
+    joined = lf.merge(rf, on="k") if on else lf.merge(rf, left_on="lk", right_on="rk")
+    pending = joined._pipe.pending
+    return joined.explain(file=open("/dev/null", "w")), pending, joined.columns, joined.collect(root=0), small, big
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["left_on/right_on", "on: one key name"])
+def test_a_small_left_side_joins_in_the_right_s_pipeline(gang, on):
+    """An inner merge whose left side is small and made, and whose right side has pending
+    steps over a table, sends the left to every rank and waits in the right's pipeline (its
+    filter keeps only rows whose key the left holds); columns in the merge's order (the
+    left's, then the right's), null keys matching each other, rows DuckDB's."""
+    import duckdb
+
+    results = gang.run(app_join_into_the_right, on)
+    plan, pending, columns, out = results[0][:4]
+    con = duckdb.connect()
+    con.register("l", pa.concat_tables([r[4] for r in results]))
+    con.register("r", pa.concat_tables([r[5] for r in results]))
+    if on:
+        sql = "SELECT l.k, l.a, r.d, r.s FROM l JOIN r ON l.k IS NOT DISTINCT FROM r.k WHERE r.d < 40"
+    else:
+        sql = "SELECT l.lk, l.a, r.rk, r.d, r.s FROM l JOIN r ON l.lk IS NOT DISTINCT FROM r.rk WHERE r.d < 40"
+    expected = con.sql(sql).to_arrow_table()
+    assert columns == expected.column_names
+    assert out.num_rows > 100 and out.column("a").null_count == 0
+    assert_same_rows(out, expected.cast(out.schema))
+    assert pending and "with a table on every rank" in plan, plan
+    if gang.world_size > 1:
+        assert "Exchange broadcast the left side" in plan and "Exchange hash" not in plan, plan
+
+
 def app_groupby_of_key_ranges(env, kind, overlap, dropna, rows=3000):
     import datetime as dt
 

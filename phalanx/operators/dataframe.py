@@ -417,12 +417,19 @@ class DataFrame:
         """pandas-style join (collective); see ``phalanx.operators.join``.  ``how``: inner, left,
         right, outer; or semi / anti: the left's rows that have / have no match (SQL's IN / NOT IN
         a subquery), the left's columns only, null keys matching each other as in every merge."""
-        from .join import merge, pending_join
+        from .join import merge, pending_join, pending_join_into_right
 
+        keys = {"on": on, "how": how, "left_on": left_on, "right_on": right_on, "broadcast": broadcast}
+        # a small left side goes to every rank now; the join waits in the right's pipeline,
+        # whose filter then keeps only rows with a match
+        into_right = pending_join_into_right(self, right, **keys)
+        if into_right is not None:
+            step, order = into_right
+            return right._then(step, step.output_schema(right.schema)).select(order)
         # a small right side goes to every rank now; the join waits in this frame's pipeline
-        step = pending_join(self, right, on=on, how=how, left_on=left_on, right_on=right_on, broadcast=broadcast)
-        if step is not None:
-            return self._then(step, step.output_schema(self.schema))
+        pending = pending_join(self, right, **keys)
+        if pending is not None:
+            return self._then(pending, pending.output_schema(self.schema))
         (table, partitioned_by, aliases), op = self._run(
             f"Merge {how} on {on if on is not None else (left_on, right_on)}",
             lambda: merge(

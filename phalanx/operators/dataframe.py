@@ -139,9 +139,10 @@ class DataFrame:
         if self._origin is not None and not self._pipe.pending:
             return self._origin
         lines = self._pipe.describe()
+        joined = [s.made_by for s in self._pipe.steps if isinstance(s, P.Join) and s.made_by is not None]
         if self._origin is None:
-            return P.Origin(lines, [])
-        return P.Origin(lines[:-1], [self._origin])  # the table is what the origin made
+            return P.Origin(lines, joined)
+        return P.Origin(lines[:-1], [self._origin, *joined])  # the table is what the origin made
 
     def explain(self, file: Any = None, times: bool = False) -> str:
         """This frame's plan: the distributed operators that made it (exchanges marked) and

@@ -178,7 +178,7 @@ def pending_join(left: DataFrame, right: DataFrame, *, on, how, left_on, right_o
     )
     side = concat(allgather_tables(comm, side), side.schema) if comm.world_size > 1 else side
     right_out = () if how in ("semi", "anti") else tuple(c for c in side.column_names if c not in shared)
-    return Join(side, tuple(lk), tuple(rk), how, tuple(left.columns), right_out, exchange)
+    return Join(side, tuple(lk), tuple(rk), how, tuple(left.columns), right_out, exchange, right._node())
 
 
 def pending_join_into_right(
@@ -218,7 +218,7 @@ def pending_join_into_right(
     small = sizes[0] <= BROADCAST_ALWAYS_BYTES or (
         broadcast is None and sizes[0] <= BROADCAST_BYTES and sizes[0] * comm.world_size <= sizes[1]
     )
-    if not (broadcast or small):
+    if sizes[0] > sizes[1] or not (broadcast or small):  # a smaller right goes to every rank instead
         return None
     lt = _cast_keys(left.to_arrow(), lk, types) if lt is None else lt
     exchange = (
@@ -226,7 +226,7 @@ def pending_join_into_right(
     )
     side = concat(allgather_tables(comm, lt), lt.schema) if comm.world_size > 1 else lt
     left_out = tuple(c for c in left.columns if c not in shared)
-    step = Join(side, tuple(rk), tuple(lk), "inner", tuple(right.columns), left_out, exchange)
+    step = Join(side, tuple(rk), tuple(lk), "inner", tuple(right.columns), left_out, exchange, left._node())
     return step, [*left.columns, *(c for c in right.columns if c not in shared)]
 
 

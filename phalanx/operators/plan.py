@@ -87,6 +87,7 @@ class Join:
     left_out: tuple[str, ...]
     right_out: tuple[str, ...]
     exchange: str = ""  # how the table came to every rank, for explain
+    made_by: Origin | None = None  # the plan of the frame the table came from, for explain
 
     @property
     def refs(self) -> frozenset[str]:
@@ -108,6 +109,7 @@ class Join:
             tuple(c for c in self.left_out if c in live),
             tuple(c for c in self.right_out if c in live),
             self.exchange,
+            self.made_by,
         )
 
     def describe(self) -> str:

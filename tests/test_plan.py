@@ -608,6 +608,44 @@ def test_a_small_left_side_joins_in_the_right_s_pipeline(gang, on):
         assert "Exchange broadcast the left side" in plan and "Exchange hash" not in plan, plan
 
 
+def app_semi_join_through_the_right(env, how):
+    import numpy as np
+
+    rng = np.random.default_rng(env.rank + 7)
+    n = 30_000
+    keys = pa.array([None if i % 101 == 3 else int(x) for i, x in enumerate(rng.integers(0, 20_000, n))], pa.int64())
+    big = pa.table({"rk": keys, "status": pa.array(["F" if x % 3 else "O" for x in range(n)])})
+    small_keys = pa.array([None, *rng.integers(0, 20_000, 500).tolist()], pa.int64())
+    small = pa.table({"lk": small_keys, "a": pa.array(range(501), pa.int64())})
+    lf = px.DataFrame.from_arrow(small, env).compute()
+    rf = px.DataFrame.from_arrow(big, env).filter(pc.field("status") == "F")  # pending: a filter
+    out = lf.merge(rf, left_on="lk", right_on="rk", how=how)
+    return out.explain(file=open("/dev/null", "w")), out.columns, out.collect(root=0), small, big
+
+
+@pytest.mark.parametrize("how", ["semi", "anti"])
+def test_few_left_keys_meet_a_pending_right_side_through_its_filter(gang, how):
+    """A semi or anti merge of a small, made left side with a right side whose filter is still
+    pending: the left's distinct keys go to every rank, each rank's right steps keep the keys
+    they match, and only those move back (a semi-join reduction); the left's rows, each once,
+    null keys matching each other, as DuckDB's."""
+    import duckdb
+
+    results = gang.run(app_semi_join_through_the_right, how)
+    plan, columns, out = results[0][:3]
+    con = duckdb.connect()
+    con.register("l", pa.concat_tables([r[3] for r in results]))
+    con.register("r", pa.concat_tables([r[4] for r in results]))
+    join = "SEMI JOIN" if how == "semi" else "ANTI JOIN"
+    expected = con.sql(
+        f"SELECT l.* FROM l {join} (SELECT * FROM r WHERE status = 'F') r ON l.lk IS NOT DISTINCT FROM r.rk"
+    ).to_arrow_table()
+    assert columns == ["lk", "a"] and 0 < out.num_rows < 501 * gang.world_size
+    assert_same_rows(out, expected.cast(out.schema))
+    if gang.world_size > 1:
+        assert "semi-join reduction" in plan and "Exchange hash" not in plan, plan
+
+
 def app_groupby_of_key_ranges(env, kind, overlap, dropna, rows=3000):
     import datetime as dt
 

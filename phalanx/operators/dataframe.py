@@ -418,9 +418,15 @@ class DataFrame:
         """pandas-style join (collective); see ``phalanx.operators.join``.  ``how``: inner, left,
         right, outer; or semi / anti: the left's rows that have / have no match (SQL's IN / NOT IN
         a subquery), the left's columns only, null keys matching each other as in every merge."""
-        from .join import merge, pending_join, pending_join_into_right
+        from .join import merge, pending_join, pending_join_into_right, semi_join_through_right
 
         keys = {"on": on, "how": how, "left_on": left_on, "right_on": right_on, "broadcast": broadcast}
+        what = f"Merge {how} on {on if on is not None else (left_on, right_on)}"
+        # few left keys against a right side still to be filtered: only the keys move
+        reduction = semi_join_through_right(self, right, **keys)
+        if reduction is not None:
+            table, op = self._run(what, reduction)
+            return self._new(table, self.partitioned_by, op, right, aliases=self._aliases)
         # a small left side goes to every rank now; the join waits in the right's pipeline,
         # whose filter then keeps only rows with a match
         into_right = pending_join_into_right(self, right, **keys)
@@ -432,7 +438,7 @@ class DataFrame:
         if pending is not None:
             return self._then(pending, pending.output_schema(self.schema))
         (table, partitioned_by, aliases), op = self._run(
-            f"Merge {how} on {on if on is not None else (left_on, right_on)}",
+            what,
             lambda: merge(
                 self, right, on=on, how=how, left_on=left_on, right_on=right_on, suffixes=suffixes, broadcast=broadcast
             ),

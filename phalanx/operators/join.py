@@ -9,7 +9,7 @@ distinct keys.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,7 +18,7 @@ import pyarrow as pa
 from . import kernels
 from .common import as_list, check_columns
 from .exchange import allgather_tables, concat
-from .plan import Join, Pipeline, note, rows
+from .plan import Filter, Join, Pipeline, note, rows
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -228,6 +228,52 @@ def pending_join_into_right(
     left_out = tuple(c for c in left.columns if c not in shared)
     step = Join(side, tuple(rk), tuple(lk), "inner", tuple(right.columns), left_out, exchange, left._node())
     return step, [*left.columns, *(c for c in right.columns if c not in shared)]
+
+
+def semi_join_through_right(
+    left: DataFrame, right: DataFrame, *, on, how, left_on, right_on, broadcast
+) -> Callable[[], pa.Table] | None:
+    """A semi or anti join as a semi-join reduction run *through the right's pipeline*: where
+    the right still has a filter to run over a table in memory, and the left is made and its
+    distinct keys, on every rank, weigh less than the right's key columns before the filter.
+    Each rank's right steps then run with "the key is one of the left's" in their filter (a
+    ``Join`` step: ``plan._apart``), and only the keys they keep move (TPC-H Q21: 40 thousand
+    lines' orders against 730 thousand orders a rank, whose status filter would have been
+    made, their distinct keys counted and both sides shuffled).  Returns the function that
+    makes this rank's rows (the left's rows stay: placed as the left), or None (then
+    ``pending_join`` or ``merge``).  Every rank decides alike (sizes allreduced)."""
+    comm = left.env.comm
+    pipe = right._pipe
+    if how not in ("semi", "anti") or broadcast is not None or not isinstance(pipe.source, pa.Table):
+        return None
+    if not any(isinstance(s, Filter) for s in pipe.steps) or (left._pipe.pending and not left._pipe.costly):
+        return None
+    lk, rk, types = _keys(left, right, on=on, how=how, left_on=left_on, right_on=right_on)
+    if any(right.schema.field(k).type != t for k, t in zip(rk, types)):
+        return None
+    lt = _cast_keys(left.to_arrow(), lk, types)
+    left_keys = _distinct(lt.select(lk))
+    right_keys = sum(pipe.source.column(right._carried(k) or k).nbytes for k in rk if right._carried(k))
+    sizes = comm.allreduce(np.array([left_keys.nbytes, right_keys], dtype=np.int64))
+    total = int(sizes[0]) * comm.world_size  # what every rank receiving the left's keys costs
+    if not (total <= BROADCAST_BYTES and total <= int(sizes[1])):
+        return None
+
+    def run() -> pa.Table:
+        keys = left_keys
+        if comm.world_size > 1:
+            note(f"Exchange allgather the left side's distinct keys (semi-join reduction): {rows(left_keys)}")
+            keys = _distinct(concat(allgather_tables(comm, left_keys), left_keys.schema))
+        step = Join(keys, tuple(rk), tuple(lk), "semi", tuple(rk), (), "the left's distinct keys")
+        mine = right.select(list(rk))
+        matched = _distinct(mine._then(step, step.output_schema(mine.schema)).to_arrow())
+        note(f"per-rank filter of the right side's pending steps by those keys: {matched.num_rows} keys kept")
+        if comm.world_size > 1:
+            note(f"Exchange allgather the left's keys the right has: {rows(matched)}")
+            matched = concat(allgather_tables(comm, matched), matched.schema)
+        return kernels.join(lt, matched, lk, rk, how)
+
+    return run
 
 
 def _read_bytes(pipe: Pipeline) -> int:

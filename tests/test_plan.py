@@ -522,6 +522,17 @@ def test_after_an_inner_join_the_rows_are_placed_by_the_right_keys_too(gang):
     assert_same_rows(out, expected.cast(out.schema))
 
 
+def _sides_in_duckdb(results: list, left: int, right: int):
+    """A DuckDB connection with tables ``l`` and ``r``: every rank's ``results[left]`` and
+    ``results[right]`` tables, concatenated."""
+    import duckdb
+
+    con = duckdb.connect()
+    con.register("l", pa.concat_tables([r[left] for r in results]))
+    con.register("r", pa.concat_tables([r[right] for r in results]))
+    return con
+
+
 def app_broadcast_or_shuffle(env, right_rows):
     import numpy as np
 
@@ -546,13 +557,10 @@ def test_a_join_broadcasts_a_side_only_where_that_is_cheaper_than_a_shuffle(gang
     1 MB), and shuffles both sides when every rank receiving the right side would move more
     than a shuffle (P × right > left) — then the result is placed by the key.  Either way the
     rows are DuckDB's."""
-    import duckdb
 
     results = gang.run(app_broadcast_or_shuffle, right_rows)
     plan, placed = results[0][0], results[0][1]
-    con = duckdb.connect()
-    con.register("l", pa.concat_tables([r[3] for r in results]))
-    con.register("r", pa.concat_tables([r[4] for r in results]))
+    con = _sides_in_duckdb(results, 3, 4)
     expected = con.sql("SELECT l.k, l.a, r.b, r.pad FROM l LEFT JOIN r ON l.k = r.k").to_arrow_table()
     assert_same_rows(results[0][2], expected)
     if gang.world_size == 1:
@@ -588,13 +596,10 @@ def test_a_small_left_side_joins_in_the_right_s_pipeline(gang, on):
     steps over a table, sends the left to every rank and waits in the right's pipeline (its
     filter keeps only rows whose key the left holds); columns in the merge's order (the
     left's, then the right's), null keys matching each other, rows DuckDB's."""
-    import duckdb
 
     results = gang.run(app_join_into_the_right, on)
     plan, pending, columns, out = results[0][:4]
-    con = duckdb.connect()
-    con.register("l", pa.concat_tables([r[4] for r in results]))
-    con.register("r", pa.concat_tables([r[5] for r in results]))
+    con = _sides_in_duckdb(results, 4, 5)
     if on:
         sql = "SELECT l.k, l.a, r.d, r.s FROM l JOIN r ON l.k IS NOT DISTINCT FROM r.k WHERE r.d < 40"
     else:
@@ -629,13 +634,10 @@ def test_few_left_keys_meet_a_pending_right_side_through_its_filter(gang, how):
     pending: the left's distinct keys go to every rank, each rank's right steps keep the keys
     they match, and only those move back (a semi-join reduction); the left's rows, each once,
     null keys matching each other, as DuckDB's."""
-    import duckdb
 
     results = gang.run(app_semi_join_through_the_right, how)
     plan, columns, out = results[0][:3]
-    con = duckdb.connect()
-    con.register("l", pa.concat_tables([r[3] for r in results]))
-    con.register("r", pa.concat_tables([r[4] for r in results]))
+    con = _sides_in_duckdb(results, 3, 4)
     join = "SEMI JOIN" if how == "semi" else "ANTI JOIN"
     expected = con.sql(
         f"SELECT l.* FROM l {join} (SELECT * FROM r WHERE status = 'F') r ON l.lk IS NOT DISTINCT FROM r.rk"
@@ -741,13 +743,10 @@ def test_a_semi_join_against_many_right_keys_moves_keys(gang, how, left_rows):
     ones come back, and the left's rows never move (the result keeps their placement).  Where
     they are many, both sides are shuffled by key, only the right's distinct keys moving.  Null
     key pairs match each other, as the join's always do; the rows are DuckDB's."""
-    import duckdb
 
     results = gang.run(app_semi_join_reduction, how, left_rows)
     plan, placed = results[0][0], results[0][1]
-    con = duckdb.connect()
-    con.register("l", pa.concat_tables([r[3] for r in results]))
-    con.register("r", pa.concat_tables([r[4] for r in results]))
+    con = _sides_in_duckdb(results, 3, 4)
     exists = "EXISTS" if how == "semi" else "NOT EXISTS"
     expected = con.sql(
         f"SELECT * FROM l WHERE {exists} (SELECT 1 FROM r WHERE r.k IS NOT DISTINCT FROM l.k "

@@ -29,6 +29,13 @@ if _OWNER:
     )
     os.environ["PHALANX_STORE"] = os.environ["PHALANX_TEST_STORE"]
 _STORE_ROOT = os.environ["PHALANX_TEST_STORE"]
+# Each xdist worker its own store below it (its ranks inherit it): with `--dist load` the cases
+# of one test run on several workers at once, and may put datasets of the same name.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and "PHALANX_TEST_STORE_WORKER" not in os.environ:
+    os.environ["PHALANX_TEST_STORE_WORKER"] = os.path.join(_STORE_ROOT, _WORKER)
+    os.makedirs(os.environ["PHALANX_TEST_STORE_WORKER"], mode=0o700, exist_ok=True)
+    os.environ["PHALANX_STORE"] = os.environ["PHALANX_TEST_STORE_WORKER"]
 
 
 def pytest_addoption(parser):

@@ -971,3 +971,60 @@ def test_top_k_refuses_a_bad_limit(gang):
 
     for bad in (-1, 2.5, True):
         assert "limit must be a count of rows" in gang.run(app, bad)[0]
+
+
+@pytest.mark.parametrize("kind", [pa.int32(), pa.uint64(), pa.date32()])
+def test_a_key_in_runs_aggregates_where_it_lies_as_duckdb_would(kind):
+    """Rows sorted by their one key (runs of 1-5 rows; int32, uint64 beyond 2^63, dates):
+    each step's groups are reduced run by run, with the SQL steps' answers — sums of all-null
+    groups (null in a partial, 0 in a final), NaN, nulls skipped by counts, min/max of integers
+    and dates; an unsorted key (a descent an unsigned difference would hide) takes Arrow's hash
+    aggregation, with the same answers."""
+    from phalanx.operators import arrow_agg, groupby, kernels
+
+    rng = np.random.default_rng(5)
+    runs = rng.integers(1, 6, 400)
+    n = int(runs.sum())
+    keys = np.repeat(np.arange(400, dtype=np.uint64) * 3, runs)
+    if kind == pa.uint64():
+        keys += np.uint64(2**63 + 10)
+    key = pa.array(keys.astype("datetime64[D]") if kind == pa.date32() else keys).cast(kind)
+    v = rng.random(n)
+    v[rng.random(n) < 0.02] = np.nan
+    v_mask = rng.random(n) < 0.1
+    v_mask[: runs[0]] = True  # the first group's values all null
+    T = pa.table(
+        {
+            "k": key,
+            "v": pa.array(v, mask=v_mask),
+            "i": pa.array(rng.integers(-50, 50, n), pa.int32(), mask=rng.random(n) < 0.1),
+            "m": pa.array(rng.integers(-1000, 1000, n), pa.int64()),
+            "d": pa.array(rng.integers(0, 9000, n).astype("datetime64[D]"), pa.date32()),
+        }
+    )
+    aggs = groupby.parse_spec(
+        None,
+        dict(v_sum=("v", "sum"), v_count=("v", "count"), v_mean=("v", "mean"), i_sum=("i", "sum"),
+             i_mean=("i", "mean"), m_min=("m", "min"), m_max=("m", "max"), d_min=("d", "min"), n=(None, "size")),
+    )  # fmt: skip
+    specs = [([], "count_all", None), ("v", "sum", arrow_agg._EMPTY_IS_NULL), ("m", "min", None), ("d", "max", None)]
+    assert arrow_agg._group_runs(T, ["k"], specs) is not None  # in runs: reduced where they lie
+    shuffled = T.take(pa.array(rng.permutation(n)))
+    assert arrow_agg._group_runs(shuffled, ["k"], specs) is None
+    assert arrow_agg._group_runs(T.set_column(3, "m", pa.array([None] * n, pa.int64())), ["k"], specs) is None
+
+    def duck(select: str, **tables) -> pa.Table:
+        return kernels.run_sql(f'SELECT "k", {select} GROUP BY "k"', **tables)
+
+    for rows in (T, shuffled):
+        parts = ", ".join(e for a in aggs for e in groupby._partial_sql(a, rows.schema))
+        partial = arrow_agg.partial(rows, ["k"], aggs, True, groupby._p, False)
+        _same_table(partial, kernels.restore_types(duck(f"{parts} FROM __px_t", __px_t=rows), rows.schema))
+        row_parts = ", ".join(e for a in aggs for e in groupby._row_partial_sql(a, rows.schema))
+        raw = ", ".join(groupby._final_sql(a, rows.schema, raw=True) for a in aggs)
+        want = duck(f'{raw} FROM (SELECT "k", {row_parts} FROM __px_t)', __px_t=rows)
+        _same_table(
+            arrow_agg.final(rows, ["k"], aggs, True),
+            kernels.restore_types(want, groupby._output_schema(["k"], aggs, rows.schema)),
+        )
+    assert arrow_agg.final(shuffled, ["k"], aggs, True, runs_only=True) is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -77,9 +78,13 @@ def _sums_fit(table: pa.Table, columns: Sequence[str]) -> bool:
 
 
 def _group(
-    table: pa.Table, keys: Sequence[str], specs: list[tuple[Any, str, Any]], threads: bool
-) -> list[pa.ChunkedArray]:
-    """The key columns, then one column per spec (column, Arrow function, options)."""
+    table: pa.Table, keys: Sequence[str], specs: list[tuple[Any, str, Any]], threads: bool, runs_only: bool = False
+) -> list[pa.ChunkedArray] | None:
+    """The key columns, then one column per spec (column, Arrow function, options); with
+    ``runs_only``, None unless the rows are in runs of their key (``_group_runs``)."""
+    in_runs = _group_runs(table, keys, specs)
+    if in_runs is not None or runs_only:
+        return in_runs
     out = table.group_by(list(keys), use_threads=threads).aggregate(
         [(c, fn) if opts is None else (c, fn, opts) for c, fn, opts in specs]
     )
@@ -87,6 +92,67 @@ def _group(
     # pyarrow puts the keys first (before 14: last); the aggregates keep the specs' order
     keys_first = out.column_names[: len(keys)] == list(keys)
     return columns if keys_first else columns[len(specs) :] + columns[: len(specs)]
+
+
+def _group_runs(table: pa.Table, keys: Sequence[str], specs: list[tuple[Any, str, Any]]) -> list[Any] | None:
+    """``_group``'s columns where one integer or date key, without nulls, never decreases down
+    the rows (a table sorted by it: TPC-H's lineitem by l_orderkey, time series by time): each
+    group is a run of rows, reduced where it lies (numpy's ``reduceat``) with no hash table —
+    750k groups of a rank's 3M lines 15 ms against 70 in Arrow's hash aggregation, 103 in
+    DuckDB's.  None for another key, an unsorted one, or a spec it has no form for (a value
+    type other than integer, float or date; min/max over nulls)."""
+    if len(keys) != 1 or table.num_rows < 2:
+        return None
+    key = table.column(keys[0])
+    kind = key.type
+    if key.null_count or not (pa.types.is_integer(kind) or pa.types.is_date(kind)):
+        return None
+    k = _numbers(key)
+    if (k[1:] < k[:-1]).any():  # compared, not subtracted: unsigned differences wrap
+        return None
+    starts = np.concatenate(([0], np.flatnonzero(k[1:] != k[:-1]) + 1))
+    sizes = np.diff(np.append(starts, table.num_rows))
+    out: list[Any] = [key.take(pa.array(starts))]
+    for column, fn, opts in specs:
+        if fn == "count_all":
+            out.append(pa.array(sizes, pa.int64()))
+            continue
+        values = table.column(column)
+        vt = values.type
+        if not (pa.types.is_integer(vt) or pa.types.is_floating(vt) or (pa.types.is_date(vt) and fn in ("min", "max"))):
+            return None
+        valid = None if not values.null_count else ~_numbers(pc.is_null(values))
+        counts = sizes if valid is None else np.add.reduceat(valid.astype(np.int64), starts)
+        if fn == "count":
+            out.append(pa.array(counts, pa.int64()))
+        elif fn == "sum":
+            wide = (
+                pa.float64()
+                if pa.types.is_floating(vt)
+                else pa.uint64()
+                if pa.types.is_unsigned_integer(vt)
+                else pa.int64()
+            )
+            x = _numbers((pc.fill_null(values, 0) if values.null_count else values).cast(wide))
+            total = pa.array(np.add.reduceat(x, starts), wide)
+            if opts is _EMPTY_IS_NULL and valid is not None:
+                total = pc.if_else(pa.array(counts == 0), pa.scalar(None, wide), total)
+            out.append(total)
+        elif fn in ("min", "max") and valid is None and not pa.types.is_floating(vt):
+            x = _numbers(values)
+            reduce = np.minimum.reduceat if fn == "min" else np.maximum.reduceat
+            out.append(pa.array(reduce(x, starts)).cast(vt))
+        else:
+            return None
+    return out
+
+
+def _numbers(column: Any) -> np.ndarray:
+    """A column without nulls as numpy values (dates as their day numbers)."""
+    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
+    if pa.types.is_date(array.type):
+        array = array.cast(pa.int32() if pa.types.is_date32(array.type) else pa.int64())
+    return array.to_numpy(zero_copy_only=False)
 
 
 def without_null_keys(table: pa.Table, keys: Sequence[str]) -> pa.Table:
@@ -133,6 +199,7 @@ def partial(
             specs.append((a.column, a.func, None))
             names.append(p(a, "v"))
     columns = _group(table, keys, specs, threads)
+    assert columns is not None
     values = [_as_duckdb_partial(c) for c in columns[len(keys) :]]
     return pa.table(columns[: len(keys)] + values, names=[*keys, *names])
 
@@ -162,11 +229,16 @@ def combine(
             specs += [(p(a, "sum"), "sum", _EMPTY_IS_NULL), (p(a, "n"), "sum", _EMPTY_IS_ZERO)]
         else:
             specs.append((p(a, "v"), a.func, None))
-    return _finish(_group(partials, keys, specs, False), keys, aggs)
+    columns = _group(partials, keys, specs, False)
+    assert columns is not None
+    return _finish(columns, keys, aggs)
 
 
-def final(table: pa.Table, keys: Sequence[str], aggs: Sequence[Agg], dropna: bool) -> pa.Table | None:
-    """The final values from rows, in one pass (a frame placed by its keys)."""
+def final(
+    table: pa.Table, keys: Sequence[str], aggs: Sequence[Agg], dropna: bool, runs_only: bool = False
+) -> pa.Table | None:
+    """The final values from rows, in one pass (a frame placed by its keys); with
+    ``runs_only``, None unless the rows lie in runs of their one key (``_group_runs``)."""
     if not _sums_fit(table, [a.column for a in aggs if a.func in ("sum", "mean") and a.column]):
         return None
     table = without_null_keys(table, keys) if dropna else table
@@ -182,7 +254,8 @@ def final(table: pa.Table, keys: Sequence[str], aggs: Sequence[Agg], dropna: boo
             specs += [(a.column, "sum", _EMPTY_IS_NULL), (a.column, "count", None)]
         else:
             specs.append((a.column, a.func, None))
-    return _finish(_group(table, keys, specs, False), keys, aggs)
+    columns = _group(table, keys, specs, False, runs_only)
+    return None if columns is None else _finish(columns, keys, aggs)
 
 
 def _finish(columns: list[pa.ChunkedArray], keys: Sequence[str], aggs: Sequence[Agg]) -> pa.Table:

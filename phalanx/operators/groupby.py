@@ -464,8 +464,12 @@ def aggregate(
             rows = rows_from(relation)
             inputs.update(edge)
         final = None
-        if in_arrow and threads == 1 and ranged in (None, (None, None)) and isinstance(table, pa.Table):
-            final = _noted(arrow_agg.final(table, keys, aggs, dropna), table)
+        if in_arrow and threads == 1 and isinstance(table, pa.Table):
+            if ranged in (None, (None, None)):
+                final = _noted(arrow_agg.final(table, keys, aggs, dropna), table)
+            else:  # edge keys moved: Arrow where the rows lie in runs of the key, else DuckDB
+                mine = _with_edge_rows(table, keys[0], *ranged)
+                final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only=True), mine)
         if final is None:
             final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
         return kernels.restore_types(final, schema), (None if ranged is not None else placed or tuple(keys))
@@ -567,6 +571,15 @@ def _with_edges(drop: Any, received: pa.Table | None, key: str, kind: pa.DataTyp
     if received is None:
         return f"({selects[0]})", {}
     return f"({selects[0]} UNION ALL SELECT * FROM __px_edge)", {"__px_edge": received}
+
+
+def _with_edge_rows(table: pa.Table, key: str, drop: Any, received: pa.Table | None) -> pa.Table:
+    """``_with_edges`` over Arrow: this rank's rows without the edge key it gave away (its
+    first rows, where the key is sorted), then the edge rows it received (its last key's)."""
+    if drop is not None:
+        kept = pc.fill_null(pc.not_equal(table.column(key), pa.scalar(drop, table.schema.field(key).type)), True)
+        table = table.filter(kept)
+    return table if received is None else pa.concat_tables([table, received])
 
 
 def _key_literal(value: Any, kind: pa.DataType) -> str:

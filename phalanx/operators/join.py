@@ -189,15 +189,14 @@ def pending_join_into_right(
     table in memory (a filter over lineitem) and the left is small — under
     ``BROADCAST_ALWAYS_BYTES`` in all, or under ``BROADCAST_BYTES`` and at most 1/P of the
     columns the right's steps read (the cost rule of ``_broadcast_side``, the right's size
-    taken before its filters: TPC-H Q16's 30k parts of 100k a rank stay the broadcast side).  The right's filter then keeps only rows whose key the left holds,
-    and its rows are copied out once, joined (TPC-H Q3: lineitem's date filter kept 1.6M rows
-    of a rank's 3M for a join that kept 15k).  None where that does not hold (then the
+    taken before its filters: TPC-H Q16's 30k parts of 100k a rank stay the broadcast side).
+    The right's filter then keeps only rows whose key the left holds, and its rows are copied
+    out once, joined (TPC-H Q3: lineitem's date filter kept 1.6M rows of a rank's 3M for a
+    join that kept 15k).  None where that does not hold (then the
     merge materializes both sides).  Every rank decides alike (schemas and pending steps are
     the same on every rank; the sizes are allreduced)."""
     pipe = right._pipe
-    if how != "inner" or broadcast is False or not isinstance(pipe.source, pa.Table):
-        return None
-    if not pipe.steps:
+    if how != "inner" or broadcast is False or not pipe.steps or not isinstance(pipe.source, pa.Table):
         return None
     lk, rk, types = _keys(left, right, on=on, how=how, left_on=left_on, right_on=right_on)
     shared = {a for a, b in zip(lk, rk) if a == b}
@@ -253,7 +252,8 @@ def semi_join_through_right(
         return None
     lt = _cast_keys(left.to_arrow(), lk, types)
     left_keys = _distinct(lt.select(lk))
-    right_keys = sum(pipe.source.column(right._carried(k) or k).nbytes for k in rk if right._carried(k))
+    carried = [right._carried(k) for k in rk]  # the source columns the keys are (None: computed)
+    right_keys = sum(pipe.source.column(c).nbytes for c in carried if c)
     sizes = comm.allreduce(np.array([left_keys.nbytes, right_keys], dtype=np.int64))
     total = int(sizes[0]) * comm.world_size  # what every rank receiving the left's keys costs
     if not (total <= BROADCAST_BYTES and total <= int(sizes[1])):

@@ -89,14 +89,18 @@ def _like(col: pl.Expr, options: Any) -> pl.Expr:
     return col.str.contains(_like_regex(pattern, ignore_case))
 
 
-def _is_in(col: pl.Expr, options: Any) -> pl.Expr:
+def _matched_set(options: Any) -> pa.Array | None:
+    """An ``is_in``'s value set where a null matches a null in it (MATCH, the default), else None."""
     fields = {f.name for f in options.type}
     behaviour = options["null_matching_behavior"].as_py() if "null_matching_behavior" in fields else None
-    values = options["value_set"]
-    kind = values.type.value_type
-    if behaviour != 0 or not _simple(kind) or pa.types.is_floating(kind):  # 0: MATCH, the default
+    return options["value_set"].values if behaviour == 0 else None
+
+
+def _is_in(col: pl.Expr, options: Any) -> pl.Expr:
+    items = _matched_set(options)
+    kind = options["value_set"].type.value_type
+    if items is None or not _simple(kind) or pa.types.is_floating(kind):
         raise Untranslatable("is_in of floats (NaN), or other than null_matching_behavior=MATCH")
-    items = values.values
     has_null = items.null_count > 0
     kept = items.drop_null() if items.null_count else items
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
@@ -422,10 +426,8 @@ def _arrow_term(n: Node, schema: pa.Schema) -> Callable[[pa.Table], Any] | None:
         return None
     column, options = n.args[0].name, n.value
     if n.name == "is_in":
-        fields = {f.name for f in options.type}
-        behaviour = options["null_matching_behavior"].as_py() if "null_matching_behavior" in fields else None
-        values = options["value_set"].values
-        if behaviour != 0 or not _is_string(values.type):  # 0: MATCH (a null matches a null in the set)
+        values = _matched_set(options)
+        if values is None or not _is_string(values.type):
             return None
         return lambda t: pc.is_in(t.column(column), value_set=values)
     if n.name in ("starts_with", "ends_with") and not options["ignore_case"].as_py():

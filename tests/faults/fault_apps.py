@@ -8,6 +8,14 @@ import time
 from pathlib import Path
 
 
+def write_whole(path: Path, text: str) -> None:
+    """Writes ``text`` so a reader polling ``path`` never sees it empty or half-written (a rename
+    is atomic; ``write_text`` creates the file empty first)."""
+    part = path.with_name(f".{path.name}.part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 def wait_for_file(env):
     """Blocks (bounded) until params.file exists: a stage that runs as long as the test wants."""
     path, deadline = Path(env.params["file"]), time.monotonic() + env.params.get("limit", 120)
@@ -20,7 +28,7 @@ def wait_for_file(env):
 
 def write_pid(env):
     """Each rank writes its pid to params.dir/<stage>.<rank>.pid."""
-    Path(env.params["dir"], f"{env.stage}.{env.rank}.pid").write_text(str(os.getpid()))
+    write_whole(Path(env.params["dir"], f"{env.stage}.{env.rank}.pid"), str(os.getpid()))
     env.comm.barrier()
 
 
@@ -78,7 +86,7 @@ def start_children(env):
     import subprocess
 
     kids = [subprocess.Popen(["sleep", "299"]), subprocess.Popen(["sleep", "299"], start_new_session=True)]
-    Path(env.params["dir"], f"{env.stage}.{env.rank}.children").write_text(" ".join(str(k.pid) for k in kids))
+    write_whole(Path(env.params["dir"], f"{env.stage}.{env.rank}.children"), " ".join(str(k.pid) for k in kids))
     if env.params.get("fail"):
         if env.rank == 1:
             raise RuntimeError("rank 1 fails on purpose")

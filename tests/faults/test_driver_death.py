@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fault_apps import write_whole
 
 import phalanx as px
 from phalanx.orchestrator.rundb import RunDB, pid_alive
@@ -36,7 +37,7 @@ def totals_when_told(env):
     """Writes its pid, computes until params.go exists, then seals per-user totals of ``tx``."""
     import apps
 
-    Path(env.params["dir"], f"rank-{env.rank}.pid").write_text(str(os.getpid()))
+    write_whole(Path(env.params["dir"], f"rank-{env.rank}.pid"), str(os.getpid()))
     go = Path(env.params["go"])
     while not go.exists():  # "computing": busy half the time, polling the file between bursts
         end = time.monotonic() + 0.05
@@ -365,7 +366,7 @@ def test_the_heartbeat_alone_ends_grandchild_ranks_of_a_killed_driver(tmp_path, 
 
 def spawn_child_and_wait(env, out: str) -> None:
     child = subprocess.Popen(["sleep", "600"])
-    Path(out, f"rank-{env.rank}.pids").write_text(f"{os.getpid()} {child.pid}")
+    write_whole(Path(out, f"rank-{env.rank}.pids"), f"{os.getpid()} {child.pid}")
     while True:
         time.sleep(0.1)
 

@@ -763,3 +763,98 @@ def test_a_semi_join_against_many_right_keys_moves_keys(gang, how, left_rows):
     else:
         assert "semi-join reduction" not in plan and plan.count("Exchange hash by ['k', 's']") == 2, plan
         assert placed == ("k", "s")
+
+
+def app_merge_of_key_ranges(env, case, how):
+    import datetime as dt
+
+    r, rows = env.rank, 3000
+    # the left: a sorted key, 3 rows a key, each rank's range apart (3001 rows: a key on two ranks)
+    lk = np.arange(r * rows, (r + 1) * rows + (case == "edge")) // 3
+    # the right: 2 rows a key, each rank's range 50 keys past the left's (a few rows move)
+    rk = np.repeat(np.arange(r * 1000 + 50, (r + 1) * 1000 + 50), 2)
+    if case == "overlap":  # every rank's keys all over: a hash shuffle
+        rk = np.random.default_rng(r).integers(0, env.world_size * 1000, len(rk))
+    if case == "skewed":  # apart, but all in rank 0's range: most rows would move
+        rk = np.repeat(np.arange(r * 100, (r + 1) * 100), 20)
+    if case == "swapped":  # apart and as many a rank, but each rank's in another's range
+        q = env.world_size - 1 - r
+        rk = np.repeat(np.arange(q * 1000 + 50, (q + 1) * 1000 + 50), 2)
+    if case == "unsorted":  # apart, in no order within a rank
+        rk = np.random.default_rng(r).permutation(rk)
+
+    def keys(k, null=False):
+        if case == "date":
+            return pa.array([dt.date(2001, 1, 1) + dt.timedelta(days=int(x)) for x in k])
+        return pa.array(k.tolist(), pa.int64(), mask=(np.arange(len(k)) == 7) if null else None)
+
+    left = pa.table({"k": keys(lk), "a": np.arange(len(lk)) + r * 10_000, "s": [f"l{i % 7}" for i in range(len(lk))]})
+    right = pa.table({"rk": keys(rk, case == "nulls" and r == 0), "b": np.arange(len(rk)), "t": ["x"] * len(rk)})
+    lf, rf = px.DataFrame.from_arrow(left, env), px.DataFrame.from_arrow(right, env)
+    out = lf.merge(rf, left_on="k", right_on="rk", how=how, broadcast=False)
+    return out.explain(file=open("/dev/null", "w")), out.partitioned_by, out.collect(root=0), left, right
+
+
+_RANGED = [
+    (c, h) for c in ("sorted", "edge", "date", "unsorted") for h in ("inner", "left", "right", "outer", "semi", "anti")
+]
+
+
+@pytest.mark.parametrize("case, how", _RANGED + [(c, "inner") for c in ("overlap", "skewed", "swapped", "nulls")])
+def test_a_merge_moves_only_edge_rows_where_each_rank_s_key_range_is_apart(gang, case, how):
+    """Both sides split by a sorted key (row groups of lineitem and orders): rows with equal
+    keys meet by the left's key ranges, only rows past a range's edge moving (a key on two
+    ranks, the right's ranges offset from the left's, keys in no order within a rank); where
+    the ranges overlap, most right rows would move or gather on one rank, or a null key could
+    match another rank's, both sides are hash-shuffled as before.  DuckDB's answer either way."""
+    results = gang.run(app_merge_of_key_ranges, case, how)
+    plan, placed, out = results[0][:3]
+    con = _sides_in_duckdb(results, 3, 4)
+    join = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "outer": "FULL JOIN"}.get(how, f"{how} JOIN")
+    expected = con.sql(f"SELECT * FROM l {join} r ON l.k IS NOT DISTINCT FROM r.rk").to_arrow_table()
+    assert out.num_rows > 100
+    assert_same_rows(out, expected.cast(out.schema))
+    if gang.world_size == 1:
+        return
+    ranged = case in ("sorted", "edge", "date", "unsorted")
+    assert ("each rank's key range is apart" in plan) is ranged, plan
+    assert ("Exchange hash by ['k']" in plan) is not ranged, plan
+    if how not in ("semi", "anti"):  # (those broadcast the right's distinct keys where not ranged)
+        assert placed == (None if ranged or how in ("right", "outer") else ("k",))  # ranges: no hash placement
+
+
+def app_key_set_into_the_right(env, how):
+    rng = np.random.default_rng(env.rank + 3)
+    n = 20_000
+    lkeys = pa.array([None if i % 89 == 0 else int(x) for i, x in enumerate(rng.integers(0, 4000, n))], pa.int64())
+    left = pa.table({"k": lkeys, "a": np.arange(n)})
+    chosen = pa.table({"pk": pa.array([None, *rng.integers(0, 4000, 150).tolist()], pa.int64())})
+    # a third of the left's keys on some rank's right side, the right's other keys past them
+    rkeys = pa.array([None if i % 97 == 0 else int(x) for i, x in enumerate(rng.integers(0, 8000, 3000))], pa.int64())
+    right = pa.table({"rk": rkeys, "b": rng.random(3000)})
+    lf = px.DataFrame.from_arrow(left, env).merge(
+        px.DataFrame.from_arrow(chosen, env), left_on="k", right_on="pk", how="semi"
+    )
+    out = lf.merge(px.DataFrame.from_arrow(right, env), left_on="k", right_on="rk", how=how)
+    return out.explain(file=open("/dev/null", "w")), out.collect(root=0), left, right, chosen
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "semi", "anti", "right"])
+def test_the_right_side_keeps_only_the_keys_the_left_was_already_filtered_to(gang, how):
+    """A left side semi-joined with a few keys meets a right side on that key: the right's rows
+    are filtered by the same keys first (none of the others can match), where the merge drops
+    unmatched right rows (inner, left, semi, anti; not right); null keys matching each other.
+    DuckDB's answer either way."""
+    import duckdb
+
+    results = gang.run(app_key_set_into_the_right, how)
+    plan, out = results[0][:2]
+    con = duckdb.connect()
+    for name, at in (("l", 2), ("r", 3), ("p", 4)):
+        con.register(name, pa.concat_tables([res[at] for res in results]))
+    left = "(SELECT * FROM l SEMI JOIN p ON l.k IS NOT DISTINCT FROM p.pk)"
+    join = {"inner": "JOIN", "left": "LEFT JOIN", "right": "RIGHT JOIN", "semi": "SEMI JOIN", "anti": "ANTI JOIN"}
+    expected = con.sql(f"SELECT * FROM {left} l {join[how]} r ON l.k IS NOT DISTINCT FROM r.rk").to_arrow_table()
+    assert out.num_rows > 100
+    assert_same_rows(out, expected.cast(out.schema))
+    assert ("the keys the left's k was joined with" in plan) is (how != "right"), plan

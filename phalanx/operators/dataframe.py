@@ -418,10 +418,12 @@ class DataFrame:
         """pandas-style join (collective); see ``phalanx.operators.join``.  ``how``: inner, left,
         right, outer; or semi / anti: the left's rows that have / have no match (SQL's IN / NOT IN
         a subquery), the left's columns only, null keys matching each other as in every merge."""
-        from .join import merge, pending_join, pending_join_into_right, semi_join_through_right
+        from .join import merge, pending_join, pending_join_into_right, right_by_left_key_sets, semi_join_through_right
 
         keys = {"on": on, "how": how, "left_on": left_on, "right_on": right_on, "broadcast": broadcast}
         what = f"Merge {how} on {on if on is not None else (left_on, right_on)}"
+        # right rows whose key the left's rows were already filtered out of are dropped first
+        right = right_by_left_key_sets(self, right, **keys)
         # few left keys against a right side still to be filtered: only the keys move
         reduction = semi_join_through_right(self, right, **keys)
         if reduction is not None:

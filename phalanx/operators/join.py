@@ -116,6 +116,8 @@ def merge(
             lt = concat(allgather_tables(comm, lt), lt.schema)
         kept = [p for p in stay._placements() if not overlap & set(p)]
         partitioned_by, aliases = (kept[0], tuple(kept[1:])) if kept else (None, ())
+    elif (ranged := _co_ranged(comm, lt, rt, lk, rk, l_placed or r_placed)) is not None:
+        lt, rt = ranged  # placed by key ranges, not by hash: no placement to keep
     else:
         lt = lt if l_placed else shuffle_table(comm, lt, lk)
         rt = rt if r_placed else shuffle_table(comm, rt, rk)
@@ -179,6 +181,31 @@ def pending_join(left: DataFrame, right: DataFrame, *, on, how, left_on, right_o
     side = concat(allgather_tables(comm, side), side.schema) if comm.world_size > 1 else side
     right_out = () if how in ("semi", "anti") else tuple(c for c in side.column_names if c not in shared)
     return Join(side, tuple(lk), tuple(rk), how, tuple(left.columns), right_out, exchange, right._node())
+
+
+def right_by_left_key_sets(left: DataFrame, right: DataFrame, *, on, how, left_on, right_on, broadcast) -> DataFrame:
+    """The right side with a semi join step for each key the left's rows were already filtered
+    by — a join in the left's pending steps with a table on every rank, on the column the merge
+    joins on (``Pipeline.key_set``): right rows outside that set can find no left row, and an
+    inner, left, semi or anti merge drops them.  Nothing moves (the set is on every rank) and
+    the right's filter keeps only rows that may match, before the merge sizes and exchanges
+    its sides (TPC-H Q9: lineitem semi-joined with green parts meets partsupp on the part key;
+    partsupp kept 1/18 of its rows is broadcast, lineitem stays in place)."""
+    if how not in ("inner", "left", "semi", "anti") or not left._pipe.steps:
+        return right
+    lk, rk, _ = _keys(left, right, on=on, how=how, left_on=left_on, right_on=right_on)
+    for lkey, rkey in zip(lk, rk):
+        found = left._pipe.key_set(lkey)
+        if found is None:
+            continue
+        join, column = found
+        keys = join.table.select([column])
+        if keys.schema.field(0).type != right.schema.field(rkey).type:
+            continue  # a cast key: left to the merge
+        exchange = f"no exchange: the keys the left's {lkey} was joined with"
+        step = Join(keys, (rkey,), (column,), "semi", tuple(right.columns), (), exchange, join.made_by)
+        right = right._then(step, right.schema)
+    return right
 
 
 def pending_join_into_right(
@@ -309,8 +336,9 @@ def _semi_join(
     broadcast: bool | None,
 ) -> tuple[pa.Table, tuple[str, ...] | None]:
     """The left's rows with (``semi``) or without (``anti``) a matching key on the right, each
-    once, the left's columns only.  The left's rows move only where both sides are shuffled;
-    of the right, only keys move:
+    once, the left's columns only.  The left's rows move only where both sides are shuffled,
+    or at the edges of key ranges apart on every rank (``_co_ranged``); of the right, only keys
+    move:
     - its distinct keys broadcast when its keys are small (or ``broadcast=True``);
     - where the left's keys are few beside what a shuffle would move, a semi-join reduction
       (``_matched_keys``): no distinct of the right's keys is made (TPC-H Q22: 20 thousand
@@ -322,6 +350,8 @@ def _semi_join(
     partitioned_by = left.partitioned_by
     if comm.world_size == 1 or (l_placed and r_placed):
         return kernels.join(lt, rt, lk, rk, how), partitioned_by  # duplicate keys cost the join nothing
+    if not broadcast and (ranged := _co_ranged(comm, lt, rt, lk, rk, l_placed or r_placed)) is not None:
+        return kernels.join(*ranged, lk, rk, how), None  # edge rows moved: no hash placement kept
     left_keys = lt.select(lk)
     sizes = comm.allreduce(np.array([lt.nbytes, left_keys.nbytes, rt.nbytes], dtype=np.int64))
     if broadcast is None and sizes[2] > BROADCAST_ALWAYS_BYTES and _reduces(comm.world_size, sizes, l_placed, r_placed):
@@ -335,6 +365,20 @@ def _semi_join(
         rt = rt if r_placed else shuffle_table(comm, rt, rk)
         partitioned_by = tuple(lk)
     return kernels.join(lt, rt, lk, rk, how), partitioned_by
+
+
+def _co_ranged(comm, lt: pa.Table, rt: pa.Table, lk: list[str], rk: list[str], placed: bool) -> tuple | None:
+    """Both sides met by key ranges (``ranges.co_ranged``) where a hash shuffle would move
+    them: one integer or date key of one type, neither side already hash-placed (decided from
+    the schemas, alike on every rank, before the ranks compare their ranges)."""
+    from . import ranges
+
+    kind = lt.schema.field(lk[0]).type
+    if placed or comm.world_size == 1 or len(lk) != 1 or not ranges.rangeable(kind):
+        return None
+    if rt.schema.field(rk[0]).type != kind:
+        return None
+    return ranges.co_ranged(comm, lt, rt, lk[0], rk[0])
 
 
 def _reduces(world_size: int, sizes, l_placed: bool, r_placed: bool) -> bool:

@@ -237,6 +237,23 @@ class Pipeline:
                 name = out.passes
         return name if name in self.source.schema.names else None
 
+    def key_set(self, name: str) -> tuple[Join, str] | None:
+        """A join among the steps that keeps only rows whose column ``name`` (as the output
+        calls it; carried unchanged since) is one of its table's keys — an inner or semi join
+        on that one column — and the table's key column; the latest such, None if none."""
+        for step in reversed(self.steps):
+            if isinstance(step, Join):
+                if name not in step.left_out:
+                    return None
+                if step.how in ("inner", "semi") and step.left_on == (name,):
+                    return step, step.right_on[0]
+            elif isinstance(step, Project):
+                out = next((o for o in step.outputs if o.name == name), None)
+                if out is None or out.passes is None:
+                    return None
+                name = out.passes
+        return None
+
     def describe(self) -> list[str]:
         """The plan, top (output) first: the steps left after pushdown (with the engine that
         runs them), then the source."""

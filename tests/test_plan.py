@@ -858,3 +858,47 @@ def test_the_right_side_keeps_only_the_keys_the_left_was_already_filtered_to(gan
     assert out.num_rows > 100
     assert_same_rows(out, expected.cast(out.schema))
     assert ("the keys the left's k was joined with" in plan) is (how != "right"), plan
+
+
+def app_two_joins_in_a_pipeline(env, selective_second):
+    rng = np.random.default_rng(env.rank + 21)
+    n = 40_000
+    nulls = np.arange(n) % 113 == 0
+    big = pa.table(
+        {"a": pa.array(rng.integers(0, 50_000, n), mask=nulls), "b": rng.integers(0, 20_000, n), "v": rng.random(n)}
+    )
+    # on rank 0 only: the first join's table holds half of a's keys (a quarter where the
+    # second is not selective); the second's 1 in 40 of b's keys (or all of them)
+    ak = np.arange(0, 50_000, 2 if selective_second else 4)[: None if env.rank == 0 else 0]
+    bk = np.arange(0, 20_000, 40 if selective_second else 1)[: None if env.rank == 0 else 0]
+    first = pa.table({"ak": ak, "x": ak * 10})
+    second = pa.table({"bk": bk, "y": pa.array([f"y{k % 5}" for k in bk], pa.string())})
+    one, two = px.DataFrame.from_arrow(first, env), px.DataFrame.from_arrow(second, env)
+    df = px.DataFrame.from_arrow(big, env).merge(one, left_on="a", right_on="ak").select(["b", "v", "ak", "x"])
+    out = df.merge(two, left_on="b", right_on="bk")
+    g = out.groupby("y").agg(v=("v", "sum"), n=("v", "size"), x=("x", "max"))  # runs out's steps
+    plan = g.explain(file=open("/dev/null", "w"))
+    return plan, out.columns, out.collect(root=0), g.collect(root=0), big, first, second
+
+
+@pytest.mark.parametrize("selective_second", [True, False], ids=["second keeps fewer rows", "first keeps fewer"])
+def test_of_two_joins_in_a_pipeline_the_one_that_keeps_fewer_rows_runs_first(gang, selective_second):
+    """Two joins with small tables in one pipeline, the second keeping far fewer rows (1 in
+    40 keys against half): the second runs first, its key's membership filtering the rows
+    before its join copies them; the columns in the merges' order, rows and the group-by
+    over them DuckDB's.  Where the first keeps fewer, the order stays."""
+    import duckdb
+
+    results = gang.run(app_two_joins_in_a_pipeline, selective_second)
+    plan, columns, rows, grouped = results[0][:4]
+    con = duckdb.connect()
+    for name, at in (("big", 4), ("one", 5), ("two", 6)):
+        con.register(name, pa.concat_tables([res[at] for res in results]))
+    joined = "SELECT b, v, ak, x, bk, y FROM big JOIN one ON a = ak JOIN two ON b = bk"
+    assert columns == ["b", "v", "ak", "x", "bk", "y"]
+    assert_same_rows(rows, con.sql(joined).to_arrow_table().cast(rows.schema))
+    expected = con.sql(f"SELECT y, sum(v) AS v, count(*) AS n, max(x) AS x FROM ({joined}) GROUP BY y").to_arrow_table()
+    assert_same_rows(grouped, expected.cast(grouped.schema))
+    joins = [line for line in plan.splitlines() if "per-rank join (Polars): inner on" in line]
+    assert len(joins) == 2, plan
+    assert ("on b = bk" in joins[0]) is selective_second, plan

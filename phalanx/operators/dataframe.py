@@ -430,8 +430,12 @@ class DataFrame:
             table, op = self._run(what, reduction)
             return self._new(table, self.partitioned_by, op, right, aliases=self._aliases)
         # a small left side goes to every rank now; the join waits in the right's pipeline,
-        # whose filter then keeps only rows with a match
-        into_right = pending_join_into_right(self, right, **keys)
+        # whose filter then keeps only rows with a match.  A left with a join pending is
+        # sized only by making it: a small right that has a join of its own to make first may
+        # join in the left's pipeline instead (TPC-H Q7's orders meet the lines, then the
+        # customers of two nations, in one pass)
+        joins_pending = self._pipe.pending and self._pipe.costly and right._pipe.costly
+        into_right = None if joins_pending else pending_join_into_right(self, right, **keys)
         if into_right is not None:
             step, order = into_right
             return right._then(step, step.output_schema(right.schema)).select(order)
@@ -439,6 +443,10 @@ class DataFrame:
         pending = pending_join(self, right, **keys)
         if pending is not None:
             return self._then(pending, pending.output_schema(self.schema))
+        into_right = pending_join_into_right(self, right, **keys) if joins_pending else None
+        if into_right is not None:
+            step, order = into_right
+            return right._then(step, step.output_schema(right.schema)).select(order)
         (table, partitioned_by, aliases), op = self._run(
             what,
             lambda: merge(

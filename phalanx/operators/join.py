@@ -351,7 +351,7 @@ def _semi_join(
     if comm.world_size == 1 or (l_placed and r_placed):
         return kernels.join(lt, rt, lk, rk, how), partitioned_by  # duplicate keys cost the join nothing
     if not broadcast and (ranged := _co_ranged(comm, lt, rt, lk, rk, l_placed or r_placed)) is not None:
-        return kernels.join(*ranged, lk, rk, how), None  # edge rows moved: no hash placement kept
+        return kernels.join(ranged[0], ranged[1], lk, rk, how), None  # edge rows moved: no placement kept
     left_keys = lt.select(lk)
     sizes = comm.allreduce(np.array([lt.nbytes, left_keys.nbytes, rt.nbytes], dtype=np.int64))
     if broadcast is None and sizes[2] > BROADCAST_ALWAYS_BYTES and _reduces(comm.world_size, sizes, l_placed, r_placed):
@@ -367,7 +367,9 @@ def _semi_join(
     return kernels.join(lt, rt, lk, rk, how), partitioned_by
 
 
-def _co_ranged(comm, lt: pa.Table, rt: pa.Table, lk: list[str], rk: list[str], placed: bool) -> tuple | None:
+def _co_ranged(
+    comm, lt: pa.Table, rt: pa.Table, lk: list[str], rk: list[str], placed: bool
+) -> tuple[pa.Table, pa.Table] | None:
     """Both sides met by key ranges (``ranges.co_ranged``) where a hash shuffle would move
     them: one integer or date key of one type, neither side already hash-placed (decided from
     the schemas, alike on every rank, before the ranks compare their ranges)."""

@@ -22,6 +22,7 @@ from . import arrow_agg, kernels, stats
 from .common import ROWID, check_columns, with_rowid
 from .exchange import concat, exchange_tables, gather_tables
 from .plan import note
+from .ranges import rangeable
 from .shuffle import shuffle_table
 
 if TYPE_CHECKING:
@@ -459,17 +460,18 @@ def aggregate(
     ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna)
     if comm.world_size == 1 or placed or ranged is not None:
         inputs: dict[str, Any] = {"__px_t": table}
-        if ranged is not None and ranged != (None, None):  # edge keys moved: drop ours, add theirs
-            relation, edge = _with_edges(*ranged, keys_sql, src.field(keys[0]).type)
+        if ranged is not None and ranged[1:] != (None, None):  # edge keys moved: drop ours, add theirs
+            key = ranged[0]
+            relation, edge = _with_edges(*ranged[1:], kernels.quote_ident(key), src.field(key).type)
             rows = rows_from(relation)
             inputs.update(edge)
         final = None
-        if in_arrow and threads == 1 and isinstance(table, pa.Table):
-            if ranged in (None, (None, None)):
-                final = _noted(arrow_agg.final(table, keys, aggs, dropna), table)
-            else:  # edge keys moved: Arrow where the rows lie in runs of the key, else DuckDB
-                mine = _with_edge_rows(table, keys[0], *ranged)
-                final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only=True), mine)
+        if threads == 1 and isinstance(table, pa.Table):
+            # Arrow's aggregation; where it is not DuckDB's (a float key) or edge keys moved,
+            # only where the rows lie in runs of the keys (else DuckDB)
+            mine = table if ranged is None or ranged[1:] == (None, None) else _with_edge_rows(table, *ranged)
+            runs_only = not in_arrow or mine is not table
+            final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only=runs_only), mine)
         if final is None:
             final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
         return kernels.restore_types(final, schema), (None if ranged is not None else placed or tuple(keys))
@@ -516,22 +518,24 @@ def _noted(result: pa.Table | None, rows: pa.Table) -> pa.Table | None:
     return result
 
 
-def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[Any, pa.Table | None] | None:
+def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[str, Any, pa.Table | None] | None:
     """Whether equal keys are (nearly) on one rank already because each rank's values of the
-    one integer or date key lie in a range no other rank's overlaps — a table split by row
-    groups of a sorted key (TPC-H's lineitem by l_orderkey); if so, (the key value whose rows
+    first integer or date key lie in a range no other rank's overlaps — a table split by row
+    groups of a sorted key (TPC-H's lineitem by l_orderkey; Q10's rows of customers, grouped
+    by the customer's key and six columns more); if so, (that key, the key value whose rows
     this rank gives away, the rows it received): a key two ranges share at their edge (a row
     group boundary in the middle of an order's lines) goes to the rank whose range starts
     lower, a few rows moved where the rest stay in place.  None when
     the ranges overlap more, or a null key sits on more than one rank and counts
     (dropna=False).  One allgather of (min, max) per rank; one small exchange for edge keys."""
-    kind = df.schema.field(keys[0]).type if len(keys) == 1 else None
-    if kind is None or not (pa.types.is_integer(kind) or pa.types.is_date(kind)):
+    key = next((k for k in keys if rangeable(df.schema.field(k).type)), None)
+    if key is None:
         return None  # decided alike on every rank (the schema is agreed): no round trip
+    kind = df.schema.field(key).type
     if isinstance(rows, pa.Table):
-        column = rows.column(keys[0])
+        column = rows.column(key)
     else:  # a fused pipeline: the source's range holds the filtered one
-        carried = df._carried(keys[0])
+        carried = df._carried(key)
         if carried is None:
             return None  # the same plan on every rank
         column = rows.source.column(carried)
@@ -553,15 +557,15 @@ def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[Any
     note("no exchange: each rank's key range is apart from the others'" + (" (edge keys moved)" if owner else ""))
     comm = df.env.comm
     if not owner:
-        return None, None
-    key_sql = kernels.quote_ident(keys[0])
+        return key, None, None
+    key_sql = kernels.quote_ident(key)
     drop = lo if comm.rank in owner else None
     parts = [rows.schema.empty_table() for _ in range(comm.world_size)]
     if drop is not None:  # this rank's rows of its lowest key belong to the rank below
         edge = kernels.run_sql(f"SELECT * FROM __px_t WHERE {key_sql} = {_key_literal(drop, kind)}", __px_t=rows)
         parts[owner[comm.rank]] = kernels.restore_types(edge, parts[0].schema)
     received = concat(exchange_tables(comm, parts, parts[0].schema), parts[0].schema)
-    return drop, received if received.num_rows else None
+    return key, drop, received if received.num_rows else None
 
 
 def _with_edges(drop: Any, received: pa.Table | None, key: str, kind: pa.DataType) -> tuple[str, dict]:

@@ -52,6 +52,31 @@ def _split_units(weights: Sequence[int], nparts: int) -> list[tuple[int, int]]:
     return [(int(bounds[i]), int(bounds[i + 1])) for i in range(nparts)]
 
 
+SPLIT_OVER = 1.1  # a part over this times the mean rows, split by row groups: split by rows
+
+
+def _split_rows(rows: Sequence[int], nparts: int) -> list[list[tuple[int, int, int]]]:
+    """Each part's pieces (unit, first row, stop row), in order: whole units where a split by
+    units leaves no part far over the mean (``SPLIT_OVER``), else near-equal ranges of rows,
+    a unit cut where a range ends (TPC-H's customer file of one row group: every rank's share
+    of it, not all of it on rank 0).  A part's rows stay one contiguous range of the whole."""
+    ranges = _split_units(rows, nparts)
+    total = int(sum(rows))
+    if total == 0 or max(sum(rows[a:b]) for a, b in ranges) <= SPLIT_OVER * total / nparts:
+        return [[(u, 0, int(rows[u])) for u in range(a, b)] for a, b in ranges]
+    starts = np.concatenate([[0], np.cumsum(rows)]).astype(np.int64)
+    parts = []
+    for p in range(nparts):
+        lo, hi = total * p // nparts, total * (p + 1) // nparts
+        pieces = []
+        for u in range(len(rows)):
+            a, b = max(lo, int(starts[u])), min(hi, int(starts[u + 1]))
+            if a < b:
+                pieces.append((u, a - int(starts[u]), b - int(starts[u])))
+        parts.append(pieces)
+    return parts
+
+
 # ---- Parquet ------------------------------------------------------------------------------
 def _plan_parquet(path, columns, nparts):
     files = expand_paths(path, (".parquet", ".pq"))
@@ -63,7 +88,7 @@ def _plan_parquet(path, columns, nparts):
         except Exception as exc:
             raise ValueError(f"read_parquet: cannot read {f!r}: {exc}") from None
         for rg in range(meta.num_row_groups):
-            units.append((f, rg))
+            units.append((f, rg, meta.row_group(rg).num_rows))
             rows.append(meta.row_group(rg).num_rows)
     try:
         schema = pa.unify_schemas(schemas, promote_options="permissive")
@@ -74,7 +99,7 @@ def _plan_parquet(path, columns, nparts):
         if missing:
             raise KeyError(f"read_parquet: unknown column(s) {missing}; the files have {schema.names}")
         schema = pa.schema([schema.field(c) for c in columns])
-    return units, _split_units(rows, nparts), schema
+    return units, _split_rows(rows, nparts), schema
 
 
 def read_parquet(path, env: BSPEnv, columns: Sequence[str] | None = None) -> DataFrame:
@@ -82,38 +107,70 @@ def read_parquet(path, env: BSPEnv, columns: Sequence[str] | None = None) -> Dat
     from .dataframe import DataFrame
 
     cols = list(columns) if columns is not None else None
-    units, ranges, schema = env.comm.on_root(_plan_parquet, path, cols, env.world_size)
-    start, stop = ranges[env.rank]
-    by_file: dict[str, list[int]] = {}
-    for f, rg in units[start:stop]:
-        by_file.setdefault(f, []).append(rg)
+    units, parts, schema = env.comm.on_root(_plan_parquet, path, cols, env.world_size)
+    pieces = [(units[u][0], units[u][1], lo, hi, lo == 0 and hi == units[u][2]) for u, lo, hi in parts[env.rank]]
     # nothing is read yet: the frame's pipeline says which columns and rows it needs
-    return DataFrame.lazy(ParquetScan(path, by_file, schema), env)
+    return DataFrame.lazy(ParquetScan(path, pieces, schema), env)
 
 
 class ParquetScan:
-    """This rank's row groups of a Parquet read, read when the frame's rows are needed: only
-    the columns the plan uses, and with the filters pushed into it (row groups whose
-    statistics rule a filter out are skipped, the rest filtered as they are decoded)."""
+    """This rank's row groups of a Parquet read (a row group several ranks share: its rows in
+    this rank's share), read when the frame's rows are needed: only the columns the plan uses,
+    and with the filters pushed into it (whole row groups whose statistics rule a filter out
+    are skipped, the rest filtered as they are decoded; a share of a row group filtered once
+    cut)."""
 
     pushes_filters = True
 
-    def __init__(self, path: Any, row_groups: dict[str, list[int]], schema: pa.Schema):
-        self.path, self.row_groups, self.schema = path, row_groups, schema
+    def __init__(self, path: Any, pieces: list[tuple[str, int, int, int, bool]], schema: pa.Schema):
+        self.path, self.pieces, self.schema = path, pieces, schema
 
     def read(self, columns: list[str], filters: Sequence[Any]) -> pa.Table:
         schema = pa.schema([self.schema.field(c) for c in columns])
-        tables = [_read_row_groups(f, rgs, columns, self.schema, filters) for f, rgs in self.row_groups.items()]
+        tables = []
+        for f, groups, share in self._segments():
+            if share is None:
+                tables.append(_read_row_groups(f, groups, columns, self.schema, filters))
+            else:
+                tables.append(_read_share(f, groups[0], *share, columns, self.schema, filters))
         tables = [t.select(columns).cast(schema) if not t.schema.equals(schema) else t for t in tables]
         return pa.concat_tables(tables) if tables else schema.empty_table()
 
+    def _segments(self) -> list[tuple[str, list[int], tuple[int, int] | None]]:
+        """The pieces in order as reads: (file, whole row groups in a row, None) or (file, [a
+        row group], (first row, stop row) of this rank's share of it)."""
+        out: list[tuple[str, list[int], tuple[int, int] | None]] = []
+        for f, rg, lo, hi, whole in self.pieces:
+            if whole and out and out[-1][0] == f and out[-1][2] is None:
+                out[-1][1].append(rg)
+            else:
+                out.append((f, [rg], None if whole else (lo, hi)))
+        return out
+
     def describe(self, columns: list[str], filters: Sequence[Any]) -> str:
-        groups = sum(len(v) for v in self.row_groups.values())
+        files = len(dict.fromkeys(f for f, *_ in self.pieces))
+        shares = sum(not whole for *_, whole in self.pieces)
+        groups = f"{len(self.pieces)} row groups" + (f" ({shares} of them in part)" if shares else "")
         where = f", filter {' and '.join(str(f) for f in filters)}" if filters else ""
         return (
             f"Scan parquet {os.fspath(self.path) if isinstance(self.path, (str, os.PathLike)) else self.path!r}: "
-            f"{groups} row groups of {len(self.row_groups)} files on this rank, columns {columns}{where}"
+            f"{groups} of {files} files on this rank, columns {columns}{where}"
         )
+
+
+def _read_share(
+    f: str, rg: int, lo: int, hi: int, columns: list[str], schema: pa.Schema, filters: Sequence[Any]
+) -> pa.Table:
+    """Rows [lo, hi) of row group ``rg`` of ``f``, filtered: the whole row group is decoded
+    (Parquet's unit), with the columns the filters read, then cut."""
+    from .plan import references
+
+    refs = set().union(*(references(e, schema) for e in filters)) if filters else set()
+    wanted = [c for c in schema.names if c in set(columns) | refs]
+    table = _read_row_groups(f, [rg], wanted).slice(lo, hi - lo)
+    for expr in filters:
+        table = table.filter(expr)
+    return table
 
 
 def _read_row_groups(

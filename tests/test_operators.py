@@ -1028,3 +1028,52 @@ def test_a_key_in_runs_aggregates_where_it_lies_as_duckdb_would(kind):
             kernels.restore_types(want, groupby._output_schema(["k"], aggs, rows.schema)),
         )
     assert arrow_agg.final(shuffled, ["k"], aggs, True, runs_only=True) is None
+
+
+@pytest.mark.parametrize("dropna", [True, False])
+def test_keys_constant_in_the_runs_of_a_sorted_first_key_aggregate_in_runs(dropna):
+    """Rows sorted by their first key, the other keys the same within each of its runs (a
+    customer's key, name, balance and nation, TPC-H Q10): reduced run by run with DuckDB's
+    groups and sums (a float key NaN in a run, null keys in a run); where another key changes
+    inside a run — a value, a null beside a value, -0.0 beside 0.0 — not in runs (None)."""
+    from phalanx.operators import arrow_agg, groupby, kernels
+
+    rng = np.random.default_rng(8)
+    runs = rng.integers(1, 5, 300)
+    n = int(runs.sum())
+    k = np.repeat(np.arange(300) * 2, runs)
+    bal = np.repeat(rng.normal(size=300), runs)
+    bal[k == 10] = np.nan
+    T = pa.table(
+        {
+            "k": pa.array(k, pa.int64()),
+            "name": pa.array([f"customer {x:06d}" for x in k]),
+            "bal": pa.array(bal),
+            "nation": pa.array([None if x % 7 == 0 else f"n{x % 5}" for x in k]),
+            "v": pa.array(rng.random(n), mask=rng.random(n) < 0.1),
+        }
+    )
+    keys = ["k", "name", "bal", "nation"]
+    aggs = groupby.parse_spec(None, dict(v=("v", "sum"), c=("v", "count"), n=(None, "size")))
+    got = arrow_agg.final(T, keys, aggs, dropna, runs_only=True)
+    assert got is not None
+    by = ", ".join(keys)
+    where = " WHERE nation IS NOT NULL" if dropna else ""
+    want = kernels.run_sql(
+        f"SELECT {by}, COALESCE(SUM(v), 0) AS v, COUNT(v) AS c, COUNT(*) AS n FROM __px_t{where} GROUP BY {by}",
+        __px_t=T,
+    )
+    assert_same_rows(got, want.cast(got.schema))
+    first = int(runs[0])  # a change inside the first run (rows 0 and 1 where it has two)
+    for column in ("name", "nation", "bal") if first >= 2 else ():
+        values = T.column(column).to_pylist()
+        if column == "name":
+            values[1] = "someone else"
+        elif column == "nation":  # a null beside a value
+            values[1] = "n9" if values[0] is None else None
+        else:
+            values[1] = values[0] + 1
+        changed = T.set_column(T.schema.get_field_index(column), column, pa.array(values, T.schema.field(column).type))
+        assert arrow_agg.final(changed, keys, aggs, False, runs_only=True) is None, column
+    zero = T.set_column(2, "bal", pa.array([0.0 if i == 0 else -0.0 if i == 1 else b for i, b in enumerate(bal)]))
+    assert first < 2 or arrow_agg.final(zero, keys, aggs, False, runs_only=True) is None

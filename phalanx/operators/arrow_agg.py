@@ -85,13 +85,47 @@ def _group(
     in_runs = _group_runs(table, keys, specs)
     if in_runs is not None or runs_only:
         return in_runs
+    coded = {}  # string keys of one byte a value, grouped as those bytes
+    for k in keys:
+        codes = _one_byte_codes(table.column(k))
+        if codes is not None:
+            coded[k] = table.schema.field(k).type
+            table = table.set_column(table.schema.get_field_index(k), k, codes)
     out = table.group_by(list(keys), use_threads=threads).aggregate(
         [(c, fn) if opts is None else (c, fn, opts) for c, fn, opts in specs]
     )
     columns = out.columns
     # pyarrow puts the keys first (before 14: last); the aggregates keep the specs' order
     keys_first = out.column_names[: len(keys)] == list(keys)
-    return columns if keys_first else columns[len(specs) :] + columns[: len(specs)]
+    columns = columns if keys_first else columns[len(specs) :] + columns[: len(specs)]
+    return [_from_codes(c, coded[k]) if k in coded else c for k, c in zip(keys, columns)] + columns[len(keys) :]
+
+
+def _one_byte_codes(column: pa.ChunkedArray) -> pa.ChunkedArray | None:
+    """A string column whose every value is one byte long (a flag, a status: TPC-H Q1's two
+    keys), as those bytes (uint8, no copy), or None.  Arrow's hash aggregation by two such keys
+    over 3M rows: 43 ms as bytes, 70 as strings."""
+    kind = column.type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)) or column.null_count:
+        return None
+    width = np.int64 if pa.types.is_large_string(kind) else np.int32
+    chunks = []
+    for chunk in column.chunks:
+        offsets = np.frombuffer(chunk.buffers()[1], dtype=width)[chunk.offset : chunk.offset + len(chunk) + 1]
+        if not len(chunk) or offsets[-1] - offsets[0] != len(chunk) or (np.diff(offsets) != 1).any():
+            return None
+        data = chunk.buffers()[2]
+        chunks.append(pa.array(np.frombuffer(data, dtype=np.uint8)[offsets[0] : offsets[-1]]))
+    return pa.chunked_array(chunks, pa.uint8())
+
+
+def _from_codes(codes: pa.ChunkedArray, kind: pa.DataType) -> pa.ChunkedArray:
+    """``_one_byte_codes`` undone: each byte a one-byte string of ``kind``."""
+    values = codes.combine_chunks().to_numpy(zero_copy_only=False).astype(np.uint8)
+    width = np.int64 if pa.types.is_large_string(kind) else np.int32
+    offsets = np.arange(len(values) + 1, dtype=width)
+    array = pa.Array.from_buffers(kind, len(values), [None, pa.py_buffer(offsets), pa.py_buffer(values.tobytes())])
+    return pa.chunked_array([array], kind)
 
 
 def _group_runs(table: pa.Table, keys: Sequence[str], specs: list[tuple[Any, str, Any]]) -> list[Any] | None:

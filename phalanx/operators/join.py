@@ -200,12 +200,26 @@ def right_by_left_key_sets(left: DataFrame, right: DataFrame, *, on, how, left_o
             continue
         join, column = found
         keys = join.table.select([column])
-        if keys.schema.field(0).type != right.schema.field(rkey).type:
-            continue  # a cast key: left to the merge
+        if keys.schema.field(0).type != right.schema.field(rkey).type or _keeps_most(right, rkey, keys.column(0)):
+            continue  # a cast key: left to the merge; or a test that would keep most rows
         exchange = f"no exchange: the keys the left's {lkey} was joined with"
         step = Join(keys, (rkey,), (column,), "semi", tuple(right.columns), (), exchange, join.made_by)
         right = right._then(step, right.schema)
     return right
+
+
+def _keeps_most(df: DataFrame, key: str, keys: pa.ChunkedArray) -> bool:
+    """Whether "``key`` is one of ``keys``" keeps most of the frame's rows (over 70% of
+    samples of its table's rows before its pending steps, every rank's share averaged: the
+    ranks decide alike): a test that would be a pass for little."""
+    from .plan import selectivity
+
+    source, carried = df._pipe.source, df._carried(key)
+    if not isinstance(source, pa.Table) or carried is None or not pa.types.is_integer(keys.type):
+        return False  # decided from the plan and the schemas: alike on every rank
+    share = selectivity(source.select([carried]), carried, keys)
+    shares = df.env.comm.allreduce(np.array([share], dtype=np.float64))
+    return float(shares[0]) > 0.7 * df.env.comm.world_size
 
 
 def pending_join_into_right(

@@ -540,7 +540,7 @@ def _join_step(
         # 17 -> 7 ms (TPC-H Q8).  So does an inner join that keeps few rows, before its
         # gather: 750k orders against 12k customers' keys 10.6 -> 6.4 ms (Q7); where most
         # rows match, the lookup is a pass for nothing (14.3 -> 10.7 ms the other way round)
-        if join.how == "semi" or _selectivity(table, *matching) <= MEMBERSHIP_SHARE:
+        if join.how == "semi" or selectivity(table, *matching) <= MEMBERSHIP_SHARE:
             table = members(table, *matching)
             filtered = True
     if join.how == "semi" and usable and filtered:
@@ -555,7 +555,7 @@ MEMBERSHIP_SHARE = 0.3  # an inner join keeping at most this share of its rows f
 SAMPLE_ROWS = 1024
 
 
-def _selectivity(table: pa.Table, key: str, keys: pa.ChunkedArray) -> float:
+def selectivity(table: pa.Table, key: str, keys: pa.ChunkedArray) -> float:
     """The share of ``table``'s rows whose ``key`` is one of ``keys``, from a sample of rows
     spread evenly over the table (a hash set of the sample's values, probed by ``keys``: one
     pass over the join's table, not a set of it)."""
@@ -595,7 +595,7 @@ def _more_selective_next(table: pa.Table, steps: list[Step], at: int) -> tuple[J
         return None
     # rows kept decide; where they are alike, the smaller table (its hash set stays in cache:
     # 750k orders probe 12k customers' keys in 6.3 ms, 140k lines' in 9.3)
-    share_a, share_b = _selectivity(table, *ma), _selectivity(table, *mb)
+    share_a, share_b = selectivity(table, *ma), selectivity(table, *mb)
     smaller = 4 * b.table.num_rows <= a.table.num_rows
     if not (share_b <= 0.5 * share_a or (smaller and share_b <= 1.5 * share_a)):
         return None

@@ -169,6 +169,23 @@ def test_a_chain_of_local_steps_runs_once_when_rows_are_needed_and_matches_panda
     assert_same_rows(out, pa.Table.from_pandas(p, preserve_index=False).cast(out.schema))
 
 
+def app_explain_shared(env):
+    df = px.DataFrame.from_arrow(make_part(env.rank, env.world_size), env)
+    g = df.groupby("key").agg(n=("v", "size"))  # made: two operators read it
+    both = g.merge(g.rename({"n": "m"}), on="key", broadcast=False)
+    return both.explain(file=open("/dev/null", "w"))
+
+
+def test_explain_shows_a_frame_several_operators_read_once():
+    """A frame two operators read (a group-by merged with itself) is shown in full under the
+    first, and by its first line and "(shown above)" under the second."""
+    with px.Gang(ranks=2) as gang:
+        plan = gang.run(app_explain_shared)[0]
+    lines = [line.strip() for line in plan.splitlines() if line.strip().startswith("GroupBy ['key']")]
+    assert len(lines) == 2 and not lines[0].endswith("(shown above)") and lines[1].endswith("(shown above)"), plan
+    assert plan.count("Exchange hash by ['key']") == 1, plan  # the group-by's, once (the merge moves nothing)
+
+
 def app_explain_exchanges(env):
     left = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=1), env).select(["key", "v"])
     right = px.DataFrame.from_arrow(make_part(env.rank, env.world_size, seed=2), env).select(["key", "w"])

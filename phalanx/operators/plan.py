@@ -131,7 +131,15 @@ class Origin:
     notes: list[str] = field(default_factory=list)  # what the last line's operator did, in order
     seconds: float | None = None  # how long the lines took on this rank (their inputs made first)
 
-    def render(self, depth: int = 0, times: bool = False) -> list[str]:
+    def render(self, depth: int = 0, times: bool = False, shown: set[int] | None = None) -> list[str]:
+        """The lines, indented by ``depth``; a node that made a frame several operators read
+        (TPC-H Q21 reads one semi merge three times) is shown in full once, then by its first
+        line and "(shown above)"."""
+        shown = set() if shown is None else shown
+        if id(self) in shown and self.lines:
+            return ["  " * depth + self.lines[0] + " (shown above)"]
+        if self.inputs or self.notes:
+            shown.add(id(self))
         out = []
         for i, line in enumerate(self.lines):
             took = f"  [{self.seconds * 1e3:.1f} ms]" if times and i == 0 and self.seconds is not None else ""
@@ -139,7 +147,7 @@ class Origin:
             depth += 1
         out += ["  " * depth + "· " + n for n in self.notes]
         for child in self.inputs:
-            out += child.render(depth, times)
+            out += child.render(depth, times, shown)
         return out
 
 

@@ -208,6 +208,26 @@ def right_by_left_key_sets(left: DataFrame, right: DataFrame, *, on, how, left_o
     return right
 
 
+def _to_right_ranges(comm, lt: pa.Table, lk: list[str], right: DataFrame, rk: list[str]) -> pa.Table | None:
+    """The left's rows sent to the ranks whose right rows (before the right's pending steps,
+    which only drop rows) can match them, where each rank's right keys lie in a range no other
+    rank's touches (``ranges.to_owners_of``); None where they do not, or the join is on more
+    than one key or one not an integer or date carried from the right's table (decided from
+    the plan and the schemas, alike on every rank)."""
+    from . import ranges
+
+    carried = right._carried(rk[0]) if len(rk) == 1 else None
+    source = right._pipe.source
+    if comm.world_size == 1 or carried is None or not isinstance(source, pa.Table):
+        return None
+    if (
+        not ranges.rangeable(lt.schema.field(lk[0]).type)
+        or source.schema.field(carried).type != lt.schema.field(lk[0]).type
+    ):
+        return None
+    return ranges.to_owners_of(comm, lt, lk[0], source.column(carried))
+
+
 def _keeps_most(df: DataFrame, key: str, keys: pa.ChunkedArray) -> bool:
     """Whether "``key`` is one of ``keys``" keeps most of the frame's rows (over 70% of
     samples of its table's rows before its pending steps, every rank's share averaged: the
@@ -264,9 +284,14 @@ def pending_join_into_right(
     exchange = (
         f"Exchange broadcast the left side (allgather): {rows(lt)}" if comm.world_size > 1 else "no exchange (one rank)"
     )
-    side = concat(allgather_tables(comm, lt), lt.schema) if comm.world_size > 1 else lt
+    side = _to_right_ranges(comm, lt, lk, right, rk)
+    partial = side is not None
+    if partial:  # each left row only where the right's rows of its key are
+        exchange = f"Exchange the left side by the right's key ranges: {rows(lt)}"
+    else:
+        side = concat(allgather_tables(comm, lt), lt.schema) if comm.world_size > 1 else lt
     left_out = tuple(c for c in left.columns if c not in shared)
-    step = Join(side, tuple(rk), tuple(lk), "inner", tuple(right.columns), left_out, exchange, left._node())
+    step = Join(side, tuple(rk), tuple(lk), "inner", tuple(right.columns), left_out, exchange, left._node(), partial)
     return step, [*left.columns, *(c for c in right.columns if c not in shared)]
 
 

@@ -89,6 +89,7 @@ class Join:
     right_out: tuple[str, ...]
     exchange: str = ""  # how the table came to every rank, for explain
     made_by: Origin | None = None  # the plan of the frame the table came from, for explain
+    partial: bool = False  # the table holds only the rows this rank's rows can match (not all)
 
     @property
     def refs(self) -> frozenset[str]:
@@ -111,11 +112,13 @@ class Join:
             tuple(c for c in self.right_out if c in live),
             self.exchange,
             self.made_by,
+            self.partial,
         )
 
     def describe(self) -> str:
         on = ", ".join(f"{a} = {b}" if a != b else a for a, b in zip(self.left_on, self.right_on))
-        line = f"Join {self.how} on {on} with a table on every rank ({self.table.num_rows} rows)"
+        where = "the rows this rank's can match" if self.partial else "a table on every rank"
+        line = f"Join {self.how} on {on} with {where} ({self.table.num_rows} rows)"
         return f"{line}: {self.exchange}" if self.exchange else line
 
 
@@ -254,7 +257,7 @@ class Pipeline:
             if isinstance(step, Join):
                 if name not in step.left_out:
                     return None
-                if step.how in ("inner", "semi") and step.left_on == (name,):
+                if step.how in ("inner", "semi") and step.left_on == (name,) and not step.partial:
                     return step, step.right_on[0]
             elif isinstance(step, Project):
                 out = next((o for o in step.outputs if o.name == name), None)
@@ -607,9 +610,11 @@ def _more_selective_next(table: pa.Table, steps: list[Step], at: int) -> tuple[J
     smaller = 4 * b.table.num_rows <= a.table.num_rows
     if not (share_b <= 0.5 * share_a or (smaller and share_b <= 1.5 * share_a)):
         return None
-    first = Join(b.table, b.left_on, b.right_on, "inner", tuple(inputs), b.right_out, b.exchange, b.made_by)
+    first = Join(b.table, b.left_on, b.right_on, "inner", tuple(inputs), b.right_out, b.exchange, b.made_by, b.partial)
     kept = tuple(c for c in a.right_out if c in b.left_out)
-    second = Join(a.table, a.left_on, a.right_on, "inner", (*inputs, *b.right_out), kept, a.exchange, a.made_by)
+    second = Join(
+        a.table, a.left_on, a.right_on, "inner", (*inputs, *b.right_out), kept, a.exchange, a.made_by, a.partial
+    )
     return first, second, [*b.left_out, *b.right_out], between + 1
 
 

@@ -57,12 +57,12 @@ def span(column: pa.ChunkedArray) -> Span:
     return Span(int(values.min()), int(values.max()), len(column), nulls)
 
 
-def ownership(spans: list[Span]) -> tuple[list[int], list[int]] | None:
+def ownership(spans: list[Span], strict: bool = False) -> tuple[list[int], list[int]] | None:
     """(the rank owning each interval in key order, the keys where intervals 1.. start) from
     the spans of every rank, or None where two ranks' spans overlap (touching at one key is
-    apart: that key goes to the later interval)."""
+    apart unless ``strict``: that key goes to the later interval)."""
     held = sorted((s.lo, s.hi, r) for r, s in enumerate(spans) if s.lo is not None and s.hi is not None)
-    if not held or not all(p[1] <= q[0] for p, q in zip(held, held[1:])):
+    if not held or not all(p[1] < q[0] if strict else p[1] <= q[0] for p, q in zip(held, held[1:])):
         return None
     return [r for *_, r in held], [lo for lo, *_ in held[1:]]
 
@@ -143,3 +143,16 @@ def co_ranged(
         return None
     note("no hash exchange: each rank's key range is apart from the others' (rows at the edges moved)")
     return _moved(comm, left, left_key, *owned), _moved(comm, right, right_key, *owned)
+
+
+def to_owners_of(comm: Communicator, table: pa.Table, key: str, owner_keys: pa.ChunkedArray) -> pa.Table | None:
+    """Each of ``table``'s rows sent to the one rank whose ``owner_keys`` (a side that stays
+    where it is) can hold its key, where every rank's owner keys lie in a range strictly apart
+    from the others' (no key on two ranks); None otherwise, or where a key is null on any rank.
+    In place of sending the table to every rank: each row moves at most once, and rows already
+    on their owner not at all (lines and orders split by row groups of the order key)."""
+    seen = comm.allgather_obj((span(table.column(key)), span(owner_keys)))
+    if any(mine.nulls or theirs.nulls for mine, theirs in seen):
+        return None
+    owned = ownership([theirs for _, theirs in seen], strict=True)
+    return None if owned is None else _moved(comm, table, key, *owned)

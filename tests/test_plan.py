@@ -669,18 +669,22 @@ def test_a_small_left_side_joins_in_the_right_s_pipeline(gang, on):
 
 def app_join_into_right_ranges(env, case):
     rng = np.random.default_rng(env.rank + 31)
-    r, n = env.rank, 20_000
+    r, n, span = env.rank, 200_000, 1_000_000
     # the right: each rank's keys a range of their own (an edge key on two ranks for "touching")
-    rk = np.sort(rng.integers(r * 10_000, (r + 1) * 10_000 + (case == "touching"), n))
+    rk = np.sort(rng.integers(r * span, (r + 1) * span + (case == "touching"), n))
+    if case == "touching" and r > 0:
+        rk[0] = r * span  # the key the rank before ends with
     mask = (np.arange(n) == 5) if case == "nulls" and r == 0 else None
-    big = pa.table({"rk": pa.array(rk, pa.int64(), mask=mask), "d": rng.integers(0, 100, n)})
-    lk = rng.integers(0, env.world_size * 10_000 + 1, 400)  # keys of every rank's range, unsorted
-    small = pa.table({"lk": pa.array(lk, pa.int64()), "a": np.arange(400) + r * 1000})
+    pad = pa.array(np.full(n, "x" * 40))
+    big = pa.table({"rk": pa.array(rk, pa.int64(), mask=mask), "d": rng.integers(0, 100, n), "pad": pad})
+    # the left: over 2 MB in all (smaller goes to every rank anyway), keys of every rank's range
+    m = 80_000
+    small = pa.table({"lk": pa.array(rng.integers(0, env.world_size * span, m), pa.int64()), "a": np.arange(m) + r * m})
     lf = px.DataFrame.from_arrow(small, env).compute()
     rf = px.DataFrame.from_arrow(big, env).filter(pc.field("d") < 60)
     joined = lf.merge(rf, left_on="lk", right_on="rk")
     # a third side on the same key, its rows anywhere: not to be filtered by this rank's share
-    third = pa.table({"yk": pa.array(rng.integers(0, env.world_size * 10_000 + 1, 30_000), pa.int64())})
+    third = pa.table({"yk": pa.array(rng.integers(0, env.world_size * span, 300_000), pa.int64())})
     again = joined.merge(px.DataFrame.from_arrow(third, env), left_on="rk", right_on="yk")
     explain = joined.explain(file=open("/dev/null", "w"))
     return explain, joined.collect(root=0), small, big, again.collect(root=0), third
@@ -688,10 +692,11 @@ def app_join_into_right_ranges(env, case):
 
 @pytest.mark.parametrize("case", ["apart", "touching", "nulls"])
 def test_a_small_left_side_goes_only_where_the_right_s_key_range_holds_its_keys(gang, case):
-    """A small left side joining in the right's pipeline: where each rank's right keys lie in a
-    range no other rank's touches, each left row goes only to the rank whose range holds its key
-    (not to every rank); where two ranks share a key, or a key is null, it is sent to every rank
-    as before.  DuckDB's rows either way."""
+    """A left side joining in the right's pipeline (over 2 MB in all): where each rank's right
+    keys lie in a range no other rank's touches, each left row goes only to the rank whose range
+    holds its key (not to every rank); where two ranks share a key, or a key is null, it is sent
+    to every rank as before.  DuckDB's rows either way, and a third side merged on the same key
+    is not filtered by a rank's share of the left."""
     results = gang.run(app_join_into_right_ranges, case)
     plan, out = results[0][:2]
     con = _sides_in_duckdb(results, 2, 3)

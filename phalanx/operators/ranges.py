@@ -50,11 +50,17 @@ def numbers(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
 
 
 def span(column: pa.ChunkedArray) -> Span:
+    """The column's (min, max) as integers (a date as its day or millisecond count), rows and
+    nulls; one pass over the values where they lie (no copy of a column of many chunks)."""
     nulls = column.null_count
     if len(column) == nulls:
         return Span(None, None, len(column), nulls)
-    values = numbers(pc.drop_null(column) if nulls else column)
-    return Span(int(values.min()), int(values.max()), len(column), nulls)
+    bounds = pc.min_max(column)
+    lo, hi = bounds["min"], bounds["max"]
+    if pa.types.is_date(column.type):
+        as_int = pa.int32() if pa.types.is_date32(column.type) else pa.int64()
+        lo, hi = lo.cast(as_int), hi.cast(as_int)
+    return Span(int(lo.as_py()), int(hi.as_py()), len(column), nulls)
 
 
 def ownership(spans: list[Span], strict: bool = False) -> tuple[list[int], list[int]] | None:

@@ -243,10 +243,10 @@ class Pipeline:
             if isinstance(step, Join) and name not in step.left_out:
                 return None  # the joined table's
             if isinstance(step, Project):
-                out = next((o for o in step.outputs if o.name == name), None)
-                if out is None or out.passes is None:
+                passed = _passed(step, name)
+                if passed is None:
                     return None
-                name = out.passes
+                name = passed
         return name if name in self.source.schema.names else None
 
     def key_set(self, name: str) -> tuple[Join, str] | None:
@@ -260,10 +260,10 @@ class Pipeline:
                 if step.how in ("inner", "semi") and step.left_on == (name,) and not step.partial:
                     return step, step.right_on[0]
             elif isinstance(step, Project):
-                out = next((o for o in step.outputs if o.name == name), None)
-                if out is None or out.passes is None:
+                passed = _passed(step, name)
+                if passed is None:
                     return None
-                name = out.passes
+                name = passed
         return None
 
     def describe(self) -> list[str]:
@@ -644,11 +644,18 @@ def _at_last_filter(local: list[Step], name: str) -> str | None:
         if isinstance(step, Filter):
             return name
         if isinstance(step, Project):
-            out = next((o for o in step.outputs if o.name == name), None)
-            if out is None or out.passes is None:
+            passed = _passed(step, name)
+            if passed is None:
                 return None
-            name = out.passes
+            name = passed
     return None
+
+
+def _passed(step: Project, name: str) -> str | None:
+    """The input column a projection's output ``name`` carries unchanged; None if it computes
+    it or has no such output."""
+    out = next((o for o in step.outputs if o.name == name), None)
+    return None if out is None else out.passes
 
 
 def _apart_in_polars(schema: pa.Schema, steps: list[Step]) -> bool:

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from ..runtime.comm.base import Communicator
 from . import kernels
+from .arrow_agg import _numbers  # a column as numpy integers, dates as day counts
 from .exchange import concat, exchange_tables
 from .plan import note
 
@@ -36,17 +37,6 @@ class Span:
 
 def rangeable(kind: pa.DataType) -> bool:
     return pa.types.is_integer(kind) or pa.types.is_date(kind)
-
-
-def numbers(column: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """The key as numpy integers (a date as its day or millisecond count); nulls not allowed."""
-    if pa.types.is_date32(column.type):
-        column = pc.cast(column, pa.int32())
-    elif pa.types.is_date64(column.type):
-        column = pc.cast(column, pa.int64())
-    if isinstance(column, pa.ChunkedArray):
-        column = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
-    return column.to_numpy(zero_copy_only=False)
 
 
 def span(column: pa.ChunkedArray) -> Span:
@@ -108,7 +98,7 @@ def _worth_it(right: list[Span], owners: list[int], starts: list[int]) -> bool:
 
 def _moved(comm: Communicator, table: pa.Table, key: str, owners: list[int], starts: list[int]) -> pa.Table:
     """This rank's rows whose keys it owns, with those other ranks sent it (a collective)."""
-    values = numbers(table.column(key))
+    values = _numbers(table.column(key))
     mine = _interval(owners, starts, comm.rank)
     empty = table.schema.empty_table()
     parts = [empty] * comm.world_size

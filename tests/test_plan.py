@@ -1030,3 +1030,86 @@ def test_of_two_joins_in_a_pipeline_the_one_that_keeps_fewer_rows_runs_first(gan
     joins = [line for line in plan.splitlines() if "per-rank join (Polars): inner on" in line]
     assert len(joins) == 2, plan
     assert ("on b = bk" in joins[0]) is selective_second, plan
+
+
+def _masked_part(rank: int, rows: int = 4000) -> pa.Table:
+    """A rank's rows: one-byte flags and names as keys (some null), values with nulls and NaN,
+    dates the filters cut by, and a text column that is a number only where ``d`` is late."""
+    rng = np.random.default_rng([29, rank])
+    day = rng.integers(0, 100, rows)
+    v = rng.normal(10, 3, rows)
+    v[rng.random(rows) < 0.05] = np.nan
+    return pa.table(
+        {
+            "flag": pa.array([None if i % 53 == 0 else "ANR"[x] for i, x in enumerate(rng.integers(0, 3, rows))]),
+            "name": pa.array([f"n{x}" for x in rng.integers(0, 40, rows)]),
+            "k": pa.array([None if i % 61 == 0 else int(x) for i, x in enumerate(rng.integers(0, 50, rows))]),
+            "v": pa.array([None if i % 47 == 0 else x for i, x in enumerate(v)], pa.float64()),
+            "q": pa.array(rng.integers(-1000, 1000, rows)),
+            "d": pa.array(day.astype("int32")).cast(pa.date32()),
+            "text": pa.array([f"{x / 4}" if d >= 10 else "n/a" for x, d in zip(rng.integers(0, 400, rows), day)]),
+        }
+    )
+
+
+_MASKED_QUERIES = {  # (the phalanx query, the same in SQL over t), each after a filter on d
+    "flag": (["flag"], "flag"),
+    "flag, name": (["flag", "name"], "flag, name"),
+    "k (an integer key)": (["k"], "k"),
+}
+
+
+def app_masked_groupby(env, cut, keys, cast):
+    import datetime
+    import os
+
+    os.environ["PHALANX_THREADS"] = "1"  # Arrow's one-thread pass: where the mask applies
+    try:
+        df = px.DataFrame.from_arrow(_masked_part(env.rank), env)
+        q = df.filter(pc.field("d") >= pa.scalar(datetime.date(1970, 1, 1) + datetime.timedelta(days=cut)))
+        q = q.assign(z=pc.field("v") * (pc.scalar(1.0) - pc.field("q") / pc.scalar(2000.0)))
+        if cast:  # fails on a row the filter drops ("n/a"): must not run on them
+            q = q.assign(num=pc.field("text").cast(pa.float64()))
+        value = "num" if cast else "z"
+        g = q.groupby(keys).agg(
+            total=(value, "sum"),
+            mean_v=("v", "mean"),
+            sum_v=("v", "sum"),
+            n_v=("v", "count"),
+            n_q=("q", "count"),
+            rows=("q", "size"),
+            lo=("q", "min"),
+            hi=("q", "max"),
+        )
+        return g.collect(root=0), g.explain(file=open("/dev/null", "w"))
+    finally:
+        os.environ.pop("PHALANX_THREADS")
+
+
+@pytest.mark.parametrize("keys", list(_MASKED_QUERIES), ids=list(_MASKED_QUERIES))
+@pytest.mark.parametrize(
+    "cut, cast", [(5, False), (90, False), (10, True)], ids=["keeps most", "keeps few", "a cast after the filter"]
+)
+def test_a_filter_keeping_most_rows_reaches_the_aggregation_as_a_mask(gang, keys, cut, cast):
+    """A filter that keeps most rows is not applied before Arrow's group-by: the rows it drops
+    get a null key, a group dropped after (no copy of the rows kept).  Not where it keeps few
+    rows, where a step after it could fail on the rows it drops (a cast of text that is a
+    number only on the rows kept), or where an integer key's ranges are looked at (2+ ranks).
+    Null keys are dropped as pandas does; NaN and null values counted as DuckDB counts them."""
+    import duckdb
+
+    results = gang.run(app_masked_groupby, cut, _MASKED_QUERIES[keys][0], cast)
+    out, plan = results[0]
+    con = duckdb.connect()
+    con.register("t", pa.concat_tables([_masked_part(r) for r in range(gang.world_size)]))
+    by = _MASKED_QUERIES[keys][1]
+    value = "CAST(text AS DOUBLE)" if cast else "v * (1 - q / 2000.0)"
+    not_null = " AND ".join(f"{c} IS NOT NULL" for c in by.split(", "))
+    expected = con.sql(
+        f"SELECT {by}, sum({value}) AS total, avg(v) AS mean_v, sum(v) AS sum_v, count(v) AS n_v, "
+        f"count(q) AS n_q, count(*) AS rows, min(q) AS lo, max(q) AS hi "
+        f"FROM t WHERE d >= DATE '1970-01-01' + INTERVAL {cut} DAY AND {not_null} GROUP BY {by}"
+    ).to_arrow_table()
+    assert_same_rows(out, expected.cast(out.schema))
+    masked = cut == 5 and not cast and (gang.world_size == 1 or not keys.startswith("k"))
+    assert ("filter as a mask" in plan) is masked, plan

@@ -118,6 +118,18 @@ class DataFrame:
             return self.select(list(columns)).to_arrow()
         return self._table.select(list(columns))
 
+    def _rows_masked(self, columns: Sequence[str]) -> tuple[pa.Table, Any]:
+        """This rank's rows of ``columns`` and a mask of those to use (None: all), for an
+        aggregation: where the pending pipeline's last filter keeps most rows it comes back as
+        the mask, not applied (``Pipeline.run_deferring``); the frame stays pending, read
+        once as ``_sql_input`` reads it.  Otherwise ``_rows_of``."""
+        if self._pipe.pending and not self._fusions:
+            got = self._pipe.run_deferring(columns)
+            if got is not None:
+                self._fused()
+                return got
+        return self._rows_of(columns), None
+
     def _carried(self, name: str) -> str | None:
         """The source column (of the pending pipeline) that column ``name`` is, if unchanged."""
         return self._pipe.carried(name)

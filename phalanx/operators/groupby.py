@@ -443,7 +443,24 @@ def aggregate(
     threads = kernels.rank_threads()
     placed = df._placed_by(keys)
     one_pass_in_duckdb = threads > 1 and (comm.world_size == 1 or bool(placed))  # fuse into it
-    table, src = _input(df, needed, any(a.func in ("first", "last") for a in aggs), not in_arrow or one_pass_in_duckdb)
+    # a filter keeping most rows comes as a mask to Arrow's pass instead of a copy of the rows
+    # (not where the key ranges are looked at: the rows masked out would widen them)
+    masking = in_arrow and threads == 1 and dropna
+    masking = masking and (
+        comm.world_size == 1 or bool(placed) or not any(rangeable(df.schema.field(k).type) for k in keys)
+    )
+    if masking:
+        table, mask = df._rows_masked(needed)
+        src = table.schema
+    else:
+        table, src = _input(
+            df, needed, any(a.func in ("first", "last") for a in aggs), not in_arrow or one_pass_in_duckdb
+        )
+        mask = None
+
+    def unmasked() -> Any:  # the rows the mask keeps, for the steps that do not take a mask
+        return table if mask is None else table.filter(mask)
+
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
     where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
     row_partials = ", ".join(e for a in aggs for e in _row_partial_sql(a, src))
@@ -459,7 +476,7 @@ def aggregate(
     # (Arrow's, or DuckDB's, where the per-row partials are a projection fused into it).
     ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna)
     if comm.world_size == 1 or placed or ranged is not None:
-        inputs: dict[str, Any] = {"__px_t": table}
+        inputs: dict[str, Any] = {"__px_t": table}  # the mask's rows, for the query below
         if ranged is not None and ranged[1:] != (None, None):  # edge keys moved: drop ours, add theirs
             key = ranged[0]
             relation, edge = _with_edges(*ranged[1:], kernels.quote_ident(key), src.field(key).type)
@@ -471,8 +488,9 @@ def aggregate(
             # only where the rows lie in runs of the keys (else DuckDB)
             mine = table if ranged is None or ranged[1:] == (None, None) else _with_edge_rows(table, *ranged)
             runs_only = not in_arrow or mine is not table
-            final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only=runs_only), mine)
+            final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only, mask), mine)
         if final is None:
+            inputs["__px_t"] = unmasked()
             final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
         return kernels.restore_types(final, schema), (None if ranged is not None else placed or tuple(keys))
     if combine is None:  # holistic aggregations (median, quantile, nunique) need the raw rows
@@ -482,11 +500,12 @@ def aggregate(
     note("pre-aggregated before the exchange" if combine else "raw rows exchanged (no pre-aggregation)")
     final = None
     if combine:  # few groups: aggregate before the shuffle, which then moves one row per group
-        partial = _noted(arrow_agg.partial(table, keys, aggs, dropna, _p, threads > 1), table) if in_arrow else None
+        partial = arrow_agg.partial(table, keys, aggs, dropna, _p, threads > 1, mask) if in_arrow else None
+        partial = _noted(partial, table)
         if partial is None:
             parts = ", ".join(e for a in aggs for e in _partial_sql(a, src))
             query = f"SELECT {keys_sql}, {parts} FROM __px_t{where} GROUP BY {keys_sql}"
-            partial = kernels.run_sql(query, __px_t=table)
+            partial = kernels.run_sql(query, __px_t=unmasked())
         partial = shuffle_table(comm, kernels.restore_types(partial, src), keys)  # keys' types as given
         final = arrow_agg.combine(partial, keys, aggs, _p) if in_arrow else None
         if final is None:
@@ -497,7 +516,8 @@ def aggregate(
             )
             final = stats.finish_sketches(final, aggs)
     elif in_arrow:  # raw rows move as they are (no per-row partials), whatever a rank's threads
-        rows_in = shuffle_table(comm, arrow_agg.without_null_keys(table, keys) if dropna else table, keys)
+        kept = unmasked()
+        rows_in = shuffle_table(comm, arrow_agg.without_null_keys(kept, keys) if dropna else kept, keys)
         final = _noted(arrow_agg.final(rows_in, keys, aggs, dropna), rows_in) if threads == 1 else None
         if final is None:
             final = kernels.run_sql(

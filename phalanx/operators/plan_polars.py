@@ -285,6 +285,20 @@ class Compiled:
                 table = _project(table, what)
         return table
 
+    def mask(self, table: pa.Table, min_share: float) -> Any | None:
+        """A compiled filter's rows as a mask over the table (true where kept, never null),
+        where it keeps at least ``min_share`` of them; None where it keeps fewer (checked
+        after each stage: a string stage does not run where the ones before keep fewer)."""
+        ((kind, (stages, _refs, _keep)),) = self.parts
+        assert kind == "filter"
+        mask = None
+        for stage in stages:
+            here = _mask(table, stage)
+            mask = here if mask is None else pc.and_(mask, here)
+            if (pc.sum(mask).as_py() or 0) < min_share * table.num_rows:
+                return None
+        return mask
+
 
 def compile_steps(schema: pa.Schema, steps: Sequence[Any]) -> Compiled:
     """The pipeline's steps (``plan.Filter`` / ``plan.Project``) over rows of ``schema``, or

@@ -66,12 +66,16 @@ class DataFrame:
     def _table(self) -> pa.Table:
         """This rank's rows: the pending pipeline runs once (and is replaced by its result)."""
         if self._pipe.pending:
-            origin = self._node()
             start = time.perf_counter()
-            self._pipe = P.Pipeline(self._pipe.run())
-            origin.seconds = time.perf_counter() - start
-            self._origin = origin
+            self._made(self._pipe.run(), start)
         return self._pipe.source
+
+    def _made(self, rows: pa.Table, start: float) -> None:
+        """The pending pipeline ran (since ``start``) into ``rows``: they replace it."""
+        origin = self._node()
+        self._pipe = P.Pipeline(rows)
+        origin.seconds = time.perf_counter() - start
+        self._origin = origin
 
     def compute(self) -> DataFrame:
         """Run the pending local work now (it otherwise runs when rows are needed); the same
@@ -122,12 +126,15 @@ class DataFrame:
         """This rank's rows of ``columns`` and a mask of those to use (None: all), for an
         aggregation: where the pending pipeline's last filter keeps most rows it comes back as
         the mask, not applied (``Pipeline.run_deferring``); the frame stays pending, read
-        once as ``_sql_input`` reads it.  Otherwise ``_rows_of``."""
+        once as ``_sql_input`` reads it.  Otherwise ``_rows_of`` (the frame's rows made)."""
         if self._pipe.pending and not self._fusions:
-            got = self._pipe.run_deferring(columns)
-            if got is not None:
+            start = time.perf_counter()
+            got = self._pipe.run_deferring()
+            if got is not None and got[1] is not None:
                 self._fused()
-                return got
+                return got[0].select(list(columns)), got[1]
+            if got is not None:  # the filter applied: the frame's rows, made as _table makes them
+                self._made(got[0], start)
         return self._rows_of(columns), None
 
     def _carried(self, name: str) -> str | None:

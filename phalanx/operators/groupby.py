@@ -10,7 +10,7 @@ with any of them the raw rows are shuffled, once, for every aggregation of the c
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -444,12 +444,7 @@ def aggregate(
     placed = df._placed_by(keys)
     one_pass_in_duckdb = threads > 1 and (comm.world_size == 1 or bool(placed))  # fuse into it
     # a filter keeping most rows comes as a mask to Arrow's pass instead of a copy of the rows
-    # (not where the key ranges are looked at: the rows masked out would widen them)
-    masking = in_arrow and threads == 1 and dropna
-    masking = masking and (
-        comm.world_size == 1 or bool(placed) or not any(rangeable(df.schema.field(k).type) for k in keys)
-    )
-    if masking:
+    if in_arrow and threads == 1 and dropna:
         table, mask = df._rows_masked(needed)
         src = table.schema
     else:
@@ -458,8 +453,14 @@ def aggregate(
         )
         mask = None
 
+    kept_rows: list[pa.Table] = []
+
     def unmasked() -> Any:  # the rows the mask keeps, for the steps that do not take a mask
-        return table if mask is None else table.filter(mask)
+        if mask is None:
+            return table
+        if not kept_rows:
+            kept_rows.append(table.filter(mask))
+        return kept_rows[0]
 
     keys_sql = ", ".join(kernels.quote_ident(k) for k in keys)
     where = " WHERE " + " AND ".join(f"{kernels.quote_ident(k)} IS NOT NULL" for k in keys) if dropna else ""
@@ -474,7 +475,8 @@ def aggregate(
     # Already partitioned by these keys (world of one; after a merge on them), or each rank's
     # key range apart from the others' (data split by a sorted key): no shuffle, and one pass
     # (Arrow's, or DuckDB's, where the per-row partials are a projection fused into it).
-    ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna)
+    # (the ranges of rows a mask drops too: wider, so "apart" holds for the rows it keeps)
+    ranged = None if placed or comm.world_size == 1 else _apart(df, table, keys, dropna, unmasked)
     if comm.world_size == 1 or placed or ranged is not None:
         inputs: dict[str, Any] = {"__px_t": table}  # the mask's rows, for the query below
         if ranged is not None and ranged[1:] != (None, None):  # edge keys moved: drop ours, add theirs
@@ -486,9 +488,12 @@ def aggregate(
         if threads == 1 and isinstance(table, pa.Table):
             # Arrow's aggregation; where it is not DuckDB's (a float key) or edge keys moved,
             # only where the rows lie in runs of the keys (else DuckDB)
-            mine = table if ranged is None or ranged[1:] == (None, None) else _with_edge_rows(table, *ranged)
-            runs_only = not in_arrow or mine is not table
-            final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only, mask), mine)
+            moved = ranged is not None and ranged[1:] != (None, None)
+            mine = table
+            if ranged is not None and moved:
+                mine = _with_edge_rows(unmasked(), *ranged)
+            runs_only = not in_arrow or moved
+            final = _noted(arrow_agg.final(mine, keys, aggs, dropna, runs_only, None if moved else mask), mine)
         if final is None:
             inputs["__px_t"] = unmasked()
             final = kernels.run_sql(f"SELECT {keys_sql}, {raw_finals} FROM ({rows}) GROUP BY {keys_sql}", **inputs)
@@ -538,7 +543,9 @@ def _noted(result: pa.Table | None, rows: pa.Table) -> pa.Table | None:
     return result
 
 
-def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[str, Any, pa.Table | None] | None:
+def _apart(
+    df: DataFrame, rows: Any, keys: list[str], dropna: bool, kept: Callable[[], Any] | None = None
+) -> tuple[str, Any, pa.Table | None] | None:
     """Whether equal keys are (nearly) on one rank already because each rank's values of the
     first integer or date key lie in a range no other rank's overlaps — a table split by row
     groups of a sorted key (TPC-H's lineitem by l_orderkey; Q10's rows of customers, grouped
@@ -582,7 +589,8 @@ def _apart(df: DataFrame, rows: Any, keys: list[str], dropna: bool) -> tuple[str
     drop = lo if comm.rank in owner else None
     parts = [rows.schema.empty_table() for _ in range(comm.world_size)]
     if drop is not None:  # this rank's rows of its lowest key belong to the rank below
-        edge = kernels.run_sql(f"SELECT * FROM __px_t WHERE {key_sql} = {_key_literal(drop, kind)}", __px_t=rows)
+        edge_rows = kept() if kept is not None else rows  # not the rows a mask drops
+        edge = kernels.run_sql(f"SELECT * FROM __px_t WHERE {key_sql} = {_key_literal(drop, kind)}", __px_t=edge_rows)
         parts[owner[comm.rank]] = kernels.restore_types(edge, parts[0].schema)
     received = concat(exchange_tables(comm, parts, parts[0].schema), parts[0].schema)
     return key, drop, received if received.num_rows else None

@@ -237,23 +237,24 @@ class Pipeline:
         joined = tuple(s.table for s in steps if isinstance(s, Join))
         return SqlInput(table, select, pa.schema([self.schema.field(c) for c in wanted]), joined)
 
-    def run_deferring(self, wanted: Sequence[str]) -> tuple[pa.Table, pa.ChunkedArray | None] | None:
-        """The ``wanted`` columns with the last filter not applied where it keeps most rows
-        (at least ``DEFERRED_SHARE`` of them): (the rows, the filter's mask) — an aggregation
-        then leaves the masked-out rows out of its groups, and no row is copied.  (the rows,
-        None) where the filter keeps fewer; None where the steps cannot run so (a scan or a
-        join, no filter, a step after the filter that could fail on a row it drops, no
-        Polars form).
+    def run_deferring(self) -> tuple[pa.Table, pa.ChunkedArray | None] | None:
+        """The rows with the last filter not applied where it keeps most rows (at least
+        ``DEFERRED_SHARE`` of them): (the rows, the filter's mask) — an aggregation then leaves
+        the masked-out rows out of its groups, and no row is copied.  (the rows, None) where
+        it keeps fewer: the pipeline's output as ``run`` makes it.  None where the steps cannot
+        run so (a scan or a join, no filter, a step after the filter that could fail on a row
+        it drops, no Polars form).
 
         Why: TPC-H Q1's filter keeps 98% of a rank's 3M rows, and copying them (seven columns,
         40 ms) cost more than any other step but the aggregation."""
         if not isinstance(self.source, pa.Table) or self.costly or _engine_setting() != "polars":
             return None
-        steps = _prune(list(self.steps), list(wanted))
+        wanted = list(self.schema.names)
+        steps = _prune(list(self.steps), wanted)
         at = max((i for i, s in enumerate(steps) if isinstance(s, Filter)), default=None)
         if at is None or not all(_total(s) for s in steps[at + 1 :]):
             return None
-        columns = [c for c in self.source.schema.names if c in _needed(steps, list(wanted))]
+        columns = [c for c in self.source.schema.names if c in _needed(steps, wanted)]
         table = self.source.select(columns) if len(columns) < self.source.num_columns else self.source
         compiled = [_in_polars(table.schema, steps[:at])] if at else []
         if None in compiled:
@@ -265,13 +266,13 @@ class Pipeline:
         mask = masking.mask(table, DEFERRED_SHARE) if masking is not None else None
         if mask is None:  # the filter applied (Acero's steps after it only see the rows it keeps)
             rest = steps[at:]
-            compiled = _in_polars(table.schema, rest)
-            table = compiled.run(table) if compiled is not None else _acero(table, rest)
+            compiled = [_in_polars(table.schema, rest)]
+            table = compiled[0].run(table) if compiled[0] is not None else _acero(table, rest)
         else:
             kept = pc.sum(mask).as_py() or 0
             note(f"filter as a mask, no rows copied: {kept} of {table.num_rows} rows kept")
             table = after.run(table) if after is not None else table
-        return table.select(list(wanted)), mask
+        return table.select(wanted), mask
 
     def carried(self, name: str) -> str | None:
         """The source column that output column ``name`` is (renamed or not), None if computed."""

@@ -364,3 +364,30 @@ def test_quantile_approx_is_within_its_rank_bound_and_exact_for_small_groups(gan
     if n > 1 and keys in (["b"], ["key"]):  # big groups were sketched, and partials moved
         assert sketched, "no group was big enough on a rank to be sketched"
         assert "pre-aggregated before the exchange" in notes, notes
+
+
+def app_distinct_counts(env, keys, dropna):
+    import os
+
+    os.environ["PHALANX_THREADS"] = "1"  # Arrow's one-thread pass: where it counts distinct values
+    try:
+        with plan.recording() as notes:
+            out = frame(env).groupby(keys, dropna=dropna).agg(
+                s_n=("s", "nunique"), key_n=("key", "nunique"), bn_n=("bn", "nunique"), rows=("w", "size")
+            )
+            return out.collect(root=0), notes
+    finally:
+        os.environ.pop("PHALANX_THREADS")
+
+
+@pytest.mark.parametrize("keys,dropna", [(["t"], True), (["s"], True), (["s"], False), (["t", "b"], False)])
+def test_distinct_counts_of_ints_strings_and_bools_run_in_arrow_as_duckdb_counts(gang, keys, dropna):
+    """nunique over integer, string and boolean columns with nulls (not counted), after the
+    raw rows' shuffle, in Arrow's count_distinct: DuckDB's COUNT(DISTINCT) per group."""
+    out, notes = gang.run(app_distinct_counts, keys, dropna)[0]
+    query = "COUNT(DISTINCT s) AS s_n, COUNT(DISTINCT key) AS key_n, COUNT(DISTINCT bn) AS bn_n, count(*) AS rows"
+    where = "WHERE " + " AND ".join(f"{k} IS NOT NULL" for k in keys) if dropna else ""
+    by = ", ".join(keys)
+    expected = sql(f"SELECT {by}, {query} FROM T {where} GROUP BY {by}", stat_whole(gang.world_size))
+    assert_close(out, expected, keys)
+    assert any(n.startswith("per-rank aggregation (Arrow)") for n in notes), notes

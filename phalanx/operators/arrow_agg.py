@@ -35,6 +35,7 @@ __all__ = ["combine", "combine_all", "eligible", "final", "partial", "partial_al
 _INT64_MAX = 2**63 - 1
 _EMPTY_IS_NULL = pc.ScalarAggregateOptions(min_count=1)  # SUM(x): null for a group of nulls
 _EMPTY_IS_ZERO = pc.ScalarAggregateOptions(min_count=0)  # COALESCE(SUM(x), 0)
+_VALID_ONLY = pc.CountOptions(mode="only_valid")  # COUNT(DISTINCT x): nulls not counted
 
 
 def _key_type(t: pa.DataType) -> bool:
@@ -48,6 +49,8 @@ def _key_type(t: pa.DataType) -> bool:
 
 
 def _value_type(a: Agg, t: pa.DataType) -> bool:
+    if a.func == "nunique":  # not floats: Arrow tells -0.0 from 0.0 and NaNs apart, pandas does not
+        return _key_type(t)
     if a.func in ("sum", "mean"):
         return pa.types.is_integer(t) or pa.types.is_float64(t)
     if a.func in ("min", "max"):
@@ -59,6 +62,8 @@ def eligible(keys: Sequence[str], aggs: Sequence[Agg], schema: pa.Schema) -> boo
     """Whether Arrow can run these steps over columns of these types (decided from the
     schema alone: the same on every rank); no keys: ``agg``'s one row (``partial_all``)."""
     if not all(_key_type(schema.field(k).type) for k in keys):
+        return False
+    if not keys and any(a.func == "nunique" for a in aggs):  # agg's nunique: ``stats``
         return False
     return all(a.func == "size" or (a.column and _value_type(a, schema.field(a.column).type)) for a in aggs)
 
@@ -305,6 +310,7 @@ def partial(
     """Each group's partial columns from rows (those a ``mask`` keeps, if given), named
     ``p(agg, part)`` as in ``_partial_sql`` (``threads``: Arrow's pool, sized to the rank's
     share; worth it for few groups only)."""
+    assert all(a.func != "nunique" for a in aggs), "a distinct count needs every row of a group"
     if not _sums_fit(table, [a.column for a in aggs if a.func in ("sum", "mean") and a.column]):
         return None
     table, mask = _usable(table, keys, dropna, mask)
@@ -386,6 +392,8 @@ def final(
             specs.append((a.column, "sum", _EMPTY_IS_ZERO))
         elif a.func == "mean":
             specs += [(a.column, "sum", _EMPTY_IS_NULL), (a.column, "count", None)]
+        elif a.func == "nunique":
+            specs.append((a.column, "count_distinct", _VALID_ONLY))
         else:
             specs.append((a.column, a.func, None))
     columns = _group(table, keys, specs, False, runs_only, mask)

@@ -372,8 +372,10 @@ def app_distinct_counts(env, keys, dropna):
     os.environ["PHALANX_THREADS"] = "1"  # Arrow's one-thread pass: where it counts distinct values
     try:
         with plan.recording() as notes:
-            out = frame(env).groupby(keys, dropna=dropna).agg(
-                s_n=("s", "nunique"), key_n=("key", "nunique"), bn_n=("bn", "nunique"), rows=("w", "size")
+            out = (
+                frame(env)
+                .groupby(keys, dropna=dropna)
+                .agg(s_n=("s", "nunique"), key_n=("key", "nunique"), bn_n=("bn", "nunique"), rows=("w", "size"))
             )
             return out.collect(root=0), notes
     finally:

@@ -281,7 +281,7 @@ def test_groupby_shortcuts_match_pandas(gang):
 ARROW_AGG_SQL = """
 SELECT {keys}, COALESCE(SUM(v), 0) AS v_sum, COUNT(v) AS v_count, AVG(v) AS v_mean,
   COALESCE(SUM(big), 0) AS big_sum, AVG(big) AS big_mean, MIN(w) AS w_min, MAX(d) AS d_max,
-  COUNT(s) AS s_count, COUNT(*) AS n
+  COUNT(s) AS s_count, COUNT(*) AS n, MIN(f) AS f_min, MAX(f) AS f_max
 FROM T {where} GROUP BY {keys}"""
 
 
@@ -297,6 +297,10 @@ def arrow_agg_part(rank: int, world: int) -> pa.Table:
         big[:2] = [2**60 + 7, -(2**60) - 3]  # two keys, one row each: no group sum overflows
     t = t.append_column("big", pa.array(big, pa.int64(), mask=rng.random(n) < 0.1))
     days = rng.integers(0, 3000, n).astype("datetime64[D]")
+    f = rng.normal(size=n)
+    if rank == 0:  # NaN on rank 0 only: DuckDB's max there is NaN, and its partials reach Arrow's ranks
+        f[rng.random(n) < 0.02] = np.nan
+    t = t.append_column("f", pa.array(f, pa.float64(), mask=rng.random(n) < 0.1))
     return t.append_column("d", pa.array(days, pa.date32(), mask=rng.random(n) < 0.1))
 
 
@@ -305,6 +309,7 @@ def app_groupby_arrow(env, keys, dropna, combine):
     out = df.groupby(keys, dropna=dropna, combine=combine).agg(
         v_sum=("v", "sum"), v_count=("v", "count"), v_mean=("v", "mean"), big_sum=("big", "sum"),
         big_mean=("big", "mean"), w_min=("w", "min"), d_max=("d", "max"), s_count=("s", "count"), n=(None, "size"),
+        f_min=("f", "min"), f_max=("f", "max"),
     )  # fmt: skip
     text = io.StringIO()
     out.explain(file=text)
@@ -325,8 +330,8 @@ def app_groupby_arrow(env, keys, dropna, combine):
 def test_groupby_in_arrow_matches_duckdb_with_ranks_on_either_engine(gang, keys, dropna, combine):
     """Arrow's hash aggregation (sum, count, mean, min, max, size over integer, string, bool and
     date keys, null keys kept or dropped) against DuckDB on the whole table; rank 0's sums could
-    leave int64, so its steps run in DuckDB while the other ranks' run in Arrow: the tables
-    they exchange must agree."""
+    leave int64 and its floats hold NaN, so its steps run in DuckDB while the other ranks' run
+    in Arrow: the tables they exchange must agree (a max of NaN is NaN, as DuckDB orders it)."""
     results = gang.run(app_groupby_arrow, keys, dropna, combine)
     out = results[0][0]
     if combine and gang.world_size > 1:  # the partials: rank 0's in DuckDB, the others' in Arrow
@@ -383,7 +388,16 @@ def test_arrow_agg_steps_equal_duckdbs_sql_steps():
             kernels.restore_types(want, groupby._output_schema(keys, aggs, T.schema)),
         )
     assert not arrow_agg.eligible(["v"], aggs, T.schema)  # float keys: -0.0 and NaN groups
-    assert not arrow_agg.eligible(["key"], groupby.parse_spec(None, dict(x=("v", "max"))), T.schema)
+    # float min/max: Arrow's where no NaN; DuckDB's where one is (it orders NaN above numbers)
+    extremes = groupby.parse_spec(None, dict(hi=("v", "max"), lo=("v", "min")))
+    assert arrow_agg.eligible(["key"], extremes, T.schema)
+    assert arrow_agg.final(T, ["key"], extremes, True) is None
+    assert arrow_agg.partial(T, ["key"], extremes, True, groupby._p, False) is None
+    clean = T.filter(pc.invert(pc.fill_null(pc.is_nan(T.column("v")), False)))
+    want = duck('max("v") AS hi, min("v") AS lo FROM __px_t WHERE "key" IS NOT NULL', '"key"', __px_t=clean)
+    assert_same_rows(arrow_agg.final(clean, ["key"], extremes, True), want)
+    partial = arrow_agg.partial(clean, ["key"], extremes, True, groupby._p, False)
+    assert partial is not None and arrow_agg.combine(partial.slice(0, 0), ["key"], extremes, groupby._p) is not None
     # a sum that could leave int64: DuckDB's (it widens, and fails loudly where it must)
     huge = pa.table({"k": [1, 1, 2], "x": [2**62, 2**62, 1]})
     one = groupby.parse_spec(None, dict(x=("x", "sum")))

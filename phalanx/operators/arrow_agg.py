@@ -53,8 +53,8 @@ def _value_type(a: Agg, t: pa.DataType) -> bool:
         return _key_type(t)
     if a.func in ("sum", "mean"):
         return pa.types.is_integer(t) or pa.types.is_float64(t)
-    if a.func in ("min", "max"):
-        return pa.types.is_integer(t) or pa.types.is_date(t)
+    if a.func in ("min", "max"):  # floats: where no NaN (``_nan_in``)
+        return pa.types.is_integer(t) or pa.types.is_date(t) or pa.types.is_float64(t)
     return a.func == "count"
 
 
@@ -158,6 +158,17 @@ def _usable(table: pa.Table, keys: Sequence[str], dropna: bool, mask: Any) -> tu
         if table.column(k).null_count:
             mask = pc.and_(mask, pc.is_valid(table.column(k)))
     return table, mask
+
+
+def _nan_in(table: pa.Table, columns: Sequence[str]) -> bool:
+    """Whether a float column among these holds NaN: DuckDB's min/max order NaN above every
+    number (max is NaN), Arrow's skip it — the rows go to DuckDB then (a rank's own choice:
+    the partial columns' types are the same either way)."""
+    for c in columns:
+        col = table.column(c)
+        if pa.types.is_floating(col.type) and len(col) > col.null_count and pc.any(pc.is_nan(col)).as_py():
+            return True
+    return False
 
 
 def _one_byte_codes(column: pa.ChunkedArray) -> pa.ChunkedArray | None:
@@ -313,6 +324,8 @@ def partial(
     assert all(a.func != "nunique" for a in aggs), "a distinct count needs every row of a group"
     if not _sums_fit(table, [a.column for a in aggs if a.func in ("sum", "mean") and a.column]):
         return None
+    if _nan_in(table, [a.column for a in aggs if a.func in ("min", "max") and a.column]):
+        return None
     table, mask = _usable(table, keys, dropna, mask)
     specs: list[tuple[Any, str, Any]] = []
     names: list[str] = []
@@ -351,7 +364,7 @@ def combine(
     """The final values from the partials of ``partial`` (or DuckDB's), as ``_final_sql``
     with ``raw=False``: the output columns after the keys."""
     sums = [p(a, "sum") for a in aggs if a.func in ("sum", "mean")]
-    if not _sums_fit(partials, sums):
+    if not _sums_fit(partials, sums) or _nan_in(partials, [p(a, "v") for a in aggs if a.func in ("min", "max")]):
         return None
     specs: list[tuple[Any, str, Any]] = []
     for a in aggs:
@@ -380,6 +393,8 @@ def final(
     placed by its keys); with ``runs_only``, None unless the rows lie in runs of their one
     key (``_group_runs``)."""
     if not _sums_fit(table, [a.column for a in aggs if a.func in ("sum", "mean") and a.column]):
+        return None
+    if _nan_in(table, [a.column for a in aggs if a.func in ("min", "max") and a.column]):
         return None
     table, mask = _usable(table, keys, dropna, mask)
     specs: list[tuple[Any, str, Any]] = []
@@ -423,6 +438,8 @@ def partial_all(table: pa.Table, aggs: Sequence[Agg], p: Callable[[Agg, str], st
     """This rank's one row of partials, as ``SELECT <_partial_sql>, COUNT(*) AS __px_rows``."""
     if not _sums_fit(table, [a.column for a in aggs if a.func in ("sum", "mean") and a.column]):
         return None
+    if _nan_in(table, [a.column for a in aggs if a.func in ("min", "max") and a.column]):
+        return None
     n = pa.scalar(table.num_rows, pa.int64())
     columns: dict[str, pa.Array] = {}
     for a in aggs:
@@ -446,6 +463,8 @@ def partial_all(table: pa.Table, aggs: Sequence[Agg], p: Callable[[Agg, str], st
 def combine_all(partials: pa.Table, aggs: Sequence[Agg], p: Callable[[Agg, str], str]) -> pa.Table | None:
     """The one row of final values from the ranks' partial rows (none: the types only)."""
     if not _sums_fit(partials, [p(a, "sum") for a in aggs if a.func in ("sum", "mean")]):
+        return None
+    if _nan_in(partials, [p(a, "v") for a in aggs if a.func in ("min", "max")]):
         return None
     columns: dict[str, pa.Array] = {}
     for a in aggs:

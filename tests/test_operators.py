@@ -875,6 +875,7 @@ def app_agg_all_arrow(env, rows):
     out = df.agg(
         v_sum=("v", "sum"), v_count=("v", "count"), v_mean=("v", "mean"), big_sum=("big", "sum"),
         big_mean=("big", "mean"), w_min=("w", "min"), d_max=("d", "max"), s_count=("s", "count"), n=(None, "size"),
+        f_min=("f", "min"), f_max=("f", "max"),
     )  # fmt: skip
     return out.collect(root=0)
 
@@ -882,8 +883,9 @@ def app_agg_all_arrow(env, rows):
 @pytest.mark.parametrize("rows", [True, False], ids=["rows", "no rows"])
 def test_a_global_aggregate_in_arrow_equals_duckdbs(gang, rows):
     """``agg`` of Arrow's functions (each rank's one row of partials from Arrow's kernels; rank
-    0, whose int64 sums could overflow, from DuckDB) against DuckDB on the whole table; of no
-    rows: sums and counts 0, mean, min and max null."""
+    0, whose int64 sums could overflow and whose floats hold NaN, from DuckDB) against DuckDB on
+    the whole table (a max over NaN is NaN); of no rows: sums and counts 0, mean, min and max
+    null."""
     out = gang.run(app_agg_all_arrow, rows)[0]
     T = pa.concat_tables([arrow_agg_part(r, gang.world_size) for r in range(gang.world_size)])
     expected = sql(
@@ -894,6 +896,7 @@ def test_a_global_aggregate_in_arrow_equals_duckdbs(gang, rows):
     if not rows:
         assert out.to_pylist() == [
             dict(v_sum=0.0, v_count=0, v_mean=None, big_sum=0, big_mean=None, w_min=None, d_max=None, s_count=0, n=0)
+            | dict(f_min=None, f_max=None)
         ]
     assert_same_rows(out, expected.cast(out.schema))
 

@@ -214,3 +214,19 @@ def test_why_ray_ended_a_rank_s_actor_is_the_cause_a_retry_policy_names():
     assert actor_death_cause(died(oom + "Task was killed due to the node running low on memory.")) == "oom"
     assert actor_death_cause(died("The actor is dead because it was killed by `ray.kill`.")) is None
     assert actor_death_cause(ActorDiedError()) is None
+
+
+def test_only_a_client_server_that_failed_to_start_is_worth_another_connection_attempt():
+    """Ray's proxier refuses a ray:// client when the server it starts for that client dies
+    at start (seen once under load in the multihost lane; the next attempt succeeds): that
+    failure is tried again, a refused address or a version mismatch is not."""
+    from phalanx.executors.ray.connection import client_server_failed
+
+    spawn = ConnectionAbortedError(
+        "Initialization failure from server:\\nTraceback (most recent call last):\\n  ...\\nRuntimeError: "
+        "Starting Ray client server failed. See ray_client_server_23001.err for detailed logs."
+    )
+    assert client_server_failed(spawn)
+    assert not client_server_failed(ConnectionError("ray client connection timeout"))
+    assert not client_server_failed(ConnectionAbortedError("Initialization failure from server: version mismatch"))
+    assert not client_server_failed(RuntimeError("Starting Ray client server failed."))  # not from the proxier

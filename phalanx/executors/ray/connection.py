@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -59,11 +60,33 @@ def connect(
         target = (os.environ.get("RAY_ADDRESS") if address in (None, "auto") else address) or ""
         if not target.startswith("ray://") and is_loopback(target.rpartition(":")[0]):
             keep_ray_on_loopback()
-        try:
-            ray.init(**kwargs)
-        except Exception as exc:
-            raise GangError(f"site {site!r} (ray): cannot connect to Ray at {address!r}: {exc}") from exc
+        for attempt in range(1, CLIENT_ATTEMPTS + 1):
+            try:
+                ray.init(**kwargs)
+                break
+            except Exception as exc:
+                if attempt < CLIENT_ATTEMPTS and client_server_failed(exc):
+                    logging.getLogger("phalanx").warning(
+                        "site %r (ray): the Ray client server at %s failed to start this client's "
+                        "server (attempt %d of %d); trying again",
+                        site, address, attempt, CLIENT_ATTEMPTS,
+                    )  # fmt: skip
+                    time.sleep(attempt)
+                    continue
+                raise GangError(f"site {site!r} (ray): cannot connect to Ray at {address!r}: {exc}") from exc
     return ray
+
+
+# A ray:// connection makes the head start a server process for this client; under load that
+# start can fail once ("Starting Ray client server failed", seen in CI's multihost lane) where
+# the next succeeds: the connection is tried again, a failure of any other kind is not.
+CLIENT_ATTEMPTS = 3
+
+
+def client_server_failed(exc: BaseException) -> bool:
+    """Whether ``ray.init`` failed because the head's client server could not start a server
+    for this client (a transient failure: worth another attempt)."""
+    return isinstance(exc, ConnectionAbortedError) and "Starting Ray client server failed" in str(exc)
 
 
 @contextmanager

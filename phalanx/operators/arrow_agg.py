@@ -141,9 +141,13 @@ def _distinct_specs(table: pa.Table, specs: list[tuple[Any, str, Any]]) -> tuple
     return unique, at
 
 
-def _fixed(table: pa.Table, key: str) -> bool:
-    kind = table.schema.field(key).type
+def integer_or_date(kind: pa.DataType) -> bool:
+    """A key type whose values order as integers (``ranges.rangeable``, runs, masked keys)."""
     return pa.types.is_integer(kind) or pa.types.is_date(kind)
+
+
+def _fixed(table: pa.Table, key: str) -> bool:
+    return integer_or_date(table.schema.field(key).type)
 
 
 def _usable(table: pa.Table, keys: Sequence[str], dropna: bool, mask: Any) -> tuple[pa.Table, Any]:

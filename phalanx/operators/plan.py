@@ -256,18 +256,19 @@ class Pipeline:
             return None
         columns = [c for c in self.source.schema.names if c in _needed(steps, wanted)]
         table = self.source.select(columns) if len(columns) < self.source.num_columns else self.source
-        compiled = [_in_polars(table.schema, steps[:at])] if at else []
-        if None in compiled:
-            return None
-        table = compiled[0].run(table) if compiled else table
+        if at:
+            before = _in_polars(table.schema, steps[:at])
+            if before is None:
+                return None
+            table = before.run(table)
         tail = steps[at + 1 :]
         after = _in_polars(table.schema, tail) if tail else None
         masking = _in_polars(table.schema, steps[at : at + 1]) if after is not None or not tail else None
         mask = masking.mask(table, DEFERRED_SHARE) if masking is not None else None
         if mask is None:  # the filter applied (Acero's steps after it only see the rows it keeps)
             rest = steps[at:]
-            compiled = [_in_polars(table.schema, rest)]
-            table = compiled[0].run(table) if compiled[0] is not None else _acero(table, rest)
+            compiled = _in_polars(table.schema, rest)
+            table = compiled.run(table) if compiled is not None else _acero(table, rest)
         else:
             kept = pc.sum(mask).as_py() or 0
             note(f"filter as a mask, no rows copied: {kept} of {table.num_rows} rows kept")

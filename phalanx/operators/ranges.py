@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 
 from ..runtime.comm.base import Communicator
 from . import kernels
-from .arrow_agg import _numbers  # a column as numpy integers, dates as day counts
+from .arrow_agg import _numbers, integer_or_date  # _numbers: integers, dates as day counts
 from .exchange import concat, exchange_tables
 from .plan import note
 
@@ -35,8 +35,7 @@ class Span:
     nulls: int
 
 
-def rangeable(kind: pa.DataType) -> bool:
-    return pa.types.is_integer(kind) or pa.types.is_date(kind)
+rangeable = integer_or_date  # the keys whose ranks' ranges are compared
 
 
 def span(column: pa.ChunkedArray) -> Span:

@@ -273,6 +273,46 @@ def test_the_distinct_key_estimate_holds_where_a_keys_rows_lie_together(sample):
     assert abs(estimate - true) <= 0.2 * true, (estimate, true, len(k))
 
 
+@pytest.mark.parametrize(
+    "kind, keys_kind", [("int64", "int64"), ("int32", "int32"), ("int32", "int64"), ("string", "string")]
+)
+def test_a_join_s_sampled_share_of_matching_rows_is_the_share_among_the_sampled_rows(kind, keys_kind):
+    """The share of rows an inner join keeps (it decides whether the membership filter runs
+    first and which of two joins runs first) is counted exactly over every n-th row, whatever
+    the chunks (uneven ones, a sample's stride crossing them), nulls (a null matches where a key
+    is null, as in the joins) and types that differ (int32 rows, int64 keys: the hash path)."""
+    from phalanx.operators.plan import SAMPLE_ROWS, selectivity
+
+    rng = np.random.default_rng(11)
+    n = 50_003
+    values = rng.integers(0, 5_000, n)
+    nulls = rng.random(n) < 0.05
+    wanted = np.unique(rng.integers(0, 5_000, 700))
+
+    def arrow(v, mask, t):
+        a = pa.array(v, mask=mask).cast(pa.int64())
+        return a.cast(pa.string()) if t == "string" else a.cast(t)
+
+    column = arrow(values, nulls, kind)
+    cuts = [0, 7, 3_000, 3_001, 20_000, 44_444, n]  # uneven chunks, one of a single row
+    table = pa.table({"k": pa.chunked_array([column.slice(a, b - a) for a, b in zip(cuts, cuts[1:])])})
+    every = max(1, n // SAMPLE_ROWS)
+    rows = np.arange(0, n, every)
+    for null_key in (False, True):  # the joins match a null key with a null
+        keys = pa.chunked_array(
+            [arrow(np.append(wanted, 0), np.append(np.zeros(len(wanted), bool), null_key), keys_kind)]
+        )
+        kept = (np.isin(values[rows], np.append(wanted, [] if null_key else [0])) & ~nulls[rows]) | (
+            nulls[rows] & null_key
+        )
+        memo: dict = {}
+        assert selectivity(table, "k", keys, memo) == pytest.approx(kept.mean(), abs=1e-12)
+        assert selectivity(table, "k", keys, memo) == pytest.approx(kept.mean(), abs=1e-12)  # from the memo
+        assert len(memo) == 1
+    assert selectivity(table, "k", pc.drop_null(keys).slice(0, 0)) == 0.0  # no key: no match
+    assert selectivity(table.slice(0, 0), "k", keys) == 1.0  # no rows: nothing to filter
+
+
 @pytest.mark.parametrize("engine", ["arrow", "duckdb"])
 def test_key_frequencies_count_null_and_nan_keys_as_groups_of_their_own(engine, monkeypatch):
     """The sample's (distinct, seen once, seen twice): Arrow counts small samples, DuckDB

@@ -338,6 +338,59 @@ def test_the_join_kernel_matches_null_safe_sql_nan_and_signed_zero_included(how,
     assert _values(got) == _values(want)
 
 
+def _lookup_sides(kind: str, duplicate: bool) -> tuple[pa.Table, pa.Table]:
+    """One key column of ``kind`` with nulls on both sides, over two chunks on the left;
+    the right's keys distinct (a null among them) unless ``duplicate``."""
+    values = {
+        "int": pa.array([3, 1, None, 7, 1, 5, 2, None, 9], pa.int32()),
+        "string": pa.array(["c", "a", None, "", "a", "e", "b", None, "zz"]),
+        "date": _dates("1994-01-03 1994-01-01 - 1998-09-02 1994-01-01 1995-03-15 1993-07-01 - 1999-01-01"),
+        "timestamp": pa.array([3, 1, None, 7, 1, 5, 2, None, 9], pa.int64()).cast(pa.timestamp("us", "UTC")),
+        "bool": pa.array([True, False, None, True, None, False, True, None, False]),
+    }[kind]
+    right_at = [1, 3, 2, 6, 5] if kind != "bool" else [1, 0, 2]  # a null key among them
+    if duplicate:
+        right_at = right_at + right_at[:1]
+    left = pa.Table.from_batches(
+        [
+            pa.record_batch({"k": values.slice(0, 4), "v": pa.array(range(4))}),
+            pa.record_batch({"k": values.slice(4), "v": pa.array(range(4, len(values)))}),
+        ]
+    )
+    right = pa.table({"rk": values.take(right_at), "w": pa.array([f"w{i}" for i in range(len(right_at))])})
+    return left, right
+
+
+@pytest.mark.parametrize("how", ["inner", "left", "semi", "anti"])
+@pytest.mark.parametrize("kind", ["int", "string", "date", "timestamp", "bool"])
+@pytest.mark.parametrize("duplicate", [False, True], ids=["distinct right keys", "a right key twice"])
+def test_a_join_on_one_key_with_a_small_right_side_by_lookup_matches_null_safe_sql(how, kind, duplicate):
+    """Arrow's hash lookup joins one key against a small right side (its keys distinct, or any
+    for semi/anti): the rows, nulls matching nulls, and the columns DuckDB's null-safe join
+    gives; a right key on two rows is left to the hash join (a row per match)."""
+    left, right = _lookup_sides(kind, duplicate)
+    join = {"inner": "JOIN", "left": "LEFT JOIN"}.get(how, how.upper() + " JOIN")
+    sides = "l.*" if how in ("semi", "anti") else "l.*, r.*"
+    want = kernels.run_sql(f"SELECT {sides} FROM L l {join} R r ON l.k IS NOT DISTINCT FROM r.rk", L=left, R=right)
+    looked_up = kernels._index_join(left, right, ["k"], ["rk"], how)
+    assert (looked_up is None) == (duplicate and how in ("inner", "left"))
+    got = kernels.join(left, right, ["k"], ["rk"], how)
+    assert got.schema.equals(pa.schema(list(left.schema) + ([] if how in ("semi", "anti") else list(right.schema))))
+    assert _values(got) == _values(want.cast(got.schema))
+    if looked_up is not None and how in ("left", "semi", "anti"):
+        assert got.column("v").to_pylist() == sorted(got.column("v").to_pylist())  # the left's order
+
+
+def test_a_lookup_join_on_a_key_both_sides_name_alike_keeps_it_once():
+    left, right = _lookup_sides("int", False)
+    right = right.rename_columns(["k", "w"])
+    got = kernels._index_join(left, right, ["k"], ["k"], "left")
+    assert got is not None and got.column_names == ["k", "v", "w"]
+    # right keys 1, 7, null, 2, 5 are w0..w4
+    expected = [None, "w0", "w2", "w1", "w0", "w4", "w3", "w2", None]
+    assert got.column("k").equals(left.column("k")) and got.column("w").to_pylist() == expected
+
+
 def test_a_join_over_a_type_polars_would_change_runs_in_duckdb():
     left, right = _join_sides()
     right = right.append_column("m", pa.array([1, 2, 3, 4, 5, 6], pa.decimal128(12, 2)))

@@ -316,9 +316,9 @@ def top_k(table: pa.Table, by: Sequence[str], descending: Sequence[bool], k: int
     return from_polars(df, table.schema)
 
 
-# a right side up to this many rows joins by Arrow's hash lookup (``_index_join``); at 300k
-# rows its hash table costs more than Polars' join (1M x 300k inner: 64 ms vs 28)
-_INDEX_JOIN_MAX_RIGHT = 100_000
+# a right side up to this many rows joins by Arrow's hash lookup (``_index_join``); at 100k
+# rows its hash table costs as much as Polars' join (TPC-H Q14's 75k lines x 100k parts)
+_INDEX_JOIN_MAX_RIGHT = 50_000
 
 
 def _index_key(t: pa.DataType) -> bool:
@@ -353,7 +353,7 @@ def _index_join(
     if how in ("semi", "anti"):
         found = pc.is_in(key, value_set=wanted)
         return left.filter(found if how == "semi" else pc.invert(found))
-    if pc.count_distinct(wanted, mode="all").as_py() != len(wanted):
+    if pl.Series(wanted).n_unique() != len(wanted):  # a null counts once; Arrow's count: 5x the time
         return None  # a key on several right rows: a row per match, the hash join's work
     from .plan import note, noting
 

@@ -1047,6 +1047,24 @@ def test_a_key_in_runs_aggregates_where_it_lies_as_duckdb_would(kind):
     assert arrow_agg.final(shuffled, ["k"], aggs, True, runs_only=True) is None
 
 
+@pytest.mark.parametrize(
+    "descent", [0, 3, 9_000, 10_000], ids=["none", "among the first rows", "late", "at a chunk's start"]
+)
+def test_a_key_is_taken_for_sorted_only_where_no_row_descends(descent):
+    """The first rows are looked at before all of them (an unsorted key is found out at once);
+    a key sorted there that descends later, or across chunks, is still not sorted."""
+    from phalanx.operators import arrow_agg
+
+    k = np.arange(20_000, dtype=np.int64)
+    if descent:
+        k[descent] = 1
+    key = pa.chunked_array([k[:10_000], k[10_000:]])
+    table = pa.table({"k": key, "v": pa.array(np.ones(len(k)))})
+    spec = [("v", "sum", None)]
+    assert (arrow_agg._group_runs(table, ["k"], spec) is not None) is (descent == 0)
+    assert arrow_agg._sorted_first_key(table, ["k"]) is (descent == 0)
+
+
 @pytest.mark.parametrize("dropna", [True, False])
 def test_keys_constant_in_the_runs_of_a_sorted_first_key_aggregate_in_runs(dropna):
     """Rows sorted by their first key, the other keys the same within each of its runs (a

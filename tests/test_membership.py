@@ -1,0 +1,68 @@
+"""The lookup-table membership test of a join's filter (``membership.lookup_mask``), against
+numpy's ``isin``: ids from 0 and offset ranges (negative values), nulls on both sides, values
+outside the column's range, chunks, and the columns it leaves to a hash lookup."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from phalanx.operators import membership
+from phalanx.operators.plan_polars import members
+
+N = membership.MIN_ROWS + 4_321
+
+
+def _column(values: np.ndarray, nulls: np.ndarray, kind: pa.DataType) -> pa.ChunkedArray:
+    array = pa.array(values, mask=nulls).cast(kind)
+    cut = len(values) // 3
+    return pa.chunked_array([array.slice(0, cut), array.slice(cut, 7), array.slice(cut + 7)])
+
+
+@pytest.mark.parametrize(
+    "low, kind, values_kind",
+    [(0, pa.int64(), pa.int64()), (-50_000, pa.int64(), pa.int64()), (10**12, pa.int64(), pa.int32()),
+     (3, pa.int32(), pa.int64()), (0, pa.uint32(), pa.int64()), (-100, pa.int16(), pa.int16())],
+    ids=["ids from 0", "negative", "large offset", "int32 rows, int64 values", "uint32", "int16"],
+)  # fmt: skip
+def test_rows_whose_value_is_wanted_are_marked_as_numpy_isin_marks_them(low, kind, values_kind):
+    rng = np.random.default_rng(4)
+    span = 20_000
+    rows = low + rng.integers(0, span, N)
+    nulls = rng.random(N) < 0.03
+    column = _column(rows, nulls, kind)
+    wanted = low + rng.integers(-span // 4, span + span // 4, 2_000)  # some outside the range
+    if values_kind == pa.int32():
+        wanted = wanted - low  # int32 values against a column far from them: none match
+    values = pa.chunked_array([pa.array(wanted[:1_000]).cast(values_kind), pa.array([None], values_kind)])
+    values = pa.chunked_array([*values.chunks, pa.array(wanted[1_000:]).cast(values_kind)])
+    if pa.types.is_unsigned_integer(kind):
+        values = pa.chunked_array([c.filter(np.asarray(c.fill_null(0)) >= 0) for c in values.chunks], values_kind)
+        wanted = wanted[wanted >= 0]
+    mask = membership.lookup_mask(column, values)
+    assert mask is not None
+    got = np.asarray(mask.to_numpy(zero_copy_only=False))
+    expected = np.isin(rows, wanted)
+    assert (np.asarray(mask.is_null()) == nulls).all()  # a null row: null (no match)
+    assert (got[~nulls] == expected[~nulls]).all()
+    table = pa.table({"k": column, "i": np.arange(N)})
+    assert members(table, "k", values).column("i").to_pylist() == np.flatnonzero(expected & ~nulls).tolist()
+
+
+def test_columns_it_cannot_serve_go_to_a_hash_lookup():
+    rng = np.random.default_rng(5)
+    rows = rng.integers(0, 1_000, N)
+    values = pa.chunked_array([pa.array([1, 2, 3])])
+    assert membership.lookup_mask(pa.chunked_array([pa.array(rows[:100])]), values) is None  # short
+    wide = rows.copy()
+    wide[0] = membership.MAX_RANGE + 5
+    assert membership.lookup_mask(pa.chunked_array([pa.array(wide)]), values) is None  # too wide a range
+    unsigned = pa.chunked_array([pa.array(rows, pa.uint64())])
+    assert membership.lookup_mask(unsigned, values) is None
+    assert membership.lookup_mask(pa.chunked_array([pa.array(rows)]), values.cast(pa.uint64())) is None
+    assert membership.lookup_mask(pa.chunked_array([pa.array([None] * N, pa.int64())]), values) is None
+    # and the hash lookup then answers the same
+    table = pa.table({"k": unsigned, "i": np.arange(N)})
+    kept = members(table, "k", values.cast(pa.uint64()))
+    assert kept.column("i").to_pylist() == np.flatnonzero(np.isin(rows, [1, 2, 3])).tolist()

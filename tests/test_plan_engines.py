@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime as dt
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
@@ -379,6 +380,38 @@ def test_a_join_on_one_key_with_a_small_right_side_by_lookup_matches_null_safe_s
     assert _values(got) == _values(want.cast(got.schema))
     if looked_up is not None and how in ("left", "semi", "anti"):
         assert got.column("v").to_pylist() == sorted(got.column("v").to_pylist())  # the left's order
+
+
+@pytest.mark.parametrize("how", ["inner", "left"])
+@pytest.mark.parametrize("unique", ["first", "second", "neither"])
+def test_a_lookup_join_on_two_keys_finds_the_row_by_the_distinct_one_and_compares_the_other(how, unique):
+    """Two keys, one of them distinct on the right (a supplier's key beside its nation, TPC-H
+    Q5): the row found by that key counts only where the other key holds the same value too
+    (null matching null); the rows and columns DuckDB's null-safe join gives.  Where neither
+    right key is distinct, the hash join's."""
+    rng = np.random.default_rng(12)
+    n = 400
+    a = pa.array(rng.integers(0, 60, n), mask=rng.random(n) < 0.05)
+    b = pa.array(rng.choice(["x", "y", "z"], n), mask=rng.random(n) < 0.1)
+    left = pa.table({"a": a, "b": b, "v": np.arange(n)})
+    distinct = pa.array(list(range(50)) + [None])
+    repeated = pa.array(["x", "y", None] * 17)
+    if unique == "first":
+        right = pa.table({"ra": distinct, "rb": repeated})
+    elif unique == "second":
+        right = pa.table({"ra": pa.array(list(range(17)) * 3), "rb": pa.array([f"k{i}" for i in range(51)])})
+        left = left.set_column(1, "b", pa.array([f"k{i}" for i in rng.integers(0, 60, n)]))
+    else:
+        right = pa.table({"ra": pa.array(list(range(25)) * 2 + [None]), "rb": repeated})
+    right = right.append_column("w", pa.array([f"w{i}" for i in range(right.num_rows)]))
+    join = "JOIN" if how == "inner" else "LEFT JOIN"
+    on = "l.a IS NOT DISTINCT FROM r.ra AND l.b IS NOT DISTINCT FROM r.rb"
+    want = kernels.run_sql(f"SELECT l.*, r.* FROM L l {join} R r ON {on}", L=left, R=right)
+    looked_up = kernels._index_join(left, right, ["a", "b"], ["ra", "rb"], how)
+    assert (looked_up is None) == (unique == "neither")
+    got = kernels.join(left, right, ["a", "b"], ["ra", "rb"], how)
+    assert got.schema.equals(pa.schema(list(left.schema) + list(right.schema)))
+    assert _values(got) == _values(want.cast(got.schema))
 
 
 def test_a_lookup_join_on_a_key_both_sides_name_alike_keeps_it_once():

@@ -336,39 +336,53 @@ def exact_hash_type(t: pa.DataType) -> bool:
 def _index_join(
     left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str
 ) -> pa.Table | None:
-    """``join`` on one key by Arrow's hash lookup of each left key among the right's
-    (``index_in``, a null matching a null): the left's rows in their order, the right's row
-    of each taken.  For inner and left joins where the right's keys are distinct, and semi
-    and anti joins, with a right side of at most ``_INDEX_JOIN_MAX_RIGHT`` rows; None
-    otherwise.
+    """``join`` by Arrow's hash lookup of each left key among the right's (``index_in``, a null
+    matching a null): the left's rows in their order, the right's row of each taken.  For
+    inner and left joins where one key's right column holds each value once (the other keys
+    then compared on the row it finds), and semi and anti joins on one key, with a right side
+    of at most ``_INDEX_JOIN_MAX_RIGHT`` rows; None otherwise.
 
     Why: the joins of a query's small tables cost Polars' fixed ~1.2 ms each (two conversions
     each way, two collects: TPC-H Q2 joins six times); by lookup 30-140 us for up to 5000
     rows, and 1M x 50k rows inner 11 ms vs 16 (docs/performance.md, "Joins by lookup")."""
-    if len(left_on) != 1 or how not in ("inner", "left", "semi", "anti") or right.num_rows > _INDEX_JOIN_MAX_RIGHT:
+    if how not in ("inner", "left", "semi", "anti") or right.num_rows > _INDEX_JOIN_MAX_RIGHT:
         return None
-    key, wanted = left.column(left_on[0]), right.column(right_on[0])
-    if key.type != wanted.type or not (exact_hash_type(key.type) or pa.types.is_timestamp(key.type)):
+    pairs = list(zip(left_on, right_on))
+    if not all(_lookup_pair(left.schema.field(a).type, right.schema.field(b).type) for a, b in pairs):
         return None
     if how in ("semi", "anti"):
-        found = pc.is_in(key, value_set=wanted)
+        if len(pairs) != 1:
+            return None
+        found = pc.is_in(left.column(left_on[0]), value_set=right.column(right_on[0]))
         return left.filter(found if how == "semi" else pc.invert(found))
-    if pl.Series(wanted).n_unique() != len(wanted):  # a null counts once; Arrow's count: 5x the time
+    # a key whose right column holds each value once (a null counts once; Polars counts in a
+    # fifth of Arrow's time): each left row finds at most one right row
+    by = next((p for p in pairs if pl.Series(right.column(p[1])).n_unique() == right.num_rows), None)
+    if by is None:
         return None  # a key on several right rows: a row per match, the hash join's work
     from .plan import note, noting
 
     if noting():
-        note(
-            f"per-rank join (Arrow lookup): {how} on {left_on[0]} = {right_on[0]}, {left.num_rows} x {right.num_rows} rows"
-        )
-    at = pc.index_in(key, value_set=wanted)
-    shared = {a for a, b in zip(left_on, right_on) if a == b}
+        on = ", ".join(f"{a} = {b}" for a, b in pairs)
+        note(f"per-rank join (Arrow lookup): {how} on {on}, {left.num_rows} x {right.num_rows} rows")
+    at = pc.index_in(left.column(by[0]), value_set=right.column(by[1]))
+    for a, b in pairs:
+        if (a, b) != by:  # the other keys must hold the same values (null matching null)
+            mine, theirs = left.column(a), right.column(b).take(at)
+            same = pc.or_kleene(pc.equal(mine, theirs), pc.and_(pc.is_null(mine), pc.is_null(theirs)))
+            at = pc.if_else(pc.fill_null(same, False), at, pa.scalar(None, at.type))
+    shared = {a for a, b in pairs if a == b}
     extra = right.select([n for n in right.column_names if n not in shared])
     if how == "inner":
         found = pc.is_valid(at)
         left, at = left.filter(found), pc.drop_null(at)
     taken = extra.take(at)  # a null index (a left row without a match) takes nulls
     return pa.Table.from_arrays([*left.columns, *taken.columns], schema=pa.schema([*left.schema, *extra.schema]))
+
+
+def _lookup_pair(left: pa.DataType, right: pa.DataType) -> bool:
+    """Key types the lookup join compares exactly as the hash joins do."""
+    return left == right and (exact_hash_type(left) or pa.types.is_timestamp(left))
 
 
 # Polars' join table outgrows the caches where DuckDB's partitioned one does not: 10M x 10M

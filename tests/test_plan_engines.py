@@ -414,6 +414,38 @@ def test_a_lookup_join_on_two_keys_finds_the_row_by_the_distinct_one_and_compare
     assert _values(got) == _values(want.cast(got.schema))
 
 
+@pytest.mark.parametrize("how", ["inner", "left"])
+@pytest.mark.parametrize("keys", [["a"], ["a", "b"]], ids=["one key", "two keys"])
+def test_an_inner_join_looks_the_right_rows_up_among_a_left_side_with_distinct_keys(how, keys):
+    """The right's keys repeat (an order's lines) and the left's are distinct (the orders,
+    TPC-H Q7): an inner join looks each right row up among the left's, with DuckDB's rows and
+    the merge's columns (the left's first); a left join cannot (its unmatched left rows)."""
+    rng = np.random.default_rng(13)
+    left = pa.table(
+        {
+            "a": pa.array(list(range(300)) + [None]),
+            "b": pa.array(rng.choice(["x", "y", None], 301)),
+            "v": np.arange(301),
+        }
+    )
+    n = 2_000
+    right = pa.table(
+        {
+            "ra": pa.array(rng.integers(-20, 320, n), mask=rng.random(n) < 0.02),
+            "rb": pa.array(rng.choice(["x", "y", None], n)),
+            "w": pa.array([f"w{i}" for i in range(n)]),
+        }
+    )
+    rkeys = ["r" + k for k in keys]
+    on = " AND ".join(f"l.{k} IS NOT DISTINCT FROM r.{r}" for k, r in zip(keys, rkeys))
+    join = "JOIN" if how == "inner" else "LEFT JOIN"
+    want = kernels.run_sql(f"SELECT l.*, r.* FROM L l {join} R r ON {on}", L=left, R=right)
+    assert (kernels._index_join(left, right, keys, rkeys, how) is None) == (how == "left")
+    got = kernels.join(left, right, keys, rkeys, how)
+    assert got.schema.equals(pa.schema(list(left.schema) + list(right.schema)))
+    assert _values(got) == _values(want.cast(got.schema))
+
+
 def test_a_lookup_join_on_a_key_both_sides_name_alike_keeps_it_once():
     left, right = _lookup_sides("int", False)
     right = right.rename_columns(["k", "w"])

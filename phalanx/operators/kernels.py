@@ -340,44 +340,74 @@ def _index_join(
     matching a null): the left's rows in their order, the right's row of each taken.  For
     inner and left joins where one key's right column holds each value once (the other keys
     then compared on the row it finds), and semi and anti joins on one key, with a right side
-    of at most ``_INDEX_JOIN_MAX_RIGHT`` rows; None otherwise.
+    of at most ``_INDEX_JOIN_MAX_RIGHT`` rows; an inner join whose right side has no such key
+    looks the right's rows up among the left's where the left has one and is that small.
+    None otherwise.
 
     Why: the joins of a query's small tables cost Polars' fixed ~1.2 ms each (two conversions
     each way, two collects: TPC-H Q2 joins six times); by lookup 30-140 us for up to 5000
     rows, and 1M x 50k rows inner 11 ms vs 16 (docs/performance.md, "Joins by lookup")."""
-    if how not in ("inner", "left", "semi", "anti") or right.num_rows > _INDEX_JOIN_MAX_RIGHT:
+    if how not in ("inner", "left", "semi", "anti"):
         return None
     pairs = list(zip(left_on, right_on))
     if not all(_lookup_pair(left.schema.field(a).type, right.schema.field(b).type) for a, b in pairs):
         return None
     if how in ("semi", "anti"):
-        if len(pairs) != 1:
+        if len(pairs) != 1 or right.num_rows > _INDEX_JOIN_MAX_RIGHT:
             return None
         found = pc.is_in(left.column(left_on[0]), value_set=right.column(right_on[0]))
         return left.filter(found if how == "semi" else pc.invert(found))
-    # a key whose right column holds each value once (a null counts once; Polars counts in a
-    # fifth of Arrow's time): each left row finds at most one right row
-    by = next((p for p in pairs if pl.Series(right.column(p[1])).n_unique() == right.num_rows), None)
+    shared = {a for a, b in pairs if a == b}
+    extra = right.select([n for n in right.column_names if n not in shared])
+    schema = pa.schema([*left.schema, *extra.schema])
+    at = _looked_up(left, right, pairs)
+    if at is not None:
+        _note_lookup(how, pairs, left, right)
+        if how == "inner":
+            found = pc.is_valid(at)
+            left, at = left.filter(found), pc.drop_null(at)
+        taken = extra.take(at)  # a null index (a left row without a match) takes nulls
+        return pa.Table.from_arrays([*left.columns, *taken.columns], schema=schema)
+    if how != "inner" or right.num_rows > _LOOKUP_MAX_PROBE:
+        return None
+    at = _looked_up(right, left, [(b, a) for a, b in pairs])  # each right row's left row
+    if at is None:
+        return None
+    _note_lookup(how, pairs, left, right)
+    found = pc.is_valid(at)
+    taken, extra = left.take(pc.drop_null(at)), extra.filter(found)
+    return pa.Table.from_arrays([*taken.columns, *extra.columns], schema=schema)
+
+
+_LOOKUP_MAX_PROBE = 1_000_000  # rows looked up among a small side's (1M x 50k: 11 ms vs Polars' 16)
+
+
+def _looked_up(probe: pa.Table, build: pa.Table, pairs: list[tuple[str, str]]) -> Any | None:
+    """For each probe row, the index of the build row with the same keys (null: none), where
+    one key's build column holds each value once and the build side has at most
+    ``_INDEX_JOIN_MAX_RIGHT`` rows; None otherwise.  The other keys are compared on the row
+    that key finds (null matching null)."""
+    if build.num_rows > _INDEX_JOIN_MAX_RIGHT:
+        return None
+    # a null counts once; Polars counts the distinct values in a fifth of Arrow's time
+    by = next((p for p in pairs if pl.Series(build.column(p[1])).n_unique() == build.num_rows), None)
     if by is None:
-        return None  # a key on several right rows: a row per match, the hash join's work
+        return None  # a key on several rows: a row per match, the hash join's work
+    at = pc.index_in(probe.column(by[0]), value_set=build.column(by[1]))
+    for a, b in pairs:
+        if (a, b) != by:
+            mine, theirs = probe.column(a), build.column(b).take(at)
+            same = pc.or_kleene(pc.equal(mine, theirs), pc.and_(pc.is_null(mine), pc.is_null(theirs)))
+            at = pc.if_else(pc.fill_null(same, False), at, pa.scalar(None, at.type))
+    return at
+
+
+def _note_lookup(how: str, pairs: list[tuple[str, str]], left: pa.Table, right: pa.Table) -> None:
     from .plan import note, noting
 
     if noting():
         on = ", ".join(f"{a} = {b}" for a, b in pairs)
         note(f"per-rank join (Arrow lookup): {how} on {on}, {left.num_rows} x {right.num_rows} rows")
-    at = pc.index_in(left.column(by[0]), value_set=right.column(by[1]))
-    for a, b in pairs:
-        if (a, b) != by:  # the other keys must hold the same values (null matching null)
-            mine, theirs = left.column(a), right.column(b).take(at)
-            same = pc.or_kleene(pc.equal(mine, theirs), pc.and_(pc.is_null(mine), pc.is_null(theirs)))
-            at = pc.if_else(pc.fill_null(same, False), at, pa.scalar(None, at.type))
-    shared = {a for a, b in pairs if a == b}
-    extra = right.select([n for n in right.column_names if n not in shared])
-    if how == "inner":
-        found = pc.is_valid(at)
-        left, at = left.filter(found), pc.drop_null(at)
-    taken = extra.take(at)  # a null index (a left row without a match) takes nulls
-    return pa.Table.from_arrays([*left.columns, *taken.columns], schema=pa.schema([*left.schema, *extra.schema]))
 
 
 def _lookup_pair(left: pa.DataType, right: pa.DataType) -> bool:

@@ -556,9 +556,10 @@ def _querying(names: tuple[str, ...]) -> Callable[..., pa.Table]:
 
 
 def join(left: pa.Table, right: pa.Table, left_on: Sequence[str], right_on: Sequence[str], how: str) -> pa.Table:
-    """Equi-join where null keys match each other (pandas semantics): in Polars where the
-    right side is small (``_polars_join``), else in DuckDB.  ``semi`` and ``anti`` give the
-    left's columns only.
+    """Equi-join where null keys match each other (pandas semantics): by Arrow's hash lookup
+    where a side is small and has a key that holds each value once (``_index_join``), else in
+    Polars where the right side is small (``_polars_join``), else in DuckDB.  ``semi`` and
+    ``anti`` give the left's columns only.
 
     Column names must already be disjoint except for keys shared by name, which appear once
     (coalesced for right/outer joins, as pandas does for ``on=``).  Columns come out in

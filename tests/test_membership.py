@@ -66,3 +66,21 @@ def test_columns_it_cannot_serve_go_to_a_hash_lookup():
     table = pa.table({"k": unsigned, "i": np.arange(N)})
     kept = members(table, "k", values.cast(pa.uint64()))
     assert kept.column("i").to_pylist() == np.flatnonzero(np.isin(rows, [1, 2, 3])).tolist()
+
+
+def test_a_short_column_is_looked_up_by_arrow_with_the_same_rows_as_numpy_isin():
+    rng = np.random.default_rng(6)
+    n = 5_000
+    rows = rng.integers(-100, 100, n)
+    nulls = rng.random(n) < 0.05
+    column = _column(rows, nulls, pa.int32())
+    values = pa.chunked_array([pa.array([3, -7, None, 50, 1_000], pa.int32())])  # a null matches no row
+    mask = membership.member_mask(column, values)
+    assert mask is not None and mask.null_count == 0
+    expected = np.isin(rows, [3, -7, 50]) & ~nulls
+    assert (np.asarray(mask) == expected).all()
+    table = pa.table({"k": column, "i": np.arange(n)})
+    assert members(table, "k", values).column("i").to_pylist() == np.flatnonzero(expected).tolist()
+    # values of another type: Polars' lookup (it casts them), with the same rows
+    assert membership.member_mask(column, values.cast(pa.int64())) is None
+    assert members(table, "k", values.cast(pa.int64())).column("i").to_pylist() == np.flatnonzero(expected).tolist()

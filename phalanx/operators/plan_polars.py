@@ -537,9 +537,9 @@ def _membership(table: pa.Table, column: str, values: pa.ChunkedArray) -> pl.Exp
 
 def members(table: pa.Table, column: str, values: pa.ChunkedArray) -> pa.Table:
     """The rows whose integer ``column`` holds one of ``values`` (a null holds none)."""
-    from .membership import lookup_mask
+    from .membership import member_mask
 
-    found = lookup_mask(table.column(column), values)
+    found = member_mask(table.column(column), values)
     if found is None:
         found = _frame(table, [column]).select(_membership(table, column, values)).to_series().to_arrow()
     return table.filter(pc.fill_null(found, False))

@@ -233,7 +233,7 @@ def _group_runs(
         return None
     key = table.column(keys[0])
     kind = key.type
-    if key.null_count or not (pa.types.is_integer(kind) or pa.types.is_date(kind)):
+    if key.null_count or not integer_or_date(kind):
         return None
     k = _numbers(key) if ascending else _ascending(key)
     if k is None:

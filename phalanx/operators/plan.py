@@ -644,10 +644,10 @@ def selectivity(table: pa.Table, key: str, keys: pa.ChunkedArray, memo: dict | N
     table and keys are asked again when a join's order is chosen: TPC-H Q7's orders)."""
     at = (id(table), key, id(keys))
     if memo is not None and at in memo:
-        return memo[at]
+        return memo[at][0]
     share = _sampled_share(table.column(key), keys)
-    if memo is not None:
-        memo[at] = share
+    if memo is not None:  # the objects kept with the answer: their ids are not reused meanwhile
+        memo[at] = (share, table, keys)
     return share
 
 

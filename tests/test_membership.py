@@ -84,3 +84,62 @@ def test_a_short_column_is_looked_up_by_arrow_with_the_same_rows_as_numpy_isin()
     # values of another type: Polars' lookup (it casts them), with the same rows
     assert membership.member_mask(column, values.cast(pa.int64())) is None
     assert members(table, "k", values.cast(pa.int64())).column("i").to_pylist() == np.flatnonzero(expected).tolist()
+
+
+# ---- a column sorted chunk by chunk: the wanted values' runs found by binary search ----
+def _sorted_column(rng: np.random.Generator, kind: pa.DataType, start: int = 0) -> tuple[np.ndarray, pa.ChunkedArray]:
+    """Runs of 1 to 7 equal ids (lineitem's orders), ascending, in chunks of uneven size (one
+    empty, one cut inside a run); the last chunk starts below the one before it (each chunk
+    is sorted, not the column)."""
+    ids = start + np.repeat(np.arange(0, 3 * N // 4 * 2, 2), rng.integers(1, 8, 3 * N // 4))[:N]
+    tail = np.sort(rng.integers(start, start + 1_000, 3_000))
+    rows = np.concatenate([ids, tail])
+    cut = len(ids) // 3 + 1
+    parts = [rows[:cut], rows[cut:cut], rows[cut : len(ids)], tail]
+    return rows, pa.chunked_array([pa.array(p).cast(kind) for p in parts], kind)
+
+
+@pytest.mark.parametrize("kind", [pa.int64(), pa.int32(), pa.uint32()])
+def test_rows_of_a_sorted_column_are_found_as_numpy_isin_finds_them(kind):
+    rng = np.random.default_rng(7)
+    rows, column = _sorted_column(rng, kind)
+    wanted = rng.integers(-100, rows.max() + 100, len(rows) // 40)
+    wanted = wanted[wanted >= 0] if pa.types.is_unsigned_integer(kind) else wanted
+    values = pa.chunked_array([pa.array(wanted[:50]), pa.array([None], pa.int64()), pa.array(wanted[50:])])
+    got = membership.sorted_rows(column, values)  # values repeat and fall outside the range
+    assert got is not None
+    assert got.tolist() == np.flatnonzero(np.isin(rows, wanted)).tolist()
+    table = pa.table({"k": column, "i": np.arange(len(rows))})
+    assert members(table, "k", values).column("i").to_pylist() == got.tolist()
+
+
+def test_an_inner_join_s_pairs_of_a_sorted_column_match_a_merge_of_numpy():
+    rng = np.random.default_rng(8)
+    rows, column = _sorted_column(rng, pa.int64(), start=-5_000)
+    keys = rng.permutation(np.arange(-6_000, rows.max() + 50, 3))[: len(rows) // 20]  # distinct, unsorted
+    pairs = membership.sorted_pairs(column, pa.chunked_array([pa.array(keys)]))
+    assert pairs is not None
+    got_rows, got_keys = pairs
+    expected = np.flatnonzero(np.isin(rows, keys))
+    assert got_rows.tolist() == expected.tolist()
+    assert (keys[got_keys] == rows[got_rows]).all()
+
+
+def test_a_column_or_keys_it_cannot_search_are_left_to_the_hash_joins():
+    rng = np.random.default_rng(9)
+    rows, column = _sorted_column(rng, pa.int64())
+    keys = pa.chunked_array([pa.array(np.arange(0, 200, 2))])
+    assert membership.sorted_pairs(column, keys) is not None
+    late = rows.copy()
+    late[membership._PROBE_ROWS + 10] = -1  # sorted in its first rows only
+    assert membership.sorted_rows(pa.chunked_array([pa.array(late)]), keys) is None
+    assert membership.sorted_pairs(pa.chunked_array([pa.array(late)]), keys) is None
+    twice = pa.chunked_array([pa.array([4, 8, 4])])  # a key on two rows: a row per match
+    assert membership.sorted_pairs(column, twice) is None
+    assert membership.sorted_pairs(column, pa.chunked_array([pa.array([4, None])])) is None
+    assert membership.sorted_pairs(column, keys.cast(pa.int32())) is None  # types differ
+    assert membership.sorted_rows(column, keys.cast(pa.int32())) is not None  # a filter: the values compared
+    many = pa.chunked_array([pa.array(np.arange(len(rows) // 8))])  # more values than binary searches pay for
+    assert membership.sorted_rows(column, many) is None
+    with_null = pa.chunked_array([pa.array([1, None, 2] + list(range(3, N)))])
+    assert membership.sorted_rows(with_null, keys) is None

@@ -535,3 +535,30 @@ def test_a_join_after_a_filter_keeps_the_rows_sql_keeps(how, before, right_keys)
     )
     # where the key passes from the filter unchanged, the filter is where the membership test goes
     assert P._at_last_filter(steps[:-1], key) == ({"a filter": "k", "a filter, then a rename": "k"}.get(before))
+
+
+@pytest.mark.parametrize("name", ["o_key", "k"], ids=["keys named apart", "a key both sides name alike"])
+def test_an_inner_join_of_a_sorted_key_by_its_runs_keeps_the_rows_sql_keeps(name):
+    from phalanx.operators import membership
+
+    rng = np.random.default_rng(11)
+    n = membership.MIN_ROWS * 2
+    keys = np.repeat(np.arange(n), rng.integers(1, 8, n))[:n]  # sorted, 1-7 rows each (lines of orders)
+    left = pa.table({"k": keys, "v": rng.integers(0, 100, n), "s": pa.array([f"s{i % 13}" for i in range(n)])})
+    picked = rng.permutation(np.arange(-10, n + 10, 5))[: n // 40]  # unsorted, some outside the keys
+    right = pa.table({name: picked, "w": pa.array([f"w{i}" for i in range(len(picked))])})
+    right_out = ("w",) if name == "k" else (name, "w")
+    steps: list[P.Step] = [P.Join(right, ("k",), (name,), "inner", ("k", "v", "s"), right_out)]
+    with P.recording() as notes:
+        got = P._apart(left, steps)
+    assert any("per-rank join (sorted runs)" in n for n in notes)
+    assert got.column_names == ["k", "v", "s", *right_out]
+    cols = ", ".join(f"r.{c}" for c in right_out)
+    want = kernels.run_sql(
+        f"SELECT l.k, l.v, l.s, {cols} FROM L l JOIN R r ON l.k = r.{name}",
+        L=left,
+        R=right,
+    )
+    assert got.num_rows == want.num_rows > 0
+    assert _values(got) == _values(want.cast(got.schema))
+    assert got.column("k").to_numpy().tolist() == sorted(got.column("k").to_numpy().tolist())  # the left's order

@@ -1,4 +1,12 @@
-"""Which rows of an integer column hold one of a set of values, by a lookup table.
+"""Which rows of an integer column hold one of a set of values: by binary search where the
+column is sorted, else by a lookup table.
+
+Where the column never decreases down each chunk's rows (TPC-H's lineitem by l_orderkey, a
+time series by time) and the values wanted are few against its rows, each value's run of
+rows is found by two binary searches (``sorted_rows``; ``sorted_pairs`` for an inner join,
+which then takes the right's rows by the pairs with no hash table): beyond the check that the
+column is sorted, most rows are never read.  A rank's 3M lines joined to 45k orders (TPC-H
+Q5) 19 -> 12 ms with the join's gathers, inside the query with both ranks at work.
 
 A join's membership filter on its own (``plan_polars.members``: the rows before a semi join,
 or an inner join that keeps few) asks it of every row before the join copies them out: a
@@ -31,6 +39,97 @@ def member_mask(column: pa.ChunkedArray, values: pa.ChunkedArray) -> Any | None:
     if len(column) < MIN_ROWS:
         return pc.is_in(column, value_set=values, skip_nulls=True) if column.type == values.type else None
     return lookup_mask(column, values)
+
+
+def sorted_rows(column: pa.ChunkedArray, values: pa.ChunkedArray) -> np.ndarray | None:
+    """The indices of the rows whose value is one of ``values``, ascending, where the integer
+    column is sorted chunk by chunk (``_runs``); None otherwise."""
+    if not _searchable(column, values):
+        return None
+    found = _runs(column, _distinct_ascending(pc.drop_null(values).to_numpy().astype(np.int64, copy=False)))
+    return None if found is None else found[0]
+
+
+def sorted_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
+    """An inner join's row pairs by the sorted column's runs (``_runs``): the indices of the
+    rows whose value is one of ``keys``, ascending, and for each the index of that key; None
+    where the column is not sorted chunk by chunk, a key is null or on several rows, or the
+    types differ (then a hash join)."""
+    if not _searchable(column, keys) or keys.null_count or column.type != keys.type:
+        return None
+    values = keys.to_numpy().astype(np.int64, copy=False)
+    order = None if _never_decreasing(values) else np.argsort(values, kind="stable")
+    ascending = values if order is None else values[order]
+    if len(ascending) > 1 and bool((ascending[1:] == ascending[:-1]).any()):
+        return None  # a key on several rows: a row per match, the hash join's work
+    found = _runs(column, ascending)
+    if found is None:
+        return None
+    rows, which = found
+    return rows, which if order is None else order[which]
+
+
+# a wanted value costs two binary searches of ~17 steps where a row costs one hash probe:
+# worth it while the values wanted number at most this share of the rows
+_SEARCHES_PER_ROW = 1 / 16
+
+
+def _searchable(column: pa.ChunkedArray, values: pa.ChunkedArray) -> bool:
+    return (
+        len(column) >= MIN_ROWS
+        and not column.null_count
+        and _fits_int64(column.type)
+        and _fits_int64(values.type)
+        and len(values) <= _SEARCHES_PER_ROW * len(column)
+    )
+
+
+def _runs(column: pa.ChunkedArray, wanted: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Where each chunk of the column (no null) never decreases down the rows (TPC-H's
+    lineitem by l_orderkey, a time series by time): the indices of the rows holding one of
+    the ``wanted`` values (distinct, ascending), ascending, and for each the index of its
+    value in ``wanted``; None where a chunk's values decrease somewhere.  Each wanted value
+    inside a chunk's range is found by two binary searches, so beyond the sortedness check
+    the work grows with the values, not the rows: a rank's 3M lines against 23k orders."""
+    rows, which, offset = [], [], 0
+    for chunk in column.chunks:
+        a = chunk.to_numpy()
+        if len(a) and not _never_decreasing(a):
+            return None
+        if len(a):
+            first = int(np.searchsorted(wanted, a[0], "left"))
+            # in the chunk's range, so of its type (numpy would cast the chunk to the values')
+            inside = wanted[first : np.searchsorted(wanted, a[-1], "right")].astype(a.dtype, copy=False)
+            lo = np.searchsorted(a, inside, "left")
+            counts = np.searchsorted(a, inside, "right") - lo
+            hit = np.flatnonzero(counts)
+            lo, counts = lo[hit], counts[hit]
+            starts = np.cumsum(counts) - counts  # where each value's rows begin in the output
+            rows.append(np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(lo + offset - starts, counts))
+            which.append(np.repeat(hit + first, counts))
+        offset += len(a)
+    if not rows:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+    return np.concatenate(rows), np.concatenate(which)
+
+
+_PROBE_ROWS = 4096
+
+
+def _distinct_ascending(values: np.ndarray) -> np.ndarray:
+    """The values once each, ascending (numpy's ``unique`` hashes: 6 ms for 45k values)."""
+    if not _never_decreasing(values):
+        values = np.sort(values)
+    return values[np.concatenate(([True], values[1:] != values[:-1]))] if len(values) else values
+
+
+def _never_decreasing(a: np.ndarray) -> bool:
+    """Whether the values never decrease: the first rows first (an unsorted column is found
+    out without a pass over all of them)."""
+    head = a[:_PROBE_ROWS]
+    if (head[1:] < head[:-1]).any():  # compared, not subtracted: unsigned differences wrap
+        return False
+    return not bool((a[1:] < a[:-1]).any())
 
 
 def lookup_mask(column: pa.ChunkedArray, values: pa.ChunkedArray) -> Any | None:

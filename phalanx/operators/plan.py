@@ -614,9 +614,14 @@ def _join_step(
 ) -> pa.Table:
     """One join step over the rows before it (``filtered``: its membership filter ran already)."""
     from . import kernels
+    from .membership import sorted_pairs
     from .plan_polars import integer_column, members
 
     usable = matching is not None and integer_column(table, matching[0])
+    if matching is not None and usable and join.how == "inner" and not empty and _keys_shared_only(join):
+        pairs = sorted_pairs(table.column(matching[0]), matching[1])
+        if pairs is not None:
+            return _sorted_join(table, join, *pairs)
     if matching is not None and usable and not filtered:
         # a semi join keeps the rows whose key is one of the right's: a filter (in the last
         # filter before it, else Polars' hash lookup here); 3M rows against 1337 parts' keys
@@ -632,6 +637,29 @@ def _join_step(
     right = right.select(list(dict.fromkeys([*join.right_on, *join.right_out])))
     out = kernels.join(table, right, list(join.left_on), list(join.right_on), join.how)
     return out.select([*join.left_out, *join.right_out])
+
+
+def _sorted_join(table: pa.Table, join: Join, rows: np.ndarray, at: np.ndarray) -> pa.Table:
+    """An inner join's output from its row pairs (``membership.sorted_pairs``): no hash
+    table, and of a rank's 3M lines only the 91k that join 23k orders are read (TPC-H Q5)."""
+    if noting():
+        note(
+            f"per-rank join (sorted runs): inner on {join.left_on[0]} = {join.right_on[0]}, "
+            f"{table.num_rows} x {join.table.num_rows} rows"
+        )
+    left = table.select(list(join.left_out)).take(rows)
+    own = dict(zip(left.column_names, left.columns))
+    taken = join.table.select([c for c in join.right_out if c not in own]).take(at)
+    own.update(zip(taken.column_names, taken.columns))
+    names = [*join.left_out, *join.right_out]
+    return pa.Table.from_arrays([own[n] for n in names], names=names)
+
+
+def _keys_shared_only(join: Join) -> bool:
+    """Whether the only names both sides give out are keys joined to themselves (each
+    output once, from the left, as the hash joins do)."""
+    same = {a for a, b in zip(join.left_on, join.right_on) if a == b}
+    return not (set(join.left_out) & set(join.right_out)) - same
 
 
 MEMBERSHIP_SHARE = 0.3  # an inner join keeping at most this share of its rows filters them first

@@ -56,8 +56,17 @@ def test_columns_it_cannot_serve_go_to_a_hash_lookup():
     values = pa.chunked_array([pa.array([1, 2, 3])])
     assert membership.lookup_mask(pa.chunked_array([pa.array(rows[:100])]), values) is None  # short
     wide = rows.copy()
-    wide[0] = membership.MAX_RANGE + 5
-    assert membership.lookup_mask(pa.chunked_array([pa.array(wide)]), values) is None  # too wide a range
+    wide[0], wide[1] = membership.MAX_RANGE + 5, -7
+    negative = pa.chunked_array([pa.array([-1, 2, 3])])
+    assert membership.lookup_mask(pa.chunked_array([pa.array(wide)]), negative) is None  # too wide a range
+    # values from 1 up: a table over theirs, the column's far and negative values clipped off
+    mask = membership.lookup_mask(pa.chunked_array([pa.array(wide)]), values)
+    assert mask is not None and (np.asarray(mask) == np.isin(wide, [1, 2, 3])).all()
+    with_zero = pa.chunked_array([pa.array([0, 2])])  # 0 wanted: a negative row must not clip onto it
+    assert membership.lookup_mask(pa.chunked_array([pa.array(wide)]), with_zero) is None  # and too wide
+    small = np.concatenate([[-3], rows[1:]])  # 0 wanted, a row below it, a range that fits: shifted
+    mask = membership.lookup_mask(pa.chunked_array([pa.array(small)]), with_zero)
+    assert mask is not None and (np.asarray(mask) == np.isin(small, [0, 2])).all()
     unsigned = pa.chunked_array([pa.array(rows, pa.uint64())])
     assert membership.lookup_mask(unsigned, values) is None
     assert membership.lookup_mask(pa.chunked_array([pa.array(rows)]), values.cast(pa.uint64())) is None

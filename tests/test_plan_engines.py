@@ -562,3 +562,15 @@ def test_an_inner_join_of_a_sorted_key_by_its_runs_keeps_the_rows_sql_keeps(name
     assert got.num_rows == want.num_rows > 0
     assert _values(got) == _values(want.cast(got.schema))
     assert got.column("k").to_numpy().tolist() == sorted(got.column("k").to_numpy().tolist())  # the left's order
+
+
+def test_rows_taken_batch_by_batch_equal_arrow_s_take():
+    # columns chunked apart from each other, an empty chunk, strings and nulls
+    a = pa.chunked_array([pa.array(range(0, 5)), pa.array([], pa.int64()), pa.array(range(5, 12))])
+    s = pa.chunked_array([pa.array([f"s{i}" if i % 4 else None for i in range(7)]), pa.array(["x"] * 5)])
+    table = pa.table({"a": a, "s": s})
+    for rows in ([], [0], [4, 5, 6, 11], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [6, 6, 7]):
+        got = kernels.take_ascending(table, np.asarray(rows, dtype=np.int64))
+        assert got.equals(table.take(pa.array(rows, pa.int64()))), rows
+    one_chunk = table.combine_chunks()
+    assert kernels.take_ascending(one_chunk, np.array([3, 9])).equals(one_chunk.take([3, 9]))

@@ -192,6 +192,21 @@ def _key_frequencies(sample: pa.Table, keys: Sequence[str]) -> tuple[int, int, i
     return d, f1, f2
 
 
+def take_ascending(table: pa.Table, rows: np.ndarray) -> pa.Table:
+    """The rows at the ascending indices ``rows``, batch by batch where a column has several
+    chunks: Arrow's take over a chunked column joins its chunks first (90k of a rank's 3M
+    lines in 24 chunks, 4 columns: 11.9 ms; batch by batch 2.3)."""
+    if table.num_columns == 0 or all(c.num_chunks <= 1 for c in table.columns):
+        return table.take(rows)
+    parts, start = [], 0
+    for batch in table.to_batches():
+        lo, hi = np.searchsorted(rows, [start, start + batch.num_rows])
+        if hi > lo:
+            parts.append(batch.take(pa.array(rows[lo:hi] - start)))
+        start += batch.num_rows
+    return pa.Table.from_batches(parts, table.schema)
+
+
 def split_by_ids(table: pa.Table, ids: np.ndarray, nparts: int, counts: np.ndarray | None = None) -> list[pa.Table]:
     """Rows with id i (``ids`` as from ``partition_ids``) into table i, row order kept.
 

@@ -642,12 +642,14 @@ def _join_step(
 def _sorted_join(table: pa.Table, join: Join, rows: np.ndarray, at: np.ndarray) -> pa.Table:
     """An inner join's output from its row pairs (``membership.sorted_pairs``): no hash
     table, and of a rank's 3M lines only the 91k that join 23k orders are read (TPC-H Q5)."""
+    from . import kernels
+
     if noting():
         note(
             f"per-rank join (sorted runs): inner on {join.left_on[0]} = {join.right_on[0]}, "
             f"{table.num_rows} x {join.table.num_rows} rows"
         )
-    left = table.select(list(join.left_out)).take(rows)
+    left = kernels.take_ascending(table.select(list(join.left_out)), rows)
     own = dict(zip(left.column_names, left.columns))
     taken = join.table.select([c for c in join.right_out if c not in own]).take(at)
     own.update(zip(taken.column_names, taken.columns))

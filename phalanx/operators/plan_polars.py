@@ -537,11 +537,12 @@ def _membership(table: pa.Table, column: str, values: pa.ChunkedArray) -> pl.Exp
 
 def members(table: pa.Table, column: str, values: pa.ChunkedArray) -> pa.Table:
     """The rows whose integer ``column`` holds one of ``values`` (a null holds none)."""
+    from . import kernels
     from .membership import member_mask, sorted_rows
 
     rows = sorted_rows(table.column(column), values)
     if rows is not None:
-        return table.take(rows)
+        return kernels.take_ascending(table, rows)
     found = member_mask(table.column(column), values)
     if found is None:
         found = _frame(table, [column]).select(_membership(table, column, values)).to_series().to_arrow()

@@ -494,13 +494,18 @@ def _keyed(n: int, kind: pa.DataType) -> pa.Table:
     ],
     ids=["some keys, one twice", "a null key (matches the left's nulls)", "beyond int32", "no keys"],
 )
-def test_a_join_after_a_filter_keeps_the_rows_sql_keeps(how, before, right_keys):
-    left = _keyed(600, pa.int32())
+@pytest.mark.parametrize(
+    "rows, cut",
+    [(600, 40), (70_000, 35_000), (70_000, 63_000)],
+    ids=["short", "long: a lookup table", "long, the filter keeps a tenth: the lookup over those"],
+)
+def test_a_join_after_a_filter_keeps_the_rows_sql_keeps(how, before, right_keys, rows, cut):
+    left = _keyed(rows, pa.int32())
     right = pa.table({"rk": right_keys, "w": pa.array([f"w{i}" for i in range(len(right_keys))])})
     key = "k"
     steps: list[P.Step] = []
     if before != "no filter":
-        steps.append(P.Filter(f("v") > 40, frozenset(["v"])))
+        steps.append(P.Filter(f("v") > cut, frozenset(["v"])))
     if before == "a filter, then a rename":
         key = "k2"
         steps.append(
@@ -523,7 +528,7 @@ def test_a_join_after_a_filter_keeps_the_rows_sql_keeps(how, before, right_keys)
     got = P._apart(left, list(steps)).select(schema.names)
 
     # the reference: DuckDB over the same rows, the filter and rename as SQL
-    where = "WHERE v > 40" if before != "no filter" else ""
+    where = f"WHERE v > {cut}" if before != "no filter" else ""
     k_expr = {"a computed key": "k + 0", "a filter, then a rename": "k"}.get(before, "k")
     inner = f"SELECT {k_expr} AS {key}, v, s FROM L {where}"
     cols = ", ".join(f"l.{c}" for c in left_out) + "".join(f", r.{c}" for c in right_out)

@@ -8,15 +8,15 @@ which then takes the right's rows by the pairs with no hash table): beyond the c
 column is sorted, most rows are never read.  A rank's 3M lines joined to 45k orders (TPC-H
 Q5) 19 -> 12 ms with the join's gathers, inside the query with both ranks at work.
 
-A join's membership filter on its own (``plan_polars.members``: the rows before a semi join,
-or an inner join that keeps few) asks it of every row before the join copies them out: a
-rank's 3M lines against 1337 parts (TPC-H Q8) or 45k orders (Q5).  Where the column's values
-lie in a range of at most ``MAX_RANGE`` (ids mostly do), a byte per value of the range marks
-the wanted ones and each row's byte is fetched (Arrow's ``take``): 3.5-4.6 ms over 3M rows on
-one thread alone, where Polars' hash lookup took 11.6-15 ms (774 to 146k values); with both
-ranks at work on the 2 cores (memory shared), 11-12 ms against 14.5-15.  A membership term
-joined to a filter's other terms stays in that filter's one Polars pass
-(``plan_polars._with_membership``): apart, it cost more than it saved (TPC-H Q3, Q7).
+A join's membership test (``plan_polars.members``: the rows before a semi join, or an inner
+join that keeps few; a filter's term, ``plan_polars._with_membership``) asks it of every row
+before the join copies them out: a rank's 3M lines against 1337 parts (TPC-H Q8) or 774
+suppliers (Q7).  Where the wanted values lie from 0 to ``MAX_RANGE`` (ids mostly do), a byte
+per value up to the largest marks them and each row's byte is fetched, the row's value
+clipped into the table (numpy's ``take``): 3M lines against 774 suppliers 4.0 ms on one
+thread alone, where Polars' hash lookup took 11-13; other values by a table over the column's
+range.  As a filter's stage of its own after the filter's fixed-width terms (no longer inside
+Polars' one pass), Q7's lines 20 -> 14.5 ms a rank inside the query.
 """
 
 from __future__ import annotations

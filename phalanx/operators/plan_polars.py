@@ -32,8 +32,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .exprtree import Node, Untranslatable, columns_read, plain_type, tree
-from .membership import member_mask
 from .exprtree import fields as _fields
+from .membership import member_mask
 
 __all__ = ["Compiled", "Untranslatable", "compile_steps", "to_polars"]
 

@@ -483,12 +483,14 @@ def _sort_kernel_input(rows: int = 20_000, chunks: int = 3) -> pa.Table:
         (["b", "u"], [False, False]),
     ],
 )
-def test_sort_kernel_is_the_stable_order(by, descending):
-    """The local sort (per-column passes, strings ranked) against DuckDB's ORDER BY with the
-    row number as the last key: the stable order, nulls last, NaN above every number."""
+@pytest.mark.parametrize("rows", [20_000, 30_000], ids=["small: Arrow's sort", "Polars"])
+def test_sort_kernel_is_the_stable_order(by, descending, rows):
+    """The local sort (per-column passes, strings ranked; a small table by Arrow) against
+    DuckDB's ORDER BY with the row number as the last key: the stable order, nulls last, NaN
+    above every number; its top rows the first of that order."""
     from phalanx.operators import kernels
 
-    T = _sort_kernel_input()
+    T = _sort_kernel_input(rows)
     got = kernels.sort(T, by, descending)
     order = ", ".join(
         f"{'CAST(cat AS VARCHAR)' if c == 'cat' else c} {'DESC' if d else 'ASC'} NULLS LAST"
@@ -497,6 +499,8 @@ def test_sort_kernel_is_the_stable_order(by, descending):
     expected = sql(f"SELECT row FROM T ORDER BY {order}, row", T=T)
     assert got.column("row").to_pylist() == expected.column("row").to_pylist()
     assert got.schema == T.schema
+    top = kernels.top_k(T, by, descending, 150)
+    assert top.schema == T.schema and top.column("row").to_pylist() == expected.column("row").to_pylist()[:150]
     # what a sample sort receives (sorted runs) gives the same order
     runs = pa.concat_tables(
         [kernels.sort(T.slice(0, 7000), by, descending), kernels.sort(T.slice(7000), by, descending)]

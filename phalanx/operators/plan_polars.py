@@ -514,24 +514,19 @@ def _filter(
 
 
 def _with_membership(table: pa.Table, stages: list[Stage], column: str, values: pa.ChunkedArray) -> list[Stage]:
-    """The stages with the term "``column`` is one of ``values``": a stage of its own (by a
-    lookup table: ``membership.member_mask``) after the first, fixed-width one, else inside
-    that one (Polars' hash lookup); unchanged where the column is not an integer one."""
+    """The stages with the term "``column`` is one of ``values``" as a stage of its own (a
+    lookup table: ``membership.member_mask``, else Polars' hash lookup) after the first,
+    fixed-width one: where that one keeps few rows, asked of those only (TPC-H Q20's lines of
+    1994); else of every row, 3M lines' date and 774 suppliers 16.7 -> 9.4 ms, Polars' hash
+    lookup in the one pass being most of it (Q7).  Unchanged where the column is not an
+    integer one."""
     if not integer_column(table, column):
         return stages
     first = stages[0]
-    fixed = first.kind == "polars" and all(not _is_string(table.schema.field(c).type) for c in first.refs)
-    found = member_mask(table.column(column), values)
-    if found is not None:
-        # a stage of its own after the fixed-width terms: 3M lines' date and 774 suppliers
-        # 16.7 -> 9.4 ms, Polars' hash lookup being most of it (over fewer rows where the
-        # stages before it kept few: asked again of those)
-        own = Stage("arrow", [lambda t: found if t is table else _member_mask(t, column, values)], [column])
-        return [first, own, *stages[1:]] if fixed else [own, *stages]
-    term = _membership(table, column, values)
-    if fixed:
-        return [Stage("polars", pl.all_horizontal([first.what, term]), sorted({*first.refs, column})), *stages[1:]]
-    return [Stage("polars", term, [column]), *stages]
+    own = Stage("arrow", [lambda t: _member_mask(t, column, values)], [column])
+    if first.kind == "polars" and all(not _is_string(table.schema.field(c).type) for c in first.refs):
+        return [first, own, *stages[1:]]
+    return [own, *stages]
 
 
 def integer_column(table: pa.Table, column: str) -> bool:

@@ -152,3 +152,34 @@ def test_a_column_or_keys_it_cannot_search_are_left_to_the_hash_joins():
     assert membership.sorted_rows(column, many) is None
     with_null = pa.chunked_array([pa.array([1, None, 2] + list(range(3, N)))])
     assert membership.sorted_rows(with_null, keys) is None
+
+
+def test_an_inner_join_s_pairs_of_an_increasing_column_match_numpy():
+    rng = np.random.default_rng(10)
+    ids = np.cumsum(rng.integers(1, 5, 9_000)) - 300  # strictly increasing, negative ones too
+    column = pa.chunked_array([pa.array(ids[:4_000]), pa.array(ids[4_000:])])  # in two chunks
+    keys = rng.integers(-400, ids.max() + 50, 30_000)  # repeating, unsorted, some matching nothing
+    pairs = membership.increasing_pairs(column, pa.chunked_array([pa.array(keys)]))
+    assert pairs is not None
+    rows, at = pairs
+    expected = np.flatnonzero(np.isin(keys, ids))
+    assert at.tolist() == expected.tolist()  # the keys' rows that match, ascending
+    assert (ids[rows] == keys[at]).all()
+
+
+def test_a_column_that_does_not_strictly_increase_is_left_to_the_hash_joins():
+    keys = pa.chunked_array([pa.array([3, 3, 8])])
+    ids = np.arange(0, 20_000, 2)
+    assert membership.increasing_pairs(pa.chunked_array([pa.array(ids)]), keys) is not None
+    twice = ids.copy()
+    twice[membership._PROBE_ROWS + 7] = twice[membership._PROBE_ROWS + 6]  # equal past the first rows
+    assert membership.increasing_pairs(pa.chunked_array([pa.array(twice)]), keys) is None
+    falling = ids.copy()
+    falling[-1] = 0
+    assert membership.increasing_pairs(pa.chunked_array([pa.array(falling)]), keys) is None
+    assert membership.increasing_pairs(pa.chunked_array([pa.array(ids)]), keys.cast(pa.int32())) is None
+    assert membership.increasing_pairs(pa.chunked_array([pa.array([1, None, 5])]), keys) is None
+    assert (
+        membership.increasing_pairs(pa.chunked_array([pa.array(ids)]), pa.chunked_array([pa.array([1, None])])) is None
+    )
+    assert membership.increasing_pairs(pa.chunked_array([pa.array([], pa.int64())]), keys) is None

@@ -569,6 +569,26 @@ def test_an_inner_join_of_a_sorted_key_by_its_runs_keeps_the_rows_sql_keeps(name
     assert got.column("k").to_numpy().tolist() == sorted(got.column("k").to_numpy().tolist())  # the left's order
 
 
+def test_an_inner_join_of_increasing_keys_against_repeating_ones_keeps_the_rows_sql_keeps():
+    rng = np.random.default_rng(12)
+    n = 20_000
+    ids = np.cumsum(rng.integers(1, 4, n))  # orders by key: each once, increasing
+    left = pa.table({"o_key": ids, "c": rng.integers(0, 50, n), "s": pa.array([f"o{i % 17}" for i in range(n)])})
+    left = pa.concat_tables([left.slice(0, 7_000), left.slice(7_000)])  # two chunks
+    lines = rng.choice(ids, 30_000)  # each order's lines, repeating, unsorted; some keys matching nothing
+    right = pa.table({"l_key": np.concatenate([lines, [-5, ids.max() + 1]]), "q": np.arange(30_002)})
+    steps: list[P.Step] = [P.Join(right, ("o_key",), ("l_key",), "inner", ("o_key", "c", "s"), ("l_key", "q"))]
+    with P.recording() as notes:
+        got = P._apart(left, steps)
+    assert any("binary search of increasing keys" in n for n in notes)
+    want = kernels.run_sql(
+        "SELECT l.o_key, l.c, l.s, r.l_key, r.q FROM L l JOIN R r ON l.o_key = r.l_key", L=left, R=right
+    )
+    assert got.column_names == ["o_key", "c", "s", "l_key", "q"]
+    assert got.num_rows == want.num_rows == 30_000
+    assert _values(got) == _values(want.cast(got.schema))
+
+
 def test_rows_taken_batch_by_batch_equal_arrow_s_take():
     # columns chunked apart from each other, an empty chunk, strings and nulls
     a = pa.chunked_array([pa.array(range(0, 5)), pa.array([], pa.int64()), pa.array(range(5, 12))])

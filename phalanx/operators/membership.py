@@ -69,6 +69,32 @@ def sorted_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np.nda
     return rows, which if order is None else order[which]
 
 
+def increasing_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray] | None:
+    """An inner join's row pairs where the integer column strictly increases down its rows
+    (each value once, in order: orders by their key) and the keys repeat (their lines): each
+    key binary-searched among the column's values — no hash table built, no membership pass
+    first.  (The column's matching rows, in the keys' order; those keys' rows, ascending.)
+    None for a column that does not strictly increase or is long, keys of another type or
+    too many, or a null in either (then the hash joins)."""
+    if not (len(column) and _fits_int64(column.type)) or column.type != keys.type:
+        return None
+    if column.null_count or keys.null_count or len(column) > _INCREASING_MAX or len(keys) > _INCREASING_MAX:
+        return None
+    head = column.slice(0, _PROBE_ROWS).to_numpy()  # the first rows first: most columns fail there
+    if not bool((head[1:] > head[:-1]).all()):
+        return None
+    values = column.to_numpy()
+    if not bool((values[1:] > values[:-1]).all()):
+        return None
+    wanted = keys.to_numpy()
+    at = np.minimum(np.searchsorted(values, wanted), len(values) - 1)
+    found = np.flatnonzero(values[at] == wanted)
+    return at[found], found
+
+
+_INCREASING_MAX = 1_000_000  # rows either side: past it a hash join's probe is the cheaper
+
+
 # a wanted value costs two binary searches of ~17 steps where a row costs one hash probe:
 # worth it while the values wanted number at most this share of the rows
 _SEARCHES_PER_ROW = 1 / 16

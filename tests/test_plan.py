@@ -1159,3 +1159,49 @@ def test_a_filter_keeping_most_rows_reaches_the_aggregation_as_a_mask(gang, keys
     assert ("filter as a mask" in plan) is (cut == 5 and not cast), plan
     if keys.startswith("o") and gang.world_size > 1:
         assert "each rank's key range is apart from the others' (edge keys moved)" in plan, plan
+
+
+def app_groupby_by_a_spreading_key(env, case):
+    rng = np.random.default_rng(env.rank + 11)
+    n = 30_000
+    ids = rng.integers(0, 60_000, n)  # mostly distinct on a rank (raw rows move), shared across ranks
+    k0, k1 = {
+        "the first spreads": (pa.array(np.char.add("id-", ids.astype(str))), ids // 7),
+        "the first repeats": (ids % 3, ids),
+        "none alone spreads": (ids % 300, ids // 300),
+        "the first repeats on rank 0": (ids % 3 if env.rank == 0 else ids, ids),
+    }[case]
+    k1 = pa.array(k1, mask=np.arange(n) % 101 == 5)  # null keys: their rows dropped (dropna)
+    table = pa.table({"k0": k0, "k1": k1, "v": rng.random(n), "w": rng.integers(0, 9, n)})
+    out = px.DataFrame.from_arrow(table, env).groupby(["k0", "k1"]).agg(v=("v", "sum"), n=("w", "count"))
+    plan = out.explain(file=open("/dev/null", "w"))
+    again = out.groupby(["k0", "k1"]).agg(v=("v", "sum")).explain(file=open("/dev/null", "w"))
+    return plan, out.partitioned_by, out.collect(root=0), table, again
+
+
+@pytest.mark.parametrize(
+    "case", ["the first spreads", "the first repeats", "none alone spreads", "the first repeats on rank 0"]
+)
+def test_raw_rows_of_a_group_by_move_by_one_key_where_it_alone_spreads_the_groups(gang, case):
+    """Mostly distinct keys (no pre-aggregation): where one key alone tells apart about as many
+    groups as all of them on every rank's sample, the rows are hashed by it alone (equal keys
+    still meet); the result is placed by that key, and a group-by by the same keys after it
+    moves nothing.  A key with few values (``ids % 3``), on any rank, is passed over.  DuckDB's
+    answer."""
+    import duckdb
+
+    results = gang.run(app_groupby_by_a_spreading_key, case)
+    plan, placed, out = results[0][:3]
+    con = duckdb.connect()
+    con.register("t", pa.concat_tables([r[3] for r in results]))
+    expected = con.sql(
+        "SELECT k0, k1, sum(v) AS v, count(w) AS n FROM t WHERE k0 IS NOT NULL AND k1 IS NOT NULL GROUP BY k0, k1"
+    ).to_arrow_table()
+    assert out.num_rows == expected.num_rows > 10_000
+    assert_same_rows(out, expected.cast(out.schema))
+    if gang.world_size == 1:
+        return
+    by = {"the first spreads": ["k0"], "none alone spreads": ["k0", "k1"]}.get(case, ["k1"])  # all ranks agree
+    assert "raw rows exchanged" in plan and f"Exchange hash by {by}" in plan, plan
+    assert placed == tuple(by)
+    assert f"no exchange: already partitioned by {by}" in results[0][4], results[0][4]

@@ -552,6 +552,7 @@ def test_an_inner_join_of_a_sorted_key_by_its_runs_keeps_the_rows_sql_keeps(name
     left = pa.table({"k": keys, "v": rng.integers(0, 100, n), "s": pa.array([f"s{i % 13}" for i in range(n)])})
     picked = rng.permutation(np.arange(-10, n + 10, 5))[: n // 40]  # unsorted, some outside the keys
     right = pa.table({name: picked, "w": pa.array([f"w{i}" for i in range(len(picked))])})
+    right = pa.concat_tables([right.slice(0, 1_000), right.slice(1_000)])  # two chunks
     right_out = ("w",) if name == "k" else (name, "w")
     steps: list[P.Step] = [P.Join(right, ("k",), (name,), "inner", ("k", "v", "s"), right_out)]
     with P.recording() as notes:
@@ -577,6 +578,7 @@ def test_an_inner_join_of_increasing_keys_against_repeating_ones_keeps_the_rows_
     left = pa.concat_tables([left.slice(0, 7_000), left.slice(7_000)])  # two chunks
     lines = rng.choice(ids, 30_000)  # each order's lines, repeating, unsorted; some keys matching nothing
     right = pa.table({"l_key": np.concatenate([lines, [-5, ids.max() + 1]]), "q": np.arange(30_002)})
+    right = pa.concat_tables([right.slice(0, 10_000), right.slice(10_000)])  # two chunks
     steps: list[P.Step] = [P.Join(right, ("o_key",), ("l_key",), "inner", ("o_key", "c", "s"), ("l_key", "q"))]
     with P.recording() as notes:
         got = P._apart(left, steps)

@@ -176,7 +176,10 @@ def spreading_keys(table: pa.Table, keys: Sequence[str], sample_rows: int = 4_09
     if sample.num_rows == 0:
         return [False] * len(keys)
     groups = _key_frequencies(sample, keys)[0]
-    return [pc.count_distinct(sample.column(k), mode="all").as_py() >= SPREAD_SHARE * groups for k in keys]
+    try:
+        return [pc.count_distinct(sample.column(k), mode="all").as_py() >= SPREAD_SHARE * groups for k in keys]
+    except pa.ArrowNotImplementedError:  # a key type Arrow does not hash: all the keys, as before
+        return [False] * len(keys)
 
 
 SPREAD_SHARE = 0.9
@@ -311,7 +314,10 @@ def _arrow_order(table: pa.Table, by: Sequence[str], descending: Sequence[bool])
         elif not (exact_hash_type(kind) or pa.types.is_timestamp(kind)):
             return None
         keys.append((name, "descending" if desc else "ascending", "at_end"))
-    return pc.sort_indices(table, options=pc.SortOptions(sort_keys=keys))
+    try:  # a null placement per key: pyarrow 25 and later
+        return pc.sort_indices(table, options=pc.SortOptions(sort_keys=keys))
+    except (TypeError, ValueError, pa.ArrowInvalid):
+        return None
 
 
 def sort_runs(table: pa.Table, by: Sequence[str], descending: Sequence[bool]) -> pa.Table:

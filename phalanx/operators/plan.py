@@ -657,7 +657,8 @@ def _sorted_join(table: pa.Table, join: Join, rows: np.ndarray, at: np.ndarray, 
     left = table.select(list(join.left_out))
     left = kernels.take_ascending(left, rows) if ascending else left.take(rows)
     own = dict(zip(left.column_names, left.columns))
-    taken = join.table.select([c for c in join.right_out if c not in own]).take(at)
+    right = join.table.select([c for c in join.right_out if c not in own])
+    taken = right.take(at) if ascending else kernels.take_ascending(right, at)  # (then ``at`` ascends)
     own.update(zip(taken.column_names, taken.columns))
     names = [*join.left_out, *join.right_out]
     return pa.Table.from_arrays([own[n] for n in names], names=names)

@@ -1170,17 +1170,32 @@ def app_groupby_by_a_spreading_key(env, case):
         "the first repeats": (ids % 3, ids),
         "none alone spreads": (ids % 300, ids // 300),
         "the first repeats on rank 0": (ids % 3 if env.rank == 0 else ids, ids),
+        "few rows: all keys": (pa.array(np.char.add("id-", ids.astype(str))), ids // 7),
     }[case]
     k1 = pa.array(k1, mask=np.arange(n) % 101 == 5)  # null keys: their rows dropped (dropna)
     table = pa.table({"k0": k0, "k1": k1, "v": rng.random(n), "w": rng.integers(0, 9, n)})
-    out = px.DataFrame.from_arrow(table, env).groupby(["k0", "k1"]).agg(v=("v", "sum"), n=("w", "count"))
-    plan = out.explain(file=open("/dev/null", "w"))
-    again = out.groupby(["k0", "k1"]).agg(v=("v", "sum")).explain(file=open("/dev/null", "w"))
+    from phalanx.operators import groupby
+
+    was = groupby._SPREAD_MIN_ROWS
+    groupby._SPREAD_MIN_ROWS = 0 if case != "few rows: all keys" else was  # test-sized frames
+    try:
+        out = px.DataFrame.from_arrow(table, env).groupby(["k0", "k1"]).agg(v=("v", "sum"), n=("w", "count"))
+        plan = out.explain(file=open("/dev/null", "w"))
+        again = out.groupby(["k0", "k1"]).agg(v=("v", "sum")).explain(file=open("/dev/null", "w"))
+    finally:  # the gang's ranks serve the next tests
+        groupby._SPREAD_MIN_ROWS = was
     return plan, out.partitioned_by, out.collect(root=0), table, again
 
 
 @pytest.mark.parametrize(
-    "case", ["the first spreads", "the first repeats", "none alone spreads", "the first repeats on rank 0"]
+    "case",
+    [
+        "the first spreads",
+        "the first repeats",
+        "none alone spreads",
+        "the first repeats on rank 0",
+        "few rows: all keys",
+    ],
 )
 def test_raw_rows_of_a_group_by_move_by_one_key_where_it_alone_spreads_the_groups(gang, case):
     """Mostly distinct keys (no pre-aggregation): where one key alone tells apart about as many
@@ -1201,7 +1216,10 @@ def test_raw_rows_of_a_group_by_move_by_one_key_where_it_alone_spreads_the_group
     assert_same_rows(out, expected.cast(out.schema))
     if gang.world_size == 1:
         return
-    by = {"the first spreads": ["k0"], "none alone spreads": ["k0", "k1"]}.get(case, ["k1"])  # all ranks agree
+    # the key all ranks name; under ``_SPREAD_MIN_ROWS`` rows a rank, all keys without a sample
+    by = {"the first spreads": ["k0"], "none alone spreads": ["k0", "k1"], "few rows: all keys": ["k0", "k1"]}.get(
+        case, ["k1"]
+    )
     assert "raw rows exchanged" in plan and f"Exchange hash by {by}" in plan, plan
     assert placed == tuple(by)
     assert f"no exchange: already partitioned by {by}" in results[0][4], results[0][4]

@@ -50,6 +50,14 @@ def test_rows_whose_value_is_wanted_are_marked_as_numpy_isin_marks_them(low, kin
     assert members(table, "k", values).column("i").to_pylist() == np.flatnonzero(expected & ~nulls).tolist()
 
 
+def test_a_narrow_column_whose_range_outgrows_its_type_is_looked_up_right():
+    rng = np.random.default_rng(12)
+    rows = rng.integers(-30_000, 30_000, N).astype(np.int16)  # the range, 60000, is past int16's max
+    values = np.array([-29_999, -5, 7, 29_990, 29_999], np.int16)
+    mask = membership.lookup_mask(pa.chunked_array([pa.array(rows)]), pa.chunked_array([pa.array(values)]))
+    assert mask is not None and (np.asarray(mask) == np.isin(rows, values)).all()
+
+
 def test_columns_it_cannot_serve_go_to_a_hash_lookup():
     rng = np.random.default_rng(5)
     rows = rng.integers(0, 1_000, N)

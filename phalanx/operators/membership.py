@@ -177,7 +177,8 @@ def lookup_mask(column: pa.ChunkedArray, values: pa.ChunkedArray) -> Any | None:
     wanted = wanted[(wanted >= lo) & (wanted <= hi)]
     table = np.zeros(hi - lo + 1, dtype=np.uint8)
     table[wanted - lo] = 1
-    return pc.cast(pc.take(pa.array(table), pc.subtract(column, pa.scalar(lo, column.type))), pa.bool_())
+    at = pc.subtract(column.cast(pa.int64()), pa.scalar(lo, pa.int64()))  # in int64: int16's -30000..30000 spans 60000
+    return pc.cast(pc.take(pa.array(table), at), pa.bool_())
 
 
 def _clipped_lookup(column: pa.ChunkedArray, wanted: np.ndarray) -> pa.ChunkedArray:

@@ -74,11 +74,11 @@ def increasing_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np
     (each value once, in order: orders by their key) and the keys repeat (their lines): each
     key binary-searched among the column's values — no hash table built, no membership pass
     first.  (The column's matching rows, in the keys' order; those keys' rows, ascending.)
-    None for a column that does not strictly increase or is long, keys of another type or
-    too many, or a null in either (then the hash joins)."""
+    None for a column that does not strictly increase or is longer than 131,072 rows, keys of
+    another type or more than 1M, or a null in either (then the hash joins)."""
     if not (len(column) and _fits_int64(column.type)) or column.type != keys.type:
         return None
-    if column.null_count or keys.null_count or len(column) > _INCREASING_MAX or len(keys) > _INCREASING_MAX:
+    if column.null_count or keys.null_count or len(column) > _INCREASING_MAX_ROWS or len(keys) > _INCREASING_MAX_KEYS:
         return None
     head = column.slice(0, _PROBE_ROWS).to_numpy()  # the first rows first: most columns fail there
     if not bool((head[1:] > head[:-1]).all()):
@@ -92,7 +92,10 @@ def increasing_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np
     return at[found], found
 
 
-_INCREASING_MAX = 1_000_000  # rows either side: past it a hash join's probe is the cheaper
+# the searched column stays in cache (1 MB of int64): 70k keys among 60k rows 1.5 ms a rank;
+# over a column of 750k, 1M keys' searches (~50 ms) would cost more than a hash join
+_INCREASING_MAX_ROWS = 131_072
+_INCREASING_MAX_KEYS = 1_000_000
 
 
 # a wanted value costs two binary searches of ~17 steps where a row costs one hash probe:

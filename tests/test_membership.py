@@ -148,7 +148,7 @@ def test_a_column_or_keys_it_cannot_search_are_left_to_the_hash_joins():
     keys = pa.chunked_array([pa.array(np.arange(0, 200, 2))])
     assert membership.sorted_pairs(column, keys) is not None
     late = rows.copy()
-    late[membership._PROBE_ROWS + 10] = -1  # sorted in its first rows only
+    late[membership.PROBE_ROWS + 10] = -1  # sorted in its first rows only
     assert membership.sorted_rows(pa.chunked_array([pa.array(late)]), keys) is None
     assert membership.sorted_pairs(pa.chunked_array([pa.array(late)]), keys) is None
     twice = pa.chunked_array([pa.array([4, 8, 4])])  # a key on two rows: a row per match
@@ -180,7 +180,7 @@ def test_a_column_that_does_not_strictly_increase_is_left_to_the_hash_joins():
     ids = np.arange(0, 20_000, 2)
     assert membership.increasing_pairs(pa.chunked_array([pa.array(ids)]), keys) is not None
     twice = ids.copy()
-    twice[membership._PROBE_ROWS + 7] = twice[membership._PROBE_ROWS + 6]  # equal past the first rows
+    twice[membership.PROBE_ROWS + 7] = twice[membership.PROBE_ROWS + 6]  # equal past the first rows
     assert membership.increasing_pairs(pa.chunked_array([pa.array(twice)]), keys) is None
     falling = ids.copy()
     falling[-1] = 0

@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from .kernels import exact_hash_type
+from .membership import PROBE_ROWS, never_decreasing
 
 if TYPE_CHECKING:
     from .groupby import Agg
@@ -204,18 +205,14 @@ def _sorted_first_key(table: pa.Table, keys: Sequence[str]) -> bool:
     return _ascending(key) is not None
 
 
-_PROBE_ROWS = 4096
-
-
 def _ascending(key: pa.ChunkedArray) -> np.ndarray | None:
     """A key column without nulls as numpy values where they never decrease down the rows;
     None otherwise.  Its first rows are looked at first: an unsorted key is found out without
-    a pass over all of them (2 ms of a 23 ms group-by of 2M rows in 100 groups)."""
-    head = _numbers(key.slice(0, _PROBE_ROWS))
-    if (head[1:] < head[:-1]).any():  # compared, not subtracted: unsigned differences wrap
+    converting all of them (2 ms of a 23 ms group-by of 2M rows in 100 groups)."""
+    if not never_decreasing(_numbers(key.slice(0, PROBE_ROWS))):
         return None
     k = _numbers(key)
-    return None if (k[1:] < k[:-1]).any() else k
+    return k if never_decreasing(k) else None
 
 
 def _group_runs(

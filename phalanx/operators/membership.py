@@ -44,7 +44,7 @@ def member_mask(column: pa.ChunkedArray, values: pa.ChunkedArray) -> Any | None:
 def sorted_rows(column: pa.ChunkedArray, values: pa.ChunkedArray) -> np.ndarray | None:
     """The indices of the rows whose value is one of ``values``, ascending, where the integer
     column is sorted chunk by chunk (``_runs``); None otherwise."""
-    if not _searchable(column, values):
+    if not (_searchable(column, values) and _head_sorted(column)):
         return None
     found = _runs(column, _distinct_ascending(pc.drop_null(values).to_numpy().astype(np.int64, copy=False)))
     return None if found is None else found[0]
@@ -55,10 +55,10 @@ def sorted_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np.nda
     rows whose value is one of ``keys``, ascending, and for each the index of that key; None
     where the column is not sorted chunk by chunk, a key is null or on several rows, or the
     types differ (then a hash join)."""
-    if not _searchable(column, keys) or keys.null_count or column.type != keys.type:
-        return None
+    if not _searchable(column, keys) or keys.null_count or column.type != keys.type or not _head_sorted(column):
+        return None  # (the column's first rows probed before the keys are sorted)
     values = keys.to_numpy().astype(np.int64, copy=False)
-    order = None if _never_decreasing(values) else np.argsort(values, kind="stable")
+    order = None if never_decreasing(values) else np.argsort(values, kind="stable")
     ascending = values if order is None else values[order]
     if len(ascending) > 1 and bool((ascending[1:] == ascending[:-1]).any()):
         return None  # a key on several rows: a row per match, the hash join's work
@@ -80,11 +80,10 @@ def increasing_pairs(column: pa.ChunkedArray, keys: pa.ChunkedArray) -> tuple[np
         return None
     if column.null_count or keys.null_count or len(column) > _INCREASING_MAX_ROWS or len(keys) > _INCREASING_MAX_KEYS:
         return None
-    head = column.slice(0, _PROBE_ROWS).to_numpy()  # the first rows first: most columns fail there
-    if not bool((head[1:] > head[:-1]).all()):
+    if not _head_sorted(column, strict=True):
         return None
     values = column.to_numpy()
-    if not bool((values[1:] > values[:-1]).all()):
+    if not never_decreasing(values, strict=True):
         return None
     wanted = keys.to_numpy()
     at = np.minimum(np.searchsorted(values, wanted), len(values) - 1)
@@ -123,7 +122,7 @@ def _runs(column: pa.ChunkedArray, wanted: np.ndarray) -> tuple[np.ndarray, np.n
     rows, which, offset = [], [], 0
     for chunk in column.chunks:
         a = chunk.to_numpy()
-        if len(a) and not _never_decreasing(a):
+        if len(a) and not never_decreasing(a):
             return None
         if len(a):
             first = int(np.searchsorted(wanted, a[0], "left"))
@@ -142,23 +141,31 @@ def _runs(column: pa.ChunkedArray, wanted: np.ndarray) -> tuple[np.ndarray, np.n
     return np.concatenate(rows), np.concatenate(which)
 
 
-_PROBE_ROWS = 4096
+PROBE_ROWS = 4096
 
 
 def _distinct_ascending(values: np.ndarray) -> np.ndarray:
     """The values once each, ascending (numpy's ``unique`` hashes: 6 ms for 45k values)."""
-    if not _never_decreasing(values):
+    if not never_decreasing(values):
         values = np.sort(values)
     return values[np.concatenate(([True], values[1:] != values[:-1]))] if len(values) else values
 
 
-def _never_decreasing(a: np.ndarray) -> bool:
-    """Whether the values never decrease: the first rows first (an unsorted column is found
-    out without a pass over all of them)."""
-    head = a[:_PROBE_ROWS]
-    if (head[1:] < head[:-1]).any():  # compared, not subtracted: unsigned differences wrap
-        return False
-    return not bool((a[1:] < a[:-1]).any())
+def never_decreasing(a: np.ndarray, strict: bool = False) -> bool:
+    """Whether the values never decrease (``strict``: always increase) down the array: its
+    first ``PROBE_ROWS`` first (an unsorted column is found out without a pass over all of
+    them).  Compared, not subtracted: unsigned differences wrap."""
+    for part in (a[:PROBE_ROWS], a):
+        later, earlier = part[1:], part[:-1]
+        if bool((later <= earlier).any() if strict else (later < earlier).any()):
+            return False
+    return True
+
+
+def _head_sorted(column: pa.ChunkedArray, strict: bool = False) -> bool:
+    """Whether the column's first rows are in order: asked before any work that needs all
+    of them to be (most columns are not, and fail here)."""
+    return never_decreasing(column.slice(0, PROBE_ROWS).to_numpy(), strict)
 
 
 def lookup_mask(column: pa.ChunkedArray, values: pa.ChunkedArray) -> Any | None:
